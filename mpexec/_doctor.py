@@ -1,0 +1,268 @@
+"""``python -m mpexec doctor``: what this machine offers mpexec.
+
+The report is gathered once into a frozen :class:`DoctorReport` and then either
+printed for a person or dumped as JSON (``--json``), so both views always carry
+the same facts. Gathering never fails because an optional piece is missing:
+CuPy that does not import, or a GPU that is not there, is reported, not raised.
+The one fatal finding is a shared-memory setup that cannot work (for example
+an invalid ``SHM_BACKEND``); the report then says why and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mpexec import __version__
+from shm._platform import PlatformInfo, platform_info
+
+_KiB = 1 << 10
+_MiB = 1 << 20
+_GiB = 1 << 30
+
+#: Below this much ``/dev/shm``, named POSIX segments are likely to run out.
+_SMALL_DEV_SHM = 1 * _GiB
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    """Whether CuPy imports and how many CUDA devices it sees."""
+
+    #: ``cupy.__version__``, or None when CuPy does not import.
+    cupy_version: str | None
+    #: Why CuPy did not import (None when it did).
+    cupy_error: str | None
+    #: CUDA devices visible to this process (0 when none, or no CuPy).
+    cuda_devices: int
+    #: Device names, in device-id order.
+    device_names: tuple[str, ...]
+    #: Why the CUDA runtime could not be queried (None when it could).
+    cuda_error: str | None
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """Everything ``python -m mpexec doctor`` reports."""
+
+    mpexec_version: str
+    python_version: str
+    python_implementation: str
+    numpy_version: str
+    os: str
+    machine: str
+    #: The multiprocessing start method mpexec uses for its workers.
+    start_method: str
+    #: CPUs this process may run on (its affinity mask where the OS has one).
+    usable_cpus: int
+    #: CPUs in the machine, as ``os.cpu_count()`` reports them.
+    cpu_count: int | None
+    #: CPUs' worth of time the cgroup quota allows, or None when unlimited.
+    cpu_quota: float | None
+    #: Shared-memory facts, or None when they could not be gathered (see shm_error).
+    shm: PlatformInfo | None
+    shm_error: str | None
+    gpu: GpuReport
+    #: Findings a person should act on, one sentence each.
+    notes: tuple[str, ...]
+
+
+def default_start_method() -> str:
+    """``"forkserver"`` on Linux, ``"spawn"`` elsewhere.
+
+    ``fork`` is never the default: forking after threads or CUDA exist can
+    deadlock or corrupt the child.
+    """
+    if sys.platform.startswith("linux") and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return "spawn"
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, else ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time a Linux cgroup quota allows, or None when unlimited.
+
+    Containers often cap CPU time without narrowing the affinity mask, so a
+    pool sized by affinity alone would oversubscribe.
+    """
+    v2 = Path("/sys/fs/cgroup/cpu.max")
+    v1_quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    v1_period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    try:
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]
+            if quota == "max":
+                return None
+            return int(quota) / int(period)
+        if v1_quota.is_file() and v1_period.is_file():
+            quota_us = int(v1_quota.read_text())
+            if quota_us <= 0:
+                return None
+            return quota_us / int(v1_period.read_text())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def gpu_report() -> GpuReport:
+    """Probe CuPy and the CUDA runtime; never raises."""
+    with warnings.catch_warnings():
+        # CuPy warns at import about CUDA paths it cannot find; the report says it better.
+        warnings.simplefilter("ignore")
+        try:
+            import cupy
+        except Exception as exc:  # ImportError, or CUDA libraries that fail to load
+            return GpuReport(None, _describe(exc), 0, (), None)
+        version = str(cupy.__version__)
+        try:
+            count = int(cupy.cuda.runtime.getDeviceCount())
+            names = tuple(
+                _device_name(cupy.cuda.runtime.getDeviceProperties(i)) for i in range(count)
+            )
+        except Exception as exc:  # CUDARuntimeError without a driver or a device
+            return GpuReport(version, None, 0, (), _describe(exc))
+    return GpuReport(version, None, count, names, None)
+
+
+def _device_name(props: object) -> str:
+    name = props.get("name", b"?") if isinstance(props, dict) else b"?"
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+
+
+def _notes(
+    info: PlatformInfo | None, start_method: str, cpus: int, quota: float | None
+) -> tuple[str, ...]:
+    notes: list[str] = []
+    if start_method != "forkserver" and sys.platform.startswith("linux"):
+        notes.append("forkserver is unavailable here; workers start with spawn (slower).")
+    if quota is not None and quota < cpus:
+        notes.append(
+            f"A cgroup quota allows {quota:g} CPUs of the {cpus} usable; "
+            "size worker pools by the quota."
+        )
+    if info is not None:
+        dev_shm = info.dev_shm_bytes
+        if info.backend == "posix" and dev_shm is not None and dev_shm < _SMALL_DEV_SHM:
+            notes.append(
+                f"/dev/shm is only {_fmt_bytes(dev_shm)} and bounds the posix backend; "
+                "enlarge it (docker: --shm-size) or use memfd."
+            )
+        if info.free_bytes < _SMALL_DEV_SHM:
+            notes.append(
+                f"Only {_fmt_bytes(info.free_bytes)} is free for new shared-memory segments."
+            )
+    return tuple(notes)
+
+
+def collect() -> DoctorReport:
+    """Gather the report; only the shared-memory probe can record an error."""
+    shm_info: PlatformInfo | None
+    shm_error: str | None = None
+    try:
+        shm_info = platform_info()
+    except (OSError, ValueError) as exc:
+        shm_info, shm_error = None, _describe(exc)
+    start_method = default_start_method()
+    cpus = usable_cpus()
+    quota = cgroup_cpu_quota()
+    return DoctorReport(
+        mpexec_version=__version__,
+        python_version=platform.python_version(),
+        python_implementation=platform.python_implementation(),
+        numpy_version=np.__version__,
+        os=f"{platform.system()} {platform.release()}",
+        machine=platform.machine(),
+        start_method=start_method,
+        usable_cpus=cpus,
+        cpu_count=os.cpu_count(),
+        cpu_quota=quota,
+        shm=shm_info,
+        shm_error=shm_error,
+        gpu=gpu_report(),
+        notes=_notes(shm_info, start_method, cpus, quota),
+    )
+
+
+def _fmt_bytes(n: int) -> str:
+    if n >= _GiB:
+        return f"{n / _GiB:.1f} GiB"
+    if n >= _MiB:
+        return f"{n / _MiB:.1f} MiB"
+    return f"{n / _KiB:.1f} KiB"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_report(report: DoctorReport) -> str:
+    """The report as a few aligned lines for a person."""
+    cpus = f"{report.usable_cpus} usable of {report.cpu_count or '?'}"
+    if report.cpu_quota is not None:
+        cpus += f", cgroup quota {report.cpu_quota:g}"
+    lines = [
+        f"mpexec {report.mpexec_version}",
+        f"  python        {report.python_version} ({report.python_implementation})",
+        f"  numpy         {report.numpy_version}",
+        f"  os            {report.os} ({report.machine})",
+        f"  start method  {report.start_method}",
+        f"  cpus          {cpus}",
+        "shared memory",
+    ]
+    info = report.shm
+    if info is None:
+        lines.append(f"  error         {report.shm_error}")
+    else:
+        dev_shm = "none" if info.dev_shm_bytes is None else _fmt_bytes(info.dev_shm_bytes)
+        facilities = f"memfd: {_yes(info.memfd)}, eventfd: {_yes(info.eventfd)}"
+        lines += [
+            f"  backend       {info.backend} ({facilities})",
+            f"  page size     {info.page_size} B, alignment {info.alignment} B",
+            f"  free          {_fmt_bytes(info.free_bytes)} for new segments",
+            f"  total memory  {_fmt_bytes(info.total_memory)}",
+            f"  /dev/shm      {dev_shm}",
+        ]
+    gpu = report.gpu
+    lines.append("gpu")
+    if gpu.cupy_version is None:
+        lines.append(f"  cupy          not importable ({gpu.cupy_error})")
+    else:
+        lines.append(f"  cupy          {gpu.cupy_version}")
+    if gpu.cuda_error is not None:
+        lines.append(f"  cuda devices  none ({gpu.cuda_error})")
+    elif gpu.cuda_devices:
+        lines.append(f"  cuda devices  {gpu.cuda_devices}: {', '.join(gpu.device_names)}")
+    else:
+        lines.append("  cuda devices  none")
+    if report.notes:
+        lines.append("notes")
+        lines += [f"  - {note}" for note in report.notes]
+    return "\n".join(lines)
+
+
+def run_doctor(*, as_json: bool = False) -> int:
+    """Print the report; return 0, or 1 when shared memory cannot work here."""
+    report = collect()
+    if as_json:
+        print(json.dumps(dataclasses.asdict(report), indent=2))
+    else:
+        print(format_report(report))
+    return 0 if report.shm_error is None else 1

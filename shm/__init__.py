@@ -1,0 +1,51 @@
+"""Shared memory that cannot leak and never copies.
+
+The mechanism under mpexec, usable on its own (it never imports mpexec):
+
+- :class:`Segment`: a block of shared memory reserved up front (memfd on
+  Linux: unnamed, so nothing is left behind by a killed process).
+- :class:`Arena`: variable-size, 64-byte-aligned allocations in segments
+  that grow up to a cap; arrays live in it and are shared by descriptor.
+- :class:`Ring`: a single-producer/single-consumer ring of fixed-size records
+  with kernel doorbells, waitable together with process sentinels.
+- :class:`ArrayDescriptor` / :func:`open_array`: a small picklable description
+  of an array in an arena, opened elsewhere as a zero-copy, read-only ndarray.
+"""
+
+from ._arena import Arena, ArenaStats
+from ._errors import (
+    ArenaFullError,
+    AttachError,
+    PeerDiedError,
+    ReservationError,
+    RingClosedError,
+    RingTimeoutError,
+    SharedMemoryError,
+)
+from ._platform import PlatformInfo, platform_info
+from ._ring import Ring, RingStats, wait
+from ._segment import Segment, SegmentHandle
+from ._views import ArrayDescriptor, flush_releases, open_array, set_release_route
+
+__all__ = [
+    "Arena",
+    "ArenaFullError",
+    "ArenaStats",
+    "ArrayDescriptor",
+    "AttachError",
+    "PeerDiedError",
+    "PlatformInfo",
+    "ReservationError",
+    "Ring",
+    "RingClosedError",
+    "RingStats",
+    "RingTimeoutError",
+    "Segment",
+    "SegmentHandle",
+    "SharedMemoryError",
+    "flush_releases",
+    "open_array",
+    "platform_info",
+    "set_release_route",
+    "wait",
+]

@@ -1,0 +1,432 @@
+"""Single-producer/single-consumer rings of fixed-size records in shared memory.
+
+One ring per direction per peer: a process that pushes and a process that pops.
+No lock is ever shared between the two, so a producer that dies mid-push can
+block nobody, and no lock is held while user code runs.
+
+Layout (one segment; every field on its own 64-byte line so the two sides
+never write the same cache line)::
+
+    0    magic, capacity, record_size, slot_stride     (written once)
+    64   head    records pushed so far                 (producer writes)
+    128  tail    records popped so far                 (consumer writes)
+    192  flags   producer_closed, consumer_closed      (each side its own byte)
+    256  peak, producer_waits, consumer_waits          (statistics only)
+    320  slots   capacity x slot_stride; a slot is [u32 length][payload]
+
+Publication protocol
+--------------------
+Ownership of slots moves between the two processes only through two
+doorbells (``_doorbell.py``), kernel counters that carry *credits*:
+
+- ``items``: the producer writes a record into slot ``head % capacity``, then
+  rings ``items`` once per record. The consumer reads a slot only after it has
+  taken a credit for it from ``items``.
+- ``spaces``: starts with ``capacity`` credits. The producer writes a slot
+  only after taking a credit for it from ``spaces``; the consumer rings
+  ``spaces`` after it has copied records out of their slots.
+
+Why this is correct on x86 *and* ARM: Python gives no access to memory
+fences, and on a weakly ordered CPU (ARM, POWER) plain stores to shared memory
+may become visible in another order than they were made, so a protocol that
+trusts a shared ``head`` index alone could read a slot before its bytes arrive
+(and the classic "set a waiting flag, then check" sleep protocol can lose a
+wake-up even on x86, whose store buffer reorders a store with a later load).
+Here no shared index is trusted: a doorbell update is made by the kernel under
+a lock (release on the writer's side, acquire on the reader's), so every byte
+the producer wrote before ``ring()`` happens-before the consumer's reads after
+the ``take()`` that returned that credit, and every read the consumer made
+before ringing ``spaces`` happens-before the producer's overwrite of that slot.
+``head`` and ``tail`` in the header are statistics, read racily.
+
+Cost: one syscall per push (``eventfd_write``) and, on the consumer side, one
+per wait; space credits go back in batches of half the ring (or whenever the
+consumer is about to sleep), which is enough: a producer can only be out of
+credits when the consumer holds at least half a ring of them.
+"""
+
+from __future__ import annotations
+
+import select
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._doorbell import Doorbell
+from ._errors import PeerDiedError, RingClosedError, RingTimeoutError
+from ._platform import ALIGNMENT
+from ._segment import Segment
+
+_MAGIC = 0x6D70_7872_696E_6731  # "mpxring1"
+_HEAD, _TAIL, _FLAGS, _STATS, _SLOTS = 64, 128, 192, 256, 320
+_PRODUCER_CLOSED, _CONSUMER_CLOSED = _FLAGS, _FLAGS + 1
+_PEAK, _PRODUCER_WAITS, _CONSUMER_WAITS = _STATS, _STATS + 8, _STATS + 16
+_EOF = 0xFFFF_FFFF  # slot length that marks "the producer closed the ring"
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_HEADER = struct.Struct("<QQQQ")
+
+
+#: What a wait can watch besides the ring: fds (a ``Process.sentinel``),
+#: objects with ``fileno()``, or ``multiprocessing.Process`` objects.
+Watchable = Any
+
+
+@dataclass(frozen=True)
+class RingStats:
+    """Occupancy and traffic of a ring, read without locking (a snapshot)."""
+
+    capacity: int
+    record_size: int
+    occupancy: int
+    peak: int
+    pushed: int
+    popped: int
+    producer_waits: int
+    consumer_waits: int
+
+
+def _fd_of(obj: Watchable) -> int:
+    if isinstance(obj, int):
+        return obj
+    if hasattr(obj, "sentinel"):  # multiprocessing.Process
+        return int(obj.sentinel)
+    return int(obj.fileno())
+
+
+def _describe(obj: Watchable) -> str:
+    pid = getattr(obj, "pid", None)
+    if pid is not None:
+        code = getattr(obj, "exitcode", None)
+        return f"process {pid} exited (exit code {code})"
+    return f"a watched process exited (sentinel fd {_fd_of(obj)})"
+
+
+def wait(objects: Iterable[Watchable], timeout: float | None = None) -> list[Watchable]:
+    """Block until any of ``objects`` is ready or ``timeout`` seconds pass.
+
+    ``objects`` may mix rings (ready: the consumer has records waiting),
+    doorbells, fds, objects with ``fileno()`` and ``multiprocessing.Process``
+    objects (ready: exited). Returns the ready ones, in the order given;
+    an empty list on timeout. One ``poll`` call: a dead peer is seen at once.
+    """
+    objs = list(objects)
+    poller = select.poll()
+    by_fd: dict[int, list[Watchable]] = {}
+    for obj in objs:
+        fd = _fd_of(obj)
+        if fd not in by_fd:
+            poller.register(fd, select.POLLIN)
+        by_fd.setdefault(fd, []).append(obj)
+    ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    while True:
+        try:
+            events = poller.poll(ms)
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+            continue
+    ready = {fd for fd, _ in events}
+    return [o for o in objs if _fd_of(o) in ready]
+
+
+class Ring:
+    """A bounded SPSC queue of records of at most ``record_size`` bytes.
+
+    Create it in one process and hand it to the other as an argument of
+    ``multiprocessing.Process`` (its fds travel with it); each process then
+    uses one end: ``push*`` on one side, ``pop*`` on the other. Every blocking
+    call takes ``timeout`` (seconds, ``None`` = no limit) and ``watch``: a
+    process (or sentinel fd) whose exit raises :class:`PeerDiedError` instead
+    of waiting on.
+    """
+
+    def __init__(
+        self, capacity: int = 1024, record_size: int = 120, backend: str | None = None
+    ) -> None:
+        if capacity < 1 or capacity > 1 << 20:
+            raise ValueError(f"capacity must be in 1..{1 << 20}, not {capacity}")
+        if record_size < 1 or record_size > 1 << 20:
+            raise ValueError(f"record_size must be in 1..{1 << 20}, not {record_size}")
+        stride = -(-(_U32.size + record_size) // ALIGNMENT) * ALIGNMENT
+        seg = Segment.create(_SLOTS + capacity * stride, backend, tag="mpx-ring")
+        # Handed over by fd, so a named segment needs no name from now on.
+        seg.unlink()
+        _HEADER.pack_into(seg.buf, 0, _MAGIC, capacity, record_size, stride)
+        self._setup(seg, Doorbell(0), Doorbell(capacity))
+
+    def _setup(self, seg: Segment, items: Doorbell, spaces: Doorbell) -> None:
+        magic, self.capacity, self.record_size, self._stride = _HEADER.unpack_from(seg.buf, 0)
+        if magic != _MAGIC:
+            raise ValueError("not a ring segment")
+        self._seg = seg
+        self._buf = seg.buf
+        self._items = items
+        self._spaces = spaces
+        # Local to the process using each end; see the module docstring.
+        self._head = _U64.unpack_from(self._buf, _HEAD)[0]
+        self._tail = _U64.unpack_from(self._buf, _TAIL)[0]
+        self._space_credits = 0
+        self._item_credits = 0
+        self._taken = self._tail  # items credits taken so far (consumer)
+        self._returned = self._tail  # space credits given back so far (consumer)
+        self._flush_at = max(1, self.capacity // 2)
+        self._eof_sent = bool(self._buf[_PRODUCER_CLOSED])
+        self._eof_seen = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_ring, (self._seg, self._items, self._spaces))
+
+    # ---------------------------------------------------------------- producer
+    def fileno(self) -> int:
+        """Readable while records wait to be popped (for :func:`wait`)."""
+        return self._items.fileno()
+
+    def try_push(self, data: bytes | bytearray | memoryview) -> bool:
+        """Push one record if a slot is free now; False otherwise."""
+        self._check_size(data)
+        if not self._acquire_space(1, 0.0, ()):
+            return False
+        self._write(data)
+        self._items.ring(1)
+        return True
+
+    def push(
+        self,
+        data: bytes | bytearray | memoryview,
+        timeout: float | None = None,
+        watch: Sequence[Watchable] = (),
+    ) -> None:
+        """Push one record, waiting up to ``timeout`` seconds for a free slot."""
+        self._check_size(data)
+        if not self._acquire_space(1, timeout, watch):
+            raise RingTimeoutError(f"no free slot in the ring within {timeout} s")
+        self._write(data)
+        self._items.ring(1)
+
+    def push_many(
+        self,
+        records: Sequence[bytes | bytearray | memoryview],
+        timeout: float | None = None,
+        watch: Sequence[Watchable] = (),
+    ) -> None:
+        """Push records in order, ringing once per batch of free slots."""
+        for rec in records:
+            self._check_size(rec)
+        i, n = 0, len(records)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while i < n:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._acquire_space(1, left, watch):
+                raise RingTimeoutError(
+                    f"no free slot in the ring within {timeout} s ({i} of {n} pushed)"
+                )
+            k = min(n - i, self._space_credits)
+            for rec in records[i : i + k]:
+                self._write(rec)
+            self._items.ring(k)
+            i += k
+
+    def _check_size(self, data: bytes | bytearray | memoryview) -> None:
+        if self._eof_sent:
+            raise RingClosedError("this ring's producer end is closed")
+        if len(data) > self.record_size:
+            raise ValueError(
+                f"record of {len(data)} bytes exceeds record_size {self.record_size}"
+            )
+
+    def _write(self, data: bytes | bytearray | memoryview, length: int | None = None) -> None:
+        n = len(data)
+        off = _SLOTS + (self._head % self.capacity) * self._stride
+        _U32.pack_into(self._buf, off, n if length is None else length)
+        self._buf[off + 4 : off + 4 + n] = data
+        self._head += 1
+        self._space_credits -= 1
+        _U64.pack_into(self._buf, _HEAD, self._head)
+        occupancy = self._head - _U64.unpack_from(self._buf, _TAIL)[0]
+        if occupancy > _U64.unpack_from(self._buf, _PEAK)[0]:
+            _U64.pack_into(self._buf, _PEAK, occupancy)
+
+    def _acquire_space(
+        self, need: int, timeout: float | None, watch: Sequence[Watchable]
+    ) -> bool:
+        if self._space_credits >= need:
+            return True
+        self._space_credits += self._spaces.take()
+        self._check_open(self._buf[_CONSUMER_CLOSED], "consumer")
+        if self._space_credits >= need:
+            return True
+        if timeout == 0:
+            return False
+        self._bump(_PRODUCER_WAITS)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._space_credits < need:
+            if not self._block(self._spaces, deadline, watch):
+                return False
+            self._space_credits += self._spaces.take()
+            self._check_open(self._buf[_CONSUMER_CLOSED], "consumer")
+        return True
+
+    # ---------------------------------------------------------------- consumer
+    def try_pop(self) -> bytes | None:
+        """Pop one record if one is waiting now; None otherwise."""
+        if not self._acquire_items(0.0, ()):
+            return None
+        return self._read_one()
+
+    def pop(self, timeout: float | None = None, watch: Sequence[Watchable] = ()) -> bytes:
+        """Pop one record, waiting up to ``timeout`` seconds for one."""
+        if not self._acquire_items(timeout, watch):
+            raise RingTimeoutError(f"no record arrived within {timeout} s")
+        return self._read_one()
+
+    def pop_many(
+        self,
+        max_records: int | None = None,
+        timeout: float | None = None,
+        watch: Sequence[Watchable] = (),
+    ) -> list[bytes]:
+        """Pop every waiting record (at most ``max_records``), waiting for the first."""
+        if not self._acquire_items(timeout, watch):
+            raise RingTimeoutError(f"no record arrived within {timeout} s")
+        got = self._items.take()
+        self._item_credits += got
+        self._taken += got
+        k = self._item_credits if max_records is None else min(max_records, self._item_credits)
+        out: list[bytes] = []
+        for _ in range(k):
+            rec = self._read()
+            if rec is None:
+                break
+            out.append(rec)
+        if not out:
+            raise RingClosedError("the ring's producer closed it")
+        return out
+
+    def _read(self) -> bytes | None:
+        """Copy out the record at ``tail`` and free its slot; None at the end marker."""
+        off = _SLOTS + (self._tail % self.capacity) * self._stride
+        n = _U32.unpack_from(self._buf, off)[0]
+        rec = None if n == _EOF else bytes(self._buf[off + 4 : off + 4 + n])
+        self._consumed(1)
+        if rec is None:
+            self._eof_seen = True
+        return rec
+
+    def _read_one(self) -> bytes:
+        rec = self._read()
+        if rec is None:
+            raise RingClosedError("the ring's producer closed it")
+        return rec
+
+    def _consumed(self, k: int) -> None:
+        self._tail += k
+        self._item_credits -= k
+        _U64.pack_into(self._buf, _TAIL, self._tail)
+        if self._taken - self._returned >= self._flush_at:
+            self._return_spaces()
+
+    def _return_spaces(self) -> None:
+        freed = self._tail - self._returned
+        if freed:
+            self._returned = self._tail
+            self._spaces.ring(freed)
+
+    def _acquire_items(self, timeout: float | None, watch: Sequence[Watchable]) -> bool:
+        if self._item_credits:
+            return True
+        if self._eof_seen:
+            raise RingClosedError("the ring's producer closed it")
+        got = self._items.take()
+        if not got:
+            # About to sleep: give back every freed slot first, so that a
+            # producer waiting for space can never wait on us.
+            self._return_spaces()
+            if timeout == 0:
+                return False
+            self._bump(_CONSUMER_WAITS)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not got:
+                if not self._block(self._items, deadline, watch):
+                    return False
+                got = self._items.take()
+        self._item_credits += got
+        self._taken += got
+        return True
+
+    # ------------------------------------------------------------------ common
+    def _block(self, bell: Doorbell, deadline: float | None, watch: Sequence[Watchable]) -> bool:
+        """Sleep until ``bell`` may have credits; False on timeout."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = wait([bell, *watch], left)
+        if not ready:
+            return False
+        if ready[0] is not bell:
+            # Credits may have arrived together with the exit: let the caller take them.
+            if bell in ready:
+                return True
+            raise PeerDiedError(_describe(ready[0]))
+        return True
+
+    @staticmethod
+    def _check_open(flag: int, side: str) -> None:
+        if flag:
+            raise RingClosedError(f"the ring's {side} closed it")
+
+    def _bump(self, field: int) -> None:
+        _U64.pack_into(self._buf, field, _U64.unpack_from(self._buf, field)[0] + 1)
+
+    def close_producer(self, timeout: float | None = 1.0) -> None:
+        """Tell the consumer that no record will follow those already pushed.
+
+        An end marker takes one slot, so this waits up to ``timeout`` for one;
+        the consumer raises :class:`RingClosedError` once it reaches the marker.
+        Idempotent.
+        """
+        if self._eof_sent:
+            return
+        self._buf[_PRODUCER_CLOSED] = 1
+        if self._acquire_space(1, timeout, ()):
+            self._write(b"", length=_EOF)
+            self._items.ring(1)
+        self._eof_sent = True
+
+    def close_consumer(self) -> None:
+        """Tell the producer its records will no longer be read."""
+        self._buf[_CONSUMER_CLOSED] = 1
+        self._spaces.ring(1)
+
+    def close(self) -> None:
+        """Release this process's fds for the ring; idempotent. The mapping stays."""
+        self._items.close()
+        self._spaces.close()
+        self._seg.close()
+
+    def stats(self) -> RingStats:
+        """A snapshot of occupancy and traffic (racy by design: for monitoring)."""
+        head = _U64.unpack_from(self._buf, _HEAD)[0]
+        tail = _U64.unpack_from(self._buf, _TAIL)[0]
+        return RingStats(
+            capacity=self.capacity,
+            record_size=self.record_size,
+            occupancy=max(0, head - tail),
+            peak=_U64.unpack_from(self._buf, _PEAK)[0],
+            pushed=head,
+            popped=tail,
+            producer_waits=_U64.unpack_from(self._buf, _PRODUCER_WAITS)[0],
+            consumer_waits=_U64.unpack_from(self._buf, _CONSUMER_WAITS)[0],
+        )
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"<Ring {s.occupancy}/{s.capacity} records of {s.record_size} B, "
+            f"pushed={s.pushed} peak={s.peak}>"
+        )
+
+
+def _rebuild_ring(seg: Segment, items: Doorbell, spaces: Doorbell) -> Ring:
+    ring = Ring.__new__(Ring)
+    ring._setup(seg, items, spaces)
+    return ring

@@ -1,0 +1,252 @@
+"""Segments: blocks of shared memory, reserved up front, owned by one process.
+
+Two backends:
+
+``memfd`` (Linux, the default)
+    Unnamed memory from ``memfd_create``. Nothing exists on any filesystem, so
+    nothing can leak when the owner is SIGKILLed, and the size of ``/dev/shm``
+    (64 MB in a default Docker container) does not bound it. Another process of
+    the same user maps it by opening ``/proc/<owner>/fd/<fd>``; the inode is
+    checked so that a recycled fd number can never map the wrong memory.
+    Children started by us get the fd directly instead.
+
+``posix`` (elsewhere; selectable on Linux for testing)
+    Named POSIX segments with a random, unguessable name and mode 0600, unlinked
+    by the owner on close, at exit, or at once when the segment is handed over
+    by fd (rings). A SIGKILLed owner can leave a named segment behind: that
+    is the reason memfd is preferred wherever it exists.
+
+Memory is reserved at creation with ``posix_fallocate``, so a shortage is a
+:class:`ReservationError` there, naming the size and what is free, and never a
+SIGBUS in the middle of a run.
+
+Only the creator of a segment ever unlinks it (via ``weakref.finalize``);
+attachers never register it anywhere (CPython gh-82300).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import stat
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import AttachError, ReservationError
+from ._fdpass import fd_for_child, fd_in_child
+from ._platform import PAGE_SIZE, default_backend, free_bytes
+
+_BACKENDS = ("memfd", "posix")
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``: sizes in messages a person reads."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def buffer_address(buf: Any) -> int:
+    """Address of the first byte of a buffer (read-only buffers included)."""
+    return int(np.frombuffer(buf, np.uint8, count=1).__array_interface__["data"][0])
+
+
+@dataclass(frozen=True)
+class SegmentHandle:
+    """Everything another process needs to map a segment: small and picklable."""
+
+    backend: str
+    owner_pid: int
+    fd: int
+    inode: int
+    name: str
+    size: int
+
+
+def _reserve(fd: int, size: int, backend: str) -> None:
+    """Commit ``size`` bytes to ``fd`` now, or raise a ReservationError."""
+    free = free_bytes(backend)
+    where = "memory" if backend == "memfd" else "/dev/shm"
+    if size > free:
+        raise ReservationError(
+            f"cannot reserve {format_bytes(size)} of shared memory: only "
+            f"{format_bytes(free)} of {where} is free; ask for less, free some, "
+            "or raise the limit"
+        )
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            raise ReservationError(
+                f"cannot reserve {format_bytes(size)} of shared memory "
+                f"({errno.errorcode.get(exc.errno or 0, exc.errno)}): "
+                f"{format_bytes(free_bytes(backend))} of {where} is free"
+            ) from exc
+    else:  # macOS has no fallocate: the size is set but pages are not committed
+        os.ftruncate(fd, size)
+
+
+def _shm_module() -> Any:
+    import _posixshmem  # type: ignore[import-not-found]  # CPython's own shm_open wrapper
+
+    return _posixshmem
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _unlink(names: list[str], owner_pid: int) -> None:
+    # A forked child inherits finalizers; only the creator may unlink.
+    while names and os.getpid() == owner_pid:
+        try:
+            _shm_module().shm_unlink(names.pop())
+        except OSError:
+            pass
+
+
+def _release(owner_pid: int, fd: int, names: list[str]) -> None:
+    """Finalizer of an owned segment: close its fd and, if still named, unlink it."""
+    if fd >= 0:
+        _close_fd(fd)
+    _unlink(names, owner_pid)
+
+
+class Segment:
+    """A reserved block of shared memory mapped into this process.
+
+    Create one with :meth:`create` (this process becomes its owner) or map an
+    existing one with :meth:`attach`. ``buf`` is the mapping; ``address`` its
+    first byte. The mapping itself is never unmapped explicitly: it goes when
+    the last object using it does, so views outlive :meth:`close`.
+    """
+
+    buf: mmap.mmap
+    address: int
+    size: int
+    handle: SegmentHandle
+    owner: bool
+
+    def __init__(
+        self, buf: mmap.mmap, handle: SegmentHandle, owner: bool, fd: int, readonly: bool
+    ) -> None:
+        self.buf = buf
+        self.handle = handle
+        self.size = handle.size
+        self.owner = owner
+        self.readonly = readonly
+        self.address = buffer_address(buf)
+        self._fd = fd
+        self._names = [handle.name] if owner and handle.name else []
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        if owner:
+            self._finalizer = weakref.finalize(self, _release, os.getpid(), fd, self._names)
+        elif fd >= 0:
+            self._finalizer = weakref.finalize(self, _close_fd, fd)
+
+    @classmethod
+    def create(cls, size: int, backend: str | None = None, tag: str = "mpx") -> Segment:
+        """Reserve a new segment of at least ``size`` bytes (rounded up to a page)."""
+        if size <= 0:
+            raise ValueError(f"segment size must be positive, not {size}")
+        backend = backend or default_backend()
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, not {backend!r}")
+        size = _round_up(size, PAGE_SIZE)
+        name = ""
+        if backend == "memfd":
+            fd = os.memfd_create(f"{tag}-{os.getpid()}", os.MFD_CLOEXEC)
+        else:
+            name = f"/{tag}-{os.getpid()}-{secrets.token_hex(8)}"
+            fd = _shm_module().shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        try:
+            _reserve(fd, size, backend)
+            buf = mmap.mmap(fd, size)
+            inode = os.fstat(fd).st_ino
+        except BaseException:
+            _release(os.getpid(), fd, [name] if name else [])
+            raise
+        handle = SegmentHandle(backend, os.getpid(), fd, inode, name, size)
+        return cls(buf, handle, True, fd, False)
+
+    @classmethod
+    def attach(cls, handle: SegmentHandle, readonly: bool = False) -> Segment:
+        """Map a segment created by another process (or this one) from its handle."""
+        flags = os.O_RDONLY if readonly else os.O_RDWR
+        try:
+            if handle.backend == "memfd":
+                fd = os.open(f"/proc/{handle.owner_pid}/fd/{handle.fd}", flags | os.O_CLOEXEC)
+            else:
+                fd = _shm_module().shm_open(handle.name, flags, mode=0o600)
+        except OSError as exc:
+            raise AttachError(
+                f"cannot map shared memory of process {handle.owner_pid} "
+                f"({os.strerror(exc.errno or 0)}): its owner has exited or closed it"
+                + (", or /proc is not readable here" if handle.backend == "memfd" else "")
+            ) from exc
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != handle.inode or st.st_size < handle.size or not stat.S_ISREG(
+                st.st_mode
+            ):
+                raise AttachError(
+                    f"shared memory of process {handle.owner_pid} is gone: its owner "
+                    "closed it (the fd now names something else)"
+                )
+            access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
+            buf = mmap.mmap(fd, handle.size, access=access)
+        finally:
+            os.close(fd)  # the mapping keeps the memory alive on its own
+        return cls(buf, handle, False, -1, readonly)
+
+    # Handing a whole segment to a child at start: pass the fd, not a name.
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._fd < 0:
+            raise TypeError("only the owner of a segment can hand it to a child process")
+        token = fd_for_child(self._fd, "a Segment")
+        return (_rebuild_segment, (token, self.handle))
+
+    def unlink(self) -> None:
+        """Remove a named segment's name now; mappings and fds stay valid."""
+        if self.owner:
+            _unlink(self._names, self.handle.owner_pid)
+
+    def close(self) -> None:
+        """Close the fd and unlink the name; idempotent. Mappings stay valid."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._fd = -1
+
+    @property
+    def closed(self) -> bool:
+        """True once an owner has closed its fd (an attached mapping never is)."""
+        return self.owner and (self._finalizer is None or not self._finalizer.alive)
+
+    def __repr__(self) -> str:
+        role = "owner" if self.owner else "attached"
+        return (
+            f"<Segment {self.handle.backend} {format_bytes(self.size)} "
+            f"pid={self.handle.owner_pid} {role}{' closed' if self.closed else ''}>"
+        )
+
+
+def _rebuild_segment(token: Any, handle: SegmentHandle) -> Segment:
+    fd = fd_in_child(token)
+    buf = mmap.mmap(fd, handle.size)
+    return Segment(buf, handle, False, fd, False)
