@@ -25,9 +25,16 @@ from ._errors import (
 from ._platform import PlatformInfo, platform_info
 from ._ring import Ring, RingStats, wait
 from ._segment import Segment, SegmentHandle
-from ._views import ArrayDescriptor, flush_releases, open_array, set_release_route
+from ._views import (
+    RELEASE_RECORD_SIZE,
+    ArrayDescriptor,
+    flush_releases,
+    open_array,
+    set_release_route,
+)
 
 __all__ = [
+    "RELEASE_RECORD_SIZE",
     "Arena",
     "ArenaFullError",
     "ArenaStats",

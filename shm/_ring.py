@@ -232,9 +232,7 @@ class Ring:
         if self._eof_sent:
             raise RingClosedError("this ring's producer end is closed")
         if len(data) > self.record_size:
-            raise ValueError(
-                f"record of {len(data)} bytes exceeds record_size {self.record_size}"
-            )
+            raise ValueError(f"record of {len(data)} bytes exceeds record_size {self.record_size}")
 
     def _write(self, data: bytes | bytearray | memoryview, length: int | None = None) -> None:
         n = len(data)
@@ -248,9 +246,7 @@ class Ring:
         if occupancy > _U64.unpack_from(self._buf, _PEAK)[0]:
             _U64.pack_into(self._buf, _PEAK, occupancy)
 
-    def _acquire_space(
-        self, need: int, timeout: float | None, watch: Sequence[Watchable]
-    ) -> bool:
+    def _acquire_space(self, need: int, timeout: float | None, watch: Sequence[Watchable]) -> bool:
         if self._space_credits >= need:
             return True
         self._space_credits += self._spaces.take()

@@ -202,8 +202,10 @@ class Segment:
             ) from exc
         try:
             st = os.fstat(fd)
-            if st.st_ino != handle.inode or st.st_size < handle.size or not stat.S_ISREG(
-                st.st_mode
+            if (
+                st.st_ino != handle.inode
+                or st.st_size < handle.size
+                or not stat.S_ISREG(st.st_mode)
             ):
                 raise AttachError(
                     f"shared memory of process {handle.owner_pid} is gone: its owner "

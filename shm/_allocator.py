@@ -1,0 +1,83 @@
+"""A best-fit free-list allocator over one segment's byte range.
+
+Pure bookkeeping (offsets and sizes, no memory): the arena puts one in front of
+each segment. Free blocks are indexed three ways so that every operation is a
+dictionary lookup or a binary search:
+
+- ``_by_size``: sorted ``(size, offset)`` for best-fit search;
+- ``_start``: offset -> size, and ``_end``: end offset -> offset, so that a
+  freed block merges with both neighbours in O(1).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class FreeList:
+    """Hands out ``[offset, offset + size)`` ranges of a region of ``size`` bytes."""
+
+    def __init__(self, size: int, alignment: int) -> None:
+        if size <= 0 or size % alignment:
+            raise ValueError(f"size {size} must be a positive multiple of {alignment}")
+        self.size = size
+        self.alignment = alignment
+        self.free_bytes = size
+        self._by_size: list[tuple[int, int]] = [(size, 0)]
+        self._start: dict[int, int] = {0: size}
+        self._end: dict[int, int] = {size: 0}
+
+    def round(self, nbytes: int) -> int:
+        """The size an allocation of ``nbytes`` really takes (at least one unit)."""
+        a = self.alignment
+        return max(a, (nbytes + a - 1) // a * a)
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Offset of a new block of ``round(nbytes)`` bytes, or None if none fits."""
+        need = self.round(nbytes)
+        i = bisect.bisect_left(self._by_size, (need, -1))
+        if i == len(self._by_size):
+            return None
+        size, offset = self._by_size.pop(i)
+        del self._start[offset]
+        del self._end[offset + size]
+        if size > need:
+            self._insert(offset + need, size - need)
+        self.free_bytes -= need
+        return offset
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return a block given by :meth:`allocate`, merging it with free neighbours."""
+        size = self.round(nbytes)
+        if offset in self._start or offset < 0 or offset + size > self.size:
+            raise ValueError(f"double or bad free of [{offset}, {offset + size})")
+        self.free_bytes += size
+        before = self._end.get(offset)
+        if before is not None:
+            self._remove(before)
+            size += offset - before
+            offset = before
+        after_size = self._start.get(offset + size)
+        if after_size is not None:
+            self._remove(offset + size)
+            size += after_size
+        self._insert(offset, size)
+
+    @property
+    def largest_free(self) -> int:
+        return self._by_size[-1][0] if self._by_size else 0
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing is allocated."""
+        return self.free_bytes == self.size
+
+    def _insert(self, offset: int, size: int) -> None:
+        bisect.insort(self._by_size, (size, offset))
+        self._start[offset] = size
+        self._end[offset + size] = offset
+
+    def _remove(self, offset: int) -> None:
+        size = self._start.pop(offset)
+        del self._end[offset + size]
+        del self._by_size[bisect.bisect_left(self._by_size, (size, offset))]

@@ -1,0 +1,440 @@
+"""Arenas: variable-size allocations in shared memory, freed from any process.
+
+An arena belongs to the process that made it. It reserves one segment up
+front and adds segments when full, up to ``capacity``; every allocation is
+64-byte aligned and is freed when its last reference is gone:
+
+- a *local* reference for each live view in this process (``empty``, ``put``,
+  ``open_array`` of its own descriptors);
+- an *exported* reference for each :class:`ArrayDescriptor` made by
+  :meth:`Arena.share`, returned when the process that opened it drops its
+  last view (through a ring from :meth:`Arena.link`), or taken over by a
+  view if the descriptor is opened here.
+
+::
+
+    owner process                              peer process
+    ┌──────────────────────────┐  descriptor   ┌──────────────────────────┐
+    │ Arena                    │ ────────────▶ │ open_array(desc)         │
+    │  segments (memfd) ◀─ ─ ─ ┼ ─ ─ mmap ─ ─ ─┤  zero-copy view          │
+    │  FreeList per segment    │               │  anchor finalizer        │
+    │  collect() ◀─────────────┼── link Ring ◀─┤  release(alloc id)       │
+    └──────────────────────────┘               └──────────────────────────┘
+
+Releases made by garbage collection never block: they are queued and the
+queue is drained by whoever next holds the arena's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import secrets
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from ._allocator import FreeList
+from ._errors import ArenaFullError, SharedMemoryError
+from ._platform import ALIGNMENT, PAGE_SIZE
+from ._ring import Ring, RingStats
+from ._segment import Segment, format_bytes
+from ._views import (
+    RELEASE,
+    Anchor,
+    ArrayDescriptor,
+    build_view,
+    check_shareable,
+    find_anchor,
+    local_arenas,
+)
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    """A snapshot of an arena's memory: cheap to take, printed by benchmarks."""
+
+    name: str
+    capacity: int
+    reserved: int
+    in_use: int
+    peak: int
+    allocations: int
+    segments: int
+    exported: int
+    releases_received: int
+    links: tuple[RingStats, ...] = ()
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: {format_bytes(self.in_use)} in use by {self.allocations} "
+            f"allocations (peak {format_bytes(self.peak)}), {format_bytes(self.reserved)} "
+            f"reserved in {self.segments} segments of a {format_bytes(self.capacity)} cap, "
+            f"{self.exported} references held by descriptors"
+        )
+
+
+class _Alloc:
+    __slots__ = ("exported", "id", "local", "offset", "seg", "size", "tag")
+
+    def __init__(self, alloc_id: int, seg: _Seg, offset: int, size: int, tag: str) -> None:
+        self.id = alloc_id
+        self.seg = seg
+        self.offset = offset
+        self.size = size
+        self.tag = tag
+        self.local = 0
+        self.exported = 0
+
+
+class _Seg:
+    __slots__ = ("free", "live", "ro", "rw")
+
+    def __init__(self, segment: Segment) -> None:
+        self.rw = segment
+        self.ro: Segment | None = None
+        self.free = FreeList(segment.size, ALIGNMENT)
+        self.live = 0
+
+
+def _default_capacity() -> int:
+    import psutil
+
+    return max(256 * _MiB, int(psutil.virtual_memory().total) // 2)
+
+
+class Arena:
+    """Shared memory for arrays, owned by this process, shared by descriptor.
+
+    ``segment_size`` is reserved at once and is the unit of growth;
+    ``capacity`` caps the total reserved (default: half the machine's memory).
+    Close it with :meth:`close` (or a ``with`` block); arrays handed out stay
+    valid after that for as long as they are referenced.
+    """
+
+    def __init__(
+        self,
+        segment_size: int = 64 * _MiB,
+        capacity: int | None = None,
+        backend: str | None = None,
+        name: str = "arena",
+    ) -> None:
+        if segment_size <= 0:
+            raise ValueError(f"segment_size must be positive, not {segment_size}")
+        self.name = name
+        self.id = secrets.randbits(63)
+        self.segment_size = segment_size
+        self.capacity = _default_capacity() if capacity is None else capacity
+        if segment_size > self.capacity:
+            raise ValueError(
+                f"segment_size {format_bytes(segment_size)} exceeds the arena's capacity "
+                f"of {format_bytes(self.capacity)}"
+            )
+        self.backend = backend
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._deferred: collections.deque[int] = collections.deque()
+        self._segs: list[_Seg] = []
+        self._allocs: dict[int, _Alloc] = {}
+        self._next_id = 1
+        self._in_use = 0
+        self._peak = 0
+        self._exported = 0
+        self._releases = 0
+        self._links: list[Ring] = []
+        self._closed = False
+        self._segs.append(_Seg(Segment.create(segment_size, backend, tag="mpx-arena")))
+        local_arenas[self.id] = self
+
+    # ------------------------------------------------------------- allocating
+    def empty(
+        self, shape: int | tuple[int, ...], dtype: DTypeLike = np.float64, tag: str = ""
+    ) -> np.ndarray[Any, Any]:
+        """A new, writable, uninitialised C-contiguous array in this arena."""
+        dt = np.dtype(dtype)
+        shp = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if dt.hasobject:
+            check_shareable(np.empty(0, dt))
+        nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
+        if nbytes == 0:
+            return np.empty(shp, dt)
+        alloc = self._allocate(nbytes, tag)
+        return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
+
+    def put(self, array: Any, tag: str = "") -> np.ndarray[Any, Any]:
+        """Copy ``array`` into this arena once; returns the (writable) copy."""
+        src = np.asarray(array)
+        check_shareable(src)
+        out = self.empty(src.shape, src.dtype, tag)
+        if out.size:
+            np.copyto(out, src, casting="no")
+        return out
+
+    def share(self, array: Any, tag: str = "") -> ArrayDescriptor:
+        """A descriptor of ``array`` that another process can open zero-copy.
+
+        An array (or any view of one) already in this arena is described in
+        place, strides and all; anything else is copied in once first. The
+        descriptor carries one reference to the memory.
+        """
+        arr = np.asarray(array)
+        check_shareable(arr)
+        if arr.nbytes == 0:
+            return ArrayDescriptor(self.id, 0, None, 0, 0, arr.dtype, arr.shape, (), 0)
+        anchor = find_anchor(arr)
+        alloc = None
+        if anchor is not None and anchor.arena_id == self.id:
+            alloc = self._allocs.get(anchor.alloc_id)
+        if alloc is None:
+            arr = self.put(arr, tag)
+            anchor = find_anchor(arr)
+            assert anchor is not None
+            alloc = self._allocs[anchor.alloc_id]
+        start = arr.__array_interface__["data"][0] - anchor.__array_interface__["data"][0]
+        with self._lock:
+            alloc.exported += 1
+            self._exported += 1
+        self._drain_deferred()
+        return ArrayDescriptor(
+            arena_id=self.id,
+            alloc_id=alloc.id,
+            segment=alloc.seg.rw.handle,
+            offset=alloc.offset,
+            nbytes=alloc.size,
+            dtype=arr.dtype,
+            shape=arr.shape,
+            strides=arr.strides,
+            start=start,
+        )
+
+    def owns(self, array: Any) -> bool:
+        """True if ``array`` is a view of memory allocated by this arena."""
+        anchor = find_anchor(np.asarray(array)) if isinstance(array, np.ndarray) else None
+        return anchor is not None and anchor.arena_id == self.id and os.getpid() == self._pid
+
+    def _allocate(self, nbytes: int, tag: str) -> _Alloc:
+        with self._lock:
+            self._check_open()
+            found = self._fit(nbytes)
+            if found is None:
+                self._collect_locked()
+                found = self._fit(nbytes) or self._grow(nbytes)
+            seg, offset = found
+            size = seg.free.round(nbytes)
+            alloc = _Alloc(self._next_id, seg, offset, size, tag)
+            self._next_id += 1
+            self._allocs[alloc.id] = alloc
+            seg.live += 1
+            self._in_use += size
+            self._peak = max(self._peak, self._in_use)
+        self._drain_deferred()
+        return alloc
+
+    def _fit(self, nbytes: int) -> tuple[_Seg, int] | None:
+        for seg in self._segs:
+            offset = seg.free.allocate(nbytes)
+            if offset is not None:
+                return seg, offset
+        return None
+
+    def _grow(self, nbytes: int) -> tuple[_Seg, int]:
+        reserved = sum(s.rw.size for s in self._segs)
+        need = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+        # Grow by a segment_size where the cap allows, by just enough near the cap.
+        size = max(need, min(self.segment_size, self.capacity - reserved))
+        if reserved + size > self.capacity:
+            # Give back empty extra segments before giving up.
+            for seg in [s for s in self._segs[1:] if s.live == 0]:
+                self._segs.remove(seg)
+                seg.rw.close()
+                reserved -= seg.rw.size
+            size = max(need, min(self.segment_size, self.capacity - reserved))
+        if reserved + size > self.capacity:
+            raise ArenaFullError(self._full_message(nbytes, reserved))
+        seg = _Seg(Segment.create(size, self.backend, tag="mpx-arena"))
+        self._segs.append(seg)
+        offset = seg.free.allocate(nbytes)
+        assert offset is not None
+        return seg, offset
+
+    def _full_message(self, nbytes: int, reserved: int) -> str:
+        by_tag: dict[str, list[int]] = {}
+        remote = 0
+        for a in self._allocs.values():
+            entry = by_tag.setdefault(a.tag or "untagged", [0, 0])
+            entry[0] += a.size
+            entry[1] += 1
+            remote += a.exported > 0
+        top = sorted(by_tag.items(), key=lambda kv: -kv[1][0])[:3]
+        holders = ", ".join(f"{t!r}: {format_bytes(b)} in {n}" for t, (b, n) in top)
+        return (
+            f"arena {self.name!r} cannot allocate {format_bytes(nbytes)}: it is at its cap of "
+            f"{format_bytes(self.capacity)} ({format_bytes(reserved)} reserved, "
+            f"{format_bytes(self._in_use)} in use by {len(self._allocs)} allocations"
+            + (f"; largest holders {holders}" if holders else "")
+            + f"; {remote} of them referenced from descriptors or other processes). "
+            "Drop arrays you no longer need, or give the arena a larger capacity"
+        )
+
+    # ------------------------------------------------------------- views
+    def _view(
+        self,
+        alloc: _Alloc,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        strides: tuple[int, ...] | None,
+        start: int,
+        writable: bool,
+        take_export: bool,
+    ) -> np.ndarray[Any, Any]:
+        seg = alloc.seg
+        if writable:
+            mapping = seg.rw
+        else:
+            if seg.ro is None:
+                seg.ro = Segment.attach(seg.rw.handle, readonly=True)
+            mapping = seg.ro
+        anchor = Anchor(
+            mapping.address + alloc.offset, alloc.size, not writable, mapping, self.id, alloc.id
+        )
+        with self._lock:
+            alloc.local += 1
+            if take_export:
+                alloc.exported -= 1
+                self._exported -= 1
+        weakref.finalize(anchor, self._released, alloc.id)
+        return build_view(anchor, dtype, shape, strides, start)
+
+    def _open_local(self, desc: ArrayDescriptor, writable: bool) -> np.ndarray[Any, Any]:
+        alloc = self._allocs.get(desc.alloc_id)
+        if alloc is None or alloc.exported <= 0:
+            raise SharedMemoryError(
+                f"descriptor of allocation {desc.alloc_id} in arena {self.name!r} was "
+                "already opened and released (a descriptor carries one reference: "
+                "open it once)"
+            )
+        return self._view(
+            alloc, desc.dtype, desc.shape, desc.strides, desc.start, writable, take_export=True
+        )
+
+    # ------------------------------------------------------------- releasing
+    def _released(self, alloc_id: int) -> None:
+        """Finalizer of a local view: queue, then drain only if the lock is free."""
+        self._deferred.append(alloc_id)
+        self._drain_deferred()
+
+    def _drain_deferred(self) -> None:
+        while self._deferred and self._lock.acquire(blocking=False):
+            try:
+                while self._deferred:
+                    alloc = self._allocs.get(self._deferred.popleft())
+                    if alloc is not None:
+                        alloc.local -= 1
+                        self._maybe_free(alloc)
+            finally:
+                self._lock.release()
+
+    def _maybe_free(self, alloc: _Alloc) -> None:
+        if alloc.local > 0 or alloc.exported > 0:
+            return
+        del self._allocs[alloc.id]
+        alloc.seg.free.free(alloc.offset, alloc.size)
+        alloc.seg.live -= 1
+        self._in_use -= alloc.size
+
+    def link(self, ring: Ring | None = None, capacity: int = 4096) -> Ring:
+        """A ring through which one other process returns its views' references.
+
+        Without ``ring``, a new one is made here: hand it to the peer at its
+        start. With ``ring`` (made by a peer that started this process and
+        handed the ring over), the arena adopts it. Either way the peer calls
+        ``shm.set_release_route(arena.id, ring)`` before opening descriptors.
+        """
+        if ring is None:
+            ring = Ring(capacity, RELEASE.size, self.backend)
+        elif ring.record_size < RELEASE.size:
+            raise ValueError(f"a release ring needs records of at least {RELEASE.size} bytes")
+        with self._lock:
+            self._check_open()
+            self._links.append(ring)
+        return ring
+
+    def collect(self) -> int:
+        """Apply the releases that other processes sent back; returns how many."""
+        with self._lock:
+            n = self._collect_locked()
+        self._drain_deferred()
+        return n
+
+    def _collect_locked(self) -> int:
+        n = 0
+        for ring in self._links:
+            while (rec := ring.try_pop()) is not None:
+                arena_id, alloc_id, count = RELEASE.unpack(rec)
+                alloc = self._allocs.get(alloc_id)
+                n += 1
+                if alloc is None or arena_id != self.id:
+                    continue
+                alloc.exported -= count
+                self._exported -= count
+                self._maybe_free(alloc)
+        self._releases += n
+        return n
+
+    # ------------------------------------------------------------- the rest
+    def stats(self) -> ArenaStats:
+        """Memory held now, after applying any releases already sent back."""
+        self.collect()
+        with self._lock:
+            return ArenaStats(
+                name=self.name,
+                capacity=self.capacity,
+                reserved=sum(s.rw.size for s in self._segs),
+                in_use=self._in_use,
+                peak=self._peak,
+                allocations=len(self._allocs),
+                segments=len(self._segs),
+                exported=self._exported,
+                releases_received=self._releases,
+                links=tuple(r.stats() for r in self._links),
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SharedMemoryError(f"arena {self.name!r} is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop allocating and give the segments' fds and names back; idempotent.
+
+        Arrays already handed out stay valid while referenced: their mappings
+        go when they do. Descriptors not yet opened can no longer be.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for seg in self._segs:
+                seg.rw.close()
+            for ring in self._links:
+                ring.close()
+            self._links.clear()
+        local_arenas.pop(self.id, None)
+
+    def __enter__(self) -> Arena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Arena {self.name!r} id={self.id:#x} {'closed' if self._closed else 'open'}>"

@@ -1,0 +1,242 @@
+"""Zero-copy array views of arena memory, and how their lifetimes are counted.
+
+An array in an arena is described by an :class:`ArrayDescriptor`: a few
+integers, a dtype and a segment handle, small enough to ride in a ring record
+when pickled. :func:`open_array` maps the segment (once per process) and
+returns an ndarray over the same bytes: no copy, read-only unless asked.
+
+Lifetimes. Every view is built on an *anchor*: a tiny object that exports the
+bytes through ``__array_interface__``. numpy keeps the anchor alive as the
+base of the view and of every view derived from it (slices, reshapes, DLPack
+exports), so the anchor dies exactly when the last of them does, and a
+``weakref.finalize`` on it reports the release:
+
+- in the arena's own process, to the arena (a local reference);
+- in any other process, through the *release route* for that arena: a
+  :class:`~shm.Ring` back to the owner, installed with
+  :func:`set_release_route`. A descriptor carries one reference; opening it in
+  another process takes that reference over, and the owner frees the
+  allocation when the last reference anywhere is returned.
+
+Finalizers run inside garbage collection, at any point of any thread, so they
+only append to a deque and then *try* a lock; whoever holds it flushes the
+deque before letting go (CPython ``multiprocessing/heap.py``, bpo-12352).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import AttachError, RingClosedError
+from ._ring import Ring
+from ._segment import Segment, SegmentHandle
+
+#: A release record: arena id, allocation id, references returned.
+RELEASE = struct.Struct("<QQI")
+#: Record size for rings made to carry releases (``Arena.link``).
+RELEASE_RECORD_SIZE = RELEASE.size
+
+
+@dataclass(frozen=True)
+class ArrayDescriptor:
+    """A picklable description of an array living in an arena.
+
+    ``offset`` is where the allocation starts in its segment, ``start`` where
+    the array's first element is relative to it; ``strides`` may describe a
+    non-contiguous view of the allocation.
+    """
+
+    arena_id: int
+    alloc_id: int
+    segment: SegmentHandle | None
+    offset: int
+    nbytes: int
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    start: int = 0
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the array's data (not of the whole allocation)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class Anchor:
+    """Exports ``nbytes`` bytes at ``address``; lives as long as any view of them."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "alloc_id", "arena_id", "keep")
+
+    def __init__(
+        self, address: int, nbytes: int, readonly: bool, keep: Any, arena_id: int, alloc_id: int
+    ) -> None:
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, readonly),
+            "version": 3,
+        }
+        self.keep = keep  # the mapping: it must outlive every view
+        self.arena_id = arena_id
+        self.alloc_id = alloc_id
+
+
+def build_view(
+    anchor: Anchor,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    strides: tuple[int, ...] | None,
+    start: int,
+) -> np.ndarray[Any, Any]:
+    """An ndarray over an anchor's bytes; its ``.base`` chain ends at the anchor."""
+    raw = np.asarray(anchor)
+    return np.ndarray(shape, dtype, buffer=raw, offset=start, strides=strides)
+
+
+def find_anchor(array: np.ndarray[Any, Any]) -> Anchor | None:
+    """The anchor under ``array``, if it is a view of arena memory."""
+    base: Any = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base if isinstance(base, Anchor) else None
+
+
+def check_shareable(array: np.ndarray[Any, Any]) -> None:
+    if array.dtype.hasobject:
+        raise TypeError(
+            f"arrays of dtype {array.dtype} hold pointers into one process and cannot "
+            "be shared; convert them to a fixed-width dtype (e.g. 'U' or 'S') first"
+        )
+
+
+class _Deferred:
+    """Releases queued by finalizers, flushed by whoever gets the lock first."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.lock = threading.Lock()
+
+
+class _Importer:
+    """Per-process state for views of arenas owned by other processes."""
+
+    def __init__(self) -> None:
+        self.routes: dict[int, Ring] = {}
+        self.mappings: weakref.WeakValueDictionary[tuple[int, int, bool], Segment] = (
+            weakref.WeakValueDictionary()
+        )
+        self.deferred = _Deferred()
+        self.dropped = 0  # releases for arenas with no route (their owner is gone)
+
+    def segment(self, handle: SegmentHandle, readonly: bool) -> Segment:
+        key = (handle.owner_pid, handle.inode, readonly)
+        seg = self.mappings.get(key)
+        if seg is None:
+            seg = Segment.attach(handle, readonly=readonly)
+            self.mappings[key] = seg
+        return seg
+
+    def released(self, arena_id: int, alloc_id: int) -> None:
+        """Finalizer of an imported view: never blocks, never raises."""
+        self.deferred.items.append((arena_id, alloc_id, 1))
+        self.flush()
+
+    def flush(self) -> None:
+        d = self.deferred
+        # Loop: a finalizer may append after our drain but before our release.
+        while d.items and d.lock.acquire(blocking=False):
+            try:
+                done = self._drain(d.items)
+            finally:
+                d.lock.release()
+            if not done:
+                return
+
+    def _drain(self, items: collections.deque[tuple[int, int, int]]) -> bool:
+        """Push queued releases; False if a route ring is full."""
+        while items:
+            arena_id, alloc_id, n = items[0]
+            route = self.routes.get(arena_id)
+            if route is None:
+                self.dropped += 1
+            else:
+                try:
+                    if not route.try_push(RELEASE.pack(arena_id, alloc_id, n)):
+                        return False  # ring full: retried at the next flush
+                except (RingClosedError, OSError):
+                    self.dropped += 1  # the owner is gone, and its memory with it
+            items.popleft()
+        return True
+
+
+_importer = _Importer()
+_importer_pid = os.getpid()
+
+
+def importer() -> _Importer:
+    """This process's importer (a fresh one after ``fork``)."""
+    global _importer, _importer_pid
+    if _importer_pid != os.getpid():
+        _importer, _importer_pid = _Importer(), os.getpid()
+    return _importer
+
+
+def set_release_route(arena_id: int, ring: Ring | None) -> None:
+    """Send releases of views of arena ``arena_id`` through ``ring`` (or stop).
+
+    Call it in a process that will open descriptors of an arena owned by
+    another process, with the ring made by that arena's :meth:`Arena.link`.
+    """
+    imp = importer()
+    if ring is None:
+        imp.routes.pop(arena_id, None)
+    else:
+        imp.routes[arena_id] = ring
+        imp.flush()
+
+
+def flush_releases() -> None:
+    """Push releases that found their route ring full; cheap when none wait."""
+    importer().flush()
+
+
+# The arena registers itself here so that opening one's own descriptor stays local.
+local_arenas: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def open_array(desc: ArrayDescriptor, writable: bool = False) -> np.ndarray[Any, Any]:
+    """Open a descriptor as a zero-copy ndarray (read-only unless ``writable``).
+
+    Takes over the reference the descriptor carries: open each descriptor once.
+    """
+    if desc.segment is None:  # no bytes: nothing was allocated
+        out = np.ndarray(desc.shape, desc.dtype, strides=desc.strides or None)
+        out.flags.writeable = writable
+        return out
+    arena = local_arenas.get(desc.arena_id)
+    if arena is not None and desc.segment.owner_pid == os.getpid():
+        view: np.ndarray[Any, Any] = arena._open_local(desc, writable)
+        return view
+    imp = importer()
+    if desc.arena_id not in imp.routes:
+        raise AttachError(
+            f"no release route to arena {desc.arena_id:#x} of process "
+            f"{desc.segment.owner_pid} in this process: call "
+            "shm.set_release_route(arena_id, ring) with a ring from Arena.link() first, "
+            "so that the memory can be given back when the view is gone"
+        )
+    imp.flush()
+    seg = imp.segment(desc.segment, readonly=not writable)
+    anchor = Anchor(
+        seg.address + desc.offset, desc.nbytes, not writable, seg, desc.arena_id, desc.alloc_id
+    )
+    weakref.finalize(anchor, imp.released, desc.arena_id, desc.alloc_id)
+    return build_view(anchor, desc.dtype, desc.shape, desc.strides, desc.start)

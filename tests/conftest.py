@@ -1,0 +1,96 @@
+"""Shared fixtures: every test that starts processes proves it leaked nothing."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psutil
+import pytest
+
+START_METHODS = ["forkserver", "spawn"]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll ``predicate`` until true or fail after ``timeout`` (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what or predicate}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def shm_names() -> set[str]:
+    """Our named segments in /dev/shm (memfd leaves none by construction)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("mpx")}
+    except FileNotFoundError:
+        return set()
+
+
+def memfd_count(pid: int | None = None) -> int:
+    """How many memfd files ``pid`` (default: this process) holds open."""
+    n = 0
+    base = f"/proc/{pid or os.getpid()}/fd"
+    for fd in os.listdir(base):
+        try:
+            if os.readlink(f"{base}/{fd}").startswith("/memfd:mpx"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _children() -> list[psutil.Process]:
+    # The forkserver and the resource tracker are long-lived helpers of
+    # multiprocessing itself, started once per test process; not ours to reap.
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "forkserver" not in " ".join(_cmdline(p))
+        and "resource_tracker" not in " ".join(_cmdline(p))
+    ]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return []
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """Fail the test if it leaves a child process, fd or named segment behind."""
+    gc.collect()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    names_before = shm_names()
+    yield
+    gc.collect()
+    wait_until(lambda: not _children(), 10, "child processes to exit")
+    for p in mp.active_children():
+        p.join(1)
+    # The forkserver keeps a socket to us: allow for the one opened on first use.
+    wait_until(
+        lambda: len(os.listdir("/proc/self/fd")) <= fds_before + 2,
+        5,
+        "fds to be closed",
+    )
+    assert shm_names() - names_before == set()
+
+
+@pytest.fixture(params=START_METHODS)
+def ctx(request: pytest.FixtureRequest) -> Any:
+    """A multiprocessing context for each start method we support."""
+    return mp.get_context(request.param)
+
+
+@pytest.fixture(params=["memfd", "posix"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

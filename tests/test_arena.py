@@ -1,0 +1,234 @@
+"""Arena allocations and array views inside one process."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shm
+
+KiB, MiB = 1 << 10, 1 << 20
+
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.uint16,
+    np.int32,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+    "M8[ns]",
+    "m8[s]",
+    "S7",
+    "U5",
+    ">i4",
+    np.dtype([("a", "<i4"), ("b", "<f8", (2,))]),
+]
+
+
+@pytest.fixture
+def arena(backend: str) -> Any:
+    with shm.Arena(segment_size=1 * MiB, capacity=8 * MiB, backend=backend, name="test") as a:
+        yield a
+
+
+def _fill(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape))
+    raw = np.random.default_rng(0).integers(0, 255, n * dt.itemsize, dtype=np.uint8)
+    arr = raw.view(dt).reshape(shape) if n else np.empty(shape, dt)
+    if dt.kind == "f" or dt.kind == "c":
+        arr = np.nan_to_num(arr)
+    return arr
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (7,), (4, 5), (2, 3, 4, 5, 1)], ids=str)
+def test_share_open_roundtrip_is_exact(arena: shm.Arena, dtype: Any, shape: Any) -> None:
+    src = _fill(shape, dtype)
+    desc = pickle.loads(pickle.dumps(arena.share(src)))
+    out = shm.open_array(desc)
+    assert out.dtype == src.dtype and out.shape == src.shape
+    assert out.tobytes() == src.tobytes()
+    assert not out.flags.writeable
+    del out
+    gc.collect()
+    assert arena.stats().in_use == 0
+
+
+def test_views_are_zero_copy_and_readonly(arena: shm.Arena) -> None:
+    a = arena.empty((100, 100), np.float32)
+    a[:] = 1.0
+    v = shm.open_array(arena.share(a))
+    a[3, 4] = 42.0  # the owner writes; the view sees the same bytes
+    assert v[3, 4] == 42.0
+    with pytest.raises(ValueError, match="read-only"):
+        v[0, 0] = 2
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        v.setflags(write=True)
+    w = shm.open_array(arena.share(a), writable=True)
+    w[0, 0] = 5.0
+    assert a[0, 0] == 5.0
+
+
+def test_non_contiguous_input_is_made_contiguous_once(arena: shm.Arena) -> None:
+    src = np.arange(60, dtype=np.int16).reshape(6, 10)[::2, ::-3]
+    out = shm.open_array(arena.share(src))
+    assert out.flags.c_contiguous
+    np.testing.assert_array_equal(out, src)
+
+
+def test_strided_view_of_arena_memory_is_shared_in_place(arena: shm.Arena) -> None:
+    a = arena.put(np.arange(100, dtype=np.int64).reshape(10, 10))
+    before = arena.stats().allocations
+    view = a[1::3, ::-2]
+    out = shm.open_array(arena.share(view))
+    np.testing.assert_array_equal(out, view)
+    assert arena.stats().allocations == before  # no copy was made
+    assert out.strides == view.strides
+
+
+def test_object_arrays_are_refused(arena: shm.Arena) -> None:
+    with pytest.raises(TypeError, match="dtype object"):
+        arena.share(np.array([1, "a"], dtype=object))
+    with pytest.raises(TypeError, match="dtype object"):
+        arena.empty(3, object)
+
+
+def test_allocation_lives_while_any_view_lives(arena: shm.Arena) -> None:
+    a = arena.put(np.arange(1000, dtype=np.float64))
+    tail = a[500:].reshape(10, 50).T  # derived views keep the memory
+    del a
+    gc.collect()
+    assert arena.stats().allocations == 1
+    assert tail[0, 0] == 500.0
+    mv = memoryview(tail)
+    del tail
+    gc.collect()
+    assert arena.stats().allocations == 1  # a memoryview export holds it too
+    del mv
+    gc.collect()
+    assert arena.stats().allocations == 0
+
+
+def test_descriptor_holds_a_reference_until_opened(arena: shm.Arena) -> None:
+    desc = arena.share(np.ones(10))
+    gc.collect()
+    s = arena.stats()
+    assert s.allocations == 1 and s.exported == 1
+    out = shm.open_array(desc)
+    assert arena.stats().exported == 0
+    del out
+    gc.collect()
+    assert arena.stats().allocations == 0
+    with pytest.raises(shm.SharedMemoryError, match="open it once"):
+        shm.open_array(desc)
+
+
+def test_alignment_and_no_overlap(arena: shm.Arena) -> None:
+    arrays = [arena.empty(n, np.uint8) for n in (1, 63, 64, 65, 1000, 4097)]
+    spans = []
+    for i, arr in enumerate(arrays):
+        addr = arr.__array_interface__["data"][0]
+        assert addr % 64 == 0
+        arr[:] = i
+        spans.append((addr, addr + arr.nbytes))
+    spans.sort()
+    assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+    for i, arr in enumerate(arrays):
+        assert (arr == i).all()
+
+
+def test_grows_by_segments_up_to_the_cap(arena: shm.Arena) -> None:
+    held = [arena.empty(MiB, np.uint8, tag="frames") for _ in range(7)]
+    s = arena.stats()
+    assert s.segments >= 2 and s.reserved <= s.capacity
+    with pytest.raises(shm.ArenaFullError) as info:
+        arena.empty(2 * MiB, np.uint8)
+    msg = str(info.value)
+    assert "cannot allocate 2.0 MiB" in msg and "cap of 8.0 MiB" in msg and "'frames'" in msg
+    del held
+    gc.collect()
+    big = arena.empty(6 * MiB, np.uint8)  # empty extra segments are given back first
+    assert big.nbytes == 6 * MiB
+
+
+def test_freed_memory_is_reused(arena: shm.Arena) -> None:
+    for _ in range(200):
+        a = arena.empty(256 * KiB, np.uint8)
+        a[-1] = 1
+        del a
+    s = arena.stats()
+    assert s.segments == 1 and s.in_use == 0 and s.peak == 256 * KiB
+
+
+def test_stats_are_frozen_and_printable(arena: shm.Arena) -> None:
+    keep = arena.empty(1000, np.uint8)
+    s = arena.stats()
+    with pytest.raises(AttributeError):
+        s.in_use = 0  # type: ignore[misc]
+    assert s.allocations == 1 and s.in_use == 1024 and s.peak >= 1024
+    assert "1 allocations" in str(s)
+    del keep
+
+
+def test_close_keeps_views_valid(backend: str) -> None:
+    a = shm.Arena(segment_size=MiB, capacity=4 * MiB, backend=backend)
+    x = a.put(np.arange(10.0))
+    a.close()
+    a.close()
+    assert a.closed
+    assert x[9] == 9.0
+    with pytest.raises(shm.SharedMemoryError, match="closed"):
+        a.empty(10)
+
+
+def test_gc_release_never_blocks_while_arena_is_busy(arena: shm.Arena) -> None:
+    """A finalizer firing while another thread holds the arena lock must not wait."""
+    victim = arena.empty(100, np.uint8)
+    ran = threading.Event()
+
+    def drop() -> None:
+        nonlocal victim
+        del victim  # finalizer runs here, with the lock held by the main thread
+        ran.set()
+
+    with arena._lock:
+        t = threading.Thread(target=drop)
+        t.start()
+        assert ran.wait(5), "release blocked on the arena lock"
+        t.join(5)
+        assert arena._allocs  # not freed yet: queued
+    arena.collect()
+    assert arena.stats().allocations == 0
+
+
+def test_threads_allocate_and_free_concurrently(arena: shm.Arena) -> None:
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                a = arena.empty(int(rng.integers(1, 20_000)), np.uint8)
+                a[:] = seed
+                assert (a == seed).all()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    gc.collect()
+    assert arena.stats().allocations == 0
