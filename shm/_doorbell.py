@@ -14,6 +14,7 @@ those credits, on any CPU architecture (see ``_ring.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from typing import Any
@@ -24,10 +25,8 @@ from ._platform import eventfd_supported
 
 def _close_all(fds: list[int]) -> None:
     while fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fds.pop())
-        except OSError:
-            pass
 
 
 class Doorbell:

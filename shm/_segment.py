@@ -26,6 +26,7 @@ attachers never register it anywhere (CPython gh-82300).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -106,19 +107,15 @@ def _shm_module() -> Any:
 
 
 def _close_fd(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
 
 
 def _unlink(names: list[str], owner_pid: int) -> None:
     # A forked child inherits finalizers; only the creator may unlink.
     while names and os.getpid() == owner_pid:
-        try:
+        with contextlib.suppress(OSError):
             _shm_module().shm_unlink(names.pop())
-        except OSError:
-            pass
 
 
 def _release(owner_pid: int, fd: int, names: list[str]) -> None:

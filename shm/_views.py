@@ -75,10 +75,12 @@ class Anchor:
 
     __slots__ = ("__array_interface__", "__weakref__", "alloc_id", "arena_id", "keep")
 
+    __array_interface__: dict[str, Any]
+
     def __init__(
         self, address: int, nbytes: int, readonly: bool, keep: Any, arena_id: int, alloc_id: int
     ) -> None:
-        self.__array_interface__ = {
+        self.__array_interface__ = {  # numpy reads this; it keeps us as the base
             "shape": (nbytes,),
             "typestr": "|u1",
             "data": (address, readonly),
@@ -98,7 +100,8 @@ def build_view(
 ) -> np.ndarray[Any, Any]:
     """An ndarray over an anchor's bytes; its ``.base`` chain ends at the anchor."""
     raw = np.asarray(anchor)
-    return np.ndarray(shape, dtype, buffer=raw, offset=start, strides=strides)
+    view: np.ndarray[Any, Any] = np.ndarray(shape, dtype, buffer=raw, offset=start, strides=strides)
+    return view
 
 
 def find_anchor(array: np.ndarray[Any, Any]) -> Anchor | None:
@@ -218,7 +221,7 @@ def open_array(desc: ArrayDescriptor, writable: bool = False) -> np.ndarray[Any,
     Takes over the reference the descriptor carries: open each descriptor once.
     """
     if desc.segment is None:  # no bytes: nothing was allocated
-        out = np.ndarray(desc.shape, desc.dtype, strides=desc.strides or None)
+        out: np.ndarray[Any, Any] = np.ndarray(desc.shape, desc.dtype, strides=desc.strides or None)
         out.flags.writeable = writable
         return out
     arena = local_arenas.get(desc.arena_id)

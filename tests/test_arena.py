@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import pickle
 import threading
 from typing import Any
@@ -45,7 +46,7 @@ def _fill(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
     n = int(np.prod(shape))
     raw = np.random.default_rng(0).integers(0, 255, n * dt.itemsize, dtype=np.uint8)
     arr = raw.view(dt).reshape(shape) if n else np.empty(shape, dt)
-    if dt.kind == "f" or dt.kind == "c":
+    if dt.kind in {"f", "c"}:
         arr = np.nan_to_num(arr)
     return arr
 
@@ -56,7 +57,8 @@ def test_share_open_roundtrip_is_exact(arena: shm.Arena, dtype: Any, shape: Any)
     src = _fill(shape, dtype)
     desc = pickle.loads(pickle.dumps(arena.share(src)))
     out = shm.open_array(desc)
-    assert out.dtype == src.dtype and out.shape == src.shape
+    assert out.dtype == src.dtype
+    assert out.shape == src.shape
     assert out.tobytes() == src.tobytes()
     assert not out.flags.writeable
     del out
@@ -123,7 +125,8 @@ def test_descriptor_holds_a_reference_until_opened(arena: shm.Arena) -> None:
     desc = arena.share(np.ones(10))
     gc.collect()
     s = arena.stats()
-    assert s.allocations == 1 and s.exported == 1
+    assert s.allocations == 1
+    assert s.exported == 1
     out = shm.open_array(desc)
     assert arena.stats().exported == 0
     del out
@@ -142,7 +145,7 @@ def test_alignment_and_no_overlap(arena: shm.Arena) -> None:
         arr[:] = i
         spans.append((addr, addr + arr.nbytes))
     spans.sort()
-    assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+    assert all(e <= s for (_, e), (s, _) in itertools.pairwise(spans))
     for i, arr in enumerate(arrays):
         assert (arr == i).all()
 
@@ -150,11 +153,14 @@ def test_alignment_and_no_overlap(arena: shm.Arena) -> None:
 def test_grows_by_segments_up_to_the_cap(arena: shm.Arena) -> None:
     held = [arena.empty(MiB, np.uint8, tag="frames") for _ in range(7)]
     s = arena.stats()
-    assert s.segments >= 2 and s.reserved <= s.capacity
+    assert s.segments >= 2
+    assert s.reserved <= s.capacity
     with pytest.raises(shm.ArenaFullError) as info:
         arena.empty(2 * MiB, np.uint8)
     msg = str(info.value)
-    assert "cannot allocate 2.0 MiB" in msg and "cap of 8.0 MiB" in msg and "'frames'" in msg
+    assert "cannot allocate 2.0 MiB" in msg
+    assert "cap of 8.0 MiB" in msg
+    assert "'frames'" in msg
     del held
     gc.collect()
     big = arena.empty(6 * MiB, np.uint8)  # empty extra segments are given back first
@@ -167,7 +173,9 @@ def test_freed_memory_is_reused(arena: shm.Arena) -> None:
         a[-1] = 1
         del a
     s = arena.stats()
-    assert s.segments == 1 and s.in_use == 0 and s.peak == 256 * KiB
+    assert s.segments == 1
+    assert s.in_use == 0
+    assert s.peak == 256 * KiB
 
 
 def test_stats_are_frozen_and_printable(arena: shm.Arena) -> None:
@@ -175,7 +183,9 @@ def test_stats_are_frozen_and_printable(arena: shm.Arena) -> None:
     s = arena.stats()
     with pytest.raises(AttributeError):
         s.in_use = 0  # type: ignore[misc]
-    assert s.allocations == 1 and s.in_use == 1024 and s.peak >= 1024
+    assert s.allocations == 1
+    assert s.in_use == 1024
+    assert s.peak >= 1024
     assert "1 allocations" in str(s)
     del keep
 

@@ -33,7 +33,8 @@ def test_memfd_is_unnamed_and_private(no_leaks: None) -> None:
     seg = shm.Segment.create(4096, "memfd")
     assert not seg.handle.name
     target = os.readlink(f"/proc/self/fd/{seg.handle.fd}")
-    assert target.startswith("/memfd:") and target.endswith("(deleted)")
+    assert target.startswith("/memfd:")
+    assert target.endswith("(deleted)")
     seg.close()
 
 

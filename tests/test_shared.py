@@ -97,7 +97,9 @@ def test_many_processes_open_and_release_concurrently(ctx: Any, no_leaks: None) 
     assert got == expected
     wait_until(lambda: arena.stats().allocations == 0, 10, "every release to come back")
     s = arena.stats()
-    assert s.in_use == 0 and s.exported == 0 and s.releases_received == 150
+    assert s.in_use == 0
+    assert s.exported == 0
+    assert s.releases_received == 150
     for _, inbox, outbox in peers:
         inbox.close()
         outbox.close()

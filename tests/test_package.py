@@ -1,0 +1,79 @@
+"""The public face: exports, layering, and the doctor command."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+import mpexec
+import shm
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("module", [shm, mpexec])
+def test_all_is_sorted_and_complete(module: object) -> None:
+    names = module.__all__  # type: ignore[attr-defined]
+
+    # ruff's RUF022 order: CONSTANTS, then Classes, then functions, each sorted.
+    def group(n: str) -> tuple[int, str]:
+        return (0 if n.isupper() else 1 if n[:1].isupper() else 2, n)
+
+    assert names == sorted(names, key=group)
+    assert len(set(names)) == len(names)
+    public = {n for n in vars(module) if not n.startswith("_")} - {"annotations"}
+    assert public - set(names) - {"__version__"} <= {
+        n for n in public if isinstance(getattr(module, n), type(sys))
+    }
+    for name in names:
+        assert hasattr(module, name), name
+
+
+def test_shm_never_imports_mpexec() -> None:
+    for path in (ROOT / "shm").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert all(not a.name.startswith("mpexec") for a in node.names), path
+            elif isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("mpexec"), path
+
+
+def test_errors_live_under_public_path_and_pickle() -> None:
+    for name in shm.__all__:
+        obj = getattr(shm, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert obj.__module__ == "shm"
+            err = pickle.loads(pickle.dumps(obj("boom")))
+            assert type(err) is obj
+            assert str(err) == "boom"
+    assert issubclass(shm.RingTimeoutError, TimeoutError)
+    assert issubclass(shm.ArenaFullError, MemoryError)
+    assert issubclass(shm.PeerDiedError, shm.RingClosedError)
+
+
+def test_doctor_reports_the_machine() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mpexec", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    report = json.loads(out.stdout)
+    text = json.dumps(report)
+    assert shm.platform_info().backend in text
+    assert "forkserver" in text or "spawn" in text
+
+
+def test_cli_without_command_exits_2() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mpexec"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 2
