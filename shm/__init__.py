@@ -24,7 +24,7 @@ from ._errors import (
 )
 from ._platform import PlatformInfo, platform_info
 from ._ring import Ring, RingStats, wait
-from ._segment import Segment, SegmentHandle
+from ._segment import Segment, SegmentHandle, reap_orphans
 from ._views import (
     RELEASE_RECORD_SIZE,
     ArrayDescriptor,
@@ -53,6 +53,7 @@ __all__ = [
     "flush_releases",
     "open_array",
     "platform_info",
+    "reap_orphans",
     "set_release_route",
     "wait",
 ]

@@ -148,6 +148,7 @@ class Arena:
         self._exported = 0
         self._releases = 0
         self._links: list[Ring] = []
+        self._owed: dict[int, dict[int, int]] = {}  # id(link) -> alloc id -> refs
         self._closed = False
         self._segs.append(_Seg(Segment.create(segment_size, backend, tag="mpx-arena")))
         local_arenas[self.id] = self
@@ -176,12 +177,14 @@ class Arena:
             np.copyto(out, src, casting="no")
         return out
 
-    def share(self, array: Any, tag: str = "") -> ArrayDescriptor:
+    def share(self, array: Any, tag: str = "", peer: Ring | None = None) -> ArrayDescriptor:
         """A descriptor of ``array`` that another process can open zero-copy.
 
         An array (or any view of one) already in this arena is described in
         place, strides and all; anything else is copied in once first. The
-        descriptor carries one reference to the memory.
+        descriptor carries one reference to the memory. Naming the ``peer``
+        (its ring from :meth:`link`) that will open it lets :meth:`reclaim`
+        take the reference back if that peer dies holding it.
         """
         arr = np.asarray(array)
         check_shareable(arr)
@@ -201,6 +204,11 @@ class Arena:
         with self._lock:
             alloc.exported += 1
             self._exported += 1
+            if peer is not None:
+                owed = self._owed.get(id(peer))
+                if owed is None:
+                    raise ValueError("peer must be a ring made or adopted by this arena's link()")
+                owed[alloc.id] = owed.get(alloc.id, 0) + 1
         self._drain_deferred()
         return ArrayDescriptor(
             arena_id=self.id,
@@ -364,7 +372,33 @@ class Arena:
         with self._lock:
             self._check_open()
             self._links.append(ring)
+            self._owed[id(ring)] = {}
         return ring
+
+    def reclaim(self, ring: Ring) -> int:
+        """Take back every reference shared with the peer behind ``ring``.
+
+        For a peer that died: first apply what it did send back, then drop the
+        references it still held (descriptors shared with ``peer=ring``), and
+        forget the link. Returns how many references were taken back.
+        """
+        with self._lock:
+            self._collect_locked()
+            owed = self._owed.pop(id(ring), {})
+            if ring in self._links:
+                self._links.remove(ring)
+            n = 0
+            for alloc_id, count in owed.items():
+                alloc = self._allocs.get(alloc_id)
+                if alloc is None or count <= 0:
+                    continue
+                alloc.exported -= count
+                self._exported -= count
+                n += count
+                self._maybe_free(alloc)
+        self._drain_deferred()
+        ring.close()
+        return n
 
     def collect(self) -> int:
         """Apply the releases that other processes sent back; returns how many."""
@@ -376,12 +410,17 @@ class Arena:
     def _collect_locked(self) -> int:
         n = 0
         for ring in self._links:
+            owed = self._owed[id(ring)]
             while (rec := ring.try_pop()) is not None:
                 arena_id, alloc_id, count = RELEASE.unpack(rec)
                 alloc = self._allocs.get(alloc_id)
                 n += 1
                 if alloc is None or arena_id != self.id:
                     continue
+                if alloc_id in owed:
+                    owed[alloc_id] -= count
+                    if owed[alloc_id] <= 0:
+                        del owed[alloc_id]
                 alloc.exported -= count
                 self._exported -= count
                 self._maybe_free(alloc)
@@ -429,6 +468,7 @@ class Arena:
             for ring in self._links:
                 ring.close()
             self._links.clear()
+            self._owed.clear()
         local_arenas.pop(self.id, None)
 
     def __enter__(self) -> Arena:

@@ -19,7 +19,7 @@ ALIGNMENT = 64
 PAGE_SIZE = mmap.PAGESIZE
 
 #: Where named POSIX segments live on Linux (used by the ``posix`` backend).
-_DEV_SHM = "/dev/shm"
+DEV_SHM = "/dev/shm"
 
 
 def memfd_supported() -> bool:
@@ -53,17 +53,17 @@ def free_bytes(backend: str) -> int:
     named POSIX segments on Linux are bounded by the ``/dev/shm`` mount too.
     """
     available = int(psutil.virtual_memory().available)
-    if backend == "posix" and os.path.isdir(_DEV_SHM):
-        st = os.statvfs(_DEV_SHM)
+    if backend == "posix" and os.path.isdir(DEV_SHM):
+        st = os.statvfs(DEV_SHM)
         available = min(available, st.f_bavail * st.f_frsize)
     return available
 
 
 def dev_shm_size() -> int | None:
     """Total size of the ``/dev/shm`` mount, or None where there is none."""
-    if not os.path.isdir(_DEV_SHM):
+    if not os.path.isdir(DEV_SHM):
         return None
-    st = os.statvfs(_DEV_SHM)
+    st = os.statvfs(DEV_SHM)
     return int(st.f_blocks * st.f_frsize)
 
 

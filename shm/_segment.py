@@ -30,6 +30,7 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import secrets
 import stat
 import weakref
@@ -40,6 +41,7 @@ import numpy as np
 
 from ._errors import AttachError, ReservationError
 from ._fdpass import fd_for_child, fd_in_child
+from ._platform import DEV_SHM as _DEV_SHM
 from ._platform import PAGE_SIZE, default_backend, free_bytes
 
 _BACKENDS = ("memfd", "posix")
@@ -106,6 +108,50 @@ def _shm_module() -> Any:
     return _posixshmem
 
 
+_ORPHAN = re.compile(r"^(mpx(?:-[a-z]+)?)-(\d+)-[0-9a-f]{16}$")
+_reaped_in: int | None = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def reap_orphans() -> list[str]:
+    """Unlink named segments left by our processes that were killed.
+
+    A SIGKILLed owner of the ``posix`` backend cannot unlink its names. Each
+    name carries its creator's pid, so on Linux, where names are visible in
+    ``/dev/shm``, any of this user's names whose creator is gone are removed
+    (mappings that peers still hold stay valid). Runs once per process before
+    its first named segment is created; returns the names removed.
+    Caveat: processes in other pid namespaces that share ``/dev/shm`` look dead.
+    """
+    removed: list[str] = []
+    try:
+        entries = os.listdir(_DEV_SHM)
+    except OSError:
+        return removed  # no /dev/shm to look in (macOS): nothing we can list
+    uid = os.getuid()
+    for entry in entries:
+        m = _ORPHAN.match(entry)
+        if m is None or _pid_alive(int(m.group(2))):
+            continue
+        try:
+            if os.stat(os.path.join(_DEV_SHM, entry)).st_uid != uid:
+                continue
+            _shm_module().shm_unlink("/" + entry)
+            removed.append(entry)
+        except OSError:
+            pass
+    return removed
+
+
 def _close_fd(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
@@ -162,6 +208,8 @@ class Segment:
         """Reserve a new segment of at least ``size`` bytes (rounded up to a page)."""
         if size <= 0:
             raise ValueError(f"segment size must be positive, not {size}")
+        if not re.fullmatch(r"mpx(?:-[a-z]+)?", tag):
+            raise ValueError(f"tag must look like 'mpx' or 'mpx-word', not {tag!r}")
         backend = backend or default_backend()
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, not {backend!r}")
@@ -170,6 +218,10 @@ class Segment:
         if backend == "memfd":
             fd = os.memfd_create(f"{tag}-{os.getpid()}", os.MFD_CLOEXEC)
         else:
+            global _reaped_in
+            if _reaped_in != os.getpid():
+                _reaped_in = os.getpid()
+                reap_orphans()
             name = f"/{tag}-{os.getpid()}-{secrets.token_hex(8)}"
             fd = _shm_module().shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:

@@ -99,3 +99,14 @@ def test_format_bytes() -> None:
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_reap_orphans_spares_the_living(no_leaks: None) -> None:
+    seg = shm.Segment.create(4096, "posix")
+    assert seg.handle.name.lstrip("/") not in shm.reap_orphans()
+    seg.close()
+
+
+def test_tag_is_validated() -> None:
+    with pytest.raises(ValueError, match="tag"):
+        shm.Segment.create(10, tag="../../etc")

@@ -106,11 +106,7 @@ def test_many_processes_open_and_release_concurrently(ctx: Any, no_leaks: None) 
     arena.close()
 
 
-# A SIGKILLed owner of *named* segments (the fallback backend) leaves their
-# names behind; that case is the reason memfd is the default on Linux.
-@pytest.mark.parametrize(
-    ("how", "backend"), [("exit", "memfd"), ("exit", "posix"), ("sigkill", "memfd")]
-)
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_view_outlives_its_sender(how: str, backend: str, no_leaks: None) -> None:
     import multiprocessing as mp
 
@@ -127,6 +123,10 @@ def test_view_outlives_its_sender(how: str, backend: str, no_leaks: None) -> Non
         p.join(T)
         assert p.exitcode == -signal.SIGKILL
         np.testing.assert_array_equal(view, expected)  # still mapped, still right
+        if backend == "posix":
+            # A killed owner cannot unlink its names; the next user reaps them.
+            assert any(f"-{p.pid}-" in n for n in shm.reap_orphans())
+            np.testing.assert_array_equal(view, expected)
         del view
         gc.collect()  # the release goes to a dead owner: dropped, no error
     else:
@@ -194,7 +194,8 @@ def test_exhaustion_by_a_peer_is_an_error_then_recovers(how: str, no_leaks: None
     p = ctx.Process(target=_fill_remote, args=(arena.id, route, inbox, outbox, bye))
     p.start()
     for _ in range(4):
-        inbox.push(pickle.dumps(arena.share(np.ones(MiB // 8))), timeout=T, watch=[p])
+        desc = arena.share(np.ones(MiB // 8), peer=route)
+        inbox.push(pickle.dumps(desc), timeout=T, watch=[p])
         assert outbox.pop(timeout=T, watch=[p]) == b"k"
     inbox.close_producer()
     assert outbox.pop(timeout=T, watch=[p]) == b"holding"
@@ -208,9 +209,11 @@ def test_exhaustion_by_a_peer_is_an_error_then_recovers(how: str, no_leaks: None
     else:
         os.kill(p.pid, signal.SIGKILL)
         p.join(T)
-        # A killed peer's references die with it: the owner still counts them
-        # (the worker pool reclaims them by tracking what it sent to whom).
+        # A killed peer cannot return its references: the owner takes back
+        # what it shared with that peer.
         assert arena.stats().exported == 4
+        assert arena.reclaim(route) == 4
+        assert arena.stats().allocations == 0
     assert p.exitcode == (0 if how == "exit" else -signal.SIGKILL)
     arena.close()
     for r in (inbox, outbox, bye):

@@ -1,0 +1,20 @@
+"""Benchmarks of mpexec and its shared-memory layer (not shipped with the package).
+
+Run every benchmark with ``python -m benchmarks``, one of them with
+``python -m benchmarks shm``, and a shortened smoke-test version with
+``--quick``. Each benchmark prints a plain-text table and writes
+``benchmarks/results/<name>.json`` and ``<name>.md`` (``<name>-quick.*`` for
+``--quick`` runs, which are not kept in git).
+
+Benchmarks report *ratios* of transports measured side by side in one run:
+they hold on a noisy machine, where absolute times do not.
+"""
+
+from __future__ import annotations
+
+#: Benchmark name -> module; each module has ``run(quick, out_dir) -> dict``.
+BENCHMARKS: dict[str, str] = {
+    "shm": "benchmarks.shm_bench",
+}
+
+__all__ = ["BENCHMARKS"]

@@ -1,0 +1,49 @@
+"""``python -m benchmarks [NAME ...] [--quick] [--out DIR]``: run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from benchmarks import BENCHMARKS
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run mpexec benchmarks; print tables, write results as JSON and Markdown.",
+    )
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a shortened run for smoke tests (~20 s)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="where to write results (default: benchmarks/results)",
+    )
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
+    status = 0
+    for name in args.names or list(BENCHMARKS):
+        module = importlib.import_module(BENCHMARKS[name])
+        result = module.run(quick=args.quick, out_dir=args.out)
+        if result.get("errors"):
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
