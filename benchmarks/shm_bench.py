@@ -391,7 +391,7 @@ class RingTransport(Transport):
         return dt
 
     def stop(self) -> None:
-        self.req.close_producer(timeout=1.0)
+        self.req.close_producer()
 
     def close(self) -> None:
         self.req.close()
@@ -717,7 +717,7 @@ def bench_handoff(ctx: Any, cfg: Config, problems: list[str]) -> dict[str, Any]:
             raise
         finally:
             try:
-                req.close_producer(timeout=1.0)
+                req.close_producer()
             except Exception as exc:
                 problems.append(f"stopping the arena reader: {exc!r}")
             if conn is not None:

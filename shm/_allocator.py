@@ -7,6 +7,9 @@ dictionary lookup or a binary search:
 - ``_by_size``: sorted ``(size, offset)`` for best-fit search;
 - ``_start``: offset -> size, and ``_end``: end offset -> offset, so that a
   freed block merges with both neighbours in O(1).
+
+Allocated blocks are kept too (``_used``), so a double free or a free of a range
+that was never handed out raises instead of corrupting the lists.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class FreeList:
         self._by_size: list[tuple[int, int]] = [(size, 0)]
         self._start: dict[int, int] = {0: size}
         self._end: dict[int, int] = {size: 0}
+        self._used: dict[int, int] = {}
 
     def round(self, nbytes: int) -> int:
         """The size an allocation of ``nbytes`` really takes (at least one unit)."""
@@ -44,13 +48,15 @@ class FreeList:
         if size > need:
             self._insert(offset + need, size - need)
         self.free_bytes -= need
+        self._used[offset] = need
         return offset
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return a block given by :meth:`allocate`, merging it with free neighbours."""
         size = self.round(nbytes)
-        if offset in self._start or offset < 0 or offset + size > self.size:
+        if self._used.get(offset) != size:
             raise ValueError(f"double or bad free of [{offset}, {offset + size})")
+        del self._used[offset]
         self.free_bytes += size
         before = self._end.get(offset)
         if before is not None:

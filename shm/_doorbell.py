@@ -69,8 +69,13 @@ class Doorbell:
             return 0
 
     def close(self) -> None:
-        """Close this process's fds; idempotent."""
+        """Close this process's fds; idempotent.
+
+        The fd numbers are forgotten too: once closed they may name another
+        file, which a stray ``ring()`` must not write to (it gets EBADF).
+        """
         self._finalizer()
+        self._rfd = self._wfd = -1
 
     @property
     def closed(self) -> bool:

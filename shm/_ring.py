@@ -12,7 +12,12 @@ never write the same cache line)::
     128  tail    records popped so far                 (consumer writes)
     192  flags   producer_closed, consumer_closed      (each side its own byte)
     256  peak, producer_waits, consumer_waits          (statistics only)
-    320  slots   capacity x slot_stride; a slot is [u32 length][payload]
+    320  slots   (capacity + 1) x slot_stride; a slot is [u32 length][payload]
+
+The slot beyond ``capacity`` is never covered by a space credit, so when the
+producer holds no credit the slot at ``head`` is still free: that is where
+:meth:`Ring.close_producer` writes the end marker, which therefore never waits
+and always reaches the consumer, however full the ring is.
 
 Publication protocol
 --------------------
@@ -113,6 +118,11 @@ def wait(objects: Iterable[Watchable], timeout: float | None = None) -> list[Wat
     an empty list on timeout. One ``poll`` call: a dead peer is seen at once.
     """
     objs = list(objects)
+    # A consumer takes every credit at once, so records it holds credits for
+    # no longer show on the doorbell's fd: such a ring is ready already.
+    held = {id(o) for o in objs if isinstance(o, Ring) and o._item_credits}
+    if held:
+        timeout = 0
     poller = select.poll()
     by_fd: dict[int, list[Watchable]] = {}
     for obj in objs:
@@ -128,7 +138,7 @@ def wait(objects: Iterable[Watchable], timeout: float | None = None) -> list[Wat
         except InterruptedError:  # pragma: no cover - PEP 475 retries for us
             continue
     ready = {fd for fd, _ in events}
-    return [o for o in objs if _fd_of(o) in ready]
+    return [o for o in objs if id(o) in held or _fd_of(o) in ready]
 
 
 class Ring:
@@ -150,7 +160,7 @@ class Ring:
         if record_size < 1 or record_size > 1 << 20:
             raise ValueError(f"record_size must be in 1..{1 << 20}, not {record_size}")
         stride = -(-(_U32.size + record_size) // ALIGNMENT) * ALIGNMENT
-        seg = Segment.create(_SLOTS + capacity * stride, backend, tag="mpx-ring")
+        seg = Segment.create(_SLOTS + (capacity + 1) * stride, backend, tag="mpx-ring")
         # Handed over by fd, so a named segment needs no name from now on.
         seg.unlink()
         _HEADER.pack_into(seg.buf, 0, _MAGIC, capacity, record_size, stride)
@@ -162,6 +172,8 @@ class Ring:
             raise ValueError("not a ring segment")
         self._seg = seg
         self._buf = seg.buf
+        self._nslots = self.capacity + 1
+        self._closed = False
         self._items = items
         self._spaces = spaces
         # Local to the process using each end; see the module docstring.
@@ -174,6 +186,8 @@ class Ring:
         self._flush_at = max(1, self.capacity // 2)
         self._eof_sent = bool(self._buf[_PRODUCER_CLOSED])
         self._eof_seen = False
+        self._poll_fds: tuple[int, ...] = ()
+        self._poller: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_ring, (self._seg, self._items, self._spaces))
@@ -181,6 +195,7 @@ class Ring:
     # ---------------------------------------------------------------- producer
     def fileno(self) -> int:
         """Readable while records wait to be popped (for :func:`wait`)."""
+        self._check_usable()
         return self._items.fileno()
 
     def try_push(self, data: bytes | bytearray | memoryview) -> bool:
@@ -230,13 +245,17 @@ class Ring:
 
     def _check_size(self, data: bytes | bytearray | memoryview) -> None:
         if self._eof_sent:
+            self._check_usable()
             raise RingClosedError("this ring's producer end is closed")
+        # Read on every push, not only when credits run out: records pushed
+        # after the consumer left would be lost without a word.
+        self._check_open(self._buf[_CONSUMER_CLOSED], "consumer")
         if len(data) > self.record_size:
             raise ValueError(f"record of {len(data)} bytes exceeds record_size {self.record_size}")
 
     def _write(self, data: bytes | bytearray | memoryview, length: int | None = None) -> None:
         n = len(data)
-        off = _SLOTS + (self._head % self.capacity) * self._stride
+        off = _SLOTS + (self._head % self._nslots) * self._stride
         _U32.pack_into(self._buf, off, n if length is None else length)
         self._buf[off + 4 : off + 4 + n] = data
         self._head += 1
@@ -302,7 +321,7 @@ class Ring:
 
     def _read(self) -> bytes | None:
         """Copy out the record at ``tail`` and free its slot; None at the end marker."""
-        off = _SLOTS + (self._tail % self.capacity) * self._stride
+        off = _SLOTS + (self._tail % self._nslots) * self._stride
         n = _U32.unpack_from(self._buf, off)[0]
         rec = None if n == _EOF else bytes(self._buf[off + 4 : off + 4 + n])
         self._consumed(1)
@@ -332,9 +351,14 @@ class Ring:
     def _acquire_items(self, timeout: float | None, watch: Sequence[Watchable]) -> bool:
         if self._item_credits:
             return True
+        self._check_usable()
         if self._eof_seen:
             raise RingClosedError("the ring's producer closed it")
-        got = self._items.take()
+        # ``head`` is only a hint (see above), but when it shows nothing new a
+        # blocking pop goes straight to sleep: poll() returns at once anyway if
+        # a credit did arrive, and the empty read (an exception) is saved.
+        quiet = timeout != 0 and _U64.unpack_from(self._buf, _HEAD)[0] == self._taken
+        got = 0 if quiet else self._items.take()
         if not got:
             # About to sleep: give back every freed slot first, so that a
             # producer waiting for space can never wait on us.
@@ -355,46 +379,66 @@ class Ring:
     def _block(self, bell: Doorbell, deadline: float | None, watch: Sequence[Watchable]) -> bool:
         """Sleep until ``bell`` may have credits; False on timeout."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = wait([bell, *watch], left)
+        fds = (bell.fileno(), *map(_fd_of, watch))
+        if fds != self._poll_fds:  # the same wait as last time, nearly always
+            self._poller = select.poll()
+            for fd in fds:
+                self._poller.register(fd, select.POLLIN)
+            self._poll_fds = fds
+        ms = None if left is None else max(0, int(left * 1000 + 0.999))
+        ready = {fd for fd, _ in self._poller.poll(ms)}
         if not ready:
             return False
-        if ready[0] is not bell:
-            # Credits may have arrived together with the exit: let the caller take them.
-            if bell in ready:
-                return True
-            raise PeerDiedError(_describe(ready[0]))
-        return True
+        # Credits may have arrived together with an exit: let the caller take them.
+        if fds[0] in ready:
+            return True
+        for obj, fd in zip(watch, fds[1:], strict=True):
+            if fd in ready:
+                raise PeerDiedError(_describe(obj))
+        return True  # pragma: no cover - poll() reports only registered fds
 
     @staticmethod
     def _check_open(flag: int, side: str) -> None:
         if flag:
             raise RingClosedError(f"the ring's {side} closed it")
 
+    def _check_usable(self) -> None:
+        # The doorbells' fd numbers may belong to other files by now.
+        if self._closed:
+            raise ValueError("operation on a closed Ring")
+
     def _bump(self, field: int) -> None:
         _U64.pack_into(self._buf, field, _U64.unpack_from(self._buf, field)[0] + 1)
 
-    def close_producer(self, timeout: float | None = 1.0) -> None:
+    def close_producer(self) -> None:
         """Tell the consumer that no record will follow those already pushed.
 
-        An end marker takes one slot, so this waits up to ``timeout`` for one;
-        the consumer raises :class:`RingClosedError` once it reaches the marker.
-        Idempotent.
+        Never blocks: the end marker goes into the spare slot if no credited
+        one is free. The consumer raises :class:`RingClosedError` once it has
+        popped every record before the marker. Idempotent.
         """
         if self._eof_sent:
             return
+        self._check_usable()
         self._buf[_PRODUCER_CLOSED] = 1
-        if self._acquire_space(1, timeout, ()):
-            self._write(b"", length=_EOF)
-            self._items.ring(1)
+        self._space_credits += 1  # the spare slot: spent by the marker just below
+        self._write(b"", length=_EOF)
+        self._items.ring(1)
         self._eof_sent = True
 
     def close_consumer(self) -> None:
         """Tell the producer its records will no longer be read."""
+        self._check_usable()
         self._buf[_CONSUMER_CLOSED] = 1
-        self._spaces.ring(1)
+        self._spaces.ring(1)  # wakes a producer waiting for space, to see the flag
 
     def close(self) -> None:
-        """Release this process's fds for the ring; idempotent. The mapping stays."""
+        """Release this process's fds for the ring; idempotent. The mapping stays.
+
+        Any later call on this end raises ``ValueError``.
+        """
+        self._closed = True
+        self._eof_sent = True  # every push path checks this flag first
         self._items.close()
         self._spaces.close()
         self._seg.close()

@@ -26,7 +26,9 @@ deque before letting go (CPython ``multiprocessing/heap.py``, bpo-12352).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import pickle
 import struct
 import threading
 import weakref
@@ -43,6 +45,8 @@ from ._segment import Segment, SegmentHandle
 RELEASE = struct.Struct("<QQI")
 #: Record size for rings made to carry releases (``Arena.link``).
 RELEASE_RECORD_SIZE = RELEASE.size
+#: How many segments of other processes stay mapped here after their last view died.
+KEEP_MAPPED = 4
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,84 @@ class ArrayDescriptor:
     def size_bytes(self) -> int:
         """Bytes of the array's data (not of the whole allocation)."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def pack(self) -> bytes:
+        """A compact encoding (about 100 bytes) for ring records; see :meth:`unpack`.
+
+        Pickling uses it too: a descriptor travels with every task, and the
+        generic pickle of a dataclass holding a dtype is 3x larger and 10x slower.
+        """
+        seg = self.segment
+        name = seg.name.encode() if seg is not None and seg.name else b""
+        dt = _encode_dtype(self.dtype)
+        nd = len(self.shape)
+        head = _DESC_HEAD.pack(
+            self.arena_id,
+            self.alloc_id,
+            self.offset,
+            self.nbytes,
+            self.start,
+            0 if seg is None else seg.owner_pid,
+            -1 if seg is None else seg.fd,
+            0 if seg is None else seg.inode,
+            0 if seg is None else seg.size,
+            _NO_SEGMENT if seg is None else _BACKENDS.index(seg.backend),
+            nd,
+            len(self.strides),
+            len(dt),
+            len(name),
+        )
+        dims = struct.pack(f"<{nd + len(self.strides)}q", *self.shape, *self.strides)
+        return head + dims + dt + name
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> ArrayDescriptor:
+        """The descriptor that :meth:`pack` encoded."""
+        fields = _DESC_HEAD.unpack_from(data, 0)
+        arena_id, alloc_id, offset, nbytes, start, pid, fd, inode, size = fields[:9]
+        backend, nd, ns, nt, nn = fields[9:]
+        pos = _DESC_HEAD.size
+        dims = struct.unpack_from(f"<{nd + ns}q", data, pos)
+        pos += 8 * (nd + ns)
+        dtype = _decode_dtype(bytes(data[pos : pos + nt]))
+        pos += nt
+        segment = None
+        if backend != _NO_SEGMENT:
+            name = bytes(data[pos : pos + nn]).decode()
+            segment = SegmentHandle(_BACKENDS[backend], pid, fd, inode, name, size)
+        return cls(arena_id, alloc_id, segment, offset, nbytes, dtype, dims[:nd], dims[nd:], start)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ArrayDescriptor.unpack, (self.pack(),))
+
+
+_DESC_HEAD = struct.Struct("<QQQQqqiQQBBBBB")
+_BACKENDS = ("memfd", "posix")
+_NO_SEGMENT = 255
+_dtype_codes: dict[np.dtype[Any], bytes] = {}
+_code_dtypes: dict[bytes, np.dtype[Any]] = {}
+
+
+def _encode_dtype(dtype: np.dtype[Any]) -> bytes:
+    code = _dtype_codes.get(dtype)
+    if code is None:
+        # ``dtype.str`` loses field names, offsets and sub-array shapes: pickle those.
+        simple = dtype.fields is None and dtype.subdtype is None and np.dtype(dtype.str) == dtype
+        code = b"s" + dtype.str.encode() if simple else b"p" + pickle.dumps(dtype)
+        if len(code) > 255:
+            raise ValueError(f"dtype {dtype} is too complex to describe in a ring record")
+        if len(_dtype_codes) < 1024:
+            _dtype_codes[dtype] = code
+    return code
+
+
+def _decode_dtype(code: bytes) -> np.dtype[Any]:
+    dtype = _code_dtypes.get(code)
+    if dtype is None:
+        dtype = np.dtype(code[1:].decode()) if code[:1] == b"s" else pickle.loads(code[1:])
+        if len(_code_dtypes) < 1024:
+            _code_dtypes[code] = dtype
+    return dtype
 
 
 class Anchor:
@@ -136,6 +218,7 @@ class _Importer:
         self.mappings: weakref.WeakValueDictionary[tuple[int, int, bool], Segment] = (
             weakref.WeakValueDictionary()
         )
+        self.recent: collections.deque[Segment] = collections.deque(maxlen=KEEP_MAPPED)
         self.deferred = _Deferred()
         self.dropped = 0  # releases for arenas with no route (their owner is gone)
 
@@ -145,6 +228,15 @@ class _Importer:
         if seg is None:
             seg = Segment.attach(handle, readonly=readonly)
             self.mappings[key] = seg
+        # Keep the last few mapped after their views die: mapping a segment
+        # costs an open and an mmap, far more than the rest of open_array. The
+        # bound limits the memory a peer can keep alive after its owner freed it.
+        recent = self.recent
+        if recent and recent[-1] is not seg:
+            with contextlib.suppress(ValueError):
+                recent.remove(seg)
+        if not recent or recent[-1] is not seg:
+            recent.append(seg)
         return seg
 
     def released(self, arena_id: int, alloc_id: int) -> None:
