@@ -27,11 +27,24 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
 
 
 def shm_names() -> set[str]:
-    """Our named segments in /dev/shm (memfd leaves none by construction)."""
+    """Named segments in /dev/shm that may be ours (memfd leaves none by construction).
+
+    Names read ``{tag}-{pid}-{hex}``. Other pytest-xdist workers and tox envs
+    create segments at the same time: a name whose creator is alive but is
+    neither this process nor one of its descendants is theirs, and left out.
+    """
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("mpx")}
+        names = [n for n in os.listdir("/dev/shm") if n.startswith("mpx")]
     except FileNotFoundError:
         return set()
+    me = psutil.Process()
+    ours = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    return {n for n in names if _creator(n) in ours or not psutil.pid_exists(_creator(n))}
+
+
+def _creator(name: str) -> int:
+    parts = name.split("-")
+    return int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else -1
 
 
 def memfd_count(pid: int | None = None) -> int:
