@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpexec import __version__
+from ._version import __version__
 from shm._platform import PlatformInfo, platform_info
 
 _KiB = 1 << 10

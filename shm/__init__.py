@@ -8,6 +8,7 @@ The mechanism under mpexec, usable on its own (it never imports mpexec):
   that grow up to a cap; arrays live in it and are shared by descriptor.
 - :class:`Ring`: a single-producer/single-consumer ring of fixed-size records
   with kernel doorbells, waitable together with process sentinels.
+- :class:`Lifeline`: a child's prompt, poll-free view of its parent's death.
 - :class:`ArrayDescriptor` / :func:`open_array`: a small picklable description
   of an array in an arena, opened elsewhere as a zero-copy, read-only ndarray.
 """
@@ -22,6 +23,7 @@ from ._errors import (
     RingTimeoutError,
     SharedMemoryError,
 )
+from ._lifeline import Lifeline
 from ._platform import PlatformInfo, platform_info
 from ._ring import Ring, RingStats, wait
 from ._segment import Segment, SegmentHandle, reap_orphans
@@ -40,6 +42,7 @@ __all__ = [
     "ArenaStats",
     "ArrayDescriptor",
     "AttachError",
+    "Lifeline",
     "PeerDiedError",
     "PlatformInfo",
     "ReservationError",

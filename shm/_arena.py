@@ -222,6 +222,31 @@ class Arena:
             start=start,
         )
 
+    def unshare(self, desc: ArrayDescriptor, peer: Ring | None = None) -> None:
+        """Take back the reference of a descriptor that will never be sent.
+
+        For a sender whose message failed after some of its arrays were
+        shared; ``peer`` must be the one given to :meth:`share`.
+        """
+        if desc.segment is None:
+            return
+        with self._lock:
+            alloc = self._allocs.get(desc.alloc_id)
+            if alloc is None or alloc.exported <= 0 or desc.arena_id != self.id:
+                raise SharedMemoryError(
+                    f"allocation {desc.alloc_id} of arena {self.name!r} has no shared "
+                    "reference left to take back"
+                )
+            alloc.exported -= 1
+            self._exported -= 1
+            owed = self._owed.get(id(peer)) if peer is not None else None
+            if owed is not None and owed.get(alloc.id, 0) > 0:
+                owed[alloc.id] -= 1
+                if not owed[alloc.id]:
+                    del owed[alloc.id]
+            self._maybe_free(alloc)
+        self._drain_deferred()
+
     def owns(self, array: Any) -> bool:
         """True if ``array`` is a view of memory allocated by this arena."""
         anchor = find_anchor(np.asarray(array)) if isinstance(array, np.ndarray) else None
@@ -448,6 +473,16 @@ class Arena:
     def _check_open(self) -> None:
         if self._closed:
             raise SharedMemoryError(f"arena {self.name!r} is closed")
+
+    def unlink(self) -> None:
+        """Remove the names of named segments now; mappings and fds stay valid.
+
+        For a process about to exit without running finalizers (``os._exit``
+        from a watchdog): memfd segments need nothing, named ones would linger.
+        Never blocks. Other processes can no longer attach those segments.
+        """
+        for seg in list(self._segs):
+            seg.rw.unlink()
 
     @property
     def closed(self) -> bool:

@@ -265,3 +265,17 @@ def test_descriptor_packs_compactly_and_exactly(arena: shm.Arena, dtype: Any) ->
     del base, view
     gc.collect()
     assert arena.stats().in_use == 0
+
+
+def test_unshare_takes_back_an_unsent_descriptor(arena: shm.Arena) -> None:
+    peer = arena.link()
+    x = arena.empty(1000, np.uint8)
+    desc = arena.share(x, peer=peer)
+    del x
+    gc.collect()
+    assert arena.stats().in_use > 0  # the descriptor holds it
+    arena.unshare(desc, peer)
+    assert arena.stats().in_use == 0
+    assert arena.reclaim(peer) == 0  # nothing owed by the peer any more
+    with pytest.raises(shm.SharedMemoryError, match="no shared reference"):
+        arena.unshare(desc)

@@ -1,0 +1,190 @@
+"""Turning call arguments and results into ring records, arrays by reference.
+
+Values are pickled (protocol 5), but every ndarray is pulled out of the stream
+by ``persistent_id`` and replaced by a reference:
+
+- arrays already in the sender's arena, and any larger than ``inline_max``,
+  by an :class:`shm.ArrayDescriptor` (the receiver maps the same bytes);
+- small arrays by their bytes, which the receiver wraps without a copy.
+
+So tuples, lists, dicts and user objects holding arrays are walked by pickle
+itself, and an array is never pickled. Functions go through cloudpickle, so
+lambdas, closures and local functions work. Anything that cannot be pickled
+raises :class:`~mpexec.SerializationError` naming where it sits
+(``args[1]['mask']``), in the caller, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+import shm
+
+from ._errors import SerializationError
+
+#: Arrays up to this size travel inside the record rather than through the arena.
+INLINE_MAX = 16 << 10
+
+_SHARED, _INLINE = 0, 1
+
+
+class _Refs:
+    """What one encoding shared, so that a failed encoding can give it back."""
+
+    def __init__(self, arena: shm.Arena | None, peer: shm.Ring | None, inline_max: int) -> None:
+        self.arena = arena
+        self.peer = peer
+        self.inline_max = inline_max
+        self.shared: list[shm.ArrayDescriptor] = []
+        self.bytes_shared = 0
+        self.bytes_copied = 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is not np.ndarray or obj.dtype.hasobject:
+            return None
+        arena = self.arena
+        if arena is not None and (obj.nbytes > self.inline_max or arena.owns(obj)):
+            if not arena.owns(obj):
+                self.bytes_copied += obj.nbytes
+            desc = arena.share(obj, peer=self.peer)
+            self.shared.append(desc)
+            self.bytes_shared += obj.nbytes
+            return (_SHARED, desc.pack())
+        data = obj.tobytes() if obj.flags.c_contiguous else np.ascontiguousarray(obj).tobytes()
+        return (_INLINE, obj.dtype, obj.shape, data)
+
+    def undo(self) -> None:
+        if self.arena is not None:
+            for desc in self.shared:
+                self.arena.unshare(desc, self.peer)
+        self.shared.clear()
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, refs: _Refs) -> None:
+        super().__init__(file, protocol=5)
+        self._refs = refs
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._refs.persistent_id(obj)
+
+
+class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    def __init__(self, file: io.BytesIO, refs: _Refs) -> None:
+        super().__init__(file, protocol=5)
+        self._refs = refs
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._refs.persistent_id(obj)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, writable: bool) -> None:
+        super().__init__(file)
+        self._writable = writable
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == _SHARED:
+            return shm.open_array(shm.ArrayDescriptor.unpack(pid[1]), writable=self._writable)
+        _, dtype, shape, data = pid
+        buf = bytearray(data) if self._writable else data
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+class Encoded:
+    """An encoded value: its bytes, and what its arrays cost to send."""
+
+    __slots__ = ("bytes_copied", "bytes_shared", "data", "refs")
+
+    def __init__(self, data: bytes, refs: _Refs) -> None:
+        self.data = data
+        self.refs = refs
+        self.bytes_shared = refs.bytes_shared
+        self.bytes_copied = refs.bytes_copied
+
+
+def encode(
+    value: Any,
+    arena: shm.Arena | None,
+    peer: shm.Ring | None = None,
+    what: str = "value",
+    inline_max: int = INLINE_MAX,
+) -> Encoded:
+    """Pickle ``value`` with its arrays by reference; SerializationError if it cannot."""
+    refs = _Refs(arena, peer, inline_max)
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, refs).dump(value)
+    except Exception:
+        refs.undo()
+        buf = io.BytesIO()
+        try:
+            _CloudPickler(buf, refs).dump(value)
+        except Exception as exc:
+            refs.undo()
+            raise SerializationError(describe_unpicklable(value, what, exc)) from exc
+    return Encoded(buf.getvalue(), refs)
+
+
+def decode(data: bytes | memoryview, writable: bool = False) -> Any:
+    """The value :func:`encode` pickled; its arrays are views, read-only unless asked."""
+    return _Unpickler(io.BytesIO(data), writable).load()
+
+
+def dump_value(value: Any, what: str = "function") -> bytes:
+    """Functions by value where they must be (lambdas, closures), by reference otherwise."""
+    try:
+        return bytes(cloudpickle.dumps(value, protocol=5))
+    except Exception as exc:
+        raise SerializationError(describe_unpicklable(value, what, exc)) from exc
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        _CloudPickler(io.BytesIO(), _Refs(None, None, 1 << 62)).dump(obj)
+    except Exception:
+        return False
+    return True
+
+
+def _children(obj: Any, path: str) -> list[tuple[Any, str]]:
+    if isinstance(obj, (list, tuple)):
+        return [(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        return [(v, f"{path}[{k!r}]") for k, v in obj.items()]
+    if isinstance(obj, (set, frozenset)):
+        return [(v, f"{path} (an element)") for v in obj]
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict):
+        return [(v, f"{path}.{k}") for k, v in attrs.items()]
+    return []
+
+
+def describe_unpicklable(value: Any, what: str, exc: BaseException) -> str:
+    """Name the innermost part of ``value`` that cannot be pickled, and why."""
+    node, path, depth = value, what, 0
+    while depth < 64:
+        bad = next((c for c in _children(node, path) if not _picklable(c[0])), None)
+        if bad is None:
+            break
+        node, path = bad
+        depth += 1
+    return (
+        f"cannot send {path} to a worker: {type(node).__module__}.{type(node).__qualname__} "
+        f"object {_short_repr(node)} cannot be pickled ({type(exc).__name__}: {exc}). "
+        "Pass data that pickles (arrays, numbers, strings, containers of them), or create "
+        "the object inside the function or in worker_init"
+    )
+
+
+def _short_repr(obj: Any) -> str:
+    try:
+        text = repr(obj)
+    except Exception:
+        text = f"<{type(obj).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,971 @@
+"""WorkerPool: a ``concurrent.futures.Executor`` over GIL-free worker processes.
+
+::
+
+    caller threads                    shared memory                       worker i
+    --------------                    -------------                       --------
+    submit(fn, *args)
+      encode: arrays -> descriptors   main arena (owned by the pool) --->  read-only views
+      push FUNC (once per fn), CALL ->  task ring i  (main -> worker) ---> pop, decode, call
+                                                                           encode the result
+    manager thread  <---------------  done ring i  (worker -> main)  <---  push OK / ERROR
+      decode, open result views   <-  worker arena i (owned by worker i)
+      set the future
+    views of results dropped  -----> result-release ring i ----------->  arena collects
+    worker's views dropped    <----- arg-release ring i  <-------------  finalizer pushes
+
+    one wait in the manager: every done ring + every worker sentinel + a wake-up doorbell
+
+Each ring has one producer and one consumer, so no lock is ever shared between
+processes; the pool's own lock is a plain thread lock in the main process. The
+pool owns the main arena and the rings; each worker owns its arena, and a
+result view in the caller keeps the worker's memory mapped after the worker
+is gone.
+
+The manager thread holds the state, not the pool, so that a pool that is
+dropped without ``shutdown`` is collected and shut down by its finalizer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import itertools
+import os
+import pickle
+import struct
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import psutil
+
+import shm
+
+from . import _codec, _worker
+from ._doctor import default_start_method
+from ._errors import (
+    BrokenPoolError,
+    PoolClosedError,
+    RemoteTraceback,
+    SerializationError,
+    TaskTimeoutError,
+    WorkerCrashedError,
+    signal_name,
+)
+from ._worker import CALL, ERROR, FAILED, FORGET, FUNC, HEADER, HELLO, OK
+
+T = TypeVar("T")
+
+_RING_CAPACITY = 64
+_IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
+_FN_CACHE = 1024  # functions kept (strongly) with their ids; older ones are forgotten
+_STOP_GRACE = 5.0  # seconds a worker gets to exit after its ring is closed
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool: work done, and the shared memory behind it."""
+
+    num_workers: int
+    submitted: int
+    completed: int
+    failed: int
+    pending: int
+    restarts: int
+    bytes_shared: int
+    bytes_copied: int
+    arena: shm.ArenaStats
+
+
+class _Task:
+    __slots__ = ("args", "fn", "future", "kwargs", "started", "task_id")
+
+    def __init__(self, task_id: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+        self.task_id = task_id
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.future: Future[Any] = Future()
+        self.started = 0.0  # when it reached the head of its worker's queue
+
+    def release(self) -> None:
+        """Drop the call's function and arguments (kept only to rerun it elsewhere)."""
+        self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+
+
+class _Slot:
+    """One worker process and the rings and bookkeeping that go with it."""
+
+    def __init__(self, index: int, generation: int) -> None:
+        self.index = index
+        self.generation = generation
+        self.process: Any = None
+        self.pid = 0
+        self.tasks = shm.Ring(_RING_CAPACITY, _worker.RECORD_SIZE)
+        self.done = shm.Ring(_RING_CAPACITY * 2 + 8, _worker.RECORD_SIZE)
+        self.arg_releases: shm.Ring | None = None
+        self.result_releases = shm.Ring(4096, shm.RELEASE_RECORD_SIZE)
+        self.arena_id = 0
+        self.queue: collections.deque[_Task] = collections.deque()
+        self.fns: set[int] = set()
+        self.forget: list[int] = []
+        self.ready = False
+
+    def close_rings(self) -> None:
+        for ring in (self.tasks, self.done, self.result_releases):
+            ring.close()
+
+
+class _State:
+    """Everything the pool and its manager thread share (the manager holds only this)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.slots: list[_Slot] = []
+        self.pending: collections.deque[_Task] = collections.deque()
+        self.broken: BaseException | None = None
+        self.closed = False  # no more submissions
+        self.stopping = False  # the manager returns once nothing is queued
+        self.stopped = False  # workers gone, rings closed
+        self.wake = shm.Ring(4, 1)  # the manager waits on it with the done rings
+        self.fn_ids: collections.OrderedDict[Any, int] = collections.OrderedDict()
+        self.next_fn_id = itertools.count(1)
+        self.next_task_id = itertools.count(1)
+        self.submitted = self.completed = self.failed = self.restarts = 0
+        self.bytes_shared = self.bytes_copied = 0
+
+    def poke(self) -> None:
+        with contextlib.suppress(shm.SharedMemoryError, ValueError):
+            self.wake.try_push(b"!")
+
+
+class WorkerPool(Executor):
+    """Run functions in worker processes, with arrays passed through shared memory.
+
+    ``num_workers`` defaults to the CPUs this process may use; ``0`` runs
+    every call inline in the caller (for a debugger). Arguments and results
+    may be any picklable values; the ndarrays in them travel zero-copy
+    (functions get read-only views; results are the caller's to keep).
+
+    - ``start_method``: ``"forkserver"`` (Linux default) or ``"spawn"``;
+      ``"fork"`` only on request, and refused once CUDA is initialised.
+    - ``seed``: ``numpy.random`` and ``random`` in each worker are seeded from
+      it with ``numpy.random.SeedSequence`` (worker index as spawn key).
+    - ``worker_init(*worker_init_args)``: called in each worker after seeding.
+    - ``timeout``: seconds a single call may run; past it the call fails with
+      :class:`TaskTimeoutError` and its worker is replaced.
+    - ``restart``: replace a worker that dies; only the call it was running
+      fails. Without it a crash breaks the pool (:class:`BrokenPoolError`).
+    - ``arena_size``: the size of each shared-memory segment of the pool's
+      arena (it grows by segments up to ``arena_capacity``).
+    """
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        *,
+        start_method: str | None = None,
+        seed: int | None = None,
+        worker_init: Callable[..., object] | None = None,
+        worker_init_args: tuple[Any, ...] = (),
+        timeout: float | None = None,
+        restart: bool = False,
+        arena_size: int = 64 << 20,
+        arena_capacity: int | None = None,
+        worker_arena_size: int = 32 << 20,
+        inline_max: int = _codec.INLINE_MAX,
+        start_timeout: float = 60.0,
+    ) -> None:
+        if num_workers is None:
+            num_workers = usable_cpus()
+        if isinstance(num_workers, bool) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, not {num_workers!r}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive or None, not {timeout!r}")
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.restart = restart
+        self._state = _State()
+        self._seed = int(np.random.SeedSequence(seed).entropy)  # type: ignore[arg-type]
+        self._inline_max = inline_max
+        self._worker_arena_size = worker_arena_size
+        self._init = (
+            _codec.dump_value((worker_init, tuple(worker_init_args)), "worker_init")
+            if worker_init is not None
+            else None
+        )
+        self._start_timeout = start_timeout
+        self._inline = num_workers == 0
+        self._arena: shm.Arena | None = None
+        self._manager: threading.Thread | None = None
+        self._finalizer: weakref.finalize[Any, WorkerPool] | None = None
+        if self._inline:
+            return
+        self._ctx = _context(start_method)
+        self._arena = shm.Arena(arena_size, arena_capacity, name="pool")
+        self._lifeline = shm.Lifeline()
+        _register_exit_hook()
+        try:
+            self._start_workers(range(num_workers), generation=0)
+        except BaseException:
+            _shutdown(self._state, self._arena, self._lifeline, None, wait=False, cancel=True)
+            raise
+        self._manager = threading.Thread(
+            target=_manage,
+            args=(self._state, weakref.ref(self), timeout),
+            name="mpexec-pool-manager",
+            daemon=True,
+        )
+        self._manager.start()
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._state, self._arena, self._lifeline, self._manager, False, True
+        )
+        _live_pools.add(self)
+
+    # ------------------------------------------------------------ workers
+    def _start_workers(self, indices: Iterable[int], generation: int) -> None:
+        """Start workers in parallel, then wait for each to say hello."""
+        state, arena = self._state, self._arena
+        assert arena is not None
+        started: list[_Slot] = []
+        for index in indices:
+            slot = _Slot(index, generation)
+            slot.arg_releases = arena.link()
+            boot = _worker.WorkerBoot(
+                index=index,
+                generation=generation,
+                tasks=slot.tasks,
+                done=slot.done,
+                arg_releases=slot.arg_releases,
+                result_releases=slot.result_releases,
+                lifeline=self._lifeline,
+                main_arena_id=arena.id,
+                main_pid=os.getpid(),
+                seed_entropy=self._seed,
+                init=self._init,
+                segment_size=self._worker_arena_size,
+                inline_max=self._inline_max,
+            )
+            slot.process = self._ctx.Process(
+                target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
+            )
+            with state.lock:
+                if index < len(state.slots):
+                    state.slots[index] = slot
+                else:
+                    state.slots.append(slot)
+            started.append(slot)
+            slot.process.start()
+            slot.pid = slot.process.pid
+        deadline = time.monotonic() + self._start_timeout
+        for slot in started:
+            self._await_hello(slot, deadline)
+
+    def _await_hello(self, slot: _Slot, deadline: float) -> None:
+        try:
+            rec = slot.done.pop(max(0.0, deadline - time.monotonic()), [slot.process])
+        except shm.RingTimeoutError:
+            raise BrokenPoolError(
+                f"worker {slot.index} (pid {slot.pid}) did not start within {self._start_timeout} s"
+            ) from None
+        except shm.SharedMemoryError:
+            slot.process.join(1)
+            raise BrokenPoolError(
+                f"worker {slot.index} (pid {slot.pid}) died while starting "
+                f"({_describe_exit(slot.process.exitcode)})"
+            ) from None
+        kind, flags, _, _ = HEADER.unpack_from(rec)
+        body = _worker.body_of(rec, flags)
+        if kind == FAILED:
+            exc, tb = pickle.loads(body)
+            err = BrokenPoolError(
+                f"worker {slot.index} (pid {slot.pid}) failed to start: {type(exc).__name__}: {exc}"
+            )
+            exc.__cause__ = RemoteTraceback(tb)
+            raise err from exc
+        if kind != HELLO:  # pragma: no cover - protocol error
+            raise BrokenPoolError(f"worker {slot.index} sent record kind {kind} first")
+        slot.pid, slot.arena_id = pickle.loads(body)
+        shm.set_release_route(slot.arena_id, slot.result_releases)
+        slot.ready = True
+
+    # ------------------------------------------------------------ the executor
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Schedule ``fn(*args, **kwargs)`` in a worker; a Future of its result.
+
+        Raises :class:`SerializationError` here, in the caller, if ``fn`` or an
+        argument cannot be pickled; :class:`PoolClosedError` after ``shutdown``;
+        the stored :class:`BrokenPoolError` once the pool is broken.
+        """
+        if not callable(fn):
+            raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
+        state = self._state
+        if self._inline:
+            return self._run_inline(fn, args, kwargs)
+        with state.lock:
+            self._check_usable()
+            task = _Task(next(state.next_task_id), fn, args, kwargs)
+            slot = self._pick_slot()
+            if slot is None:
+                # Every worker is busy: validate now, encode when a worker frees up.
+                _check_picklable(fn, args, kwargs)
+                state.pending.append(task)
+            else:
+                self._dispatch(task, slot)
+            state.submitted += 1
+        return task.future
+
+    def _run_inline(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        if self._state.closed:
+            raise PoolClosedError("cannot submit to a pool after shutdown()")
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*_readonly(args), **_readonly(kwargs)))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def _check_usable(self) -> None:
+        state = self._state
+        if state.broken is not None:
+            raise state.broken
+        if state.closed:
+            raise PoolClosedError("cannot submit to a pool after shutdown()")
+
+    def _pick_slot(self) -> _Slot | None:
+        best = None
+        for slot in self._state.slots:
+            n = len(slot.queue)
+            if slot.ready and n < _IN_FLIGHT and (best is None or n < len(best.queue)):
+                best = slot
+        return best
+
+    def _dispatch(self, task: _Task, slot: _Slot) -> None:
+        """Encode ``task`` for ``slot`` and push it (the state lock is held)."""
+        state, arena = self._state, self._arena
+        assert arena is not None
+        fn_id = self._function_id(task.fn)
+        records = []
+        if slot.forget:
+            body = struct.pack(f"<{len(slot.forget)}I", *slot.forget)
+            records.append(_worker.spill(FORGET, body, arena, slot.arg_releases))
+            slot.forget.clear()
+        if fn_id not in slot.fns:
+            body = _codec.dump_value(task.fn)
+            records.append(_worker.spill(FUNC, body, arena, slot.arg_releases, fn_id=fn_id))
+        enc = _codec.encode(
+            (task.args, task.kwargs), arena, slot.arg_releases, "args", self._inline_max
+        )
+        records.append(_worker.spill(CALL, enc.data, arena, slot.arg_releases, task.task_id, fn_id))
+        try:
+            slot.tasks.push_many(records, timeout=self._start_timeout, watch=[slot.process])
+        except BaseException:
+            enc.refs.undo()
+            raise
+        slot.fns.add(fn_id)
+        state.bytes_shared += enc.bytes_shared
+        state.bytes_copied += enc.bytes_copied
+        if not slot.queue:
+            task.started = time.monotonic()
+        slot.queue.append(task)
+        task.future.set_running_or_notify_cancel()
+        if self.timeout is not None:
+            state.poke()  # the manager sleeps until the earliest deadline
+
+    def _function_id(self, fn: Callable[..., Any]) -> int:
+        state = self._state
+        key: Any = fn
+        try:
+            fn_id = state.fn_ids.get(key)
+        except TypeError:  # unhashable callable: a new id each time
+            fn_id, key = None, _Unhashable(fn)
+        if fn_id is not None:
+            state.fn_ids.move_to_end(key)
+            return fn_id
+        fn_id = next(state.next_fn_id)
+        state.fn_ids[key] = fn_id
+        if len(state.fn_ids) > _FN_CACHE:
+            _, old = state.fn_ids.popitem(last=False)
+            for slot in state.slots:
+                if old in slot.fns:
+                    slot.fns.discard(old)
+                    slot.forget.append(old)
+        return fn_id
+
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+        ordered: bool = True,
+        prefetch: int | None = None,
+    ) -> Iterator[T]:
+        """Like ``Executor.map``, with at most ``prefetch`` calls in flight.
+
+        ``prefetch`` defaults to twice the number of workers; ``ordered=False``
+        yields results as they complete. ``timeout`` bounds the whole map.
+        ``chunksize`` is accepted for compatibility and ignored: calls are cheap.
+        """
+        del chunksize
+        limit = max(1, prefetch or 2 * max(1, self.num_workers))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        calls = zip(*iterables, strict=False)
+        return _map_results(self, fn, calls, limit, deadline, ordered)
+
+    def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
+        """A new array in the pool's shared memory: it reaches workers without a copy."""
+        if self._arena is None:
+            return np.empty(shape, dtype)
+        return self._arena.empty(shape, dtype)
+
+    def put(self, array: Any) -> Any:
+        """A copy of ``array`` in the pool's shared memory, to pass to many calls."""
+        if self._arena is None:
+            return np.array(array, copy=True)
+        return self._arena.put(array)
+
+    def stats(self) -> PoolStats:
+        """Counters and the arena's occupancy (a snapshot)."""
+        state = self._state
+        arena = self._arena.stats() if self._arena is not None else None
+        with state.lock:
+            pending = len(state.pending) + sum(len(s.queue) for s in state.slots)
+            return PoolStats(
+                num_workers=self.num_workers,
+                submitted=state.submitted,
+                completed=state.completed,
+                failed=state.failed,
+                pending=pending,
+                restarts=state.restarts,
+                bytes_shared=state.bytes_shared,
+                bytes_copied=state.bytes_copied,
+                arena=arena,  # type: ignore[arg-type]
+            )
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current workers."""
+        with self._state.lock:
+            return [s.pid for s in self._state.slots]
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop the pool; idempotent.
+
+        With ``wait``, queued calls finish first (unless ``cancel_futures``)
+        and the workers are joined; either way every worker is gone within a
+        bounded time (closed ring, timed join, SIGTERM, SIGKILL).
+        """
+        if self._inline:
+            self._state.closed = True
+            return
+        _live_pools.discard(self)
+        _shutdown(self._state, self._arena, self._lifeline, self._manager, wait, cancel_futures)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def __repr__(self) -> str:
+        state = self._state
+        status = "broken" if state.broken else "closed" if state.closed else "running"
+        return f"<WorkerPool {status} workers={self.num_workers} submitted={state.submitted}>"
+
+
+class _Unhashable:
+    """Stands in for an unhashable callable as a cache key (by identity)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+
+def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    _codec.dump_value(fn)
+    _codec.encode((args, kwargs), None, None, "args", inline_max=1 << 62)
+
+
+def _readonly(value: Any) -> Any:
+    """Arrays in ``value`` as read-only views, as a worker would see them."""
+    if isinstance(value, np.ndarray):
+        view = value.view()
+        view.flags.writeable = False
+        return view
+    if isinstance(value, tuple):
+        return tuple(_readonly(v) for v in value)
+    if isinstance(value, list):
+        return [_readonly(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _readonly(v) for k, v in value.items()}
+    return value
+
+
+def _map_results(
+    pool: WorkerPool,
+    fn: Callable[..., T],
+    calls: Iterator[tuple[Any, ...]],
+    limit: int,
+    deadline: float | None,
+    ordered: bool,
+) -> Iterator[T]:
+    from concurrent.futures import FIRST_COMPLETED
+    from concurrent.futures import wait as wait_futures
+
+    window: collections.deque[Future[T]] = collections.deque()
+    try:
+        for call in itertools.islice(calls, limit):
+            window.append(pool.submit(fn, *call))
+        while window:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("map() ran past its timeout")
+            if ordered:
+                result = window[0].result(left)
+                window.popleft()
+            else:
+                done, _ = wait_futures(window, left, return_when=FIRST_COMPLETED)
+                if not done:
+                    raise TimeoutError("map() ran past its timeout")
+                first = next(iter(done))
+                window.remove(first)
+                result = first.result()
+            for call in itertools.islice(calls, 1):
+                window.append(pool.submit(fn, *call))
+            yield result
+    finally:
+        for future in window:
+            future.cancel()
+
+
+# ---------------------------------------------------------------- the manager
+
+
+def _manage(state: _State, pool_ref: weakref.ref[WorkerPool], timeout: float | None) -> None:
+    """Deliver results, notice deaths and timeouts; runs until the pool stops.
+
+    Holds the pool only weakly, so that a pool dropped without ``shutdown``
+    is collected (its finalizer then stops everything, this thread included).
+    """
+    try:
+        while _manage_once(state, pool_ref, timeout):
+            pass
+    except (shm.SharedMemoryError, ValueError):
+        if not state.closed:  # rings closed under us only by shutdown
+            raise
+
+
+def _manage_once(state: _State, pool_ref: weakref.ref[WorkerPool], timeout: float | None) -> bool:
+    with state.lock:
+        slots = list(state.slots)
+        if state.stopping and not state.pending and not any(s.queue for s in slots):
+            return False
+    watch: list[Any] = [state.wake]
+    for slot in slots:
+        if slot.ready:
+            watch += [slot.done, slot.process]
+    ready = shm.wait(watch, _next_deadline(slots, timeout))
+    if state.wake in ready:
+        with contextlib.suppress(shm.RingTimeoutError):
+            state.wake.pop_many(timeout=0)
+    for slot in slots:
+        if not slot.ready:
+            continue
+        if slot.done in ready:
+            _deliver(state, slot)
+        if slot.process in ready or _timed_out(slot, timeout):
+            _worker_lost(state, slot, timeout, pool_ref)
+    with state.lock:
+        _dispatch_pending(state, pool_ref)
+        state.changed.notify_all()
+    return True
+
+
+def _next_deadline(slots: list[_Slot], timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    starts = [s.queue[0].started for s in slots if s.ready and s.queue]
+    if not starts:
+        return None
+    return max(0.0, min(starts) + timeout - time.monotonic()) + 0.001
+
+
+def _timed_out(slot: _Slot, timeout: float | None) -> bool:
+    return (
+        timeout is not None
+        and bool(slot.queue)
+        and time.monotonic() - slot.queue[0].started > timeout
+    )
+
+
+def _deliver(state: _State, slot: _Slot) -> None:
+    """Complete the futures of every record waiting in ``slot``'s done ring."""
+    while True:
+        try:
+            rec = slot.done.try_pop()
+        except shm.RingClosedError:
+            return
+        if rec is None:
+            return
+        kind, flags, _, task_id = HEADER.unpack_from(rec)
+        with state.lock:
+            if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
+                raise AssertionError(f"completion for task {task_id} out of order")
+            task = slot.queue.popleft()
+            if slot.queue:
+                slot.queue[0].started = time.monotonic()
+        task.release()
+        try:
+            body = _worker.body_of(rec, flags)
+            if kind == OK:
+                outcome: Any = _codec.decode(body, writable=True)
+            else:
+                exc, tb = pickle.loads(body)
+                exc.__cause__ = RemoteTraceback(tb)
+                outcome = exc
+            del body
+        except Exception as exc:
+            kind, outcome = (
+                ERROR,
+                SerializationError(
+                    f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
+                ),
+            )
+            outcome.__cause__ = exc
+        with state.lock:
+            if kind == OK:
+                state.completed += 1
+            else:
+                state.failed += 1
+        if kind == OK:
+            _settle(task.future, result=outcome)
+        else:
+            _settle(task.future, exc=outcome)
+
+
+def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _worker_lost(
+    state: _State, slot: _Slot, timeout: float | None, pool_ref: weakref.ref[WorkerPool]
+) -> None:
+    """A worker died or overran its call: fail that call, then restart or break."""
+    proc = slot.process
+    overran = proc.exitcode is None  # still alive: it ran past the timeout
+    if overran:
+        proc.kill()
+    proc.join(5)
+    with contextlib.suppress(shm.SharedMemoryError):
+        _deliver(state, slot)  # what it finished before dying still counts
+    with state.lock:
+        slot.ready = False
+        tasks = list(slot.queue)
+        slot.queue.clear()
+    shm.set_release_route(slot.arena_id, None)
+    pool = pool_ref()
+    if pool is not None and pool._arena is not None and slot.arg_releases is not None:
+        pool._arena.reclaim(slot.arg_releases)
+    slot.close_rings()
+    error: BaseException
+    if state.stopping:
+        error = PoolClosedError("the pool was shut down before this call finished")
+    elif overran:
+        error = TaskTimeoutError(
+            f"a call ran longer than the pool's timeout of {timeout} s; its worker "
+            f"(pid {slot.pid}) was killed and replaced"
+        )
+    else:
+        error = _crash_error(slot, proc.exitcode)
+    restart = not state.stopping and pool is not None and (overran or pool.restart)
+    # The first call was running; the others never started: with a restart, rerun them.
+    for i, task in enumerate(tasks):
+        if i and restart:
+            with state.lock:
+                state.pending.appendleft(task)
+        else:
+            with state.lock:
+                state.failed += 1
+            task.release()
+            _settle(task.future, exc=error)
+    if state.stopping:
+        return
+    if restart and pool is not None:
+        try:
+            pool._start_workers([slot.index], slot.generation + 1)
+        except BaseException as exc:
+            _break(state, exc if isinstance(exc, BrokenPoolError) else _as_broken(exc))
+        else:
+            with state.lock:
+                state.restarts += 1
+        return
+    _break(state, error if isinstance(error, BrokenPoolError) else _as_broken(error))
+
+
+def _as_broken(exc: BaseException) -> BrokenPoolError:
+    err = BrokenPoolError(f"the pool is broken: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def _break(state: _State, error: BrokenPoolError) -> None:
+    """One step: record the error, fail every queued call, stop the workers."""
+    with state.lock:
+        if state.broken is None:
+            state.broken = error
+        tasks = list(state.pending)
+        state.pending.clear()
+        for slot in state.slots:
+            tasks += slot.queue
+            slot.queue.clear()
+        state.failed += len(tasks)
+        state.changed.notify_all()
+    for task in tasks:
+        task.release()
+        _settle(task.future, exc=error)
+    for slot in state.slots:
+        if slot.process is not None and slot.process.exitcode is None:
+            slot.process.kill()
+
+
+def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
+    """Hand waiting calls to workers with room (the state lock is held)."""
+    pool = pool_ref()
+    if pool is None or state.broken is not None:
+        return
+    while state.pending:
+        slot = pool._pick_slot()
+        if slot is None:
+            return
+        task = state.pending.popleft()
+        if task.future.cancelled():
+            continue
+        try:
+            pool._dispatch(task, slot)
+        except Exception as exc:
+            state.failed += 1
+            task.release()
+            _settle(task.future, exc=exc)
+
+
+def _crash_error(slot: _Slot, exitcode: int | None) -> WorkerCrashedError:
+    cause = _likely_cause(exitcode)
+    return WorkerCrashedError(
+        f"worker {slot.index} (pid {slot.pid}) died while running a call: "
+        f"{_describe_exit(exitcode)}. {cause}",
+        pid=slot.pid,
+        exitcode=exitcode,
+        cause=cause,
+    )
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        return f"killed by {signal_name(-exitcode)}({exitcode})"
+    return f"exited with code {exitcode}"
+
+
+def _oom_kills() -> int | None:
+    """The cgroup's OOM-kill count (cgroup v2), or None where it cannot be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
+        with open(f"/sys/fs/cgroup{path}/memory.events") as f:
+            for line in f:
+                key, value = line.split()
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, StopIteration, ValueError):
+        return None
+    return None
+
+
+def _likely_cause(exitcode: int | None) -> str:
+    import signal as _signal
+
+    if exitcode == -_signal.SIGKILL:
+        kills = _oom_kills()
+        if kills is not None and _OOM_BASELINE is not None and kills > _OOM_BASELINE:
+            return (
+                "The kernel's OOM killer ended it (the cgroup's oom_kill count rose): the "
+                "workers need more memory than this machine or container allows; use "
+                "fewer workers or smaller inputs"
+            )
+        return (
+            "SIGKILL comes from the kernel's OOM killer (see dmesg) or from someone's "
+            "kill -9; if memory was short, use fewer workers or smaller inputs"
+        )
+    if exitcode in (-_signal.SIGSEGV, -_signal.SIGBUS, -_signal.SIGILL, -_signal.SIGABRT):
+        return (
+            "A crash in native code: a C extension called by the function, or memory "
+            "corrupted through ctypes or an unsafe buffer; run it with num_workers=0 "
+            "under a debugger, or enable faulthandler in worker_init"
+        )
+    if exitcode is not None and exitcode >= 0:
+        return (
+            "The function (or a library it called) ended the process with os._exit() "
+            "or a fatal error; exceptions, sys.exit() included, would have been reported"
+        )
+    return "It was stopped by a signal from outside the pool"
+
+
+_OOM_BASELINE: int | None = None
+
+
+# ---------------------------------------------------------------- shutting down
+
+
+def _shutdown(
+    state: _State,
+    arena: shm.Arena | None,
+    lifeline: shm.Lifeline,
+    manager: threading.Thread | None,
+    wait: bool,
+    cancel: bool,
+) -> None:
+    """Stop a pool: let queued calls finish (``wait``), then stop every worker."""
+    with state.lock:
+        if state.closed and state.stopped:
+            return
+        state.closed = True
+        state.stopping = True
+        if cancel or not wait:
+            for task in state.pending:
+                task.future.cancel()
+            state.pending.clear()
+        state.poke()
+    me = threading.current_thread()
+    if manager is not None and wait and manager is not me:
+        # It returns once every queued call is delivered (or failed by a crash).
+        while manager.is_alive():
+            manager.join(0.1)
+    with state.lock:
+        slots = list(state.slots)
+    for slot in slots:
+        with contextlib.suppress(shm.SharedMemoryError, ValueError):
+            slot.tasks.close_producer()
+    _stop_processes([s.process for s in slots if s.process is not None], wait)
+    if manager is not None and manager is not me:
+        state.poke()
+        manager.join(_STOP_GRACE)
+    error = PoolClosedError("the pool was shut down before this call finished")
+    with state.lock:
+        state.stopped = True
+        leftovers = list(state.pending)
+        state.pending.clear()
+        for slot in slots:
+            leftovers += slot.queue
+            slot.queue.clear()
+    for task in leftovers:
+        task.release()
+        _settle(task.future, exc=state.broken or error)
+    for slot in slots:
+        shm.set_release_route(slot.arena_id, None)
+        slot.close_rings()
+        if slot.process is not None and slot.process.exitcode is not None:
+            slot.process.close()
+        if slot.arg_releases is not None:
+            slot.arg_releases.close()
+    state.wake.close()
+    if arena is not None:
+        arena.close()
+    lifeline.close()
+
+
+def _stop_processes(procs: list[Any], wait: bool) -> None:
+    """Timed join (if ``wait``), then SIGTERM, then SIGKILL of each worker's tree."""
+    deadline = time.monotonic() + (_STOP_GRACE if wait else 0.0)
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.exitcode is None]
+    for action, wait_s in (("terminate", 1.0), ("kill", 5.0)):
+        if not alive:
+            break
+        for proc in alive:
+            for child in _descendants(proc.pid):
+                with contextlib.suppress(psutil.Error):
+                    getattr(child, action)()
+            with contextlib.suppress(OSError):
+                getattr(proc, action)()
+        end = time.monotonic() + wait_s
+        for proc in alive:
+            proc.join(max(0.0, end - time.monotonic()))
+        alive = [p for p in alive if p.exitcode is None]
+
+
+def _descendants(pid: int | None) -> list[psutil.Process]:
+    if pid is None:
+        return []
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.Error:
+        return []
+
+
+_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _register_exit_hook() -> None:
+    """At interpreter exit, stop every live pool (bounded); registered on first use."""
+    global _exit_hook_registered, _OOM_BASELINE
+    if not _exit_hook_registered:
+        atexit.register(_stop_all_pools)
+        _OOM_BASELINE = _oom_kills()
+        _exit_hook_registered = True
+
+
+def _stop_all_pools() -> None:
+    for pool in list(_live_pools):
+        with contextlib.suppress(Exception):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _context(start_method: str | None) -> Any:
+    import multiprocessing as mp
+
+    method = start_method or default_start_method()
+    if method not in mp.get_all_start_methods():
+        raise ValueError(
+            f"start_method {method!r} is not available here; "
+            f"choose one of {mp.get_all_start_methods()}"
+        )
+    if method == "fork" and _cuda_initialised():
+        raise ValueError(
+            "start_method='fork' after CUDA was initialised in this process: the "
+            "children would inherit a CUDA context they cannot use; use 'forkserver' "
+            "or 'spawn'"
+        )
+    return mp.get_context(method)
+
+
+def _cuda_initialised() -> bool:
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return False
+    try:
+        return bool(cupy.cuda.runtime.getDeviceCount() and cupy.cuda.Device().id >= 0)
+    except Exception:
+        return False

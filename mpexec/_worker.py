@@ -1,0 +1,243 @@
+"""The worker process: a loop over its task ring, and the records both sides speak.
+
+Records (one ring slot each) start with a 16-byte header::
+
+    kind u8 | flags u8 | pad u16 | fn_id u32 | task_id u64 | body ...
+
+main -> worker (task ring):   FUNC   body = a cloudpickled function for fn_id
+                              CALL   body = encoded (args, kwargs) for fn_id
+                              FORGET body = fn ids (u32) to drop from the cache
+worker -> main (done ring):   HELLO  body = pickled (pid, arena id)
+                              FAILED body = pickled start failure
+                              OK     body = encoded result
+                              ERROR  body = pickled (exception, traceback text)
+
+A body too large for a slot is *spilled*: put into the sender's arena as bytes,
+and the record carries that array's packed descriptor (flag ``SPILLED``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pickle
+import random
+import signal
+import struct
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+import shm
+
+from . import _codec
+from ._errors import SerializationError
+
+HEADER = struct.Struct("<BBxxIQ")
+FUNC, CALL, FORGET = 1, 2, 3
+HELLO, FAILED, OK, ERROR = 10, 11, 12, 13
+SPILLED = 1
+
+#: Ring record size: a small call (a few scalars, small arrays) fits in one slot.
+RECORD_SIZE = 2048 - 4 - 60  # slot stride 2048 with the ring's length word
+
+
+@dataclass
+class WorkerBoot:
+    """Everything a worker gets at its start (rings travel with their fds)."""
+
+    index: int
+    generation: int
+    tasks: shm.Ring
+    done: shm.Ring
+    arg_releases: shm.Ring  # the main arena's link: our releases of its views go back
+    result_releases: shm.Ring  # main's releases of our results come in
+    lifeline: shm.Lifeline
+    main_arena_id: int
+    main_pid: int
+    seed_entropy: int
+    init: bytes | None  # cloudpickled (worker_init, args)
+    segment_size: int
+    inline_max: int
+
+
+def record(kind: int, body: bytes, task_id: int = 0, fn_id: int = 0, flags: int = 0) -> bytes:
+    return HEADER.pack(kind, flags, fn_id, task_id) + body
+
+
+def spill(
+    kind: int,
+    body: bytes,
+    arena: shm.Arena,
+    peer: shm.Ring | None,
+    task_id: int = 0,
+    fn_id: int = 0,
+) -> bytes:
+    """A record for ``body``, through the arena if it does not fit a slot."""
+    if HEADER.size + len(body) <= RECORD_SIZE:
+        return record(kind, body, task_id, fn_id)
+    desc = arena.share(np.frombuffer(body, np.uint8), peer=peer)
+    return record(kind, desc.pack(), task_id, fn_id, SPILLED)
+
+
+def body_of(rec: bytes, flags: int) -> bytes | memoryview:
+    """The body of a record, mapped from the sender's arena if it was spilled."""
+    if not flags & SPILLED:
+        return memoryview(rec)[HEADER.size :]
+    view = shm.open_array(shm.ArrayDescriptor.unpack(memoryview(rec)[HEADER.size :]))
+    return view.data  # keeps the view, and so the memory, alive while used
+
+
+def seed_worker(entropy: int, index: int, generation: int) -> None:
+    """Seed ``numpy.random`` and ``random`` from the pool's seed and our slot."""
+    seq = np.random.SeedSequence(entropy, spawn_key=(index, generation))
+    state = seq.generate_state(4)
+    np.random.seed(state)
+    random.seed(int.from_bytes(state.tobytes(), "little"))
+
+
+def _set_parent_death_signal(main_pid: int) -> None:
+    # Only when the pool's process is our parent (spawn): under forkserver our
+    # parent is the fork server, and the lifeline watchdog does the job.
+    if sys.platform != "linux" or os.getppid() != main_pid:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != main_pid:  # it died before prctl took effect
+            os._exit(70)
+
+
+def _watch_parent(lifeline: shm.Lifeline, arena: shm.Arena) -> None:
+    """Exit as soon as the pool's process is gone, even in the middle of a call."""
+    lifeline.wait()
+    arena.unlink()  # finalizers will not run after os._exit
+    os._exit(70)
+
+
+class _Worker:
+    def __init__(self, boot: WorkerBoot, arena: shm.Arena) -> None:
+        self.boot = boot
+        self.arena = arena
+        self.fns: dict[int, Any] = {}  # fn id -> function, or the exception loading it
+        self.peer = boot.result_releases
+
+    def serve(self) -> None:
+        tasks, watch = self.boot.tasks, [self.boot.lifeline]
+        while True:
+            try:
+                batch = tasks.pop_many(timeout=None, watch=watch)
+            except shm.RingClosedError:  # the pool closed our ring, or died
+                return
+            for rec in batch:
+                self.handle(rec)
+            shm.flush_releases()
+
+    def handle(self, rec: bytes) -> None:
+        kind, flags, fn_id, task_id = HEADER.unpack_from(rec)
+        if kind == CALL:
+            self.call(task_id, fn_id, body_of(rec, flags))
+        elif kind == FUNC:
+            try:
+                self.fns[fn_id] = cloudpickle.loads(body_of(rec, flags))
+            except BaseException as exc:
+                self.fns[fn_id] = _LoadFailure(exc)
+        elif kind == FORGET:
+            for (dead,) in struct.iter_unpack("<I", body_of(rec, flags)):
+                self.fns.pop(dead, None)
+
+    def call(self, task_id: int, fn_id: int, body: bytes | memoryview) -> None:
+        try:
+            rec = self.run(task_id, fn_id, body)
+        except BaseException as exc:
+            rec = spill(ERROR, _pickle_error(exc), self.arena, self.peer, task_id)
+        self.boot.done.push(rec, timeout=None, watch=[self.boot.lifeline])
+
+    def run(self, task_id: int, fn_id: int, body: bytes | memoryview) -> bytes:
+        """Call the function on the decoded arguments; the OK record of its result."""
+        fn = self.fns[fn_id]
+        if isinstance(fn, _LoadFailure):
+            raise fn.error()
+        try:
+            args, kwargs = _codec.decode(body)
+        except Exception as exc:
+            raise SerializationError(
+                f"the arguments could not be unpickled in the worker: {type(exc).__name__}: {exc}"
+            ) from exc
+        del body
+        result = fn(*args, **kwargs)
+        del args, kwargs
+        enc = _codec.encode(result, self.arena, self.peer, "the result", self.boot.inline_max)
+        return spill(OK, enc.data, self.arena, self.peer, task_id)
+
+
+class _LoadFailure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def error(self) -> SerializationError:
+        err = SerializationError(
+            "the function could not be unpickled in the worker: "
+            f"{type(self.exc).__name__}: {self.exc}"
+        )
+        err.__cause__ = self.exc
+        return err
+
+
+def _pickle_error(exc: BaseException) -> bytes:
+    """The exception and its traceback as text; a stand-in if it does not pickle."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc.__traceback__ = None
+    try:
+        data = pickle.dumps((exc, tb), protocol=5)
+        pickle.loads(data)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        stand_in = SerializationError(
+            f"the function raised {name}: {exc}; that exception cannot be pickled, so it "
+            "is reported as this error (the worker's traceback is the __cause__)"
+        )
+        data = pickle.dumps((stand_in, tb), protocol=5)
+    return data
+
+
+def main(boot: WorkerBoot) -> None:
+    """Entry point of a worker process."""
+    # Ctrl-C reaches the whole process group: the pool's process decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_parent_death_signal(boot.main_pid)
+    done = boot.done
+    try:
+        arena = shm.Arena(segment_size=boot.segment_size, name=f"worker-{boot.index}")
+    except BaseException as exc:
+        done.push(record(FAILED, _pickle_error(exc)), timeout=10)
+        return
+    threading.Thread(
+        target=_watch_parent, args=(boot.lifeline, arena), name="mpexec-lifeline", daemon=True
+    ).start()
+    arena.link(boot.result_releases)
+    shm.set_release_route(boot.main_arena_id, boot.arg_releases)
+    try:
+        seed_worker(boot.seed_entropy, boot.index, boot.generation)
+        if boot.init is not None:
+            init, init_args = cloudpickle.loads(boot.init)
+            init(*init_args)
+    except BaseException as exc:
+        done.push(spill(FAILED, _pickle_error(exc), arena, boot.result_releases), timeout=10)
+        return
+    done.push(record(HELLO, pickle.dumps((os.getpid(), arena.id))), timeout=10)
+    worker = _Worker(boot, arena)
+    try:
+        worker.serve()
+    finally:
+        worker.fns.clear()
+        shm.flush_releases()
+        with contextlib.suppress(shm.RingClosedError, OSError):
+            done.close_producer()

@@ -1,0 +1,55 @@
+"""A lifeline: how a child learns, at once and without polling, that its parent died.
+
+The parent keeps the write end of a pipe and never hands it to anyone; the
+child gets the read end at its start. The kernel closes the write end when the
+parent exits, however it exits (SIGKILL included), and the read end then polls
+readable (end of file). A child can wait on it together with its rings in one
+:func:`shm.wait`, or block a watchdog thread on it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import weakref
+from typing import Any
+
+from ._doorbell import _close_all
+from ._fdpass import fd_for_child, fd_in_child
+
+
+class Lifeline:
+    """Made in the parent; handed to one or more children as a start argument."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()  # both close-on-exec: no stray holder of the write end
+        self._fds = [self._r, self._w]
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+
+    def fileno(self) -> int:
+        """Readable once the parent is gone (in a child), never before."""
+        return self._r
+
+    def parent_alive(self) -> bool:
+        """False once the parent has exited (never blocks)."""
+        return not select.select([self._r], [], [], 0)[0]
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the parent is gone (True) or ``timeout`` passes (False)."""
+        return bool(select.select([self._r], [], [], timeout)[0])
+
+    def close(self) -> None:
+        """Close this process's ends; idempotent. In the parent: children see it as death."""
+        self._finalizer()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_lifeline, (fd_for_child(self._r, "a Lifeline"),))
+
+
+def _rebuild_lifeline(token: Any) -> Lifeline:
+    life = Lifeline.__new__(Lifeline)
+    life._r = fd_in_child(token)
+    life._w = -1
+    life._fds = [life._r]
+    life._finalizer = weakref.finalize(life, _close_all, life._fds)
+    return life
