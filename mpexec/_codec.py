@@ -56,7 +56,10 @@ class _Refs:
             self.bytes_shared += obj.nbytes
             return (_SHARED, desc.pack())
         data = obj.tobytes() if obj.flags.c_contiguous else np.ascontiguousarray(obj).tobytes()
-        return (_INLINE, obj.dtype, obj.shape, data)
+        # A dtype pickles as a dozen objects; its type string is one (when it says it all).
+        dt = obj.dtype
+        code = dt.str if dt.fields is None and dt.subdtype is None and dt.str[1] != "V" else dt
+        return (_INLINE, code, obj.shape, data)
 
     def undo(self) -> None:
         if self.arena is not None:

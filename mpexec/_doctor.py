@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ._version import __version__
 from shm._platform import PlatformInfo, platform_info
+
+from ._version import __version__
 
 _KiB = 1 << 10
 _MiB = 1 << 20

@@ -34,6 +34,7 @@ import contextlib
 import itertools
 import os
 import pickle
+import select
 import struct
 import sys
 import threading
@@ -138,7 +139,6 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)
         self.slots: list[_Slot] = []
         self.pending: collections.deque[_Task] = collections.deque()
         self.broken: BaseException | None = None
@@ -562,37 +562,71 @@ def _manage(state: _State, pool_ref: weakref.ref[WorkerPool], timeout: float | N
     Holds the pool only weakly, so that a pool dropped without ``shutdown``
     is collected (its finalizer then stops everything, this thread included).
     """
+    watcher = _Watcher(state)
     try:
-        while _manage_once(state, pool_ref, timeout):
+        while _manage_once(state, pool_ref, timeout, watcher):
             pass
     except (shm.SharedMemoryError, ValueError):
         if not state.closed:  # rings closed under us only by shutdown
             raise
 
 
-def _manage_once(state: _State, pool_ref: weakref.ref[WorkerPool], timeout: float | None) -> bool:
+class _Watcher:
+    """One poll set over the wake-up ring, every done ring and every sentinel.
+
+    Rebuilt only when the workers change: the manager waits once per
+    completion, and building a poll set costs as much as the rest of the wait.
+    """
+
+    def __init__(self, state: _State) -> None:
+        self.state = state
+        self.key: tuple[tuple[int, bool], ...] = ()
+        self.poller = select.poll()
+        self.by_fd: dict[int, tuple[_Slot | None, str]] = {}
+
+    def wait(self, slots: list[_Slot], timeout: float | None) -> list[tuple[_Slot | None, str]]:
+        key = tuple((id(s), s.ready) for s in slots)
+        if key != self.key:
+            self.poller = select.poll()
+            self.by_fd = {self.state.wake.fileno(): (None, "wake")}
+            for slot in slots:
+                if slot.ready:
+                    self.by_fd[slot.done.fileno()] = (slot, "done")
+                    self.by_fd[slot.process.sentinel] = (slot, "died")
+            for fd in self.by_fd:
+                self.poller.register(fd, select.POLLIN)
+            self.key = key
+        # _deliver() drains a done ring (try_pop until None), so it never holds
+        # credits that its doorbell no longer shows: polling the fds is enough.
+        ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+        return [self.by_fd[fd] for fd, _ in self.poller.poll(ms) if fd in self.by_fd]
+
+
+def _manage_once(
+    state: _State, pool_ref: weakref.ref[WorkerPool], timeout: float | None, watcher: _Watcher
+) -> bool:
     with state.lock:
         slots = list(state.slots)
         if state.stopping and not state.pending and not any(s.queue for s in slots):
             return False
-    watch: list[Any] = [state.wake]
-    for slot in slots:
-        if slot.ready:
-            watch += [slot.done, slot.process]
-    ready = shm.wait(watch, _next_deadline(slots, timeout))
-    if state.wake in ready:
-        with contextlib.suppress(shm.RingTimeoutError):
-            state.wake.pop_many(timeout=0)
-    for slot in slots:
-        if not slot.ready:
-            continue
-        if slot.done in ready:
+    ready = watcher.wait(slots, _next_deadline(slots, timeout))
+    died: list[_Slot] = []
+    for slot, what in ready:
+        if slot is None:
+            with contextlib.suppress(shm.RingTimeoutError):
+                state.wake.pop_many(timeout=0)
+        elif what == "done":
             _deliver(state, slot)
-        if slot.process in ready or _timed_out(slot, timeout):
+        else:
+            died.append(slot)
+    if timeout is not None:
+        died += [s for s in slots if s.ready and s not in died and _timed_out(s, timeout)]
+    for slot in died:
+        if slot.ready:
             _worker_lost(state, slot, timeout, pool_ref)
-    with state.lock:
-        _dispatch_pending(state, pool_ref)
-        state.changed.notify_all()
+    if state.pending:
+        with state.lock:
+            _dispatch_pending(state, pool_ref)
     return True
 
 
@@ -739,7 +773,6 @@ def _break(state: _State, error: BrokenPoolError) -> None:
             tasks += slot.queue
             slot.queue.clear()
         state.failed += len(tasks)
-        state.changed.notify_all()
     for task in tasks:
         task.release()
         _settle(task.future, exc=error)
