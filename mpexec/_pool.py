@@ -483,6 +483,11 @@ class WorkerPool(Executor):
         if self._finalizer is not None:
             self._finalizer.detach()
 
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # Ctrl-C: stop now (running calls are abandoned) rather than wait for the queue.
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        self.shutdown(wait=not interrupted, cancel_futures=interrupted)
+
     def __repr__(self) -> str:
         state = self._state
         status = "broken" if state.broken else "closed" if state.closed else "running"
