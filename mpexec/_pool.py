@@ -387,7 +387,8 @@ class WorkerPool(Executor):
         if not slot.queue:
             task.started = time.monotonic()
         slot.queue.append(task)
-        task.future.set_running_or_notify_cancel()
+        if not task.future.running():  # a call rerun after a crash already is
+            task.future.set_running_or_notify_cancel()
         if self.timeout is not None:
             state.poke()  # the manager sleeps until the earliest deadline
 
