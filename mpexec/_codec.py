@@ -111,14 +111,32 @@ class Encoded:
         self.bytes_copied = refs.bytes_copied
 
 
+def encode_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    arena: shm.Arena | None,
+    peer: shm.Ring | None = None,
+    inline_max: int = INLINE_MAX,
+) -> Encoded:
+    """Encode a call's arguments; a failure names ``args[i]`` or ``kwargs['k']``."""
+    parts = [(v, f"args[{i}]") for i, v in enumerate(args)]
+    parts += [(v, f"kwargs[{k!r}]") for k, v in kwargs.items()]
+    return encode((args, kwargs), arena, peer, "the arguments", inline_max, parts)
+
+
 def encode(
     value: Any,
     arena: shm.Arena | None,
     peer: shm.Ring | None = None,
     what: str = "value",
     inline_max: int = INLINE_MAX,
+    parts: list[tuple[Any, str]] | None = None,
 ) -> Encoded:
-    """Pickle ``value`` with its arrays by reference; SerializationError if it cannot."""
+    """Pickle ``value`` with its arrays by reference; SerializationError if it cannot.
+
+    ``parts``: the pieces of ``value`` and their names, where a failure is
+    looked for first (default: ``value`` itself, named ``what``).
+    """
     refs = _Refs(arena, peer, inline_max)
     buf = io.BytesIO()
     try:
@@ -130,7 +148,8 @@ def encode(
             _CloudPickler(buf, refs).dump(value)
         except Exception as exc:
             refs.undo()
-            raise SerializationError(describe_unpicklable(value, what, exc)) from exc
+            bad = next((p for p in parts or () if not _picklable(p[0])), (value, what))
+            raise SerializationError(describe_unpicklable(bad[0], bad[1], exc)) from exc
     return Encoded(buf.getvalue(), refs)
 
 

@@ -372,9 +372,7 @@ class WorkerPool(Executor):
         if fn_id not in slot.fns:
             body = _codec.dump_value(task.fn)
             records.append(_worker.spill(FUNC, body, arena, slot.arg_releases, fn_id=fn_id))
-        enc = _codec.encode(
-            (task.args, task.kwargs), arena, slot.arg_releases, "args", self._inline_max
-        )
+        enc = _codec.encode_call(task.args, task.kwargs, arena, slot.arg_releases, self._inline_max)
         records.append(_worker.spill(CALL, enc.data, arena, slot.arg_releases, task.task_id, fn_id))
         try:
             slot.tasks.push_many(records, timeout=self._start_timeout, watch=[slot.process])
@@ -504,7 +502,7 @@ class _Unhashable:
 
 def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
     _codec.dump_value(fn)
-    _codec.encode((args, kwargs), None, None, "args", inline_max=1 << 62)
+    _codec.encode_call(args, kwargs, None, None, inline_max=1 << 62)
 
 
 def _readonly(value: Any) -> Any:
@@ -625,11 +623,13 @@ def _manage_once(
             _deliver(state, slot)
         else:
             died.append(slot)
-    if timeout is not None:
-        died += [s for s in slots if s.ready and s not in died and _timed_out(s, timeout)]
     for slot in died:
         if slot.ready:
-            _worker_lost(state, slot, timeout, pool_ref)
+            _worker_lost(state, slot, timeout, pool_ref, died=True)
+    if timeout is not None:
+        for slot in slots:
+            if slot.ready and _timed_out(slot, timeout):
+                _worker_lost(state, slot, timeout, pool_ref, died=False)
     if state.pending:
         with state.lock:
             _dispatch_pending(state, pool_ref)
@@ -708,11 +708,17 @@ def _settle(future: Future[Any], result: Any = None, exc: BaseException | None =
 
 
 def _worker_lost(
-    state: _State, slot: _Slot, timeout: float | None, pool_ref: weakref.ref[WorkerPool]
+    state: _State,
+    slot: _Slot,
+    timeout: float | None,
+    pool_ref: weakref.ref[WorkerPool],
+    died: bool,
 ) -> None:
     """A worker died or overran its call: fail that call, then restart or break."""
     proc = slot.process
-    overran = proc.exitcode is None  # still alive: it ran past the timeout
+    # Its sentinel can fire before the exit status is there to read: decide by
+    # the event, never by ``exitcode is None``.
+    overran = not died
     if overran:
         proc.kill()
     proc.join(5)
@@ -738,6 +744,11 @@ def _worker_lost(
     else:
         error = _crash_error(slot, proc.exitcode)
     restart = not state.stopping and pool is not None and (overran or pool.restart)
+    if not restart and not state.stopping:
+        # Broken before any future fails: a caller woken by the failure must
+        # find the pool broken (as concurrent.futures does).
+        _break(state, error if isinstance(error, BrokenPoolError) else _as_broken(error), tasks)
+        return
     # The first call was running; the others never started: with a restart, rerun them.
     for i, task in enumerate(tasks):
         if i and restart:
@@ -758,8 +769,6 @@ def _worker_lost(
         else:
             with state.lock:
                 state.restarts += 1
-        return
-    _break(state, error if isinstance(error, BrokenPoolError) else _as_broken(error))
 
 
 def _as_broken(exc: BaseException) -> BrokenPoolError:
@@ -768,12 +777,12 @@ def _as_broken(exc: BaseException) -> BrokenPoolError:
     return err
 
 
-def _break(state: _State, error: BrokenPoolError) -> None:
-    """One step: record the error, fail every queued call, stop the workers."""
+def _break(state: _State, error: BrokenPoolError, tasks: list[_Task] | None = None) -> None:
+    """One step: record the error, fail ``tasks`` and every queued call, stop the workers."""
     with state.lock:
         if state.broken is None:
             state.broken = error
-        tasks = list(state.pending)
+        tasks = [*(tasks or ()), *state.pending]
         state.pending.clear()
         for slot in state.slots:
             tasks += slot.queue

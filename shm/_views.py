@@ -123,7 +123,7 @@ class ArrayDescriptor:
         return (ArrayDescriptor.unpack, (self.pack(),))
 
 
-_DESC_HEAD = struct.Struct("<QQQQqqiQQBBBBB")
+_DESC_HEAD = struct.Struct("<QQQQqqiQQBBBHB")
 _BACKENDS = ("memfd", "posix")
 _NO_SEGMENT = 255
 _dtype_codes: dict[np.dtype[Any], bytes] = {}
@@ -136,8 +136,8 @@ def _encode_dtype(dtype: np.dtype[Any]) -> bytes:
         # ``dtype.str`` loses field names, offsets and sub-array shapes: pickle those.
         simple = dtype.fields is None and dtype.subdtype is None and np.dtype(dtype.str) == dtype
         code = b"s" + dtype.str.encode() if simple else b"p" + pickle.dumps(dtype)
-        if len(code) > 255:
-            raise ValueError(f"dtype {dtype} is too complex to describe in a ring record")
+        if len(code) > 0xFFFF:
+            raise ValueError(f"dtype {dtype} is too complex to describe in a descriptor")
         if len(_dtype_codes) < 1024:
             _dtype_codes[dtype] = code
     return code

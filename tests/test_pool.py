@@ -1,0 +1,799 @@
+"""WorkerPool end to end: calls, arrays, errors, crashes, timeouts, shutdown, soak."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import BrokenExecutor
+from concurrent.futures import wait as wait_futures
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+import mpexec
+from mpexec import WorkerPool
+from tests.conftest import START_METHODS, wait_until
+
+T = 30  # every .result() in this file is bounded by this
+KiB = 1 << 10
+BIG = 64 * KiB  # well above the 16 KiB inline limit: travels through an arena
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+# ---------------------------------------------------------------- worker functions
+def _square(x: int) -> int:
+    return x * x
+
+
+def _add(a: int, b: int = 0, *, c: int = 0) -> int:
+    return a + b + c
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _describe(a: np.ndarray[Any, Any]) -> tuple[bool, str, tuple[int, ...], float]:
+    total = float(np.sum(a)) if a.dtype.kind in "biuf" else float("nan")
+    return bool(a.flags.writeable), a.dtype.str, a.shape, total
+
+
+def _write(a: np.ndarray[Any, Any]) -> None:
+    a[...] = 1
+
+
+def _filled(value: int, n: int) -> np.ndarray[Any, Any]:
+    return np.full(n, value, dtype=np.int64)
+
+
+def _nested(d: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "pair": (d["small"] * 2, [d["big"] + 1, {"deep": d["big"][:3].copy()}]),
+        "n": len(d["list"]),
+        "list": [x.sum() for x in d["list"]],
+    }
+
+
+def _raise_value_error(n: int) -> None:
+    raise ValueError(f"bad value {n}")
+
+
+class _UnpicklableError(Exception):
+    """Holds a lock: pickling it fails."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg)
+        self.lock = threading.Lock()
+
+
+class _NotRebuildableError(Exception):
+    """Pickles, but unpickling calls __init__ with one argument instead of two."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(f"{a}/{b}")
+
+
+def _raise_unpicklable() -> None:
+    raise _UnpicklableError("with a lock inside")
+
+
+def _raise_not_rebuildable() -> None:
+    raise _NotRebuildableError("a", "b")
+
+
+def _return_lock() -> Any:
+    return threading.Lock()
+
+
+def _exit3() -> None:
+    sys.exit(3)
+
+
+def _crash(kind: str) -> None:
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "sigsegv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    else:
+        os._exit(5)
+    time.sleep(T)  # a signal may take a moment to land; never return normally
+
+
+def _wait_for(path: str) -> bool:
+    """Block until ``path`` exists (bounded): holds a worker busy on demand."""
+    deadline = time.monotonic() + T
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _sleep_then_pid(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+_GLOBAL: dict[str, Any] = {}
+
+
+def _init_set_global(value: str) -> None:
+    _GLOBAL["value"] = value
+
+
+def _read_global() -> Any:
+    return _GLOBAL.get("value")
+
+
+def _init_raises() -> None:
+    raise RuntimeError("init exploded on purpose")
+
+
+def _peek_random() -> tuple[int, float]:
+    """The worker's next ``np.random.random()``, without consuming it."""
+    state = np.random.get_state()
+    value = float(np.random.random())
+    np.random.set_state(state)
+    return os.getpid(), value
+
+
+def _soak(i: int, a: np.ndarray[Any, Any]) -> int:
+    return i + int(a[0])
+
+
+# ---------------------------------------------------------------- helpers
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie has exited too)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# ================================================================ 1. basics
+def test_submit_scalars_lambdas_closures_kwargs() -> None:
+    offset = 7
+
+    def closure(x: int) -> int:
+        return x + offset
+
+    with WorkerPool(2) as pool:
+        assert pool.submit(_square, 12).result(T) == 144
+        assert pool.submit(pow, 2, 10).result(T) == 1024
+        assert pool.submit(lambda s: s.upper() + "!", "hi").result(T) == "HI!"
+        assert pool.submit(closure, 5).result(T) == 12
+        assert pool.submit(_add, 1, 2, c=3).result(T) == 6
+        assert pool.submit(_add, a=1, b=10).result(T) == 11
+        res = pool.submit(lambda: (None, 1.5, 2**70, "é", b"\x00", {1: [2]})).result(T)
+        assert res == (None, 1.5, 2**70, "é", b"\x00", {1: [2]})
+        assert pool.submit(_pid).result(T) in pool.pids
+        assert os.getpid() not in pool.pids
+
+
+def test_map_ordered_unordered_and_prefetch() -> None:
+    items = list(range(60))
+    expected = [x * x for x in items]
+    with WorkerPool(2) as pool:
+        assert list(pool.map(_square, items, timeout=T)) == expected
+        unordered = list(pool.map(_square, items, timeout=T, ordered=False))
+        assert sorted(unordered) == expected
+        assert list(pool.map(_square, items, timeout=T, prefetch=1)) == expected
+        assert list(pool.map(_add, [1, 2, 3], [10, 20, 30], timeout=T)) == [11, 22, 33]
+        assert list(pool.map(_square, [], timeout=T)) == []
+
+
+def test_inline_pool_runs_in_caller_with_readonly_arrays() -> None:
+    with WorkerPool(0) as pool:
+        assert pool.pids == []
+        assert pool.submit(_pid).result(T) == os.getpid()
+        assert list(pool.map(_square, range(5), timeout=T)) == [0, 1, 4, 9, 16]
+        a = np.zeros(4)
+        assert pool.submit(_describe, a).result(T)[0] is False
+        fut = pool.submit(_write, a)
+        with pytest.raises(ValueError, match="read-only"):
+            fut.result(T)
+        fut = pool.submit(lambda d: _write(d["k"][1]), d={"k": [1, a]})
+        with pytest.raises(ValueError, match="read-only"):
+            fut.result(T)
+        nested = pool.submit(lambda d: d["k"][0].flags.writeable, {"k": (a,)}).result(T)
+        assert nested is False
+        assert a.flags.writeable
+        assert not a.any()
+    with pytest.raises(mpexec.PoolClosedError):
+        pool.submit(_pid)
+
+
+# ================================================================ 2. arrays
+def _structured(n: int) -> np.ndarray[Any, Any]:
+    """Four fields, one a sub-array: its pickled dtype is a few hundred bytes."""
+    dt = np.dtype([("x", "<f4"), ("id", "<i8"), ("tag", "S3"), ("v", "<i2", (2,))])
+    a = np.zeros(n, dt)
+    a["x"] = np.arange(n) / 3
+    a["id"] = np.arange(n) * 7
+    a["tag"] = b"ab"
+    a["v"] = np.arange(2 * n).reshape(n, 2)
+    return a
+
+
+def _pairs(n: int) -> np.ndarray[Any, Any]:
+    """A simple two-field record array."""
+    a = np.zeros(n, [("x", "<f8"), ("y", "<i4")])
+    a["x"] = np.arange(n) / 7
+    a["y"] = -np.arange(n)
+    return a
+
+
+def _small_arrays() -> list[np.ndarray[Any, Any]]:
+    return [
+        np.array(3.5),
+        np.array(7, dtype=np.int8),
+        np.empty((0,), np.float32),
+        np.empty((3, 0, 2), np.int64),
+        np.arange(5, dtype=np.uint16),
+        np.arange(12, dtype=np.float64).reshape(3, 4),
+        np.arange(24, dtype=np.int32).reshape(2, 3, 4),
+        np.arange(48, dtype=np.float32).reshape(2, 2, 3, 4),
+        np.linspace(-1, 1, 9).astype(np.float16),
+        (np.arange(6) + 1j * np.arange(6)).astype(np.complex128),
+        np.array([True, False, True]),
+        np.array(["a", "bcde", "hello"], dtype="U5"),
+        _structured(4),
+        _pairs(3),
+        np.arange(20, dtype=">i4"),  # non-native byte order
+        np.arange(40, dtype=np.float64).reshape(5, 8)[::2, 1::3],  # not contiguous
+        np.asfortranarray(np.arange(12, dtype=np.int16).reshape(3, 4)),
+    ]
+
+
+def _big_arrays() -> list[np.ndarray[Any, Any]]:
+    n = BIG
+    return [
+        np.arange(n // 8, dtype=np.float64),
+        np.arange(n // 4, dtype=np.int32).reshape(64, -1),
+        np.arange(n // 4, dtype=np.float32).reshape(8, 16, -1),
+        np.arange(n // 2, dtype=np.int16).reshape(4, 8, 16, -1),
+        np.linspace(-4, 4, n // 2).astype(np.float16),
+        (np.arange(n // 16) - 2j * np.arange(n // 16)).astype(np.complex128),
+        np.arange(n) % 3 == 0,
+        np.array([f"s{i % 997}" for i in range(n // 20)], dtype="U5"),
+        _pairs(n // 12),
+        _structured(n // 16),
+        np.arange(n // 2, dtype=np.float64).reshape(-1, 16)[::2, ::3],  # not contiguous
+        np.asfortranarray(np.arange(n // 4, dtype=np.int32).reshape(64, -1)),
+    ]
+
+
+def _ids(arrays: list[np.ndarray[Any, Any]]) -> list[str]:
+    ids = []
+    for a in arrays:
+        kind = f"struct{len(a.dtype.names)}" if a.dtype.names else a.dtype.str.lstrip("<|=")
+        shape = "x".join(map(str, a.shape)) or "0d"
+        layout = "" if a.flags.c_contiguous else "-F" if a.flags.f_contiguous else "-strided"
+        ids.append(f"{kind}-{shape}{layout}")
+    return ids
+
+
+def _check_same(got: Any, want: np.ndarray[Any, Any]) -> None:
+    assert isinstance(got, np.ndarray), type(got)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape
+    assert np.array_equal(got, want)
+    assert got.flags.writeable, "results must be writable"
+
+
+@pytest.mark.parametrize("array", _small_arrays(), ids=_ids(_small_arrays()))
+def test_small_array_round_trip(array: np.ndarray[Any, Any]) -> None:
+    with WorkerPool(1) as pool:
+        got = pool.submit(_identity, array).result(T)
+        _check_same(got, array)
+        got[...] = got  # writable in place
+        assert pool.stats().bytes_shared == 0, "small arrays travel inline"
+
+
+@pytest.mark.parametrize("array", _big_arrays(), ids=_ids(_big_arrays()))
+def test_large_array_round_trip(array: np.ndarray[Any, Any]) -> None:
+    assert array.nbytes > 16 * KiB
+    with WorkerPool(1) as pool:
+        try:
+            fut = pool.submit(_identity, array)
+        except mpexec.SerializationError as exc:
+            pytest.fail(
+                f"mpexec bug: a large {array.dtype} array (which pickles fine and travels "
+                f"inline when small) cannot be sent: SerializationError: {exc}"
+            )
+        got = fut.result(T)
+        _check_same(got, array)
+        assert pool.stats().bytes_shared >= array.nbytes, "large arrays go through the arena"
+        writable, dtype, shape, total = pool.submit(_describe, array).result(T)
+        assert writable is False
+        assert (dtype, shape) == (array.dtype.str, array.shape)
+        if array.dtype.kind in "iub":
+            assert total == float(np.sum(array))
+        del got
+
+
+@pytest.mark.parametrize("size", [16, BIG // 8], ids=["inline", "arena"])
+def test_worker_sees_readonly_arrays(size: int) -> None:
+    a = np.zeros(size)
+    with WorkerPool(1) as pool:
+        fut = pool.submit(_write, a)
+        with pytest.raises(ValueError, match="read-only") as info:
+            fut.result(T)
+        assert isinstance(info.value.__cause__, mpexec.RemoteTraceback)
+        assert "_write" in info.value.__cause__.tb
+        shared = pool.put(a)
+        with pytest.raises(ValueError, match="read-only"):
+            pool.submit(_write, shared).result(T)
+        assert not a.any()
+        assert not shared.any()
+
+
+def test_results_writable_and_held_results_stay_valid() -> None:
+    n = BIG // 8
+    with WorkerPool(1) as pool:
+        first = pool.submit(_filled, 0, n).result(T)
+        small = pool.submit(_filled, -1, 4).result(T)
+        assert first.flags.writeable
+        assert small.flags.writeable
+        assert pool.submit(_pid).result(T) in pool.pids
+        for i in range(1, 51):
+            r = pool.submit(_filled, i, n).result(T)
+            assert (r == i).all()
+            del r
+            if i % 10 == 0:
+                gc.collect()
+                pool.stats()  # applies the releases that came back
+        assert (first == 0).all(), "mpexec bug: a held result was overwritten by later calls"
+        assert (small == -1).all()
+        first[:] = 42
+        assert (first == 42).all()
+        # A held result can be sent back to a worker.
+        assert pool.submit(np.sum, first).result(T) == 42 * n
+
+
+def test_nested_containers_of_arrays() -> None:
+    small = np.arange(4, dtype=np.int32)
+    big = np.arange(BIG // 8, dtype=np.int64)
+    payload = {"small": small, "big": big, "list": [small, big, np.ones((2, 2))]}
+    with WorkerPool(1) as pool:
+        out = pool.submit(_nested, payload).result(T)
+    assert set(out) == {"pair", "n", "list"}
+    pair = out["pair"]
+    assert isinstance(pair, tuple)
+    assert isinstance(pair[1], list)
+    assert isinstance(pair[1][1], dict)
+    np.testing.assert_array_equal(pair[0], small * 2)
+    np.testing.assert_array_equal(pair[1][0], big + 1)
+    np.testing.assert_array_equal(pair[1][1]["deep"], big[:3])
+    assert out["n"] == 3
+    assert out["list"] == [small.sum(), big.sum(), 4.0]
+    assert pair[1][0].flags.writeable
+
+
+def test_put_and_empty_travel_without_copy() -> None:
+    n = BIG // 8
+    with WorkerPool(1) as pool:
+        copied = pool.stats().bytes_copied
+        put = pool.put(np.arange(n, dtype=np.float64))
+        empty = pool.empty((n,), np.float64)
+        empty[:] = 2.0
+        assert put.flags.writeable
+        assert empty.flags.writeable
+        assert pool.submit(_describe, put).result(T) == (False, "<f8", (n,), float(put.sum()))
+        assert pool.submit(_describe, empty).result(T) == (False, "<f8", (n,), 2.0 * n)
+        # views of arena arrays are shared in place too, even small ones
+        assert pool.submit(_describe, put[10:20]).result(T)[3] == float(put[10:20].sum())
+        assert pool.stats().bytes_copied == copied, "arena arrays must not be copied"
+        assert pool.stats().bytes_shared >= 2 * put.nbytes
+        plain = np.ones(n)
+        assert pool.submit(_describe, plain).result(T)[3] == float(n)
+        assert pool.stats().bytes_copied == copied + plain.nbytes
+        small = np.ones(8)
+        pool.submit(_describe, small).result(T)
+        assert pool.stats().bytes_copied == copied + plain.nbytes, "inline arrays are not counted"
+
+
+# ================================================================ 3. errors
+def test_user_exception_keeps_type_with_remote_traceback() -> None:
+    with WorkerPool(1) as pool:
+        fut = pool.submit(_raise_value_error, 42)
+        exc = fut.exception(T)
+        assert type(exc) is ValueError
+        assert str(exc) == "bad value 42"
+        cause = exc.__cause__
+        assert isinstance(cause, mpexec.RemoteTraceback)
+        assert "_raise_value_error" in cause.tb
+        assert "ValueError: bad value 42" in cause.tb
+        assert "_raise_value_error" in str(cause)
+        with pytest.raises(ValueError, match="bad value 42"):
+            fut.result(T)
+        assert pool.submit(_square, 3).result(T) == 9
+        stats = pool.stats()
+        assert stats.failed == 1
+        assert stats.completed == 1
+
+
+def test_unpicklable_argument_fails_in_submit_naming_its_path() -> None:
+    lock = threading.Lock()
+    with WorkerPool(1) as pool:
+        with pytest.raises(mpexec.SerializationError) as info:
+            pool.submit(_identity, [1, {"k": lock}])
+        assert isinstance(info.value, TypeError)
+        assert isinstance(info.value.__cause__, TypeError)
+        msg = str(info.value)
+        assert "_thread.lock" in msg
+        assert "['k']" in msg
+        assert pool.submit(_square, 4).result(T) == 16
+        assert pool.stats().submitted == 1
+    # The error's traceback holds the pool's arena: let it go before failing.
+    del info, pool
+    assert "args[0][1]['k']" in msg, (
+        "mpexec bug: SerializationError names the wrong path for the unpicklable first "
+        f"argument's [1]['k'] (expected args[0][1]['k']): {msg}"
+    )
+
+
+def test_unpicklable_keyword_argument_fails_in_submit() -> None:
+    lock = threading.Lock()
+    with WorkerPool(1) as pool:
+        with pytest.raises(mpexec.SerializationError, match="lock") as info:
+            pool.submit(_add, 1, b={"inner": lock})
+        assert "['inner']" in str(info.value)
+        assert pool.submit(_add, 1, b=2).result(T) == 3
+
+
+def test_unpicklable_argument_fails_in_submit_while_workers_busy(tmp_path: Path) -> None:
+    """With every worker busy, submit queues the call: it must still check it first."""
+    gate = tmp_path / "open"
+    lock = threading.Lock()
+    with WorkerPool(1) as pool:
+        blocked = pool.submit(_wait_for, str(gate))
+        queued = [pool.submit(_square, i) for i in range(12)]
+        assert pool.stats().pending == 13
+        with pytest.raises(mpexec.SerializationError, match="lock"):
+            pool.submit(_identity, [1, {"k": lock}])
+        gate.touch()
+        assert blocked.result(T) is True
+        assert [f.result(T) for f in queued] == [i * i for i in range(12)]
+        assert pool.stats().submitted == 13
+
+
+def test_unpicklable_result_raises_serialization_error() -> None:
+    with WorkerPool(1) as pool:
+        fut = pool.submit(_return_lock)
+        with pytest.raises(mpexec.SerializationError, match="lock") as info:
+            fut.result(T)
+        assert "result" in str(info.value)
+        assert pool.submit(_square, 5).result(T) == 25
+
+
+@pytest.mark.parametrize(
+    ("fn", "name"),
+    [(_raise_unpicklable, "_UnpicklableError"), (_raise_not_rebuildable, "_NotRebuildableError")],
+)
+def test_unpicklable_exception_becomes_serialization_error(fn: Any, name: str) -> None:
+    with WorkerPool(1) as pool:
+        fut = pool.submit(fn)
+        with pytest.raises(mpexec.SerializationError) as info:
+            fut.result(T)
+        assert name in str(info.value)
+        assert isinstance(info.value.__cause__, mpexec.RemoteTraceback)
+        assert name in info.value.__cause__.tb
+        assert pool.submit(_square, 6).result(T) == 36
+
+
+def test_sys_exit_in_function_is_reported_and_pool_survives() -> None:
+    with WorkerPool(1) as pool:
+        pid = pool.submit(_pid).result(T)
+        fut = pool.submit(_exit3)
+        with pytest.raises(SystemExit) as info:
+            fut.result(T)
+        assert info.value.code == 3
+        assert pool.submit(_pid).result(T) == pid, "sys.exit must not end the worker"
+        assert pool.stats().restarts == 0
+
+
+# ================================================================ 4. crashes
+CRASHES = [
+    pytest.param("sigkill", -9, "SIGKILL", id="sigkill"),
+    pytest.param("sigsegv", -11, "SIGSEGV", id="sigsegv"),
+    pytest.param("exit5", 5, "exited with code 5", id="exit5"),
+]
+
+
+def _crash_error(fut: Any, kind: str, start_method: str) -> mpexec.WorkerCrashedError:
+    """The WorkerCrashedError the crashing call ``fut`` failed with (within 5 s)."""
+    t0 = time.monotonic()
+    exc = fut.exception(T)
+    assert time.monotonic() - t0 < 5, "the crash must be reported within a few seconds"
+    if not isinstance(exc, mpexec.WorkerCrashedError):
+        pytest.fail(
+            f"mpexec bug: a worker killed by {kind} under {start_method} is reported as "
+            f"{type(exc).__name__}: {exc} (expected WorkerCrashedError; _worker_lost reads "
+            "exitcode None, the child not yet reaped when its sentinel fires, as 'overran')"
+        )
+    return exc
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize(("kind", "exitcode", "text"), CRASHES)
+def test_crash_breaks_pool(kind: str, exitcode: int, text: str, start_method: str) -> None:
+    with WorkerPool(1, start_method=start_method) as pool:
+        pid = pool.submit(_pid).result(T)
+        err = _crash_error(pool.submit(_crash, kind), kind, start_method)
+        assert isinstance(err, BrokenExecutor)
+        assert isinstance(err, mpexec.BrokenPoolError)
+        assert err.pid == pid
+        assert err.exitcode == exitcode
+        assert text in str(err)
+        assert f"pid {pid}" in str(err)
+        assert err.cause
+        assert err.cause in str(err)
+        wait_until(lambda: "broken" in repr(pool), 5, "the pool to be marked broken")
+        with pytest.raises(mpexec.BrokenPoolError) as info:
+            pool.submit(_pid)
+        assert info.value is err or text in str(info.value)
+        with pytest.raises(mpexec.BrokenPoolError):
+            pool.submit(_square, 2)
+        assert pool.stats().restarts == 0
+        wait_until(lambda: _gone(pid), 5, "the crashed worker to be gone")
+
+
+def _submit_when_crash_reported() -> list[Any]:
+    """Futures of the calls submit() accepted from the crashed call's done-callback."""
+    accepted: list[Any] = []
+    with WorkerPool(1) as pool:
+        pool.submit(_pid).result(T)
+        fut = pool.submit(_crash, "exit5")
+
+        def submit_again(_: Any) -> None:
+            with contextlib.suppress(mpexec.BrokenPoolError):
+                accepted.append(pool.submit(_pid))
+
+        fut.add_done_callback(submit_again)
+        assert isinstance(fut.exception(T), mpexec.WorkerCrashedError)
+        wait_until(lambda: "broken" in repr(pool), 5, "the pool to be marked broken")
+        for late in accepted:  # it was accepted: at least it must fail, not hang
+            assert isinstance(late.exception(T), mpexec.BrokenPoolError)
+    return accepted
+
+
+def test_crash_marks_pool_broken_before_failing_futures() -> None:
+    """A submit made as soon as the crash is reported must already be refused."""
+    accepted = _submit_when_crash_reported()
+    assert not accepted, (
+        "mpexec bug: submit() accepted a call after the crashed call's future had "
+        "failed with WorkerCrashedError (_worker_lost settles the futures before "
+        "_break marks the pool broken; concurrent.futures marks it broken first)"
+    )
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize(("kind", "exitcode", "text"), CRASHES)
+def test_crash_with_restart(kind: str, exitcode: int, text: str, start_method: str) -> None:
+    with WorkerPool(1, start_method=start_method, restart=True) as pool:
+        pid = pool.submit(_pid).result(T)
+        err = _crash_error(pool.submit(_crash, kind), kind, start_method)
+        assert err.pid == pid
+        assert err.exitcode == exitcode
+        assert text in str(err)
+        new_pid = pool.submit(_pid).result(T)
+        assert new_pid != pid
+        assert pool.pids == [new_pid]
+        assert pool.submit(_square, 9).result(T) == 81
+        stats = pool.stats()
+        assert stats.restarts == 1
+        assert stats.failed == 1
+        assert "running" in repr(pool)
+
+
+def test_crash_with_restart_reruns_queued_calls() -> None:
+    with WorkerPool(1, restart=True) as pool:
+        pool.submit(_pid).result(T)
+        crash = pool.submit(_crash, "sigkill")
+        queued = [pool.submit(_square, i) for i in range(5)]
+        with pytest.raises(mpexec.WorkerCrashedError):
+            crash.result(T)
+        assert [f.result(T) for f in queued] == [0, 1, 4, 9, 16]
+        assert pool.stats().restarts == 1
+
+
+# ================================================================ 5. timeout
+def test_timeout_kills_and_replaces_worker() -> None:
+    with WorkerPool(1, timeout=0.5) as pool:
+        pid = pool.submit(_pid).result(T)
+        t0 = time.monotonic()
+        fut = pool.submit(_sleep_then_pid, 30)
+        with pytest.raises(mpexec.TaskTimeoutError) as info:
+            fut.result(T)
+        elapsed = time.monotonic() - t0
+        assert 0.4 < elapsed < 5
+        assert isinstance(info.value, TimeoutError)
+        assert "0.5" in str(info.value)
+        assert str(pid) in str(info.value)
+        new_pid = pool.submit(_pid).result(T)
+        assert new_pid != pid
+        assert pool.submit(_sleep_then_pid, 0.01).result(T) == new_pid
+        assert pool.stats().restarts == 1
+        wait_until(lambda: _gone(pid), 5, "the timed-out worker to be gone")
+
+
+# ================================================================ 6. worker_init, seed
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_worker_init_failure_breaks_construction(num_workers: int) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(mpexec.BrokenPoolError, match="init exploded on purpose") as info:
+        WorkerPool(num_workers, worker_init=_init_raises)
+    assert time.monotonic() - t0 < 20
+    assert "RuntimeError" in str(info.value)
+    cause = info.value.__cause__
+    assert isinstance(cause, RuntimeError)
+    assert isinstance(cause.__cause__, mpexec.RemoteTraceback)
+    assert "_init_raises" in cause.__cause__.tb
+
+
+def test_worker_init_sets_global() -> None:
+    with WorkerPool(2, worker_init=_init_set_global, worker_init_args=("hello",)) as pool:
+        assert set(pool.map(lambda _: _read_global(), range(20), timeout=T)) == {"hello"}
+        assert _read_global() is None  # not in the caller
+
+
+def _draws(pool: WorkerPool) -> dict[int, float]:
+    """Each worker's next random number, by worker index."""
+    seen: dict[int, float] = {}
+
+    def both_seen() -> bool:
+        for pid, value in pool.map(lambda _: _peek_random(), range(8), timeout=T):
+            assert seen.get(pid, value) == value
+            seen[pid] = value
+        return len(seen) == pool.num_workers
+
+    wait_until(both_seen, 10, "every worker to run a call")
+    return {pool.pids.index(pid): value for pid, value in seen.items()}
+
+
+def test_seed_reproducible_and_distinct_per_worker() -> None:
+    with WorkerPool(2, seed=1234) as pool:
+        first = _draws(pool)
+    with WorkerPool(2, seed=1234) as pool:
+        second = _draws(pool)
+    with WorkerPool(2, seed=99) as pool:
+        other = _draws(pool)
+    assert first == second
+    assert first[0] != first[1], "the two workers of one pool must draw differently"
+    assert set(first.values()).isdisjoint(other.values())
+
+
+# ================================================================ 7. shutdown
+def test_shutdown_twice_and_submit_after() -> None:
+    pool = WorkerPool(1)
+    fut = pool.submit(_square, 3)
+    pool.shutdown()
+    assert fut.result(T) == 9, "shutdown(wait=True) lets queued calls finish"
+    pool.shutdown()
+    pool.shutdown(wait=False)
+    with pytest.raises(mpexec.PoolClosedError, match="shutdown"):
+        pool.submit(_square, 1)
+    with pytest.raises(mpexec.PoolClosedError):
+        list(pool.map(_square, [1]))
+    assert isinstance(mpexec.PoolClosedError("x"), RuntimeError)
+    assert "closed" in repr(pool)
+
+
+def test_shutdown_nowait_cancels_running_and_queued() -> None:
+    with WorkerPool(1) as pool:
+        running = pool.submit(_sleep_then_pid, 30)
+        queued = [pool.submit(_sleep_then_pid, 30) for _ in range(3)]
+        t0 = time.monotonic()
+        pool.shutdown(wait=False, cancel_futures=True)
+        assert time.monotonic() - t0 < 5
+        futures = [running, *queued]
+        _, not_done = wait_futures(futures, timeout=5)
+        assert not not_done, "every future must end after shutdown(wait=False)"
+        for f in futures:
+            if not f.cancelled():
+                assert isinstance(f.exception(0), mpexec.PoolClosedError), f.exception(0)
+
+
+def test_dropped_pool_stops_its_workers() -> None:
+    pool = WorkerPool(2)
+    assert pool.submit(_square, 2).result(T) == 4
+    pids = list(pool.pids)
+    del pool
+    gc.collect()
+    wait_until(lambda: all(_gone(p) for p in pids), 10, "workers of a dropped pool to exit")
+
+
+# ================================================================ 8. main process killed
+_CHILD = """
+import sys, time
+from mpexec import WorkerPool
+pool = WorkerPool(2, start_method=sys.argv[1])
+assert pool.submit(int, "5").result(30) == 5
+print(" ".join(map(str, pool.pids)), flush=True)
+time.sleep(60)
+"""
+
+
+def _mpx_names() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("mpx")}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_workers_exit_when_main_process_is_killed(start_method: str) -> None:
+    before = _mpx_names()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, start_method],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], T)
+        assert ready, "the child did not print its worker pids in time"
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, (line, proc.stderr)
+        assert all(psutil.pid_exists(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait(T)
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+    wait_until(lambda: all(_gone(p) for p in pids), 5, f"workers {pids} to exit")
+    created = _mpx_names() - before
+    by_workers = {n for n in created if any(f"-{p}-" in n for p in pids)}
+    assert not by_workers, f"named segments left by the workers: {by_workers}"
+    # The killed process's own named segments (posix backend only) cannot be unlinked
+    # by it; clean them up here so that no_leaks checks only what the workers did.
+    for name in created:
+        if f"-{proc.pid}-" in name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+
+
+# ================================================================ 9. soak
+def test_soak_no_fd_or_arena_growth() -> None:
+    small = np.ones(4, dtype=np.int64)
+    big = np.ones(BIG // 8, dtype=np.int64)
+    with WorkerPool(2) as pool:
+        assert list(pool.map(_soak, range(100), [small] * 100, timeout=T)) == list(range(1, 101))
+        gc.collect()
+        wait_until(lambda: pool.stats().arena.in_use == 0, 10, "warm-up releases")
+        in_use = pool.stats().arena.in_use
+        fds = _fds()
+        n = 20_000
+        args = (big if i % 100 == 0 else small for i in range(n))
+        total = sum(pool.map(_soak, range(n), args, timeout=60))
+        assert total == n * (n - 1) // 2 + n
+        stats = pool.stats()
+        assert stats.completed >= n + 100
+        assert stats.bytes_copied == (n // 100) * big.nbytes
+        gc.collect()
+        wait_until(
+            lambda: pool.stats().arena.in_use == in_use, 10, "the arena to return to its start"
+        )
+        assert _fds() <= fds + 2, f"fds grew from {fds} to {_fds()}"
+        assert pool.stats().pending == 0
