@@ -15,6 +15,7 @@ from __future__ import annotations
 #: Benchmark name -> module; each module has ``run(quick, out_dir) -> dict``.
 BENCHMARKS: dict[str, str] = {
     "shm": "benchmarks.shm_bench",
+    "pool": "benchmarks.pool_bench",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -212,7 +212,10 @@ def main(boot: WorkerBoot) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group: the pool's process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _set_parent_death_signal(boot.main_pid)
+    if shm.platform_info().backend == "memfd":
+        # Named segments must be unlinked on the way out, which SIGKILL forbids:
+        # then the lifeline thread alone ends the worker.
+        _set_parent_death_signal(boot.main_pid)
     done = boot.done
     try:
         arena = shm.Arena(segment_size=boot.segment_size, name=f"worker-{boot.index}")
@@ -231,6 +234,7 @@ def main(boot: WorkerBoot) -> None:
             init(*init_args)
     except BaseException as exc:
         done.push(spill(FAILED, _pickle_error(exc), arena, boot.result_releases), timeout=10)
+        arena.unlink()
         return
     done.push(record(HELLO, pickle.dumps((os.getpid(), arena.id))), timeout=10)
     worker = _Worker(boot, arena)
@@ -241,3 +245,6 @@ def main(boot: WorkerBoot) -> None:
         shm.flush_releases()
         with contextlib.suppress(shm.RingClosedError, OSError):
             done.close_producer()
+        # Forkserver children end in os._exit (no finalizers): unlink names now.
+        # The pool has opened every result it will read; its mappings stay valid.
+        arena.unlink()

@@ -219,6 +219,7 @@ class _Importer:
             weakref.WeakValueDictionary()
         )
         self.recent: collections.deque[Segment] = collections.deque(maxlen=KEEP_MAPPED)
+        self.owners: dict[int, int] = {}  # arena id -> owner pid, of arenas opened here
         self.deferred = _Deferred()
         self.dropped = 0  # releases for arenas with no route (their owner is gone)
 
@@ -293,6 +294,10 @@ def set_release_route(arena_id: int, ring: Ring | None) -> None:
     imp = importer()
     if ring is None:
         imp.routes.pop(arena_id, None)
+        # Its owner is done with us: keep none of its segments mapped for reuse.
+        owner = imp.owners.pop(arena_id, None)
+        for seg in [s for s in imp.recent if s.handle.owner_pid == owner]:
+            imp.recent.remove(seg)
     else:
         imp.routes[arena_id] = ring
         imp.flush()
@@ -329,6 +334,7 @@ def open_array(desc: ArrayDescriptor, writable: bool = False) -> np.ndarray[Any,
             "so that the memory can be given back when the view is gone"
         )
     imp.flush()
+    imp.owners[desc.arena_id] = desc.segment.owner_pid
     seg = imp.segment(desc.segment, readonly=not writable)
     anchor = Anchor(
         seg.address + desc.offset, desc.nbytes, not writable, seg, desc.arena_id, desc.alloc_id

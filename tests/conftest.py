@@ -26,20 +26,36 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         delay = min(delay * 2, 0.05)
 
 
+#: Every process this test process started through multiprocessing (recorded by
+#: the patched ``BaseProcess.start`` below), alive or not.
+_STARTED: set[int] = set()
+_start = mp.process.BaseProcess.start
+
+
+def _recording_start(self: mp.process.BaseProcess) -> None:
+    _start(self)
+    if self.pid is not None:
+        _STARTED.add(self.pid)
+
+
+mp.process.BaseProcess.start = _recording_start  # type: ignore[method-assign]
+
+
 def shm_names() -> set[str]:
-    """Named segments in /dev/shm that may be ours (memfd leaves none by construction).
+    """Named segments in /dev/shm created by this process or one it started.
 
     Names read ``{tag}-{pid}-{hex}``. Other pytest-xdist workers and tox envs
-    create segments at the same time: a name whose creator is alive but is
-    neither this process nor one of its descendants is theirs, and left out.
+    create (and, with killed children, leave for reaping) segments at the same
+    time; only names whose creator is ours are counted: this process, a
+    process it started through multiprocessing, or a live descendant.
     """
     try:
         names = [n for n in os.listdir("/dev/shm") if n.startswith("mpx")]
     except FileNotFoundError:
         return set()
     me = psutil.Process()
-    ours = {me.pid} | {c.pid for c in me.children(recursive=True)}
-    return {n for n in names if _creator(n) in ours or not psutil.pid_exists(_creator(n))}
+    ours = {me.pid} | _STARTED | {c.pid for c in me.children(recursive=True)}
+    return {n for n in names if _creator(n) in ours}
 
 
 def _creator(name: str) -> int:

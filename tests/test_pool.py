@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import gc
+import multiprocessing as mp
 import os
 import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import BrokenExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -152,7 +157,10 @@ def _peek_random() -> tuple[int, float]:
     return os.getpid(), value
 
 
-def _soak(i: int, a: np.ndarray[Any, Any]) -> int:
+def _soak(i: int, a: np.ndarray[Any, Any]) -> Any:
+    """An int for a small input; a large array (through the worker's arena) for a large one."""
+    if a.size > 4:
+        return np.full(a.size, i + int(a[0]), dtype=a.dtype)
     return i + int(a[0])
 
 
@@ -167,6 +175,58 @@ def _gone(pid: int) -> bool:
 
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def _mpx_names() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("mpx")}
+    except FileNotFoundError:
+        return set()
+
+
+def _unlink_names_of(*pids: int) -> None:
+    """Remove the named segments (posix backend) created by ``pids``.
+
+    For processes killed on purpose: a SIGKILLed owner cannot unlink its names,
+    as shm documents; no_leaks then checks everything else.
+    """
+    for name in _mpx_names():
+        if any(f"-{pid}-" in name for pid in pids):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+
+
+@contextlib.contextmanager
+def _one_posix_child_at_a_time() -> Iterator[None]:
+    """Keep the posix-backend child scenarios of parallel test processes apart.
+
+    A process making its first named segment unlinks every name whose creator
+    is dead (shm's reap_orphans): a posix child starting in another xdist
+    worker could remove the very names a test is looking for.
+    """
+    path = os.path.join(tempfile.gettempdir(), "mpexec-test-pool-posix.lock")
+    with open(path, "a") as f:
+
+        def locked() -> bool:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+        wait_until(locked, 60, "the posix scenario lock")
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def killed() -> Iterator[list[int]]:
+    """Pids of workers a test kills on purpose: their named segments go afterwards."""
+    pids: list[int] = []
+    yield pids
+    _unlink_names_of(*pids)
 
 
 # ================================================================ 1. basics
@@ -300,35 +360,52 @@ def _check_same(got: Any, want: np.ndarray[Any, Any]) -> None:
     assert got.flags.writeable, "results must be writable"
 
 
-@pytest.mark.parametrize("array", _small_arrays(), ids=_ids(_small_arrays()))
-def test_small_array_round_trip(array: np.ndarray[Any, Any]) -> None:
-    with WorkerPool(1) as pool:
-        got = pool.submit(_identity, array).result(T)
-        _check_same(got, array)
-        got[...] = got  # writable in place
-        assert pool.stats().bytes_shared == 0, "small arrays travel inline"
-
-
-@pytest.mark.parametrize("array", _big_arrays(), ids=_ids(_big_arrays()))
-def test_large_array_round_trip(array: np.ndarray[Any, Any]) -> None:
-    assert array.nbytes > 16 * KiB
-    with WorkerPool(1) as pool:
+def _round_trip_problems(pool: WorkerPool, arrays: list[np.ndarray[Any, Any]]) -> list[str]:
+    """Send each array to a worker and back; what went wrong, one line per array."""
+    problems = []
+    for name, array in zip(_ids(arrays), arrays, strict=True):
         try:
             fut = pool.submit(_identity, array)
         except mpexec.SerializationError as exc:
-            pytest.fail(
-                f"mpexec bug: a large {array.dtype} array (which pickles fine and travels "
-                f"inline when small) cannot be sent: SerializationError: {exc}"
+            problems.append(
+                f"{name}: mpexec bug: a {array.dtype} array (which pickles fine) cannot be "
+                f"sent: SerializationError: {exc}"
             )
-        got = fut.result(T)
-        _check_same(got, array)
-        assert pool.stats().bytes_shared >= array.nbytes, "large arrays go through the arena"
-        writable, dtype, shape, total = pool.submit(_describe, array).result(T)
-        assert writable is False
-        assert (dtype, shape) == (array.dtype.str, array.shape)
-        if array.dtype.kind in "iub":
-            assert total == float(np.sum(array))
-        del got
+            continue
+        try:
+            got = fut.result(T)
+            _check_same(got, array)
+            got[...] = got  # writable in place
+            seen = pool.submit(_describe, array).result(T)
+            assert seen[0] is False, "the worker's view must be read-only"
+            assert seen[1:3] == (array.dtype.str, array.shape), seen
+            if array.dtype.kind in "biu":
+                assert seen[3] == float(np.sum(array)), seen
+        except Exception as exc:
+            problems.append(f"{name}: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def test_small_array_round_trip() -> None:
+    """0-d, empty, 1..4-d, float16, complex, bool, U5, structured, strided: inline."""
+    arrays = _small_arrays()
+    assert all(a.nbytes <= 16 * KiB for a in arrays)
+    with WorkerPool(1) as pool:
+        problems = _round_trip_problems(pool, arrays)
+        assert pool.stats().bytes_shared == 0, "small arrays travel inline"
+    assert not problems, "\n".join(problems)
+
+
+def test_large_array_round_trip() -> None:
+    """The same kinds of arrays above the inline limit: through the arenas."""
+    arrays = _big_arrays()
+    assert all(a.nbytes > 16 * KiB for a in arrays)
+    with WorkerPool(1) as pool:
+        problems = _round_trip_problems(pool, arrays)
+        shared = pool.stats().bytes_shared
+    assert not problems, "\n".join(problems)
+    # each array goes to the worker twice (round trip, then _describe)
+    assert shared >= 2 * sum(a.nbytes for a in arrays), "large arrays go through the arena"
 
 
 @pytest.mark.parametrize("size", [16, BIG // 8], ids=["inline", "arena"])
@@ -457,8 +534,12 @@ def test_unpicklable_keyword_argument_fails_in_submit() -> None:
     with WorkerPool(1) as pool:
         with pytest.raises(mpexec.SerializationError, match="lock") as info:
             pool.submit(_add, 1, b={"inner": lock})
-        assert "['inner']" in str(info.value)
+        msg = str(info.value)
         assert pool.submit(_add, 1, b=2).result(T) == 3
+    del info, pool
+    assert "kwargs['b']['inner']" in msg, (
+        f"mpexec bug: SerializationError does not name kwargs['b']['inner']: {msg}"
+    )
 
 
 def test_unpicklable_argument_fails_in_submit_while_workers_busy(tmp_path: Path) -> None:
@@ -536,9 +617,12 @@ def _crash_error(fut: Any, kind: str, start_method: str) -> mpexec.WorkerCrashed
 
 @pytest.mark.parametrize("start_method", START_METHODS)
 @pytest.mark.parametrize(("kind", "exitcode", "text"), CRASHES)
-def test_crash_breaks_pool(kind: str, exitcode: int, text: str, start_method: str) -> None:
+def test_crash_breaks_pool(
+    kind: str, exitcode: int, text: str, start_method: str, killed: list[int]
+) -> None:
     with WorkerPool(1, start_method=start_method) as pool:
         pid = pool.submit(_pid).result(T)
+        killed.append(pid)
         err = _crash_error(pool.submit(_crash, kind), kind, start_method)
         assert isinstance(err, BrokenExecutor)
         assert isinstance(err, mpexec.BrokenPoolError)
@@ -558,11 +642,11 @@ def test_crash_breaks_pool(kind: str, exitcode: int, text: str, start_method: st
         wait_until(lambda: _gone(pid), 5, "the crashed worker to be gone")
 
 
-def _submit_when_crash_reported() -> list[Any]:
+def _submit_when_crash_reported(killed: list[int]) -> list[Any]:
     """Futures of the calls submit() accepted from the crashed call's done-callback."""
     accepted: list[Any] = []
     with WorkerPool(1) as pool:
-        pool.submit(_pid).result(T)
+        killed.append(pool.submit(_pid).result(T))
         fut = pool.submit(_crash, "exit5")
 
         def submit_again(_: Any) -> None:
@@ -577,9 +661,9 @@ def _submit_when_crash_reported() -> list[Any]:
     return accepted
 
 
-def test_crash_marks_pool_broken_before_failing_futures() -> None:
+def test_crash_marks_pool_broken_before_failing_futures(killed: list[int]) -> None:
     """A submit made as soon as the crash is reported must already be refused."""
-    accepted = _submit_when_crash_reported()
+    accepted = _submit_when_crash_reported(killed)
     assert not accepted, (
         "mpexec bug: submit() accepted a call after the crashed call's future had "
         "failed with WorkerCrashedError (_worker_lost settles the futures before "
@@ -589,9 +673,12 @@ def test_crash_marks_pool_broken_before_failing_futures() -> None:
 
 @pytest.mark.parametrize("start_method", START_METHODS)
 @pytest.mark.parametrize(("kind", "exitcode", "text"), CRASHES)
-def test_crash_with_restart(kind: str, exitcode: int, text: str, start_method: str) -> None:
+def test_crash_with_restart(
+    kind: str, exitcode: int, text: str, start_method: str, killed: list[int]
+) -> None:
     with WorkerPool(1, start_method=start_method, restart=True) as pool:
         pid = pool.submit(_pid).result(T)
+        killed.append(pid)
         err = _crash_error(pool.submit(_crash, kind), kind, start_method)
         assert err.pid == pid
         assert err.exitcode == exitcode
@@ -606,9 +693,9 @@ def test_crash_with_restart(kind: str, exitcode: int, text: str, start_method: s
         assert "running" in repr(pool)
 
 
-def test_crash_with_restart_reruns_queued_calls() -> None:
+def test_crash_with_restart_reruns_queued_calls(killed: list[int]) -> None:
     with WorkerPool(1, restart=True) as pool:
-        pool.submit(_pid).result(T)
+        killed.append(pool.submit(_pid).result(T))
         crash = pool.submit(_crash, "sigkill")
         queued = [pool.submit(_square, i) for i in range(5)]
         with pytest.raises(mpexec.WorkerCrashedError):
@@ -618,11 +705,14 @@ def test_crash_with_restart_reruns_queued_calls() -> None:
 
 
 # ================================================================ 5. timeout
-def test_timeout_kills_and_replaces_worker() -> None:
+def test_timeout_kills_and_replaces_worker(killed: list[int]) -> None:
+    # Builtins only: a first call of a test-module function imports this module in
+    # the worker, which on a loaded machine can itself take longer than 0.5 s.
     with WorkerPool(1, timeout=0.5) as pool:
-        pid = pool.submit(_pid).result(T)
+        pid = pool.submit(os.getpid).result(T)
+        killed.append(pid)
         t0 = time.monotonic()
-        fut = pool.submit(_sleep_then_pid, 30)
+        fut = pool.submit(time.sleep, 30)
         with pytest.raises(mpexec.TaskTimeoutError) as info:
             fut.result(T)
         elapsed = time.monotonic() - t0
@@ -630,10 +720,13 @@ def test_timeout_kills_and_replaces_worker() -> None:
         assert isinstance(info.value, TimeoutError)
         assert "0.5" in str(info.value)
         assert str(pid) in str(info.value)
-        new_pid = pool.submit(_pid).result(T)
+        new_pid = pool.submit(os.getpid).result(T)
         assert new_pid != pid
-        assert pool.submit(_sleep_then_pid, 0.01).result(T) == new_pid
-        assert pool.stats().restarts == 1
+        assert pool.submit(time.sleep, 0.01).result(T) is None
+        assert pool.pids == [new_pid]
+        stats = pool.stats()
+        assert stats.restarts == 1
+        assert stats.failed == 1
         wait_until(lambda: _gone(pid), 5, "the timed-out worker to be gone")
 
 
@@ -649,6 +742,45 @@ def test_worker_init_failure_breaks_construction(num_workers: int) -> None:
     assert isinstance(cause, RuntimeError)
     assert isinstance(cause.__cause__, mpexec.RemoteTraceback)
     assert "_init_raises" in cause.__cause__.tb
+
+
+def _start_failure(monkeypatch: pytest.MonkeyPatch) -> BaseException | None:
+    """What WorkerPool(2) raises when starting its second worker process fails."""
+    import multiprocessing.context as mp_context
+
+    real = mp_context.SpawnProcess._Popen
+    calls: list[int] = []
+
+    def popen(process_obj: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable (simulated)")
+        return real(process_obj)
+
+    monkeypatch.setattr(mp_context.SpawnProcess, "_Popen", staticmethod(popen))
+    try:
+        WorkerPool(2, start_method="spawn")
+    except BaseException as exc:  # reported below, whatever it is
+        return exc
+    finally:
+        monkeypatch.undo()
+    return None
+
+
+def test_process_start_failure_raises_the_real_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    exc = _start_failure(monkeypatch)
+    assert exc is not None, "WorkerPool() must fail when a worker process cannot start"
+    text = f"{type(exc).__name__}: {exc}"
+    del exc  # its traceback holds the half-built pool
+    gc.collect()
+    for proc in mp.active_children():  # the first worker, should cleanup have stopped early
+        proc.kill()
+        proc.join(T)
+    assert "simulated" in text, (
+        "mpexec bug: when a worker process fails to start, WorkerPool() raises "
+        f"{text!r} instead of the start error (the cleanup joins a process that never "
+        "started, and the rest of the cleanup is skipped)"
+    )
 
 
 def test_worker_init_sets_global() -> None:
@@ -685,22 +817,24 @@ def test_seed_reproducible_and_distinct_per_worker() -> None:
 
 # ================================================================ 7. shutdown
 def test_shutdown_twice_and_submit_after() -> None:
-    pool = WorkerPool(1)
-    fut = pool.submit(_square, 3)
-    pool.shutdown()
-    assert fut.result(T) == 9, "shutdown(wait=True) lets queued calls finish"
-    pool.shutdown()
-    pool.shutdown(wait=False)
-    with pytest.raises(mpexec.PoolClosedError, match="shutdown"):
-        pool.submit(_square, 1)
-    with pytest.raises(mpexec.PoolClosedError):
-        list(pool.map(_square, [1]))
+    with WorkerPool(1) as pool:
+        fut = pool.submit(_square, 3)
+        pool.shutdown()
+        assert fut.result(T) == 9, "shutdown(wait=True) lets queued calls finish"
+        pool.shutdown()
+        pool.shutdown(wait=False)
+        with pytest.raises(mpexec.PoolClosedError, match="shutdown"):
+            pool.submit(_square, 1)
+        with pytest.raises(mpexec.PoolClosedError):
+            list(pool.map(_square, [1]))
     assert isinstance(mpexec.PoolClosedError("x"), RuntimeError)
+    assert not isinstance(mpexec.PoolClosedError("x"), mpexec.BrokenPoolError)
     assert "closed" in repr(pool)
 
 
-def test_shutdown_nowait_cancels_running_and_queued() -> None:
+def test_shutdown_nowait_cancels_running_and_queued(killed: list[int]) -> None:
     with WorkerPool(1) as pool:
+        killed.extend(pool.pids)  # stopped by SIGTERM
         running = pool.submit(_sleep_then_pid, 30)
         queued = [pool.submit(_sleep_then_pid, 30) for _ in range(3)]
         t0 = time.monotonic()
@@ -734,44 +868,94 @@ time.sleep(60)
 """
 
 
-def _mpx_names() -> set[str]:
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("mpx")}
-    except FileNotFoundError:
-        return set()
-
-
 @pytest.mark.parametrize("start_method", START_METHODS)
-def test_workers_exit_when_main_process_is_killed(start_method: str) -> None:
+def test_workers_exit_when_main_process_is_killed(start_method: str, backend: str) -> None:
+    with _one_posix_child_at_a_time() if backend == "posix" else contextlib.nullcontext():
+        _main_killed(start_method, backend)
+
+
+def _main_killed(start_method: str, backend: str) -> None:
     before = _mpx_names()
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, start_method],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "SHM_BACKEND": backend},
     )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
     try:
         ready, _, _ = select.select([proc.stdout], [], [], T)
-        assert ready, "the child did not print its worker pids in time"
-        line = proc.stdout.readline()  # type: ignore[union-attr]
+        line = proc.stdout.readline() if ready else ""
         pids = [int(p) for p in line.split()]
-        assert len(pids) == 2, (line, proc.stderr)
-        assert all(psutil.pid_exists(p) for p in pids)
+        if len(pids) == 2:
+            assert all(psutil.pid_exists(p) for p in pids)
     finally:
         proc.kill()
         proc.wait(T)
-        proc.stdout.close()  # type: ignore[union-attr]
-        proc.stderr.close()  # type: ignore[union-attr]
+        err = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert len(pids) == 2, f"the child printed {line!r} and stderr {err!r}"
     wait_until(lambda: all(_gone(p) for p in pids), 5, f"workers {pids} to exit")
     created = _mpx_names() - before
     by_workers = {n for n in created if any(f"-{p}-" in n for p in pids)}
-    assert not by_workers, f"named segments left by the workers: {by_workers}"
-    # The killed process's own named segments (posix backend only) cannot be unlinked
-    # by it; clean them up here so that no_leaks checks only what the workers did.
-    for name in created:
-        if f"-{proc.pid}-" in name:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
+    # The killed process's own named segments (posix backend) cannot be unlinked by it,
+    # by design; remove everything so that no_leaks does not report this twice.
+    _unlink_names_of(proc.pid, *pids)
+    assert not by_workers, (
+        f"mpexec bug: with the {backend} backend under {start_method}, the workers of a "
+        f"SIGKILLed pool process exited but left their named segments: {sorted(by_workers)} "
+        "(spawn: PR_SET_PDEATHSIG SIGKILLs the worker before its lifeline thread can "
+        "unlink; forkserver: the main thread's exit on the closed ring races that thread)"
+    )
+
+
+_CHILD_SHUTDOWN = """
+import sys
+from mpexec import WorkerPool
+with WorkerPool(2, start_method=sys.argv[1]) as pool:
+    assert pool.submit(int, "5").result(30) == 5
+    assert len(pool.submit(bytes, 1 << 16).result(30)) == 1 << 16
+print(" ".join(map(str, pool.pids)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_named_segments_unlinked_after_shutdown_posix(start_method: str) -> None:
+    """With named segments (posix backend), a clean shutdown leaves no name behind.
+
+    Run in a child process: the backend is read from the environment when each
+    process makes its arena, and a forkserver already running here has its own.
+    """
+    with _one_posix_child_at_a_time():
+        _clean_shutdown_posix(start_method)
+
+
+def _clean_shutdown_posix(start_method: str) -> None:
+    before = _mpx_names()
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD_SHUTDOWN, start_method],
+        capture_output=True,
+        text=True,
+        timeout=T,
+        env={**os.environ, "SHM_BACKEND": "posix"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2, proc.stdout
+    wait_until(lambda: all(_gone(p) for p in pids), 10, f"workers {pids} to exit")
+    created = sorted(_mpx_names() - before)
+    ours = [n for n in created if any(f"-{p}-" in n for p in pids)]
+    _unlink_names_of(*pids)
+    assert not ours, (
+        f"mpexec bug: under {start_method} with the posix backend, workers that exited "
+        f"after a clean shutdown() left their arenas' named segments in /dev/shm: {ours} "
+        "(the worker never closes or unlinks its arena on the way out: _worker.main's "
+        "finally does not, and a forkserver child ends with os._exit, so no finalizer runs)"
+    )
 
 
 # ================================================================ 9. soak
@@ -786,7 +970,14 @@ def test_soak_no_fd_or_arena_growth() -> None:
         fds = _fds()
         n = 20_000
         args = (big if i % 100 == 0 else small for i in range(n))
-        total = sum(pool.map(_soak, range(n), args, timeout=60))
+        total = 0
+        for i, r in enumerate(pool.map(_soak, range(n), args, timeout=60)):
+            if i % 100 == 0:
+                assert r.shape == big.shape
+                assert r[-1] == i + 1
+                total += int(r[0])
+            else:
+                total += r
         assert total == n * (n - 1) // 2 + n
         stats = pool.stats()
         assert stats.completed >= n + 100
