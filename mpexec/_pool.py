@@ -267,14 +267,19 @@ class WorkerPool(Executor):
             slot.process = self._ctx.Process(
                 target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
             )
+            try:
+                slot.process.start()
+            except BaseException:
+                slot.close_rings()
+                arena.reclaim(slot.arg_releases)
+                raise
+            slot.pid = slot.process.pid
             with state.lock:
                 if index < len(state.slots):
                     state.slots[index] = slot
                 else:
                     state.slots.append(slot)
             started.append(slot)
-            slot.process.start()
-            slot.pid = slot.process.pid
         deadline = time.monotonic() + self._start_timeout
         for slot in started:
             self._await_hello(slot, deadline)
@@ -914,7 +919,7 @@ def _shutdown(
     for slot in slots:
         with contextlib.suppress(shm.SharedMemoryError, ValueError):
             slot.tasks.close_producer()
-    _stop_processes([s.process for s in slots if s.process is not None], wait)
+    _stop_processes([s.process for s in slots if s.process is not None and s.pid], wait)
     if manager is not None and manager is not me:
         state.poke()
         manager.join(_STOP_GRACE)

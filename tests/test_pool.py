@@ -898,7 +898,12 @@ def _main_killed(start_method: str, backend: str) -> None:
         proc.stdout.close()
         proc.stderr.close()
     assert len(pids) == 2, f"the child printed {line!r} and stderr {err!r}"
-    wait_until(lambda: all(_gone(p) for p in pids), 5, f"workers {pids} to exit")
+    # Poll tightly: a dead creator's names can be reaped by any process that makes
+    # its first named segment, so look as soon as the workers are gone.
+    deadline = time.monotonic() + 5
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"workers {pids} still alive 5 s after the kill"
+        time.sleep(0.001)
     created = _mpx_names() - before
     by_workers = {n for n in created if any(f"-{p}-" in n for p in pids)}
     # The killed process's own named segments (posix backend) cannot be unlinked by it,
@@ -913,12 +918,15 @@ def _main_killed(start_method: str, backend: str) -> None:
 
 
 _CHILD_SHUTDOWN = """
-import sys
+import os, sys
 from mpexec import WorkerPool
 with WorkerPool(2, start_method=sys.argv[1]) as pool:
     assert pool.submit(int, "5").result(30) == 5
     assert len(pool.submit(bytes, 1 << 16).result(30)) == 1 << 16
-print(" ".join(map(str, pool.pids)), flush=True)
+# The workers are joined: look at once, before anyone else can reap their names.
+left = [n for n in os.listdir("/dev/shm") if any(f"-{p}-" in n for p in pool.pids)]
+print(" ".join(map(str, pool.pids)))
+print(" ".join(sorted(left)), flush=True)
 """
 
 
@@ -934,7 +942,6 @@ def test_named_segments_unlinked_after_shutdown_posix(start_method: str) -> None
 
 
 def _clean_shutdown_posix(start_method: str) -> None:
-    before = _mpx_names()
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD_SHUTDOWN, start_method],
         capture_output=True,
@@ -944,15 +951,16 @@ def _clean_shutdown_posix(start_method: str) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    pids = [int(p) for p in proc.stdout.split()]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout
+    pids = [int(p) for p in lines[0].split()]
+    left = lines[1].split()
     assert len(pids) == 2, proc.stdout
     wait_until(lambda: all(_gone(p) for p in pids), 10, f"workers {pids} to exit")
-    created = sorted(_mpx_names() - before)
-    ours = [n for n in created if any(f"-{p}-" in n for p in pids)]
     _unlink_names_of(*pids)
-    assert not ours, (
+    assert not left, (
         f"mpexec bug: under {start_method} with the posix backend, workers that exited "
-        f"after a clean shutdown() left their arenas' named segments in /dev/shm: {ours} "
+        f"after a clean shutdown() left their arenas' named segments in /dev/shm: {left} "
         "(the worker never closes or unlinks its arena on the way out: _worker.main's "
         "finally does not, and a forkserver child ends with os._exit, so no finalizer runs)"
     )
