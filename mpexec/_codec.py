@@ -197,7 +197,7 @@ def describe_unpicklable(value: Any, what: str, exc: BaseException) -> str:
         node, path = bad
         depth += 1
     return (
-        f"cannot send {path} to a worker: {type(node).__module__}.{type(node).__qualname__} "
+        f"cannot pickle {path}: {type(node).__module__}.{type(node).__qualname__} "
         f"object {_short_repr(node)} cannot be pickled ({type(exc).__name__}: {exc}). "
         "Pass data that pickles (arrays, numbers, strings, containers of them), or create "
         "the object inside the function or in worker_init"

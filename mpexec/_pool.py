@@ -145,6 +145,7 @@ class _State:
         self.closed = False  # no more submissions
         self.stopping = False  # the manager returns once nothing is queued
         self.stopped = False  # workers gone, rings closed
+        self.stop_lock = threading.Lock()  # held by the one caller that stops them
         self.wake = shm.Ring(4, 1)  # the manager waits on it with the done rings
         self.fn_ids: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self.next_fn_id = itertools.count(1)
@@ -475,9 +476,12 @@ class WorkerPool(Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop the pool; idempotent.
 
-        With ``wait``, queued calls finish first (unless ``cancel_futures``)
-        and the workers are joined; either way every worker is gone within a
-        bounded time (closed ring, timed join, SIGTERM, SIGKILL).
+        With ``wait``, queued calls finish first (unless ``cancel_futures``):
+        like ``ProcessPoolExecutor``, that takes as long as they do (set the
+        pool's ``timeout`` to bound it). Then every worker is gone within a
+        bounded time (closed ring, timed join, SIGTERM, SIGKILL). Without
+        ``wait``, queued calls are cancelled and running ones abandoned (their
+        futures fail with :class:`PoolClosedError`). Safe from several threads.
         """
         if self._inline:
             self._state.closed = True
@@ -914,6 +918,21 @@ def _shutdown(
         # It returns once every queued call is delivered (or failed by a crash).
         while manager.is_alive():
             manager.join(0.1)
+    # One caller stops the workers and closes everything; another one (say
+    # shutdown(wait=False) from a second thread) waits for it, then returns.
+    with state.stop_lock:
+        if not state.stopped:
+            _stop(state, arena, lifeline, manager, wait)
+
+
+def _stop(
+    state: _State,
+    arena: shm.Arena | None,
+    lifeline: shm.Lifeline,
+    manager: threading.Thread | None,
+    wait: bool,
+) -> None:
+    me = threading.current_thread()
     with state.lock:
         slots = list(state.slots)
     for slot in slots:

@@ -996,3 +996,23 @@ def test_soak_no_fd_or_arena_growth() -> None:
         )
         assert _fds() <= fds + 2, f"fds grew from {fds} to {_fds()}"
         assert pool.stats().pending == 0
+
+
+def test_shutdown_from_two_threads_at_once(no_leaks: None) -> None:
+    # One thread waits behind a call that hangs; another stops the pool without waiting.
+    # An exception in the waiting thread fails the test (pytest turns it into an error).
+    pool = WorkerPool(2)
+    pool.submit(os.getpid).result(T)
+    hung = pool.submit(time.sleep, 60)
+    state = pool._state
+    waiter = threading.Thread(target=pool.shutdown, kwargs={"wait": True})
+    waiter.start()
+    wait_until(lambda: state.closed, 10, "the first shutdown to begin")
+    t0 = time.monotonic()
+    pool.shutdown(wait=False, cancel_futures=True)
+    waiter.join(T)
+    assert not waiter.is_alive()
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(mpexec.PoolClosedError):
+        hung.result(T)
+    del pool, hung, waiter
