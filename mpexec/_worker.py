@@ -222,6 +222,7 @@ def main(boot: WorkerBoot) -> None:
     except BaseException as exc:
         done.push(record(FAILED, _pickle_error(exc)), timeout=10)
         return
+
     # The pool escalates with SIGTERM: unlink named segments, then go.
     def on_sigterm(signum: int, frame: object) -> None:
         arena.unlink()
