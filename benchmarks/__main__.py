@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import BENCHMARKS
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks._common import RESULTS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,11 +46,9 @@ Run with ``python -m benchmarks pool`` (``--quick`` for a smoke test).
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import gc
 import hashlib
-import json
 import math
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -73,11 +71,10 @@ import psutil
 
 import mpexec
 import shm
-from benchmarks.shm_bench import fmt_time, log, table
+from benchmarks._common import RESULTS, Watchdog, cli, fmt_time, log, table, targets_text, write
 from shm._views import KEEP_MAPPED
 
 NAME = "pool"
-RESULTS = Path(__file__).resolve().parent / "results"
 START_METHOD = "forkserver"
 WORKERS = 2
 
@@ -507,37 +504,6 @@ def system_classes() -> list[type[System]]:
     return classes
 
 
-class Watchdog:
-    """Kills a section's workers when it overruns its deadline, so no wait outlives it."""
-
-    def __init__(self, systems: list[System], seconds: float, what: str) -> None:
-        self.systems = systems
-        self.seconds = seconds
-        self.what = what
-        self.fired = False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"watchdog {what}", daemon=True)
-
-    def _run(self) -> None:
-        if not self._done.wait(self.seconds):
-            self.fired = True
-            log(f"[{NAME}] {self.what} overran {self.seconds:.0f} s: killing its workers")
-            for s in self.systems:
-                s.kill()
-
-    def __enter__(self) -> Watchdog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(5.0)
-        if self.fired:
-            raise RuntimeError(
-                f"{self.what} overran its {self.seconds:.0f} s deadline: workers killed"
-            )
-
-
 @contextmanager
 def running(
     systems: list[System], deadline_s: float, what: str, problems: list[str]
@@ -549,12 +515,17 @@ def running(
     started: list[System] = []
     before = _descendants()
     try:
-        with Watchdog(systems, deadline_s, what):
-            for s in systems:
-                started.append(s)
-                s.start()
-                log(f"  {s.label}: {len(s.procs)} workers started in {s.start_s:.2f} s")
-            yield
+        with Watchdog(lambda: [s.kill() for s in systems], deadline_s, what) as dog:
+            try:
+                for s in systems:
+                    started.append(s)
+                    s.start()
+                    log(f"  {s.label}: {len(s.procs)} workers started in {s.start_s:.2f} s")
+                yield
+            except BaseException as exc:
+                dog.check(exc)  # an overrun explains the failure it caused
+                raise
+        dog.check()
     finally:
         for s in started:
             problems.extend(s.close())
@@ -962,16 +933,6 @@ def evaluate(
     return out
 
 
-def targets_text(targets: list[dict[str, Any]]) -> str:
-    rows = []
-    for t in targets:
-        unit = " us" if t["unit"] == "us" else "x"
-        value = "" if t["value"] is None else f"{t['value']:.2f}{unit}"
-        want = f"{t['op']} {t['threshold']:g}{unit}"
-        rows.append([t["target"], value, want, "PASS" if t["pass"] else "MISS", t["note"]])
-    return "Targets\n\n" + table(["target", "value", "wanted", "", "note"], rows, right={1})
-
-
 # ============================================================ environment
 def environment() -> dict[str, Any]:
     info = shm.platform_info()
@@ -1205,7 +1166,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     )
     text = report(result)
     print(text, flush=True)
-    write(result, text, out_dir)
+    write(NAME, result, text, out_dir, "systems")
     return result
 
 
@@ -1246,27 +1207,8 @@ def report(result: dict[str, Any]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def write(result: dict[str, Any], text: str, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = NAME + ("-quick" if result["quick"] else "")
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / f"{stem}.md").write_text(
-        f"# {NAME} benchmark{' (quick run)' if result['quick'] else ''}\n\n"
-        f"Written by `python -m benchmarks {NAME}{' --quick' if result['quick'] else ''}` "
-        f"on {result['date_utc']}; "
-        f"numbers and settings in [{stem}.json]({stem}.json). Ratios compare systems "
-        "measured side by side in the same run.\n\n"
-        f"```text\n{text}```\n"
-    )
-    log(f"[{NAME}] wrote {stem}.json and {stem}.md in the results folder")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.pool_bench")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    return 1 if run(args.quick, args.out)["errors"] else 0
+    return cli("pool_bench", run, argv)
 
 
 if __name__ == "__main__":

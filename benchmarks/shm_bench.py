@@ -38,9 +38,7 @@ Run with ``python -m benchmarks shm`` (``--quick`` for a smoke test).
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
 import multiprocessing as mp
 import os
@@ -64,12 +62,23 @@ from typing import Any
 import numpy as np
 
 import shm
+from benchmarks._common import (
+    RESULTS,
+    KiB,
+    MiB,
+    Watchdog,
+    cli,
+    fmt_size,
+    fmt_time,
+    log,
+    table,
+    targets_text,
+    write,
+)
 
 NAME = "shm"
-RESULTS = Path(__file__).resolve().parent / "results"
 START_METHOD = "forkserver"
 
-KiB, MiB = 1 << 10, 1 << 20
 
 IDLE_S = 120.0  # a child gives up after waiting this long for its next message
 OP_S = 10.0  # the parent's wait for one small reply
@@ -272,41 +281,6 @@ class Children:
         return problems
 
 
-class Watchdog:
-    """Terminates a section's children when it overruns its deadline.
-
-    A blocked ``Connection.recv`` then ends in ``EOFError`` and ring waits in
-    :class:`shm.PeerDiedError`, so that no wait outlives the deadline.
-    """
-
-    def __init__(self, children: Children, seconds: float, what: str) -> None:
-        self.children = children
-        self.seconds = seconds
-        self.what = what
-        self.fired = False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"watchdog {what}", daemon=True)
-
-    def _run(self) -> None:
-        if not self._done.wait(self.seconds):
-            self.fired = True
-            self.children.terminate()
-
-    def __enter__(self) -> Watchdog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(5.0)
-
-    def check(self, exc: BaseException | None = None) -> None:
-        if self.fired:
-            raise RuntimeError(
-                f"{self.what} overran its {self.seconds:.0f} s deadline: children terminated"
-            ) from exc
-
-
 # ============================================================ statistics
 def summarize(samples_ns: list[float]) -> dict[str, float]:
     a = np.asarray(samples_ns, dtype=np.float64) / 1e3
@@ -317,38 +291,6 @@ def summarize(samples_ns: list[float]) -> dict[str, float]:
         "mean_us": float(a.mean()),
         "samples": len(a),
     }
-
-
-def fmt_time(us: float) -> str:
-    if us < 1_000:
-        return f"{us:.1f} us"
-    if us < 1_000_000:
-        return f"{us / 1e3:.2f} ms"
-    return f"{us / 1e6:.2f} s"
-
-
-def fmt_size(n: int) -> str:
-    for unit, scale in (("MiB", MiB), ("KiB", KiB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
-
-
-def table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
-    right = set(range(1, len(headers))) if right is None else right
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            str(c).rjust(w) if i in right else str(c).ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ============================================================ ping-pong
@@ -515,7 +457,7 @@ def bench_pingpong(ctx: Any, cfg: Config, problems: list[str]) -> dict[str, Any]
     transports: list[Transport] = []
     per_round = max(1, cfg.round_trips // (cfg.batch * cfg.rounds))
     samples: dict[tuple[int, str], list[float]] = {}
-    with Watchdog(children, cfg.deadline_s, "ping-pong") as dog:
+    with Watchdog(children.terminate, cfg.deadline_s, "ping-pong") as dog:
         try:
             # (If a start fails, those made so far are stopped below; its child is joined.)
             transports.extend(cls(children) for cls in TRANSPORTS)
@@ -608,7 +550,7 @@ def bench_handoff(ctx: Any, cfg: Config, problems: list[str]) -> dict[str, Any]:
         "by_size": {},
         "arena_after_size": {},
     }
-    with Watchdog(children, cfg.deadline_s, "handoff") as dog:
+    with Watchdog(children.terminate, cfg.deadline_s, "handoff") as dog:
         try:
             reader = children.start("arena-reader", _arena_reader, req, rep, link, arena.id)
             conn, child_conn = ctx.Pipe()
@@ -849,15 +791,6 @@ def evaluate(pp: dict[str, Any] | None, ho: dict[str, Any] | None) -> list[dict[
     return out
 
 
-def targets_text(targets: list[dict[str, Any]]) -> str:
-    rows = []
-    for t in targets:
-        value = "" if t["value"] is None else f"{t['value']:.2f}x"
-        want = "" if t["threshold"] is None else f"{t['op']} {t['threshold']:g}x"
-        rows.append([t["target"], value, want, "PASS" if t["pass"] else "MISS", t["note"]])
-    return "Targets\n\n" + table(["target", "value", "wanted", "", "note"], rows, right={1})
-
-
 # ============================================================ environment
 def environment() -> dict[str, Any]:
     info = shm.platform_info()
@@ -949,7 +882,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     )
     text = report(result)
     print(text, flush=True)
-    write(result, text, out_dir)
+    write(NAME, result, text, out_dir, "transports")
     return result
 
 
@@ -976,27 +909,8 @@ def report(result: dict[str, Any]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def write(result: dict[str, Any], text: str, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = NAME + ("-quick" if result["quick"] else "")
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / f"{stem}.md").write_text(
-        f"# {NAME} benchmark{' (quick run)' if result['quick'] else ''}\n\n"
-        f"Written by `python -m benchmarks {NAME}{' --quick' if result['quick'] else ''}` "
-        f"on {result['date_utc']}; "
-        f"numbers and settings in [{stem}.json]({stem}.json). Ratios compare transports "
-        "measured side by side in the same run.\n\n"
-        f"```text\n{text}```\n"
-    )
-    log(f"[{NAME}] wrote {stem}.json and {stem}.md in the results folder")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.shm_bench")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    return 1 if run(args.quick, args.out)["errors"] else 0
+    return cli("shm_bench", run, argv)
 
 
 if __name__ == "__main__":

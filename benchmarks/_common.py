@@ -1,0 +1,119 @@
+"""What every benchmark module shares: tables, targets, the watchdog, results files, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def fmt_time(us: float) -> str:
+    if us < 1_000:
+        return f"{us:.1f} us"
+    if us < 1_000_000:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us / 1e6:.2f} s"
+
+
+def fmt_size(n: int) -> str:
+    for unit, scale in (("MiB", MiB), ("KiB", KiB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
+    right = set(range(1, len(headers))) if right is None else right
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            str(c).rjust(w) if i in right else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def targets_text(targets: list[dict[str, Any]]) -> str:
+    """The PASS/MISS table; a target's ``unit`` is ``"x"`` (a ratio, default) or ``"us"``."""
+    rows = []
+    for t in targets:
+        unit = " us" if t.get("unit") == "us" else "x"
+        value = "" if t["value"] is None else f"{t['value']:.2f}{unit}"
+        want = "" if t["threshold"] is None else f"{t['op']} {t['threshold']:g}{unit}"
+        rows.append([t["target"], value, want, "PASS" if t["pass"] else "MISS", t["note"]])
+    return "Targets\n\n" + table(["target", "value", "wanted", "", "note"], rows, right={1})
+
+
+class Watchdog:
+    """Calls ``stop`` when a section overruns its deadline, so that no wait outlives it.
+
+    ``stop`` ends the section's processes; their peers' blocked waits then fail
+    (EOF, :class:`shm.PeerDiedError`), and :meth:`check` says why.
+    """
+
+    def __init__(self, stop: Callable[[], None], seconds: float, what: str) -> None:
+        self.stop = stop
+        self.seconds = seconds
+        self.what = what
+        self.fired = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"watchdog {what}", daemon=True)
+
+    def _run(self) -> None:
+        if not self._done.wait(self.seconds):
+            self.fired = True
+            log(f"{self.what} overran {self.seconds:.0f} s: stopping its processes")
+            self.stop()
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(5.0)
+
+    def check(self, exc: BaseException | None = None) -> None:
+        if self.fired:
+            raise RuntimeError(
+                f"{self.what} overran its {self.seconds:.0f} s deadline: its processes were stopped"
+            ) from exc
+
+
+def write(name: str, result: dict[str, Any], text: str, out_dir: Path, compared: str) -> None:
+    """``<name>.json`` and ``<name>.md`` (``-quick`` for quick runs) in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    quick = result["quick"]
+    stem = name + ("-quick" if quick else "")
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / f"{stem}.md").write_text(
+        f"# {name} benchmark{' (quick run)' if quick else ''}\n\n"
+        f"Written by `python -m benchmarks {name}{' --quick' if quick else ''}` "
+        f"on {result['date_utc']}; "
+        f"numbers and settings in [{stem}.json]({stem}.json). Ratios compare {compared} "
+        "measured side by side in the same run.\n\n"
+        f"```text\n{text}```\n"
+    )
+    log(f"[{name}] wrote {stem}.json and {stem}.md in the results folder")
+
+
+def cli(module: str, run: Callable[[bool, Path], dict[str, Any]], argv: list[str] | None) -> int:
+    """``python -m benchmarks.<module> [--quick] [--out DIR]``; 1 if a section failed."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    return 1 if run(args.quick, args.out)["errors"] else 0
