@@ -48,6 +48,8 @@ class _Refs:
         if type(obj) is not np.ndarray or obj.dtype.hasobject:
             return None
         arena = self.arena
+        if arena is None and obj.nbytes > self.inline_max:
+            return (_SHARED, b"")  # only checking that the rest pickles: no bytes needed
         if arena is not None and (obj.nbytes > self.inline_max or arena.owns(obj)):
             if not arena.owns(obj):
                 self.bytes_copied += obj.nbytes
@@ -168,7 +170,7 @@ def dump_value(value: Any, what: str = "function") -> bytes:
 
 def _picklable(obj: Any) -> bool:
     try:
-        _CloudPickler(io.BytesIO(), _Refs(None, None, 1 << 62)).dump(obj)
+        _CloudPickler(io.BytesIO(), _Refs(None, None, -1)).dump(obj)
     except Exception:
         return False
     return True

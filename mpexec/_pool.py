@@ -511,7 +511,7 @@ class _Unhashable:
 
 def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
     _codec.dump_value(fn)
-    _codec.encode_call(args, kwargs, None, None, inline_max=1 << 62)
+    _codec.encode_call(args, kwargs, None, None, inline_max=-1)  # arrays are not copied
 
 
 def _readonly(value: Any) -> Any:
