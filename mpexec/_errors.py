@@ -7,7 +7,9 @@
     │   └── WorkerCrashedError     a worker died: pid, signal, likely cause
     ├── PoolClosedError            you shut the pool down, then used it
     ├── TaskTimeoutError           (also TimeoutError) a call ran past its limit
-    └── SerializationError         a function, argument or result cannot be pickled
+    ├── SerializationError         a function, argument or result cannot be pickled
+    ├── OpOutputError              (also ValueError) an op returned what it may not
+    └── InputMutatedError          (also RuntimeError) debug mode: a function wrote to an input
 
 "Something outside broke it" (:class:`BrokenPoolError`) is kept apart from "you
 closed it" (:class:`PoolClosedError`). A user's own exception is never wrapped:
@@ -70,6 +72,14 @@ class SerializationError(MpexecError, TypeError):
     """An object cannot be pickled (or unpickled); the message says where it sits."""
 
 
+class OpOutputError(MpexecError, ValueError):
+    """An op's function returned something its declaration does not allow."""
+
+
+class InputMutatedError(MpexecError, RuntimeError):
+    """``debug=True`` found an input whose bytes a function changed in place."""
+
+
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a worker, as text (``__cause__``)."""
 
@@ -96,6 +106,8 @@ for _cls in (
     PoolClosedError,
     TaskTimeoutError,
     SerializationError,
+    OpOutputError,
+    InputMutatedError,
     RemoteTraceback,
 ):
     _cls.__module__ = "mpexec"

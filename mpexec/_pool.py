@@ -96,13 +96,21 @@ class PoolStats:
 
 
 class _Task:
-    __slots__ = ("args", "fn", "future", "kwargs", "started", "task_id")
+    __slots__ = ("args", "fn", "future", "kwargs", "started", "task_id", "worker")
 
-    def __init__(self, task_id: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    def __init__(
+        self,
+        task_id: int,
+        fn: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        worker: int | None = None,
+    ) -> None:
         self.task_id = task_id
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
+        self.worker = worker  # the worker index it must run on, or None for any
         self.future: Future[Any] = Future()
         self.started = 0.0  # when it reached the head of its worker's queue
 
@@ -321,6 +329,16 @@ class WorkerPool(Executor):
         argument cannot be pickled; :class:`PoolClosedError` after ``shutdown``;
         the stored :class:`BrokenPoolError` once the pool is broken.
         """
+        return self._submit(fn, args, kwargs, None)
+
+    def _submit(
+        self, fn: Callable[..., T], args: Any, kwargs: Any, worker: int | None
+    ) -> Future[T]:
+        """``submit``; with ``worker``, on that worker index, after its earlier calls.
+
+        Calls pinned to one worker run in submission order there (the pipeline
+        runs ``stateful`` ops this way); a replaced worker keeps the index.
+        """
         if not callable(fn):
             raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
         state = self._state
@@ -328,12 +346,15 @@ class WorkerPool(Executor):
             return self._run_inline(fn, args, kwargs)
         with state.lock:
             self._check_usable()
-            task = _Task(next(state.next_task_id), fn, args, kwargs)
-            slot = self._pick_slot()
-            if slot is None:
-                # Every worker is busy: validate now, encode when a worker frees up.
+            task = _Task(next(state.next_task_id), fn, args, kwargs, worker)
+            slot = self._pick_slot(task)
+            if slot is None or state.pending:
+                # Busy, or calls wait ahead of it (order kept): validate now,
+                # encode when a worker frees up.
                 _check_picklable(fn, args, kwargs)
                 state.pending.append(task)
+                if slot is not None:
+                    _dispatch_pending(state, weakref.ref(self))
             else:
                 self._dispatch(task, slot)
             state.submitted += 1
@@ -357,7 +378,10 @@ class WorkerPool(Executor):
         if state.closed:
             raise PoolClosedError("cannot submit to a pool after shutdown()")
 
-    def _pick_slot(self) -> _Slot | None:
+    def _pick_slot(self, task: _Task) -> _Slot | None:
+        if task.worker is not None:
+            slot = self._state.slots[task.worker % len(self._state.slots)]
+            return slot if slot.ready and len(slot.queue) < _IN_FLIGHT else None
         best = None
         for slot in self._state.slots:
             n = len(slot.queue)
@@ -810,12 +834,16 @@ def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
     pool = pool_ref()
     if pool is None or state.broken is not None:
         return
+    kept: collections.deque[_Task] = collections.deque()
+    blocked: set[int | None] = set()  # an earlier call of this kind is still waiting
     while state.pending:
-        slot = pool._pick_slot()
-        if slot is None:
-            return
         task = state.pending.popleft()
         if task.future.cancelled():
+            continue
+        slot = None if task.worker in blocked else pool._pick_slot(task)
+        if slot is None:
+            kept.append(task)
+            blocked.add(task.worker)
             continue
         try:
             pool._dispatch(task, slot)
@@ -823,6 +851,7 @@ def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
             state.failed += 1
             task.release()
             _settle(task.future, exc=exc)
+    state.pending = kept
 
 
 def _crash_error(slot: _Slot, exitcode: int | None) -> WorkerCrashedError:

@@ -1,0 +1,127 @@
+"""Batch: what a pipeline hands out per output and iteration."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+
+class Batch(Sequence[Any]):
+    """An ordered sequence of per-sample arrays; shapes may differ (ragged).
+
+    The arrays are read-only views of shared memory and stay valid for as
+    long as the batch (or any array taken from it) is referenced: the memory
+    behind them is reused only after that. Copy an array to modify it.
+    ``as_array()`` stacks the samples into one dense array (a copy unless the
+    op produced the batch dense); ``__dlpack__`` exports that dense array.
+    """
+
+    __slots__ = ("_dense", "_samples", "layout")
+
+    def __init__(
+        self, samples: Sequence[Any], layout: str | None = None, dense: Any | None = None
+    ) -> None:
+        self._samples = list(samples)
+        self._dense = dense
+        self.layout = layout or ""
+
+    # ------------------------------------------------------------ sequence
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> Batch: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            dense = self._dense[i] if self._dense is not None else None
+            return Batch(self._samples[i], self.layout, dense)
+        return self._samples[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._samples)
+
+    def at(self, i: int) -> Any:
+        """Sample ``i`` (DALI's ``TensorList.at``)."""
+        return self._samples[i]
+
+    # ------------------------------------------------------------ properties
+    @property
+    def dtype(self) -> np.dtype[Any] | None:
+        """The samples' dtype (the same for every sample), None if empty."""
+        return self._samples[0].dtype if self._samples else None
+
+    @property
+    def ndim(self) -> int | None:
+        """Rank of each sample (the same for every sample), None if empty."""
+        return self._samples[0].ndim if self._samples else None
+
+    def shape(self) -> list[tuple[int, ...]]:
+        """Each sample's shape."""
+        return [tuple(s.shape) for s in self._samples]
+
+    def is_dense(self) -> bool:
+        """True if every sample has the same shape (so ``as_array`` can stack)."""
+        return self._dense is not None or len({tuple(s.shape) for s in self._samples}) <= 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(s.nbytes) for s in self._samples)
+
+    # ------------------------------------------------------------ conversion
+    def as_array(self) -> Any:
+        """The samples stacked along a new first axis (shape ``(len, *sample)``)."""
+        if self._dense is not None:
+            return self._dense
+        if not self.is_dense():
+            shapes = sorted({tuple(s.shape) for s in self._samples})
+            raise ValueError(
+                f"cannot stack a ragged batch into one array: sample shapes differ "
+                f"({', '.join(map(str, shapes[:4]))}{', ...' if len(shapes) > 4 else ''}); "
+                "pad or crop them to one shape first, or use the samples one by one"
+            )
+        if not self._samples:
+            raise ValueError("cannot stack an empty batch: its sample shape is unknown")
+        xp = _namespace(self._samples[0])
+        dense = xp.stack(self._samples)
+        dense.flags.writeable = False if xp is np else dense.flags.writeable
+        self._dense = dense
+        return dense
+
+    as_tensor = as_array  # DALI's TensorListCPU.as_tensor
+
+    def as_cpu(self) -> Batch:
+        """This batch with NumPy samples (a no-op for CPU batches)."""
+        if not self._samples or _namespace(self._samples[0]) is np:
+            return self
+        return Batch([s.get() for s in self._samples], self.layout)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        out = np.asarray(self.as_cpu().as_array(), dtype=dtype)
+        return out.copy() if copy else out
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.as_array().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.as_array().__dlpack_device__()
+
+    def __repr__(self) -> str:
+        if not self._samples:
+            return f"Batch([], layout={self.layout!r})"
+        shapes = self.shape()
+        shape = shapes[0] if len(set(shapes)) == 1 else "ragged"
+        return (
+            f"Batch(len={len(self)}, dtype={self.dtype}, shape={shape}, layout={self.layout!r})"
+        )
+
+
+def _namespace(array: Any) -> Any:
+    if type(array).__module__.split(".")[0] == "cupy":
+        import cupy  # only where CuPy arrays already exist
+
+        return cupy
+    return np

@@ -1,0 +1,315 @@
+"""What runs inside a worker for one op: seeding, sample info, calls, output checks.
+
+The scheduler sends each op to the workers once, as an :class:`OpRunner`
+(the pool caches it by identity), then calls it on chunks of samples. A
+chunk's result is plain data the scheduler can assemble into batches.
+Everything here runs the same inline (``num_workers=0``), so the checks and
+the randomness are identical whichever process runs a call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._errors import InputMutatedError, OpOutputError
+
+
+class SampleInfo(NamedTuple):
+    """Where a per-sample call is: DALI's ``SampleInfo``.
+
+    ``iteration`` counts iterations within the epoch.
+    """
+
+    idx_in_epoch: int
+    idx_in_batch: int
+    iteration: int
+    epoch_idx: int
+
+
+class BatchInfo(NamedTuple):
+    """Where a batch call is: DALI's ``BatchInfo``."""
+
+    iteration: int
+    epoch_idx: int
+
+
+_current: SampleInfo | BatchInfo | None = None
+
+
+def sample_info() -> SampleInfo | BatchInfo | None:
+    """Inside a pipeline op's call: where it is; None elsewhere."""
+    return _current
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One call of an op's runner: an iteration's samples ``start .. start+count``."""
+
+    epoch: int
+    iteration: int
+    start: int  # index in the batch of the first sample
+    count: int
+    epoch_start: int  # index in the epoch of sample 0 of this batch
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """Outputs per sample (or per output, for batch calls), and what they cost."""
+
+    outputs: Any
+    seconds: float
+    pid: int
+    stop: int | None = None  # a source ended the epoch at this sample (batch index)
+
+
+def derive_seed(pipeline_seed: int, op_index: int, op_seed: int) -> int:
+    """The entropy of an op's randomness: its own seed, or one from its position."""
+    if op_seed != -1:
+        return int(op_seed)
+    state = np.random.SeedSequence([pipeline_seed, op_index]).generate_state(2, np.uint64)
+    return int(state[0]) << 64 | int(state[1])
+
+
+class OpRunner:
+    """An op's function and declaration, shipped once to each worker.
+
+    ``kind``: ``"sample"`` (one call per sample), ``"batch"`` (one call with
+    lists), ``"source"`` (a per-sample source callable taking SampleInfo).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        function: Any,
+        kind: str,
+        num_outputs: int,
+        entropy: int,
+        output_dtypes: tuple[np.dtype[Any] | None, ...] | None = None,
+        output_shapes: tuple[tuple[int | None, ...] | None, ...] | None = None,
+        dlpack: bool = False,
+        debug: bool = False,
+    ) -> None:
+        self.name = name
+        self.function = function
+        self.kind = kind
+        self.num_outputs = num_outputs
+        self.entropy = entropy
+        self.output_dtypes = output_dtypes
+        self.output_shapes = output_shapes
+        self.dlpack = dlpack
+        self.debug = debug
+        self.takes_rng = _takes_keyword(function, "rng")
+
+    def __call__(self, chunk: Chunk, *inputs: Any) -> ChunkResult:
+        global _current
+        t0 = time.perf_counter()
+        stop = None
+        if self.kind == "batch":
+            _current = BatchInfo(chunk.iteration, chunk.epoch)
+            try:
+                outputs = self._call(inputs, (chunk.epoch, chunk.iteration, 0), None)
+            finally:
+                _current = None
+            outputs = self._batch_outputs(outputs, len(inputs[0]) if inputs else chunk.count)
+        else:
+            outputs = []
+            for j in range(chunk.count):
+                b = chunk.start + j
+                info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
+                _current = info
+                args = (info,) if self.kind == "source" else tuple(x[j] for x in inputs)
+                try:
+                    out = self._call(args, (chunk.epoch, chunk.iteration, b + 1), b)
+                except StopIteration:
+                    if self.kind != "source":
+                        raise
+                    stop = b
+                    break
+                finally:
+                    _current = None
+                outputs.append(self._sample_outputs(out, b))
+        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop)
+
+    # ------------------------------------------------------------ calling
+    def _call(self, args: tuple[Any, ...], key: tuple[int, int, int], sample: int | None) -> Any:
+        seq = np.random.SeedSequence(self.entropy, spawn_key=key)
+        words = seq.generate_state(4)
+        np.random.seed(words)
+        random.seed(int(words[0]) << 32 | int(words[1]))
+        kwargs = {"rng": np.random.Generator(np.random.PCG64(seq))} if self.takes_rng else {}
+        if self.dlpack and self.kind != "source":
+            args = tuple(_from_dlpack_inputs(a) for a in args)
+        sums = _checksums(args) if self.debug else None
+        try:
+            return self.function(*args, **kwargs)
+        except Exception as exc:
+            _mark(exc, sample)
+            raise
+        finally:
+            if sums is not None:
+                self._check_unchanged(args, sums, sample)
+
+    def _check_unchanged(self, args: tuple[Any, ...], sums: list[int], sample: int | None) -> None:
+        for i, (a, s) in enumerate(zip(args, _checksums(args), strict=True)):
+            if s != sums[i]:
+                where = "" if sample is None else f" (sample {sample})"
+                raise InputMutatedError(
+                    f"function {_qualname(self.function)} of op '{self.name}' changed its "
+                    f"input {i} in place{where}. Inputs are shared, read-only buffers: other "
+                    "ops and later iterations may read the same bytes, so writing to them "
+                    "makes results nondeterministic. Copy first (np.array(x)) and modify "
+                    "the copy"
+                )
+            del a
+
+    # ------------------------------------------------------------ outputs
+    def _split(self, out: Any) -> tuple[Any, ...]:
+        n = self.num_outputs
+        if n == 0:
+            return ()
+        if n == 1:
+            return (out,)
+        if not isinstance(out, (tuple, list)):
+            raise OpOutputError(
+                f"op '{self.name}' has num_outputs={n}, so its function must return a "
+                f"tuple of {n} outputs; it returned {type(out).__name__}"
+            )
+        if len(out) != n:
+            raise OpOutputError(
+                f"op '{self.name}' has num_outputs={n}, but its function returned "
+                f"{len(out)} outputs"
+            )
+        return tuple(out)
+
+    def _sample_outputs(self, out: Any, sample: int) -> tuple[Any, ...]:
+        return tuple(
+            self._checked(self._array(v, i, sample), i, sample)
+            for i, v in enumerate(self._split(out))
+        )
+
+    def _batch_outputs(self, out: Any, size: int) -> tuple[Any, ...]:
+        result = []
+        for i, v in enumerate(self._split(out)):
+            if isinstance(v, np.ndarray) or hasattr(v, "__dlpack__"):
+                dense = self._array(v, i, None)
+                if dense.ndim == 0 or dense.shape[0] != size:
+                    raise OpOutputError(
+                        f"output {i} of batch op '{self.name}' is one array of shape "
+                        f"{dense.shape}; a batch output needs its first dimension to be the "
+                        f"batch size {size} (or return a list of {size} arrays)"
+                    )
+                samples = list(dense)
+            elif isinstance(v, (list, tuple)):
+                if len(v) != size:
+                    raise OpOutputError(
+                        f"output {i} of batch op '{self.name}' holds {len(v)} samples; "
+                        f"the batch has {size}"
+                    )
+                samples = [self._array(s, i, j) for j, s in enumerate(v)]
+            else:
+                raise OpOutputError(
+                    f"output {i} of batch op '{self.name}' is {type(v).__name__}; a batch "
+                    "op returns, per output, a list of arrays (one per sample) or one array "
+                    "whose first dimension is the batch size"
+                )
+            for j, s in enumerate(samples):
+                self._checked(s, i, j)
+            _check_consistent(self.name, i, samples)
+            result.append(samples)
+        return tuple(result)
+
+    def _array(self, value: Any, i: int, sample: int | None) -> np.ndarray[Any, Any]:
+        if isinstance(value, np.ndarray):
+            arr = value
+        elif hasattr(value, "__dlpack__") and not isinstance(value, (bytes, str)):
+            arr = np.from_dlpack(value)
+        else:
+            arr = np.asarray(value)
+        if arr.dtype.hasobject:
+            where = "" if sample is None else f" for sample {sample}"
+            raise OpOutputError(
+                f"output {i} of op '{self.name}'{where} is an array of Python objects "
+                f"(from {type(value).__name__}); return numeric or bytes arrays"
+            )
+        return arr
+
+    def _checked(self, arr: np.ndarray[Any, Any], i: int, sample: int | None) -> Any:
+        dtypes, shapes = self.output_dtypes, self.output_shapes
+        where = "" if sample is None else f" for sample {sample}"
+        if dtypes is not None and dtypes[i] is not None and arr.dtype != dtypes[i]:
+            raise OpOutputError(
+                f"output {i} of op '{self.name}'{where} is {arr.dtype}, but output_dtypes "
+                f"declares {dtypes[i]}"
+            )
+        if shapes is not None and shapes[i] is not None and not _shape_matches(arr, shapes[i]):
+            raise OpOutputError(
+                f"output {i} of op '{self.name}'{where} has shape {arr.shape}, but "
+                f"output_shapes declares {shapes[i]}"
+            )
+        return arr
+
+
+def _check_consistent(name: str, i: int, samples: list[Any]) -> None:
+    if not samples:
+        return
+    first = samples[0]
+    for j, s in enumerate(samples):
+        if s.dtype != first.dtype or s.ndim != first.ndim:
+            raise OpOutputError(
+                f"output {i} of op '{name}' is inconsistent across the batch: sample 0 is "
+                f"{first.dtype} of rank {first.ndim}, sample {j} is {s.dtype} of rank "
+                f"{s.ndim}; every sample of an output needs one dtype and one rank"
+            )
+
+
+def _shape_matches(arr: np.ndarray[Any, Any], shape: tuple[int | None, ...]) -> bool:
+    if arr.ndim != len(shape):
+        return False
+    return all(want is None or want < 0 or want == got for got, want in zip(arr.shape, shape))
+
+
+def _mark(exc: BaseException, sample: int | None) -> None:
+    # Travels with the pickled exception (BaseException pickles its __dict__).
+    try:
+        exc.mpexec_sample = sample  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - exceptions with __slots__
+        pass
+
+
+def _checksums(args: tuple[Any, ...]) -> list[int]:
+    sums = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            sums.append(zlib.crc32(a.tobytes()))
+        elif isinstance(a, list):
+            sums.append(sum(zlib.crc32(np.asarray(x).tobytes()) for x in a))
+        else:
+            sums.append(0)
+    return sums
+
+
+def _from_dlpack_inputs(value: Any) -> Any:
+    return value  # NumPy arrays are DLPack producers already; lists stay lists
+
+
+def _takes_keyword(function: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get(name)
+    if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        return True
+    return False
+
+
+def _qualname(function: Any) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__qualname__

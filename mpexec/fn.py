@@ -1,0 +1,425 @@
+"""The ops, DALI style: ``from mpexec import fn``.
+
+Call them inside a pipeline definition (a function decorated with
+:func:`mpexec.pipeline_def`, or a ``with pipe:`` block of an undefined
+:class:`mpexec.Pipeline`); each returns the op's outputs as DataNodes.
+Every misuse is reported here, at definition time, naming the op.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _codec
+from ._errors import MpexecError, SerializationError
+from ._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
+
+__all__ = ["dl_tensor_python_function", "external_source", "python_function"]
+
+
+def python_function(
+    *inputs: DataNode,
+    function: Callable[..., Any],
+    batch_processing: bool = False,
+    num_outputs: int = 1,
+    output_layouts: str | Sequence[str | None] | None = None,
+    preserve: bool = False,
+    seed: int = -1,
+    device: str = "cpu",
+    bytes_per_sample_hint: int | Sequence[int] = 0,
+    name: str | None = None,
+    stateful: bool = False,
+    output_dtypes: Any = None,
+    output_shapes: Any = None,
+) -> Any:
+    """Run ``function`` on the inputs, in the workers (DALI's ``fn.python_function``).
+
+    Per sample (the default) the function gets one array per input and
+    returns one array, or a tuple of exactly ``num_outputs`` arrays; with
+    ``batch_processing=True`` it gets a list of arrays per input and returns,
+    per output, a list of arrays or one array whose first axis is the batch.
+    Inputs are read-only. A function taking an ``rng`` keyword gets a
+    ``numpy.random.Generator`` seeded from (pipeline seed, op, iteration,
+    sample); ``np.random`` and ``random`` are reseeded the same way.
+
+    ``stateful=True``: calls run in order on one worker and the op is never
+    merged or pruned. ``preserve=True`` or ``num_outputs=0`` keep it from
+    pruning. ``output_dtypes``/``output_shapes`` (one per output; ``None``
+    or ``-1`` for any size) are checked. Returns a DataNode, a list of
+    ``num_outputs`` DataNodes, or None for ``num_outputs=0``.
+    """
+    return _python_function(
+        "python_function",
+        inputs,
+        function=function,
+        batch_processing=batch_processing,
+        num_outputs=num_outputs,
+        output_layouts=output_layouts,
+        preserve=preserve,
+        seed=seed,
+        device=device,
+        bytes_per_sample_hint=bytes_per_sample_hint,
+        name=name,
+        stateful=stateful,
+        output_dtypes=output_dtypes,
+        output_shapes=output_shapes,
+        dlpack=False,
+    )
+
+
+def dl_tensor_python_function(
+    *inputs: DataNode,
+    function: Callable[..., Any],
+    batch_processing: bool = False,
+    num_outputs: int = 1,
+    output_layouts: str | Sequence[str | None] | None = None,
+    preserve: bool = False,
+    seed: int = -1,
+    device: str = "cpu",
+    bytes_per_sample_hint: int | Sequence[int] = 0,
+    name: str | None = None,
+    stateful: bool = False,
+    output_dtypes: Any = None,
+    output_shapes: Any = None,
+) -> Any:
+    """:func:`python_function` for DLPack: inputs support ``__dlpack__`` and any
+    DLPack producer may be returned (DALI's ``fn.dl_tensor_python_function``).
+    On the CPU the inputs are NumPy arrays, which are DLPack producers.
+    """
+    return _python_function(
+        "dl_tensor_python_function",
+        inputs,
+        function=function,
+        batch_processing=batch_processing,
+        num_outputs=num_outputs,
+        output_layouts=output_layouts,
+        preserve=preserve,
+        seed=seed,
+        device=device,
+        bytes_per_sample_hint=bytes_per_sample_hint,
+        name=name,
+        stateful=stateful,
+        output_dtypes=output_dtypes,
+        output_shapes=output_shapes,
+        dlpack=True,
+    )
+
+
+def _python_function(kind: str, inputs: tuple[Any, ...], **kw: Any) -> Any:
+    graph = _graph_for(kind)
+    name = kw["name"] if kw["name"] is not None else graph.unique_name(kind)
+    what = f"fn.{kind} '{name}'"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"fn.{kind}: name must be a non-empty string, not {name!r}")
+    function = kw["function"]
+    if function is None or not callable(function):
+        raise TypeError(f"{what}: function= must be a callable, not {type(function).__name__}")
+    _check_inputs(what, inputs, graph)
+    num_outputs = kw["num_outputs"]
+    if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 0:
+        raise ValueError(f"{what}: num_outputs must be an int >= 0, not {num_outputs!r}")
+    device = _check_device(what, kw["device"])
+    seed = kw["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < -1:
+        raise ValueError(f"{what}: seed must be an int >= 0 (or -1 for derived), not {seed!r}")
+    _check_picklable(what, function, "function")
+    op = Op(
+        kind=kind,
+        name=name,
+        index=len(graph.ops),
+        inputs=tuple(inputs),
+        function=function,
+        num_outputs=num_outputs,
+        batch_processing=bool(kw["batch_processing"]),
+        output_layouts=_layouts(what, kw["output_layouts"], num_outputs),
+        preserve=bool(kw["preserve"]),
+        seed=int(seed),
+        device=device,
+        bytes_per_sample_hint=_hint(kw["bytes_per_sample_hint"]),
+        stateful=bool(kw["stateful"]),
+        output_dtypes=_dtypes(what, kw["output_dtypes"], num_outputs),
+        output_shapes=_shapes(what, kw["output_shapes"], num_outputs),
+        dlpack=kw["dlpack"],
+    )
+    return _outputs(graph.add(op))
+
+
+def external_source(
+    source: Any = None,
+    num_outputs: int | None = None,
+    *,
+    batch: bool = True,
+    cycle: bool | str = False,
+    name: str | None = None,
+    layout: str | Sequence[str | None] | None = None,
+    dtype: Any = None,
+    ndim: int | None = None,
+    parallel: bool | None = None,
+    batch_info: bool = False,
+    prefetch_queue_depth: int = 1,
+    device: str = "cpu",
+    no_copy: bool | None = None,
+    blocking: bool | None = None,
+) -> Any:
+    """Data entering the pipeline (DALI's ``fn.external_source``).
+
+    ``source`` may be:
+
+    - a callable taking a :class:`SampleInfo`, with ``batch=False``: called
+      once per sample **in the workers** (DALI's parallel external source);
+    - a callable with ``batch=True``: called here, once per iteration, in
+      order, with the iteration number (or a :class:`BatchInfo` with
+      ``batch_info=True``, or nothing if it takes no argument);
+    - an iterable, or a generator function: iterated here, in order; each
+      item is a batch (``batch=True``) or one sample (``batch=False``);
+      ``reset()`` starts it again (a generator function is called again);
+    - None: data comes from ``pipe.feed_input(name, batch)``.
+
+    ``StopIteration`` from a source ends the epoch: a last batch shorter than
+    ``batch_size`` is returned as it is (``Pipeline(last_batch="drop")``
+    drops it). With ``cycle=True`` (or ``"quiet"``) an iterable restarts
+    instead of ending the epoch. ``num_outputs`` makes a source return a
+    tuple of that many arrays per sample (or batch). ``dtype`` and ``ndim``,
+    when given, are checked. ``parallel``, ``prefetch_queue_depth``,
+    ``no_copy`` and ``blocking`` are accepted for DALI compatibility.
+    """
+    graph = _graph_for("external_source")
+    name_ = name if name is not None else graph.unique_name("external_source")
+    what = f"fn.external_source '{name_}'"
+    del prefetch_queue_depth, no_copy, blocking
+    n = 1 if num_outputs is None else num_outputs
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{what}: num_outputs must be an int >= 1, not {num_outputs!r}")
+    _check_device(what, device)
+    if cycle not in (False, True, "quiet", "no_quiet", "raise"):
+        raise ValueError(f"{what}: cycle must be False, True, 'quiet' or 'raise', not {cycle!r}")
+    mode = _source_mode(what, source, batch, parallel)
+    if source is None and name is None:
+        raise ValueError(
+            f"{what}: a source without source= is fed by pipe.feed_input(name, data): "
+            "give it a name="
+        )
+    if mode == "sample":
+        _check_picklable(what, source, "source")
+    if mode == "batch":
+        source = _BatchCallable(source, batch_info)
+    dtypes = None
+    if dtype is not None:
+        dtypes = _dtypes(what, dtype if n == 1 else [dtype] * n, n)
+    shapes = None
+    if ndim is not None:
+        shapes = tuple((None,) * ndim for _ in range(n))
+    op = Op(
+        kind="external_source",
+        name=name_,
+        index=len(graph.ops),
+        inputs=(),
+        function=source,
+        num_outputs=n,
+        batch_processing=bool(batch),
+        output_layouts=_layouts(what, layout, n),
+        output_dtypes=dtypes,
+        output_shapes=shapes,
+        source_mode=mode,
+        cycle=cycle,
+    )
+    return _outputs(graph.add(op))
+
+
+class _BatchCallable:
+    """A batch source callable, called with what its signature asks for."""
+
+    def __init__(self, function: Any, batch_info: bool) -> None:
+        self.function = function
+        self.batch_info = batch_info
+        self.takes_arg = _positional_params(function) > 0
+
+    def __call__(self, iteration: int, epoch: int) -> Any:
+        from ._runtime import BatchInfo
+
+        if self.batch_info:
+            return self.function(BatchInfo(iteration, epoch))
+        if self.takes_arg:
+            return self.function(iteration)
+        return self.function()
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _graph_for(kind: str) -> Graph:
+    graph = current_graph()
+    if graph is None:
+        raise MpexecError(
+            f"fn.{kind} must be called while a pipeline is being defined: inside a "
+            "function decorated with @mpexec.pipeline_def, or in `with pipe:` of a new "
+            "mpexec.Pipeline (then pipe.set_outputs(...))"
+        )
+    return graph
+
+
+def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
+    if len(inputs) > MAX_INPUTS:
+        raise ValueError(
+            f"{what}: {len(inputs)} inputs given; at most {MAX_INPUTS} are allowed. "
+            "Use batch_processing or combine inputs in an earlier op"
+        )
+    for i, x in enumerate(inputs):
+        if isinstance(x, DataNode):
+            if x.op not in graph.ops:
+                raise ValueError(f"{what}: input {i} ({x!r}) belongs to another pipeline")
+            if x.op.num_outputs == 0:  # pragma: no cover - such ops return None
+                raise ValueError(f"{what}: input {i} comes from an op with no outputs")
+            continue
+        if isinstance(x, (list, tuple)):
+            raise TypeError(
+                f"{what}: input {i} is a {type(x).__name__}; pass each input as a separate "
+                "positional argument: fn.python_function(*nodes, function=...)"
+            )
+        raise TypeError(
+            f"{what}: input {i} is {type(x).__name__}, not a DataNode; inputs are outputs "
+            "of other ops. Bind constants into the function instead "
+            "(functools.partial or a closure)"
+        )
+
+
+def _check_device(what: str, device: Any) -> str:
+    if device == "cpu":
+        return "cpu"
+    if device not in ("gpu", "cuda"):
+        raise ValueError(f"{what}: device must be 'cpu' or 'gpu', not {device!r}")
+    from ._doctor import gpu_report
+
+    gpu = gpu_report()
+    if gpu.cupy_version is None:
+        raise MpexecError(
+            f"{what}: device='gpu' needs CuPy, which does not import here "
+            f"({gpu.cupy_error}); install mpexec[gpu] or use device='cpu'"
+        )
+    if gpu.cuda_devices == 0:
+        raise MpexecError(
+            f"{what}: device='gpu' needs a CUDA device, and CuPy sees none "
+            f"({gpu.cuda_error or 'no devices'}); use device='cpu'"
+        )
+    raise MpexecError(  # pragma: no cover - needs a GPU
+        f"{what}: device='gpu' ops are not available in this version of mpexec; "
+        "use device='cpu' (the function may still use CuPy itself)"
+    )
+
+
+def _check_picklable(what: str, function: Any, role: str) -> None:
+    try:
+        _codec.dump_value(function, role)
+    except SerializationError as exc:
+        raise SerializationError(
+            f"{what}: its {role} must be sent to worker processes, but {exc}"
+        ) from exc.__cause__
+
+
+def _layouts(what: str, layouts: Any, n: int) -> tuple[str | None, ...]:
+    if layouts is None:
+        return (None,) * n
+    if isinstance(layouts, str):
+        return (layouts,) * n
+    if not isinstance(layouts, (list, tuple)):
+        raise TypeError(f"{what}: output_layouts must be a string or a list of strings")
+    if len(layouts) > n:
+        raise ValueError(
+            f"{what}: {len(layouts)} output_layouts given for {n} outputs; give at most "
+            f"one per output (a single string applies to all)"
+        )
+    for lay in layouts:
+        if lay is not None and not isinstance(lay, str):
+            raise TypeError(f"{what}: output_layouts holds {lay!r}; layouts are strings")
+    return tuple(layouts) + (None,) * (n - len(layouts))
+
+
+def _dtypes(what: str, dtypes: Any, n: int) -> tuple[np.dtype[Any] | None, ...] | None:
+    if dtypes is None:
+        return None
+    items = list(dtypes) if isinstance(dtypes, (list, tuple)) else [dtypes] * n
+    if len(items) != n:
+        raise ValueError(f"{what}: {len(items)} output_dtypes given for {n} outputs")
+    out: list[np.dtype[Any] | None] = []
+    for d in items:
+        if d is None:
+            out.append(None)
+            continue
+        d = getattr(d, "as_numpy_dtype", d)  # TensorFlow DTypes
+        try:
+            out.append(np.dtype(d))
+        except TypeError as exc:
+            raise TypeError(f"{what}: {d!r} is not a dtype ({exc})") from None
+    return tuple(out)
+
+
+def _shapes(what: str, shapes: Any, n: int) -> tuple[tuple[int | None, ...] | None, ...] | None:
+    if shapes is None:
+        return None
+    single = isinstance(shapes, tuple) and all(s is None or isinstance(s, int) for s in shapes)
+    items = [shapes] * n if single else list(shapes)
+    if len(items) != n:
+        raise ValueError(f"{what}: {len(items)} output_shapes given for {n} outputs")
+    out: list[tuple[int | None, ...] | None] = []
+    for s in items:
+        if s is None:
+            out.append(None)
+        elif isinstance(s, (list, tuple)) and all(d is None or isinstance(d, int) for d in s):
+            out.append(tuple(s))
+        else:
+            raise TypeError(f"{what}: output shape {s!r} must be a tuple of ints or None")
+    return tuple(out)
+
+
+def _hint(hint: Any) -> int:
+    if isinstance(hint, (list, tuple)):
+        return max((int(h) for h in hint), default=0)
+    return int(hint)
+
+
+def _source_mode(what: str, source: Any, batch: bool, parallel: bool | None) -> str:
+    if source is None:
+        return "feed"
+    if inspect.isgeneratorfunction(source):
+        return "iter"
+    if callable(source):
+        if not batch:
+            return "sample"
+        if parallel:
+            raise ValueError(
+                f"{what}: parallel=True runs a per-sample callable in the workers; "
+                "give batch=False (a callable taking SampleInfo)"
+            )
+        return "batch"
+    if hasattr(source, "__iter__"):
+        if isinstance(source, (str, bytes)):
+            raise TypeError(f"{what}: source is a {type(source).__name__}, not an iterable")
+        return "iter"
+    raise TypeError(
+        f"{what}: source must be a callable, an iterable, a generator function or None, "
+        f"not {type(source).__name__}"
+    )
+
+
+def _positional_params(function: Any) -> int:
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    return sum(
+        1
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    )
+
+
+def _outputs(op: Op) -> Any:
+    if op.num_outputs == 0:
+        return None
+    if op.num_outputs == 1:
+        return op.outputs[0]
+    return list(op.outputs)
