@@ -4,32 +4,54 @@ User Python functions over NumPy arrays run in worker processes, fed through
 shared-memory ring buffers (the ``shm`` package) so that no array is pickled or
 copied on the way; GPU ops run in the main process on CUDA streams.
 
+- :func:`pipeline_def`, :class:`Pipeline` and the ops in :mod:`mpexec.fn`
+  (DALI style); :class:`Batch` is what a pipeline returns.
 - :class:`WorkerPool`: a ``concurrent.futures.Executor`` over those workers.
 
-Run ``python -m mpexec doctor`` to see what this machine offers.
+Run ``python -m mpexec demo`` to see it work, ``python -m mpexec doctor`` to
+see what this machine offers.
 """
 
+from . import fn
+from ._batch import Batch
 from ._errors import (
     BrokenPoolError,
+    InputMutatedError,
     MpexecError,
+    OpOutputError,
     PoolClosedError,
     RemoteTraceback,
     SerializationError,
     TaskTimeoutError,
     WorkerCrashedError,
 )
+from ._graph import DataNode
+from ._pipeline import OpStats, Pipeline, PipelineStats, pipeline_def
 from ._pool import PoolStats, WorkerPool
+from ._runtime import BatchInfo, SampleInfo, sample_info
 from ._version import __version__
 
 __all__ = [
+    "Batch",
+    "BatchInfo",
     "BrokenPoolError",
+    "DataNode",
+    "InputMutatedError",
     "MpexecError",
+    "OpOutputError",
+    "OpStats",
+    "Pipeline",
+    "PipelineStats",
     "PoolClosedError",
     "PoolStats",
     "RemoteTraceback",
+    "SampleInfo",
     "SerializationError",
     "TaskTimeoutError",
     "WorkerCrashedError",
     "WorkerPool",
     "__version__",
+    "fn",
+    "pipeline_def",
+    "sample_info",
 ]
