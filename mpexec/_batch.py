@@ -114,9 +114,7 @@ class Batch(Sequence[Any]):
             return f"Batch([], layout={self.layout!r})"
         shapes = self.shape()
         shape = shapes[0] if len(set(shapes)) == 1 else "ragged"
-        return (
-            f"Batch(len={len(self)}, dtype={self.dtype}, shape={shape}, layout={self.layout!r})"
-        )
+        return f"Batch(len={len(self)}, dtype={self.dtype}, shape={shape}, layout={self.layout!r})"
 
 
 def _namespace(array: Any) -> Any:

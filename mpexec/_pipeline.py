@@ -26,6 +26,7 @@ iteration's call waits for its turn.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import sys
@@ -94,17 +95,17 @@ class PipelineStats:
             f"{'op':<28}{'calls':>8}{'fn ms':>10}{'wait ms':>10}"
             f"{'MiB in':>9}{'MiB out':>9}{'copied':>9}"
         )
-        lines = [
+        summary = (
             f"{self.iterations} iterations in {self.wall_s:.2f} s "
-            f"({self.merged_ops} ops merged, {self.pruned_ops} pruned)",
-            head,
+            f"({self.merged_ops} ops merged, {self.pruned_ops} pruned)"
+        )
+        lines = [summary, head]
+        lines += [
+            f"{s.name[:27]:<28}{s.calls:>8}{s.function_s * 1e3:>10.1f}"
+            f"{s.waiting_s * 1e3:>10.1f}{s.bytes_in / 2**20:>9.1f}"
+            f"{s.bytes_out / 2**20:>9.1f}{s.bytes_copied / 2**20:>9.1f}"
+            for s in self.ops
         ]
-        for s in self.ops:
-            lines.append(
-                f"{s.name[:27]:<28}{s.calls:>8}{s.function_s * 1e3:>10.1f}"
-                f"{s.waiting_s * 1e3:>10.1f}{s.bytes_in / 2**20:>9.1f}"
-                f"{s.bytes_out / 2**20:>9.1f}{s.bytes_copied / 2**20:>9.1f}"
-            )
         if self.busy:
             lines.append(
                 "workers busy: "
@@ -201,20 +202,16 @@ class Pipeline:
         timeout: float | None = None,
         last_batch: str = "partial",
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, not {batch_size!r}")
+        _check_int("batch_size", batch_size, 1)
         if num_workers is None:
             num_workers = usable_cpus()
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0, not {num_workers!r}")
-        if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth must be an int >= 1, not {prefetch_depth!r}")
+        _check_int("num_workers", num_workers, 0)
+        _check_int("prefetch_depth", prefetch_depth, 1)
         if last_batch not in ("partial", "drop"):
             raise ValueError(f"last_batch must be 'partial' or 'drop', not {last_batch!r}")
         if seed is None or seed == -1:
             seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0 or None, not {seed!r}")
+        _check_int("seed", seed, 0)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = int(seed)
@@ -313,7 +310,9 @@ class Pipeline:
             for i, op in enumerate(plan.ops):
                 runner = None
                 if not op.is_source or op.source_mode == "sample":
-                    kind = "source" if op.is_source else "batch" if op.batch_processing else "sample"
+                    kind = (
+                        "source" if op.is_source else "batch" if op.batch_processing else "sample"
+                    )
                     runner = OpRunner(
                         op.name,
                         op.function,
@@ -624,7 +623,8 @@ class Pipeline:
         """Send op ``s`` of iteration ``it`` to the workers, in chunks."""
         it.dispatched.add(s.pos)
         op, pool = s.op, self._pool
-        assert pool is not None and s.runner is not None
+        assert pool is not None
+        assert s.runner is not None
         inputs = []
         for n in op.inputs:
             vals = it.values[self._pos[id(n.op)]]
@@ -722,10 +722,10 @@ class Pipeline:
             columns = tuple([r[i] for r in rows] for i in range(n))
         inline = self.num_workers == 0
         for i, col in enumerate(columns):
-            for j, a in enumerate(col):
-                if inline:
-                    # Here the function's own array: it may keep and reuse it.
-                    a = col[j] = np.array(a, copy=True)
+            if inline:
+                # Here the function's own arrays: it may keep and reuse them.
+                col[:] = [np.array(a, copy=True) for a in col]
+            for a in col:
                 a.flags.writeable = False
             _check_batch_consistent(s.op, i, col)
         return columns
@@ -777,6 +777,11 @@ class Pipeline:
         )
 
 
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, not {value!r}")
+
+
 def _in_shm(array: Any) -> bool:
     check = getattr(shm, "in_shared_memory", None)
     return bool(check(array)) if check is not None else False
@@ -786,9 +791,7 @@ def _close_pool(pool: WorkerPool) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def pipeline_def(
-    fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any
-) -> Any:
+def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -> Any:
     """Decorate a graph definition; calling it returns a defined :class:`Pipeline`.
 
     ``@pipeline_def(batch_size=64, num_workers=4, seed=42)``; the decorated
@@ -822,9 +825,7 @@ def pipeline_def(
 # ---------------------------------------------------------------- helpers
 
 
-def _annotate(
-    exc: BaseException, op: Op, it: _Iteration, sample: int | None
-) -> BaseException:
+def _annotate(exc: BaseException, op: Op, it: _Iteration, sample: int | None) -> BaseException:
     where = f"in {op.describe()}, iteration {it.index} of epoch {it.epoch}"
     if sample is not None:
         where += f", sample {sample} (index {it.epoch_start + sample} in the epoch)"
@@ -836,10 +837,8 @@ def _annotate(
         else:  # pragma: no cover - Python 3.10
             exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
     for attr, value in (("mpexec_op", op.name), ("mpexec_iteration", it.index)):
-        try:
+        with contextlib.suppress(AttributeError):  # exceptions with __slots__
             setattr(exc, attr, value)
-        except AttributeError:  # pragma: no cover - exceptions with __slots__
-            pass
     return exc
 
 
@@ -896,9 +895,9 @@ def _check_source_value(op: Op, i: int, a: Any) -> None:
     dts = op.output_dtypes
     if dts is not None and dts[i] is not None and a.dtype != dts[i]:
         raise TypeError(f"{op.describe()}: output {i} is {a.dtype}, but dtype={dts[i]}")
-    shapes = op.output_shapes
-    if shapes is not None and shapes[i] is not None and a.ndim != len(shapes[i]):
-        raise ValueError(f"{op.describe()}: output {i} has rank {a.ndim}, but ndim={len(shapes[i])}")
+    shape = op.output_shapes[i] if op.output_shapes is not None else None
+    if shape is not None and a.ndim != len(shape):
+        raise ValueError(f"{op.describe()}: output {i} has rank {a.ndim}, but ndim={len(shape)}")
 
 
 def _check_batch_consistent(op: Op, i: int, col: Sequence[Any]) -> None:
@@ -930,14 +929,14 @@ def _user_modules(graph: Graph) -> list[Any]:
         if id(obj) in seen or obj is None:
             continue
         seen.add(id(obj))
-        name = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", None)
-        module = sys.modules.get(name or "")
+        name = str(getattr(obj, "__module__", None) or type(obj).__module__)
+        module = sys.modules.get(name)
         path = getattr(module, "__file__", None)
         if (
             module is not None
             and path
             and name not in ("__main__", "builtins")
-            and not name.split(".")[0] in ("mpexec", "shm", "numpy")
+            and name.split(".", maxsplit=1)[0] not in ("mpexec", "shm", "numpy")
             and not os.path.realpath(path).startswith(_SYSTEM_PATHS)
         ):
             found[name] = module

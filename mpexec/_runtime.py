@@ -9,6 +9,7 @@ the randomness are identical whichever process runs a call.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import random
@@ -249,10 +250,11 @@ class OpRunner:
                 f"output {i} of op '{self.name}'{where} is {arr.dtype}, but output_dtypes "
                 f"declares {dtypes[i]}"
             )
-        if shapes is not None and shapes[i] is not None and not _shape_matches(arr, shapes[i]):
+        shape = shapes[i] if shapes is not None else None
+        if shape is not None and not _shape_matches(arr, shape):
             raise OpOutputError(
                 f"output {i} of op '{self.name}'{where} has shape {arr.shape}, but "
-                f"output_shapes declares {shapes[i]}"
+                f"output_shapes declares {shape}"
             )
         return arr
 
@@ -273,15 +275,15 @@ def _check_consistent(name: str, i: int, samples: list[Any]) -> None:
 def _shape_matches(arr: np.ndarray[Any, Any], shape: tuple[int | None, ...]) -> bool:
     if arr.ndim != len(shape):
         return False
-    return all(want is None or want < 0 or want == got for got, want in zip(arr.shape, shape))
+    return all(
+        want is None or want < 0 or want == got for got, want in zip(arr.shape, shape, strict=True)
+    )
 
 
 def _mark(exc: BaseException, sample: int | None) -> None:
     # Travels with the pickled exception (BaseException pickles its __dict__).
-    try:
+    with contextlib.suppress(AttributeError):  # exceptions with __slots__
         exc.mpexec_sample = sample  # type: ignore[attr-defined]
-    except AttributeError:  # pragma: no cover - exceptions with __slots__
-        pass
 
 
 def _checksums(args: tuple[Any, ...]) -> list[int]:
@@ -306,9 +308,7 @@ def _takes_keyword(function: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     p = params.get(name)
-    if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-        return True
-    return False
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 def _qualname(function: Any) -> str:

@@ -191,7 +191,7 @@ def external_source(
     name_ = name if name is not None else graph.unique_name("external_source")
     what = f"fn.external_source '{name_}'"
     del prefetch_queue_depth, no_copy, blocking
-    n = 1 if num_outputs is None else num_outputs
+    n: object = 1 if num_outputs is None else num_outputs
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{what}: num_outputs must be an int >= 1, not {num_outputs!r}")
     _check_device(what, device)
@@ -349,9 +349,9 @@ def _dtypes(what: str, dtypes: Any, n: int) -> tuple[np.dtype[Any] | None, ...] 
         if d is None:
             out.append(None)
             continue
-        d = getattr(d, "as_numpy_dtype", d)  # TensorFlow DTypes
+        spelled = getattr(d, "as_numpy_dtype", d)  # TensorFlow DTypes
         try:
-            out.append(np.dtype(d))
+            out.append(np.dtype(spelled))
         except TypeError as exc:
             raise TypeError(f"{what}: {d!r} is not a dtype ({exc})") from None
     return tuple(out)

@@ -52,9 +52,11 @@ def racing_consumers(trials: int = 200) -> None:
     seen = set()
     for _ in range(trials):
         shared = np.arange(200_000, dtype=np.float64)
-        result = {}
-        a = threading.Thread(target=lambda: center(shared))
-        b = threading.Thread(target=lambda: result.setdefault("sum", total(shared)))
+        result: dict[str, float] = {}
+        a = threading.Thread(target=center, args=(shared,))
+        b = threading.Thread(
+            target=lambda x, out: out.setdefault("sum", total(x)), args=(shared, result)
+        )
         a.start()
         b.start()
         a.join()
