@@ -1,0 +1,570 @@
+"""``python -m mpexec demo``: a CPU-bound image augmentation pipeline, timed.
+
+The demo generates a deterministic set of photograph-like images, encodes them
+(a small header and ``zlib``), and runs the usual training-time augmentation
+over them twice: in an mpexec pipeline, one ``python_function`` op per step,
+and in a plain serial loop in this process calling the same functions. It
+prints both throughputs, the speed-up and the pipeline's per-op statistics.
+
+The steps, each a module-level function so that workers import it by
+reference::
+
+    decode -> random_crop -> flip -> color_jitter -> normalize
+    bytes     224x224x3      224x224x3  224x224x3    float32 3x224x224
+
+``color_jitter`` ends with a deliberately Python-heavy step (a per-row loop
+that builds a gamma table in pure Python), the kind of code that holds the GIL
+and gains nothing from threads: only processes run it in parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import numpy as np
+import numpy.typing as npt
+
+from . import fn
+from ._pipeline import Pipeline, pipeline_def
+from ._pool import usable_cpus
+
+#: Side of the square crop the pipeline produces.
+CROP = 224
+#: ImageNet channel statistics (RGB), on the 0-255 scale.
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32) * 255
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32) * 255
+
+U8 = npt.NDArray[np.uint8]
+F32 = npt.NDArray[np.float32]
+
+# ------------------------------------------------------------------------ the image set
+
+#: Encoded image: this header (magic, height, width, channels), then zlib-compressed pixels.
+_HEADER = struct.Struct("<4sIII")
+_MAGIC = b"MPXI"
+_ZLIB_LEVEL = 6
+
+
+def encode(img: U8) -> U8:
+    """``img`` (uint8, HxWxC) as a 1-D uint8 array: a 16-byte header, then zlib (level 6)."""
+    if img.dtype != np.uint8 or img.ndim != 3:
+        raise ValueError(f"encode wants a uint8 HxWxC array, not {img.dtype} {img.shape}")
+    h, w, c = img.shape
+    payload = zlib.compress(np.ascontiguousarray(img).tobytes(), _ZLIB_LEVEL)
+    return np.frombuffer(_HEADER.pack(_MAGIC, h, w, c) + payload, dtype=np.uint8)
+
+
+def decode(encoded: U8) -> U8:
+    """The image that :func:`encode` encoded: uint8, HxWxC (read-only)."""
+    data = np.ascontiguousarray(encoded, dtype=np.uint8).reshape(-1)
+    if data.size < _HEADER.size:
+        raise ValueError(f"not an encoded image: {data.size} bytes, shorter than its header")
+    magic, h, w, c = _HEADER.unpack(data[: _HEADER.size].tobytes())
+    if magic != _MAGIC:
+        raise ValueError(f"not an encoded image: magic {magic!r}, expected {_MAGIC!r}")
+    raw = zlib.decompress(data[_HEADER.size :].data)
+    if len(raw) != h * w * c:
+        raise ValueError(f"corrupt image: {len(raw)} bytes of pixels for shape {(h, w, c)}")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(h, w, c)
+
+
+def image_shape(index: int, seed: int, size: int) -> tuple[int, int, int]:
+    """The shape of image ``index``: each side drawn from 7/8 to 5/4 of ``size``."""
+    rng = np.random.default_rng((seed, index, 0))
+    lo, hi = max(1, size * 7 // 8), max(1, size * 5 // 4)
+    h, w = (int(v) for v in rng.integers(lo, hi + 1, size=2))
+    return h, w, 3
+
+
+def synthetic_image(index: int, seed: int, size: int) -> U8:
+    """A deterministic photograph-like image: a gradient sky, soft shapes, texture, noise.
+
+    Image ``index`` depends only on ``(index, seed, size)``, so a smaller set is
+    a prefix of a larger one. Vectorised float32: a few milliseconds at 256x256.
+    """
+    h, w, _ = image_shape(index, seed, size)
+    rng = np.random.default_rng((seed, index, 1))
+    y = np.linspace(0.0, 1.0, h, dtype=np.float32)[:, None]
+    x = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :]
+    # A linear gradient between two colours, in a random direction.
+    angle = float(rng.uniform(0, 2 * math.pi))
+    t = x * np.float32(math.cos(angle)) + y * np.float32(math.sin(angle))
+    t -= t.min()
+    t /= np.float32(max(float(t.max()), 1e-6))
+    c0, c1 = rng.uniform(20, 235, size=(2, 3)).astype(np.float32)
+    img = c0 + t[..., None] * (c1 - c0)
+    # Soft-edged ellipses and rectangles blended over it, each within its bounding box.
+    for _ in range(int(rng.integers(3, 7))):
+        cy, cx, ry, rx = (float(v) for v in rng.uniform((0, 0, 0.06, 0.06), (1, 1, 0.3, 0.3)))
+        colour = rng.uniform(0, 255, size=3).astype(np.float32)
+        round_shape = bool(rng.random() < 0.6)
+        opacity = np.float32(rng.uniform(0.5, 0.95))
+        y0, y1 = max(0, int((cy - ry) * h)), min(h, int((cy + ry) * h) + 2)
+        x0, x1 = max(0, int((cx - rx) * w)), min(w, int((cx + rx) * w) + 2)
+        if y0 >= y1 or x0 >= x1:
+            continue
+        dy = (y[y0:y1] - np.float32(cy)) / np.float32(ry)
+        dx = (x[:, x0:x1] - np.float32(cx)) / np.float32(rx)
+        d = np.sqrt(dy * dy + dx * dx) if round_shape else np.maximum(np.abs(dy), np.abs(dx))
+        alpha = np.clip((1 - d) * np.float32(8), 0, 1) * opacity
+        patch = img[y0:y1, x0:x1]
+        patch += alpha[..., None] * (colour - patch)
+    # A low-frequency texture and sensor noise (luma only).
+    fy, fx = (np.float32(v) for v in rng.uniform(2, 12, size=2))
+    texture = np.float32(6) * np.sin(np.float32(2 * math.pi) * (fy * y + fx * x))
+    texture += rng.standard_normal(size=(h, w), dtype=np.float32) * np.float32(2.5)
+    img += texture[..., None]
+    out: U8 = np.clip(img + np.float32(0.5), 0, 255).astype(np.uint8)
+    return out
+
+
+def make_image_set(count: int, seed: int, size: int, progress: Progress | None = None) -> list[U8]:
+    """``count`` encoded synthetic images (see :func:`synthetic_image`)."""
+    images = []
+    for i in range(count):
+        images.append(encode(synthetic_image(i, seed, size)))
+        if progress is not None:
+            progress.update(1)
+    return images
+
+
+class EncodedImages:
+    """The pipeline's source: ``callable(SampleInfo)`` over encoded images, picklable.
+
+    Returns sample ``info.idx_in_epoch``, cycling through the images ``passes``
+    times, then raises ``StopIteration``, which ends the epoch.
+    """
+
+    def __init__(self, data: Sequence[U8], passes: int = 1) -> None:
+        if not data:
+            raise ValueError("EncodedImages needs at least one image")
+        if passes < 1:
+            raise ValueError(f"passes must be at least 1, not {passes}")
+        self.data = list(data)
+        self.passes = passes
+
+    def __len__(self) -> int:
+        return len(self.data) * self.passes
+
+    def __call__(self, info: Any) -> U8:
+        idx = int(info.idx_in_epoch)
+        if idx >= len(self):
+            raise StopIteration
+        return self.data[idx % len(self.data)]
+
+
+# ------------------------------------------------------------------------ the ops
+
+
+def random_crop(img: U8, *, rng: np.random.Generator) -> U8:
+    """A random 224x224 window of ``img``; a smaller side is first padded by its edge."""
+    h, w = img.shape[:2]
+    if h < CROP or w < CROP:
+        pad_h, pad_w = max(0, CROP - h), max(0, CROP - w)
+        pads = ((pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0))
+        img = np.pad(img, pads, mode="edge")
+        h, w = img.shape[:2]
+    top = int(rng.integers(0, h - CROP + 1))
+    left = int(rng.integers(0, w - CROP + 1))
+    out: U8 = img[top : top + CROP, left : left + CROP].copy()
+    return out
+
+
+def flip(img: U8, *, rng: np.random.Generator) -> U8:
+    """``img`` mirrored left to right with probability 1/2 (always a new array)."""
+    out: U8 = np.ascontiguousarray(img[:, ::-1]) if rng.random() < 0.5 else img.copy()
+    return out
+
+
+#: Rows that share one gamma table in :func:`color_jitter`.
+_GAMMA_BAND = 4
+#: Luma weights (ITU-R BT.601), for saturation.
+_LUMA = tuple(np.float32(v) for v in (0.299, 0.587, 0.114))
+
+
+def color_jitter(img: U8, *, rng: np.random.Generator) -> U8:
+    """Random brightness, contrast and saturation (float32), then a graduated gamma.
+
+    The gamma part is Python on purpose: a loop over the rows maps each row
+    through a 256-entry lookup table, rebuilt in pure Python for every band of
+    four rows (the gamma drifts from top to bottom, like a graduated filter).
+    That holds the GIL for most of the op's time, as much real augmentation
+    code does.
+    """
+    brightness, contrast, saturation = rng.uniform(0.75, 1.25, size=3)
+    gamma_top, gamma_bottom = (float(g) for g in rng.uniform(0.7, 1.4, size=2))
+    x = img.astype(np.float32)
+    x *= np.float32(brightness)
+    gray = x[..., 0] * _LUMA[0] + x[..., 1] * _LUMA[1] + x[..., 2] * _LUMA[2]  # no BLAS
+    mean = np.float32(gray.mean())
+    x = (x - mean) * np.float32(contrast) + mean
+    gray = (gray - mean) * np.float32(contrast) + mean
+    x = (x - gray[..., None]) * np.float32(saturation) + gray[..., None]
+    out: U8 = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+    rows = out.shape[0]
+    table = np.empty(256, dtype=np.uint8)
+    for r in range(rows):
+        if r % _GAMMA_BAND == 0:  # a new band: a new table, built in pure Python
+            f = r / max(1, rows - 1)
+            gamma = gamma_top + (gamma_bottom - gamma_top) * f
+            table[:] = [round(255.0 * (i / 255.0) ** gamma) for i in range(256)]
+        out[r] = table[out[r]]
+    return out
+
+
+def normalize(img: U8) -> F32:
+    """``img`` (uint8 HWC) as float32 CHW, less the ImageNet mean, over its std."""
+    x = (img.astype(np.float32) - MEAN) / STD
+    return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+
+#: The augmentation, in order: (name, function, takes an ``rng`` keyword).
+STEPS: tuple[tuple[str, Callable[..., Any], bool], ...] = (
+    ("decode", decode, False),
+    ("random_crop", random_crop, True),
+    ("flip", flip, True),
+    ("color_jitter", color_jitter, True),
+    ("normalize", normalize, False),
+)
+
+
+def augment_one(encoded: U8, seed: int, index: int) -> F32:
+    """All of :data:`STEPS` on one sample, in this process.
+
+    The ``rng`` of step ``k`` for sample ``index`` is seeded with
+    ``(seed, k, index)``: deterministic, but not the pipeline's streams, so
+    serial and pipeline outputs have the same distribution, not the same values.
+    """
+    x: Any = encoded
+    for k, (_, function, wants_rng) in enumerate(STEPS):
+        kwargs = {"rng": np.random.default_rng((seed, k, index))} if wants_rng else {}
+        x = function(x, **kwargs)
+    out: F32 = x
+    return out
+
+
+# ------------------------------------------------------------------------ running it
+
+
+class Progress:
+    """A one-line text progress bar on a terminal; does nothing elsewhere.
+
+    Redraws at most ten times a second with ``\\r``; :meth:`close` ends the line.
+    The rate counts from creation, or from the last :meth:`restart`.
+    """
+
+    WIDTH = 30
+
+    def __init__(self, label: str, total: int, stream: TextIO, *, enabled: bool) -> None:
+        self.label = label
+        self.total = max(1, total)
+        self.stream = stream
+        self.enabled = enabled
+        self.done = 0
+        self._start = time.perf_counter()
+        self._drawn_at = -math.inf
+        self._drawn_done = -1
+
+    @staticmethod
+    def wanted(stream: TextIO, *, disabled: bool = False) -> bool:
+        """Whether to draw: not ``disabled`` and ``stream`` is a terminal."""
+        if disabled:
+            return False
+        isatty = getattr(stream, "isatty", None)
+        return bool(isatty is not None and isatty())
+
+    def restart(self) -> None:
+        """Start the clock again (after a startup that the rate should not count)."""
+        self._start = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        """Count ``n`` more images; redraw if it is time to."""
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self._drawn_at >= 0.1 or self.done >= self.total:
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        self._drawn_at, self._drawn_done = now, self.done
+        filled = int(min(1.0, self.done / self.total) * self.WIDTH)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        elapsed = now - self._start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        self.stream.write(
+            f"\r{self.label:<9}[{bar}] {self.done}/{self.total} images  {rate:7.1f} images/s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Draw the final count if not yet drawn, and end the line (when enabled)."""
+        if self.enabled:
+            if self._drawn_done != self.done:
+                self._draw(time.perf_counter())
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What ``python -m mpexec demo`` runs (its command-line options)."""
+
+    images: int = 256
+    size: int = 256
+    batch_size: int = 32
+    workers: int = 1
+    epochs: int = 2
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measured run: how many images, in how long."""
+
+    images: int
+    seconds: float
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else math.inf
+
+
+def run_serial(
+    encoded: Sequence[U8], seed: int, progress: Progress | None = None
+) -> tuple[Timing, str]:
+    """Augment every image once in a plain loop here; the timing and an output digest."""
+    digest = hashlib.sha1(usedforsecurity=False)
+    start = time.perf_counter()
+    for index, item in enumerate(encoded):
+        out = augment_one(item, seed, index)
+        digest.update(np.ascontiguousarray(out).data)
+        if progress is not None:
+            progress.update(1)
+    seconds = time.perf_counter() - start
+    return Timing(len(encoded), seconds), digest.hexdigest()
+
+
+def build_pipeline(source: EncodedImages, config: DemoConfig) -> Pipeline:
+    """The augmentation as an mpexec pipeline (defined, not yet started)."""
+
+    # pipeline_def is typed Any; this names what it returns.
+    define: Callable[[Callable[[], Any]], Callable[[], Pipeline]] = pipeline_def(
+        batch_size=config.batch_size,
+        num_workers=config.workers,
+        seed=config.seed,
+        prefetch_depth=2,
+    )
+
+    @define
+    def augment() -> Any:
+        enc = fn.external_source(source=source, batch=False, name="images")
+        img = fn.python_function(enc, function=decode, name="decode")
+        img = fn.python_function(img, function=random_crop, name="random_crop")
+        img = fn.python_function(img, function=flip, name="flip")
+        img = fn.python_function(img, function=color_jitter, name="color_jitter")
+        return fn.python_function(img, function=normalize, output_layouts="CHW", name="normalize")
+
+    return augment()
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """The pipeline's part of the demo."""
+
+    timing: Timing
+    startup_s: float
+    batches: int
+    digest: str
+    stats: Any
+
+
+def run_pipeline(
+    source: EncodedImages, config: DemoConfig, progress: Progress | None = None
+) -> PipelineRun:
+    """Run one epoch of the pipeline (every sample of ``source``), timed.
+
+    Startup (building the graph, starting the workers) is timed apart from
+    the epoch; the throughput counts only the epoch.
+    """
+    digest = hashlib.sha1(usedforsecurity=False)
+    images = batches = 0
+    start = time.perf_counter()
+    with build_pipeline(source, config) as pipe:
+        started = time.perf_counter()
+        if progress is not None:
+            progress.restart()
+        for (batch,) in pipe:
+            for sample in batch:
+                _check_output(sample)
+                digest.update(np.ascontiguousarray(sample).data)
+            images += len(batch)
+            batches += 1
+            if progress is not None:
+                progress.update(len(batch))
+        done = time.perf_counter()
+        stats = pipe.stats()
+    return PipelineRun(
+        timing=Timing(images, done - started),
+        startup_s=started - start,
+        batches=batches,
+        digest=digest.hexdigest(),
+        stats=stats,
+    )
+
+
+def _check_output(sample: Any) -> None:
+    shape, dtype = getattr(sample, "shape", None), getattr(sample, "dtype", None)
+    if shape != (3, CROP, CROP) or dtype != np.float32:
+        raise RuntimeError(
+            f"the pipeline returned a {dtype} array of shape {shape}, "
+            f"expected float32 {(3, CROP, CROP)}"
+        )
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """Everything the demo measured."""
+
+    config: DemoConfig
+    usable_cpus: int
+    encoded_bytes: int
+    generate_s: float
+    serial: Timing
+    serial_digest: str
+    pipeline: PipelineRun
+
+    @property
+    def speedup(self) -> float:
+        return self.pipeline.timing.images_per_s / self.serial.images_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready summary (``--json``)."""
+        return {
+            "config": dataclasses.asdict(self.config),
+            "usable_cpus": self.usable_cpus,
+            "encoded_bytes": self.encoded_bytes,
+            "generate_s": self.generate_s,
+            "serial": _timing_json(self.serial) | {"digest": self.serial_digest},
+            "pipeline": _timing_json(self.pipeline.timing)
+            | {
+                "startup_s": self.pipeline.startup_s,
+                "batches": self.pipeline.batches,
+                "digest": self.pipeline.digest,
+            },
+            "speedup": self.speedup,
+            "stats": _stats_json(self.pipeline.stats),
+        }
+
+
+def _timing_json(t: Timing) -> dict[str, Any]:
+    return {"images": t.images, "seconds": t.seconds, "images_per_s": t.images_per_s}
+
+
+def _stats_json(stats: Any) -> Any:
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        return json.loads(json.dumps(dataclasses.asdict(stats), default=str))
+    return str(stats)
+
+
+def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
+    """Generate the images, run the serial loop and the pipeline; return the measurements.
+
+    Progress bars, when ``config.progress`` is set, go to ``err`` (default: stderr).
+    """
+    err = sys.stderr if err is None else err
+    bar = Progress("images", config.images, err, enabled=config.progress)
+    start = time.perf_counter()
+    try:
+        encoded = make_image_set(config.images, config.seed, config.size, bar)
+    finally:
+        bar.close()
+    generate_s = time.perf_counter() - start
+
+    bar = Progress("serial", len(encoded), err, enabled=config.progress)
+    try:
+        serial, serial_digest = run_serial(encoded, config.seed, bar)
+    finally:
+        bar.close()
+
+    source = EncodedImages(encoded, passes=config.epochs)
+    bar = Progress("pipeline", len(source), err, enabled=config.progress)
+    try:
+        pipeline = run_pipeline(source, config, bar)
+    finally:
+        bar.close()
+
+    return DemoResult(
+        config=config,
+        usable_cpus=usable_cpus(),
+        encoded_bytes=sum(int(e.nbytes) for e in encoded),
+        generate_s=generate_s,
+        serial=serial,
+        serial_digest=serial_digest,
+        pipeline=pipeline,
+    )
+
+
+def _plural(n: int, word: str, words: str = "") -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
+
+
+def format_result(result: DemoResult) -> str:
+    """The measurements for a person: throughput first, then the per-op statistics."""
+    c, s, p = result.config, result.serial, result.pipeline
+    mib = result.encoded_bytes / (1 << 20)
+    steps = " -> ".join(name for name, _, _ in STEPS)
+    images = (
+        f"{_plural(c.images, 'image')} of about {c.size}x{c.size}, seed {c.seed} "
+        f"({mib:.1f} MiB encoded, generated in {result.generate_s:.2f} s)"
+    )
+    serial = (
+        f"{s.images_per_s:8.1f} images/s  "
+        f"({_plural(s.images, 'image')} in {s.seconds:.2f} s, one loop in this process)"
+    )
+    pipeline = (
+        f"{p.timing.images_per_s:8.1f} images/s  "
+        f"({_plural(p.timing.images, 'image')} in {p.timing.seconds:.2f} s: "
+        f"{_plural(c.epochs, 'epoch')}, "
+        f"{_plural(p.batches, 'batch', 'batches')} of up to {c.batch_size}; "
+        f"startup {p.startup_s:.2f} s not counted)"
+    )
+    speedup = (
+        f"{result.speedup:8.2f}x          "
+        f"({_plural(c.workers, 'worker')}, {_plural(result.usable_cpus, 'usable CPU')})"
+    )
+    return "\n".join(
+        [
+            f"mpexec demo: {images}",
+            f"  {steps}: float32 3x{CROP}x{CROP} per image",
+            "throughput",
+            f"  serial    {serial}",
+            f"  pipeline  {pipeline}",
+            f"  speed-up  {speedup}",
+            f"output digest  {p.digest}  (SHA-1 of the pipeline's outputs, in order)",
+            "per-op stats",
+            str(p.stats),
+        ]
+    )
+
+
+def main(config: DemoConfig, *, as_json: bool = False, out: TextIO | None = None) -> int:
+    """Run the demo and print its result; return the exit status (0)."""
+    result = run_demo(config)
+    stream = sys.stdout if out is None else out
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2), file=stream)
+    else:
+        print(format_result(result), file=stream)
+    return 0
