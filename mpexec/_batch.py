@@ -104,7 +104,12 @@ class Batch(Sequence[Any]):
         return out.copy() if copy else out
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.as_array().__dlpack__(*args, **kwargs)
+        dense = self.as_array()
+        try:
+            return dense.__dlpack__(*args, **kwargs)
+        except BufferError:
+            # NumPy before 2.1 cannot export read-only memory: export a copy.
+            return dense.copy().__dlpack__(*args, **kwargs)
 
     def __dlpack_device__(self) -> Any:
         return self.as_array().__dlpack_device__()

@@ -10,7 +10,8 @@ The mechanism under mpexec, usable on its own (it never imports mpexec):
   with kernel doorbells, waitable together with process sentinels.
 - :class:`Lifeline`: a child's prompt, poll-free view of its parent's death.
 - :class:`ArrayDescriptor` / :func:`open_array`: a small picklable description
-  of an array in an arena, opened elsewhere as a zero-copy, read-only ndarray.
+  of an array in an arena, opened elsewhere as a zero-copy, read-only ndarray;
+  :func:`in_shared_memory` tells whether an array can be shared without a copy.
 """
 
 from ._arena import Arena, ArenaStats
@@ -31,6 +32,7 @@ from ._views import (
     RELEASE_RECORD_SIZE,
     ArrayDescriptor,
     flush_releases,
+    in_shared_memory,
     open_array,
     set_release_route,
 )
@@ -54,6 +56,7 @@ __all__ = [
     "SegmentHandle",
     "SharedMemoryError",
     "flush_releases",
+    "in_shared_memory",
     "open_array",
     "platform_info",
     "reap_orphans",

@@ -23,6 +23,14 @@ front and adds segments when full, up to ``capacity``; every allocation is
 
 Releases made by garbage collection never block: they are queued and the
 queue is drained by whoever next holds the arena's lock.
+
+*Forwarding*: sharing a view of another arena's memory (typically one this
+process imported from another process) copies nothing. The arena records a
+*proxy* allocation holding the view's anchor, so the real owner keeps the
+memory, and hands out a descriptor naming this arena (releases come back
+here) and the foreign segment (the peer maps the owner's memory directly).
+When the proxy's last reference is gone it lets go of the anchor, whose own
+release then goes back to the owner. A proxy has no bytes here.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from ._allocator import FreeList
 from ._errors import ArenaFullError, SharedMemoryError
 from ._platform import ALIGNMENT, PAGE_SIZE
 from ._ring import Ring, RingStats
-from ._segment import Segment, format_bytes
+from ._segment import Segment, SegmentHandle, format_bytes
 from ._views import (
     RELEASE,
     Anchor,
@@ -58,7 +66,11 @@ _MiB = 1 << 20
 
 @dataclass(frozen=True)
 class ArenaStats:
-    """A snapshot of an arena's memory: cheap to take, printed by benchmarks."""
+    """A snapshot of an arena's memory: cheap to take, printed by benchmarks.
+
+    ``allocations`` and ``exported`` count forwarding proxies too; ``in_use``
+    and ``peak`` count only bytes in this arena's own segments.
+    """
 
     name: str
     capacity: int
@@ -81,14 +93,32 @@ class ArenaStats:
 
 
 class _Alloc:
-    __slots__ = ("exported", "id", "local", "offset", "seg", "size", "tag")
+    """An allocation in one of our segments, or a proxy (``seg`` is None).
 
-    def __init__(self, alloc_id: int, seg: _Seg, offset: int, size: int, tag: str) -> None:
+    A proxy forwards memory of another arena: ``source`` is the anchor of a
+    view of it, held while the proxy has references so that the memory's
+    owner keeps it; ``handle``/``offset``/``size`` locate it in its segment.
+    """
+
+    __slots__ = ("exported", "handle", "id", "local", "offset", "seg", "size", "source", "tag")
+
+    def __init__(
+        self,
+        alloc_id: int,
+        seg: _Seg | None,
+        handle: SegmentHandle,
+        offset: int,
+        size: int,
+        tag: str,
+        source: Anchor | None = None,
+    ) -> None:
         self.id = alloc_id
         self.seg = seg
+        self.handle = handle
         self.offset = offset
         self.size = size
         self.tag = tag
+        self.source = source
         self.local = 0
         self.exported = 0
 
@@ -142,6 +172,7 @@ class Arena:
         self._deferred: collections.deque[int] = collections.deque()
         self._segs: list[_Seg] = []
         self._allocs: dict[int, _Alloc] = {}
+        self._proxies: dict[int, _Alloc] = {}  # id(source anchor) -> its proxy
         self._next_id = 1
         self._in_use = 0
         self._peak = 0
@@ -180,47 +211,78 @@ class Arena:
     def share(self, array: Any, tag: str = "", peer: Ring | None = None) -> ArrayDescriptor:
         """A descriptor of ``array`` that another process can open zero-copy.
 
-        An array (or any view of one) already in this arena is described in
-        place, strides and all; anything else is copied in once first. The
-        descriptor carries one reference to the memory. Naming the ``peer``
-        (its ring from :meth:`link`) that will open it lets :meth:`reclaim`
-        take the reference back if that peer dies holding it.
+        An array (or any view of one, strides included) already in this arena
+        is described in place; a view of another arena's memory, such as one
+        imported with :func:`open_array`, is *forwarded* in place through a
+        proxy (see the module's docstring); anything else is copied in once
+        first. The descriptor carries one reference to the memory, and is
+        ``readonly`` if the array is not writable. Naming the ``peer`` (its
+        ring from :meth:`link`) that will open it lets :meth:`reclaim` take
+        the reference back if that peer dies holding it.
         """
         arr = np.asarray(array)
         check_shareable(arr)
         if arr.nbytes == 0:
-            return ArrayDescriptor(self.id, 0, None, 0, 0, arr.dtype, arr.shape, (), 0)
+            return ArrayDescriptor(
+                self.id, 0, None, 0, 0, arr.dtype, arr.shape, (), 0, not arr.flags.writeable
+            )
         anchor = find_anchor(arr)
-        alloc = None
-        if anchor is not None and anchor.arena_id == self.id:
-            alloc = self._allocs.get(anchor.alloc_id)
-        if alloc is None or anchor is None:
+        if anchor is None or not self._in_place(anchor):
             arr = self.put(arr, tag)
             anchor = find_anchor(arr)
             if anchor is None:  # pragma: no cover - put() always returns a view
                 raise AssertionError("put() returned memory outside the arena")
-            alloc = self._allocs[anchor.alloc_id]
-        start = arr.__array_interface__["data"][0] - anchor.__array_interface__["data"][0]
+        readonly = anchor.readonly or not arr.flags.writeable
+        start = arr.__array_interface__["data"][0] - anchor.address
         with self._lock:
-            alloc.exported += 1
-            self._exported += 1
+            owed = None
             if peer is not None:
                 owed = self._owed.get(id(peer))
                 if owed is None:
                     raise ValueError("peer must be a ring made or adopted by this arena's link()")
+            if anchor.arena_id == self.id:
+                alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go
+            else:
+                alloc = self._proxy(anchor, tag)
+            alloc.exported += 1
+            self._exported += 1
+            if owed is not None:
                 owed[alloc.id] = owed.get(alloc.id, 0) + 1
         self._drain_deferred()
         return ArrayDescriptor(
             arena_id=self.id,
             alloc_id=alloc.id,
-            segment=alloc.seg.rw.handle,
+            segment=alloc.handle,
             offset=alloc.offset,
             nbytes=alloc.size,
             dtype=arr.dtype,
             shape=arr.shape,
             strides=arr.strides,
             start=start,
+            readonly=readonly,
         )
+
+    def _in_place(self, anchor: Anchor) -> bool:
+        """Whether views on ``anchor`` can be shared without a copy: it is a
+        live allocation of ours, or a mapping of another arena's (forwarded)."""
+        if anchor.arena_id == self.id:
+            return anchor.alloc_id in self._allocs
+        return isinstance(anchor.keep, Segment)
+
+    def _proxy(self, anchor: Anchor, tag: str) -> _Alloc:
+        """The proxy forwarding ``anchor``'s memory, made on first use; lock held."""
+        alloc = self._proxies.get(id(anchor))  # the proxy holds the anchor: ids are unique
+        if alloc is None:
+            self._check_open()  # a closed arena gets no releases back: it would hold forever
+            mapping: Segment = anchor.keep
+            offset = anchor.address - mapping.address
+            alloc = _Alloc(
+                self._next_id, None, mapping.handle, offset, anchor.nbytes, tag, source=anchor
+            )
+            self._next_id += 1
+            self._allocs[alloc.id] = alloc
+            self._proxies[id(anchor)] = alloc
+        return alloc
 
     def unshare(self, desc: ArrayDescriptor, peer: Ring | None = None) -> None:
         """Take back the reference of a descriptor that will never be sent.
@@ -248,7 +310,11 @@ class Arena:
         self._drain_deferred()
 
     def owns(self, array: Any) -> bool:
-        """True if ``array`` is a view of memory allocated by this arena."""
+        """True if ``array`` is a view of memory allocated by this arena.
+
+        Also for a view this process opened of one of the arena's own forwarded
+        descriptors: like the rest, :meth:`share` describes it in place.
+        """
         anchor = find_anchor(np.asarray(array)) if isinstance(array, np.ndarray) else None
         return anchor is not None and anchor.arena_id == self.id and os.getpid() == self._pid
 
@@ -261,7 +327,7 @@ class Arena:
                 found = self._fit(nbytes) or self._grow(nbytes)
             seg, offset = found
             size = seg.free.round(nbytes)
-            alloc = _Alloc(self._next_id, seg, offset, size, tag)
+            alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
             self._next_id += 1
             self._allocs[alloc.id] = alloc
             seg.live += 1
@@ -301,6 +367,8 @@ class Arena:
         by_tag: dict[str, list[int]] = {}
         remote = 0
         for a in self._allocs.values():
+            if a.seg is None:
+                continue  # a proxy holds no bytes here
             entry = by_tag.setdefault(a.tag or "untagged", [0, 0])
             entry[0] += a.size
             entry[1] += 1
@@ -328,7 +396,11 @@ class Arena:
         take_export: bool,
     ) -> np.ndarray[Any, Any]:
         seg = alloc.seg
-        if writable:
+        if seg is None:  # a proxy: over the mapping its source anchor keeps
+            assert alloc.source is not None
+            mapping = alloc.source.keep
+            writable = writable and not alloc.source.readonly
+        elif writable:
             mapping = seg.rw
         else:
             if seg.ro is None:
@@ -378,6 +450,12 @@ class Arena:
         if alloc.local > 0 or alloc.exported > 0:
             return
         del self._allocs[alloc.id]
+        if alloc.seg is None:
+            # A proxy: let go of the source, whose finalizer returns the memory
+            # to its owner. That finalizer never waits on a lock, so it may run here.
+            del self._proxies[id(alloc.source)]
+            alloc.source = None
+            return
         alloc.seg.free.free(alloc.offset, alloc.size)
         alloc.seg.live -= 1
         self._in_use -= alloc.size

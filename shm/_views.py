@@ -3,7 +3,8 @@
 An array in an arena is described by an :class:`ArrayDescriptor`: a few
 integers, a dtype and a segment handle, small enough to ride in a ring record
 when pickled. :func:`open_array` maps the segment (once per process) and
-returns an ndarray over the same bytes: no copy, read-only unless asked.
+returns an ndarray over the same bytes: no copy, read-only unless asked (and
+always read-only for a descriptor marked ``readonly``).
 
 Lifetimes. Every view is built on an *anchor*: a tiny object that exports the
 bytes through ``__array_interface__``. numpy keeps the anchor alive as the
@@ -17,6 +18,11 @@ exports), so the anchor dies exactly when the last of them does, and a
   :func:`set_release_route`. A descriptor carries one reference; opening it in
   another process takes that reference over, and the owner frees the
   allocation when the last reference anywhere is returned.
+
+A descriptor made by forwarding (:meth:`Arena.share` of a view imported from
+another arena) names the forwarder's arena but the foreign segment: the
+opener maps the real owner's memory and returns its reference to the
+forwarder, which holds the owner's memory until then.
 
 Finalizers run inside garbage collection, at any point of any thread, so they
 only append to a deque and then *try* a lock; whoever holds it flushes the
@@ -55,7 +61,9 @@ class ArrayDescriptor:
 
     ``offset`` is where the allocation starts in its segment, ``start`` where
     the array's first element is relative to it; ``strides`` may describe a
-    non-contiguous view of the allocation.
+    non-contiguous view of the allocation. ``segment`` may belong to another
+    process than the arena's owner (a forwarded view, see :meth:`Arena.share`).
+    A ``readonly`` descriptor only ever opens as a read-only view.
     """
 
     arena_id: int
@@ -67,6 +75,7 @@ class ArrayDescriptor:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     start: int = 0
+    readonly: bool = False
 
     @property
     def size_bytes(self) -> int:
@@ -93,7 +102,8 @@ class ArrayDescriptor:
             -1 if seg is None else seg.fd,
             0 if seg is None else seg.inode,
             0 if seg is None else seg.size,
-            _NO_SEGMENT if seg is None else _BACKENDS.index(seg.backend),
+            (_NO_SEGMENT if seg is None else _BACKENDS.index(seg.backend))
+            | (_READONLY if self.readonly else 0),
             nd,
             len(self.strides),
             len(dt),
@@ -107,7 +117,8 @@ class ArrayDescriptor:
         """The descriptor that :meth:`pack` encoded."""
         fields = _DESC_HEAD.unpack_from(data, 0)
         arena_id, alloc_id, offset, nbytes, start, pid, fd, inode, size = fields[:9]
-        backend, nd, ns, nt, nn = fields[9:]
+        flags, nd, ns, nt, nn = fields[9:]
+        backend = flags & ~_READONLY
         pos = _DESC_HEAD.size
         dims = struct.unpack_from(f"<{nd + ns}q", data, pos)
         pos += 8 * (nd + ns)
@@ -117,7 +128,8 @@ class ArrayDescriptor:
         if backend != _NO_SEGMENT:
             name = bytes(data[pos : pos + nn]).decode()
             segment = SegmentHandle(_BACKENDS[backend], pid, fd, inode, name, size)
-        return cls(arena_id, alloc_id, segment, offset, nbytes, dtype, dims[:nd], dims[nd:], start)
+        shape, strides, ro = dims[:nd], dims[nd:], bool(flags & _READONLY)
+        return cls(arena_id, alloc_id, segment, offset, nbytes, dtype, shape, strides, start, ro)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ArrayDescriptor.unpack, (self.pack(),))
@@ -125,7 +137,9 @@ class ArrayDescriptor:
 
 _DESC_HEAD = struct.Struct("<QQQQqqiQQBBBHB")
 _BACKENDS = ("memfd", "posix")
-_NO_SEGMENT = 255
+# The backend byte: the backend's index (or _NO_SEGMENT), high bit set if read-only.
+_NO_SEGMENT = 0x7F
+_READONLY = 0x80
 _dtype_codes: dict[np.dtype[Any], bytes] = {}
 _code_dtypes: dict[bytes, np.dtype[Any]] = {}
 
@@ -172,6 +186,18 @@ class Anchor:
         self.arena_id = arena_id
         self.alloc_id = alloc_id
 
+    @property
+    def address(self) -> int:
+        return int(self.__array_interface__["data"][0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.__array_interface__["shape"][0])
+
+    @property
+    def readonly(self) -> bool:
+        return bool(self.__array_interface__["data"][1])
+
 
 def build_view(
     anchor: Anchor,
@@ -192,6 +218,15 @@ def find_anchor(array: np.ndarray[Any, Any]) -> Anchor | None:
     while isinstance(base, np.ndarray):
         base = base.base
     return base if isinstance(base, Anchor) else None
+
+
+def in_shared_memory(array: Any) -> bool:
+    """True if ``array`` is a view of arena memory, this process's or imported.
+
+    Such an array crosses to another process without a copy: :meth:`Arena.share`
+    describes it in place or forwards it; any other array is copied in first.
+    """
+    return isinstance(array, np.ndarray) and find_anchor(array) is not None
 
 
 def check_shareable(array: np.ndarray[Any, Any]) -> None:
@@ -219,7 +254,9 @@ class _Importer:
             weakref.WeakValueDictionary()
         )
         self.recent: collections.deque[Segment] = collections.deque(maxlen=KEEP_MAPPED)
-        self.owners: dict[int, int] = {}  # arena id -> owner pid, of arenas opened here
+        # arena id -> pids owning the segments opened through it (more than the
+        # arena's owner when it forwarded views of other processes' memory)
+        self.owners: dict[int, set[int]] = {}
         self.deferred = _Deferred()
         self.dropped = 0  # releases for arenas with no route (their owner is gone)
 
@@ -295,8 +332,8 @@ def set_release_route(arena_id: int, ring: Ring | None) -> None:
     if ring is None:
         imp.routes.pop(arena_id, None)
         # Its owner is done with us: keep none of its segments mapped for reuse.
-        owner = imp.owners.pop(arena_id, None)
-        for seg in [s for s in imp.recent if s.handle.owner_pid == owner]:
+        owners = imp.owners.pop(arena_id, set())
+        for seg in [s for s in imp.recent if s.handle.owner_pid in owners]:
             imp.recent.remove(seg)
     else:
         imp.routes[arena_id] = ring
@@ -316,25 +353,29 @@ def open_array(desc: ArrayDescriptor, writable: bool = False) -> np.ndarray[Any,
     """Open a descriptor as a zero-copy ndarray (read-only unless ``writable``).
 
     Takes over the reference the descriptor carries: open each descriptor once.
+    A ``readonly`` descriptor gives a read-only view even if ``writable``.
     """
+    writable = writable and not desc.readonly
     if desc.segment is None:  # no bytes: nothing was allocated
         out: np.ndarray[Any, Any] = np.ndarray(desc.shape, desc.dtype, strides=desc.strides or None)
         out.flags.writeable = writable
         return out
     arena = local_arenas.get(desc.arena_id)
-    if arena is not None and desc.segment.owner_pid == os.getpid():
+    # Our own arena (not a forked copy of our parent's): its allocations, and
+    # its proxies of other processes' memory, are opened without the importer.
+    if arena is not None and arena._pid == os.getpid():
         view: np.ndarray[Any, Any] = arena._open_local(desc, writable)
         return view
     imp = importer()
     if desc.arena_id not in imp.routes:
         raise AttachError(
-            f"no release route to arena {desc.arena_id:#x} of process "
-            f"{desc.segment.owner_pid} in this process: call "
+            f"no release route to arena {desc.arena_id:#x} (the descriptor maps memory "
+            f"of process {desc.segment.owner_pid}) in this process: call "
             "shm.set_release_route(arena_id, ring) with a ring from Arena.link() first, "
             "so that the memory can be given back when the view is gone"
         )
     imp.flush()
-    imp.owners[desc.arena_id] = desc.segment.owner_pid
+    imp.owners.setdefault(desc.arena_id, set()).add(desc.segment.owner_pid)
     seg = imp.segment(desc.segment, readonly=not writable)
     anchor = Anchor(
         seg.address + desc.offset, desc.nbytes, not writable, seg, desc.arena_id, desc.alloc_id

@@ -6,6 +6,7 @@ import gc
 import itertools
 import pickle
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -279,3 +280,105 @@ def test_unshare_takes_back_an_unsent_descriptor(arena: shm.Arena) -> None:
     assert arena.reclaim(peer) == 0  # nothing owed by the peer any more
     with pytest.raises(shm.SharedMemoryError, match="no shared reference"):
         arena.unshare(desc)
+
+
+def test_share_with_an_unknown_peer_takes_no_reference(arena: shm.Arena) -> None:
+    x = arena.empty(100, np.uint8)
+    stranger = shm.Ring(4, 64)
+    with pytest.raises(ValueError, match="link"):
+        arena.share(x, peer=stranger)
+    assert arena.stats().exported == 0
+    stranger.close()
+
+
+def test_readonly_descriptors(arena: shm.Arena) -> None:
+    x = arena.put(np.arange(12.0).reshape(3, 4))
+    ro = x[::-1, 1:]
+    ro.flags.writeable = False
+    for array, readonly in ((x, False), (ro, True), (np.empty((0, 2)), False)):
+        desc = arena.share(array)
+        assert desc.readonly is readonly
+        assert shm.ArrayDescriptor.unpack(desc.pack()) == desc
+        assert pickle.loads(pickle.dumps(desc)) == desc
+        assert len(desc.pack()) == len(replace(desc, readonly=not readonly).pack())
+        out = shm.open_array(desc, writable=True)  # never writable where the sender was not
+        assert out.flags.writeable is not readonly
+        if readonly:
+            with pytest.raises(ValueError, match="read-only"):
+                out[0, 0] = 1.0
+            with pytest.raises(ValueError):
+                out.setflags(write=True)
+        np.testing.assert_array_equal(out, array)
+        del out
+    # A read-only view of the arena's memory shares as read-only too.
+    view = shm.open_array(arena.share(x))
+    desc = arena.share(view[1:])
+    assert desc.readonly
+    arena.unshare(desc)
+    del x, ro, view
+    gc.collect()
+    assert arena.stats().in_use == 0
+
+
+def test_in_shared_memory(arena: shm.Arena) -> None:
+    x = arena.empty((4, 4), np.int16)
+    assert shm.in_shared_memory(x)
+    assert shm.in_shared_memory(x[1:, ::-2].T)
+    assert shm.in_shared_memory(shm.open_array(arena.share(x)))
+    assert not shm.in_shared_memory(np.zeros(4))
+    assert not shm.in_shared_memory(np.asarray(memoryview(x)))  # no longer an arena view
+    assert not shm.in_shared_memory(b"bytes")
+    assert not shm.in_shared_memory([1, 2])
+
+
+def test_forwarding_between_arenas_copies_nothing(backend: str) -> None:
+    """A view of another arena's memory is forwarded through a proxy, never copied.
+
+    In one process a second arena stands for another process: views imported
+    from one are forwarded the same way (test_shared.py).
+    """
+    owner, mid, last = (
+        shm.Arena(segment_size=MiB, capacity=4 * MiB, backend=backend, name=n)
+        for n in ("owner", "mid", "last")
+    )
+    x = owner.put(np.arange(100, dtype=np.int64).reshape(10, 10))
+    expected = x.copy()
+    peer = mid.link()
+    d1 = mid.share(x[2:, ::-3], peer=peer)
+    d2 = mid.share(x[1])  # the same source anchor: the same proxy
+    s = mid.stats()
+    assert (s.in_use, s.peak, s.allocations, s.exported) == (0, 0, 1, 2)
+    assert (d1.arena_id, d1.alloc_id) == (mid.id, d2.alloc_id)
+    assert d1.segment == owner._segs[0].rw.handle
+    mid.unshare(d2)
+    # Opening one's own proxy descriptor gives a view of the owner's memory.
+    v1 = shm.open_array(d1, writable=True)
+    np.testing.assert_array_equal(v1, expected[2:, ::-3])
+    x[9, 0] = expected[9, 0] = -1
+    assert v1[-1, -1] == -1  # the same bytes
+    assert shm.in_shared_memory(v1)
+    d3 = mid.share(v1[1:])  # in place, through the same proxy
+    assert (d3.alloc_id, mid.stats().allocations) == (d1.alloc_id, 1)
+    d4 = last.share(v1[::2])  # forwarded twice: a proxy of a proxy
+    assert d4.segment == d1.segment
+    v4 = shm.open_array(d4, writable=True)
+    np.testing.assert_array_equal(v4, expected[2::2, ::-3])
+    del x, v1
+    gc.collect()
+    assert owner.stats().allocations == 1  # held for d3 and v4, through the proxies
+    np.testing.assert_array_equal(shm.open_array(d3), expected[3:, ::-3])
+    del v4
+    gc.collect()
+    for arena in (owner, mid, last):
+        s = arena.stats()
+        assert (s.in_use, s.allocations, s.exported) == (0, 0, 0), arena
+    assert mid.reclaim(peer) == 0
+    mid.close()
+    y = owner.empty(3)
+    with pytest.raises(shm.SharedMemoryError, match="closed"):
+        mid.share(y)  # a closed arena would hold a proxy forever: none is made
+    del y
+    gc.collect()
+    assert owner.stats().allocations == 0
+    owner.close()
+    last.close()

@@ -64,6 +64,144 @@ def _hold_arena_and_wait(outbox: shm.Ring, inbox: shm.Ring) -> None:
     del keep
 
 
+def _views_of(a: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
+    """What the owner shares: the whole array, a negative-strided view, an offset slice."""
+    return [a, a[::-2, 1::3], a[5:9]]
+
+
+def _owner(route: shm.Ring, inbox: shm.Ring, outbox: shm.Ring, backend: str) -> None:
+    """Share views of one array; then on each command ("add" one to it, "drop"
+    it, anything else) report the bytes in use, releases applied."""
+    arena = shm.Arena(segment_size=MiB, capacity=4 * MiB, backend=backend, name="owner")
+    arena.link(route)
+    held = [arena.put(np.arange(600, dtype=np.int32).reshape(20, 30))]
+    for desc in [arena.share(v, peer=route) for v in _views_of(held[0])]:
+        outbox.push(desc.pack(), timeout=T)
+    while True:
+        try:
+            cmd = inbox.pop(timeout=T)
+        except shm.RingClosedError:
+            break
+        if cmd == b"add":
+            held[0] += 1
+        elif cmd == b"drop":
+            held.clear()
+        outbox.push(arena.stats().in_use.to_bytes(8, "little"), timeout=T)
+    arena.close()
+
+
+def _relay(up: shm.Ring, down: shm.Ring, inbox: shm.Ring, outbox: shm.Ring, backend: str) -> None:
+    """Forward each descriptor received, keeping nothing but the proxy; on
+    "collect", apply the releases that came back and report the allocations left."""
+    arena = shm.Arena(segment_size=MiB, capacity=4 * MiB, backend=backend, name="relay")
+    arena.link(down)
+    while True:
+        try:
+            rec = inbox.pop(timeout=T)
+        except shm.RingClosedError:
+            break
+        if rec == b"collect":
+            n = arena.stats().allocations
+            shm.flush_releases()
+            outbox.push(n.to_bytes(8, "little"), timeout=T)
+            continue
+        desc = shm.ArrayDescriptor.unpack(rec)
+        shm.set_release_route(desc.arena_id, up)
+        fwd = arena.share(shm.open_array(desc, writable=True), peer=down)
+        assert arena.stats().in_use == 0  # forwarded, not copied
+        outbox.push(fwd.pack(), timeout=T)
+    arena.close()
+
+
+def _reader(route: shm.Ring, inbox: shm.Ring, outbox: shm.Ring) -> None:
+    """Open each descriptor writable and hold it; "read" reports the views and
+    whether they are writable, "drop" lets go of them."""
+    held = []
+    while True:
+        try:
+            rec = inbox.pop(timeout=T)
+        except shm.RingClosedError:
+            break
+        if rec == b"read":
+            outbox.push(pickle.dumps([(v.copy(), v.flags.writeable) for v in held]), timeout=T)
+        elif rec == b"drop":
+            held.clear()
+            gc.collect()
+            shm.flush_releases()
+            outbox.push(b"dropped", timeout=T)
+        else:
+            desc = shm.ArrayDescriptor.unpack(rec)
+            shm.set_release_route(desc.arena_id, route)  # releases go to the forwarder
+            held.append(shm.open_array(desc, writable=True))
+            outbox.push(b"k", timeout=T)
+    shm.flush_releases()
+
+
+class _Chain:
+    """Owner A -> this process, the middle one -> [relay R ->] reader B."""
+
+    def __init__(self, backend: str, relay: bool) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("forkserver")
+        self.arena = shm.Arena(segment_size=MiB, capacity=4 * MiB, backend=backend, name="middle")
+        self.rings: list[shm.Ring] = []
+        self.a_route, self.a_in, self.a_out = self._ring(), self._ring(), self._ring()
+        self.down = self.arena.link()  # releases of what this process forwards
+        self.a = ctx.Process(target=_owner, args=(self.a_route, self.a_in, self.a_out, backend))
+        self.r = None
+        b_route = self.down
+        if relay:  # the relay adopts the reader's route
+            self.r_in, self.r_out, b_route = self._ring(), self._ring(), self._ring()
+            args = (self.down, b_route, self.r_in, self.r_out, backend)
+            self.r = ctx.Process(target=_relay, args=args)
+        self.b_in, self.b_out = self._ring(), self._ring(16 << 10)
+        self.b = ctx.Process(target=_reader, args=(b_route, self.b_in, self.b_out))
+        self.procs = [p for p in (self.a, self.r, self.b) if p is not None]
+        for p in self.procs:
+            p.start()
+        recs = [self.a_out.pop(timeout=T, watch=[self.a]) for _ in range(3)]
+        self.descs = [shm.ArrayDescriptor.unpack(r) for r in recs]
+        shm.set_release_route(self.descs[0].arena_id, self.a_route)
+
+    def _ring(self, record_size: int = 512) -> shm.Ring:
+        ring = shm.Ring(16, record_size)
+        self.rings.append(ring)
+        return ring
+
+    def owner_in_use(self, cmd: bytes = b"?") -> int:
+        self.a_in.push(cmd, timeout=T, watch=[self.a])
+        return int.from_bytes(self.a_out.pop(timeout=T, watch=[self.a]), "little")
+
+    def send(self, desc: shm.ArrayDescriptor) -> None:
+        """Send a descriptor to the reader, through the relay if there is one."""
+        rec = desc.pack()
+        if self.r is not None:
+            self.r_in.push(rec, timeout=T, watch=[self.r])
+            rec = self.r_out.pop(timeout=T, watch=[self.r])
+        self.b_in.push(rec, timeout=T, watch=[self.b])
+        assert self.b_out.pop(timeout=T, watch=[self.b]) == b"k"
+
+    def ask_reader(self, cmd: bytes) -> bytes:
+        self.b_in.push(cmd, timeout=T, watch=[self.b])
+        return self.b_out.pop(timeout=T, watch=[self.b])
+
+    def relay_allocations(self) -> int:
+        assert self.r is not None
+        self.r_in.push(b"collect", timeout=T, watch=[self.r])
+        return int.from_bytes(self.r_out.pop(timeout=T, watch=[self.r]), "little")
+
+    def close(self) -> None:
+        for ring in (self.a_in, self.b_in, *([self.r_in] if self.r else [])):
+            ring.close_producer()
+        for p in self.procs:
+            p.join(T)
+        shm.set_release_route(self.descs[0].arena_id, None)
+        self.arena.close()
+        for ring in self.rings:
+            ring.close()
+
+
 # ------------------------------------------------------------------ tests
 def test_many_processes_open_and_release_concurrently(ctx: Any, no_leaks: None) -> None:
     arena = shm.Arena(segment_size=2 * MiB, capacity=64 * MiB, name="parent")
@@ -218,3 +356,63 @@ def test_exhaustion_by_a_peer_is_an_error_then_recovers(how: str, no_leaks: None
     arena.close()
     for r in (inbox, outbox, bye):
         r.close()
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["A-M-B", "A-M-R-B"])
+def test_forwarding_is_zero_copy_and_memory_goes_back_to_its_owner(
+    relay: bool, backend: str, no_leaks: None
+) -> None:
+    chain = _Chain(backend, relay)
+    arena = chain.arena
+    # The first view is imported writable, the others read-only.
+    views = [shm.open_array(d, writable=i == 0) for i, d in enumerate(chain.descs)]
+    assert all(shm.in_shared_memory(v) and not arena.owns(v) for v in views)
+    fwd = [arena.share(v, peer=chain.down) for v in views]
+    s = arena.stats()
+    assert (s.in_use, s.allocations, s.exported) == (0, 3, 3)  # three proxies, no copy
+    for f, d in zip(fwd, chain.descs, strict=True):
+        assert (f.arena_id, f.segment) == (arena.id, d.segment)  # our releases, A's memory
+        assert (f.offset, f.nbytes, f.start, f.strides) == (d.offset, d.nbytes, d.start, d.strides)
+    assert [f.readonly for f in fwd] == [False, True, True]
+    for f in fwd:
+        chain.send(f)
+    expected = _views_of(np.arange(600, dtype=np.int32).reshape(20, 30))
+    for bump in (0, 1):
+        got = pickle.loads(chain.ask_reader(b"read"))
+        for (arr, _), exp in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(arr, exp + bump)
+        assert [w for _, w in got] == [True, False, False]
+        chain.owner_in_use(b"add")  # the reader sees the owner's writes: the same bytes
+
+    assert chain.ask_reader(b"drop") == b"dropped"
+    if relay:
+        wait_until(lambda: chain.relay_allocations() == 0, 10, "the relay's proxies to go")
+    wait_until(lambda: arena.stats().allocations == 0, 10, "this process's proxies to go")
+    assert arena.stats().exported == 0
+    assert chain.owner_in_use(b"drop") > 0  # this process still holds its own views
+    del views
+    gc.collect()
+    shm.flush_releases()
+    wait_until(lambda: chain.owner_in_use() == 0, 10, "the owner to get its memory back")
+    chain.close()
+    assert [p.exitcode for p in chain.procs] == [0] * len(chain.procs)
+
+
+def test_forwarded_view_of_a_killed_peer_is_reclaimed(backend: str, no_leaks: None) -> None:
+    chain = _Chain(backend, relay=False)
+    views = [shm.open_array(d) for d in chain.descs]
+    for desc in [chain.arena.share(v, peer=chain.down) for v in views]:
+        chain.send(desc)
+    del views
+    gc.collect()
+    assert chain.owner_in_use(b"drop") > 0  # the proxies hold the owner's memory for B
+    os.kill(chain.b.pid, signal.SIGKILL)
+    chain.b.join(T)
+    assert chain.arena.stats().exported == 3
+    assert chain.arena.reclaim(chain.down) == 3
+    assert chain.arena.stats().allocations == 0
+    shm.flush_releases()
+    wait_until(lambda: chain.owner_in_use() == 0, 10, "the owner to get its memory back")
+    chain.close()
+    assert chain.a.exitcode == 0
+    assert chain.b.exitcode == -signal.SIGKILL
