@@ -4,7 +4,8 @@ Values are pickled (protocol 5), but every ndarray is pulled out of the stream
 by ``persistent_id`` and replaced by a reference:
 
 - arrays already in the sender's arena, and any larger than ``inline_max``,
-  by an :class:`shm.ArrayDescriptor` (the receiver maps the same bytes);
+  by an :class:`shm.ArrayDescriptor` (the receiver maps the same bytes); a
+  view of another process's arena is forwarded as it is, not copied;
 - small arrays by their bytes, which the receiver wraps without a copy.
 
 So tuples, lists, dicts and user objects holding arrays are walked by pickle
@@ -51,7 +52,8 @@ class _Refs:
         if arena is None and obj.nbytes > self.inline_max:
             return (_SHARED, b"")  # only checking that the rest pickles: no bytes needed
         if arena is not None and (obj.nbytes > self.inline_max or arena.owns(obj)):
-            if not arena.owns(obj):
+            # Views of other processes' arenas are forwarded, not copied.
+            if not shm.in_shared_memory(obj):
                 self.bytes_copied += obj.nbytes
             desc = arena.share(obj, peer=self.peer)
             self.shared.append(desc)

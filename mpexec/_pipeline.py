@@ -633,7 +633,11 @@ class Pipeline:
         for column in inputs:
             for a in column:
                 s.bytes_in += a.nbytes
-                if self.num_workers and a.nbytes > _codec.INLINE_MAX and not _in_shm(a):
+                if (
+                    self.num_workers
+                    and a.nbytes > _codec.INLINE_MAX
+                    and not shm.in_shared_memory(a)
+                ):
                     s.bytes_copied += a.nbytes
         size = it.size
         if op.batch_processing or op.stateful or self.num_workers <= 1:
@@ -780,11 +784,6 @@ class Pipeline:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, not {value!r}")
-
-
-def _in_shm(array: Any) -> bool:
-    check = getattr(shm, "in_shared_memory", None)
-    return bool(check(array)) if check is not None else False
 
 
 def _close_pool(pool: WorkerPool) -> None:
