@@ -6,13 +6,15 @@ copied on the way; GPU ops run in the main process on CUDA streams.
 
 - :func:`pipeline_def`, :class:`Pipeline` and the ops in :mod:`mpexec.fn`
   (DALI style); :class:`Batch` is what a pipeline returns.
+- :func:`py_func`, :func:`numpy_function`, :func:`py_function` and
+  :func:`contrib.py_func`: TensorFlow's entry points, in a pipeline or eagerly.
 - :class:`WorkerPool`: a ``concurrent.futures.Executor`` over those workers.
 
 Run ``python -m mpexec demo`` to see it work, ``python -m mpexec doctor`` to
 see what this machine offers.
 """
 
-from . import fn
+from . import contrib, fn
 from ._batch import Batch
 from ._errors import (
     BrokenPoolError,
@@ -29,6 +31,7 @@ from ._graph import DataNode
 from ._pipeline import OpStats, Pipeline, PipelineStats, pipeline_def
 from ._pool import PoolStats, WorkerPool
 from ._runtime import BatchInfo, SampleInfo, sample_info
+from ._tf import default_pool, numpy_function, py_func, py_function, set_default_pool
 from ._version import __version__
 
 __all__ = [
@@ -51,7 +54,13 @@ __all__ = [
     "WorkerCrashedError",
     "WorkerPool",
     "__version__",
+    "contrib",
+    "default_pool",
     "fn",
+    "numpy_function",
     "pipeline_def",
+    "py_func",
+    "py_function",
     "sample_info",
+    "set_default_pool",
 ]

@@ -49,7 +49,14 @@ from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError, SerializationError
 from ._graph import DataNode, Graph, Op, Plan, defining
 from ._pool import WorkerPool, usable_cpus
-from ._runtime import Chunk, ChunkResult, OpRunner, derive_seed
+from ._runtime import (
+    Chunk,
+    ChunkResult,
+    OpRunner,
+    derive_seed,
+    is_string_array,
+    same_kind_of_sample,
+)
 
 _PARAMS = (
     "batch_size",
@@ -886,10 +893,10 @@ def _batch_samples(op: Op, data: Any, batch_size: int) -> list[tuple[Any, ...]]:
 
 
 def _check_source_value(op: Op, i: int, a: Any) -> None:
-    if a.dtype.hasobject:
+    if a.dtype.hasobject and not is_string_array(a):
         raise TypeError(
             f"{op.describe()}: output {i} is an array of Python objects; sources give "
-            "numeric or bytes arrays (encode strings as np.frombuffer(s.encode(), np.uint8))"
+            "numeric arrays, or arrays of strings (bytes or str)"
         )
     dts = op.output_dtypes
     if dts is not None and dts[i] is not None and a.dtype != dts[i]:
@@ -904,7 +911,7 @@ def _check_batch_consistent(op: Op, i: int, col: Sequence[Any]) -> None:
         return
     first = col[0]
     for j, a in enumerate(col):
-        if a.dtype != first.dtype or a.ndim != first.ndim:
+        if not same_kind_of_sample(a, first):
             raise TypeError(
                 f"output {i} of {op.describe()} is inconsistent across the batch: sample 0 "
                 f"is {first.dtype} of rank {first.ndim}, sample {j} is {a.dtype} of rank "

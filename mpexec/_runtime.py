@@ -234,11 +234,12 @@ class OpRunner:
             arr = np.from_dlpack(value)
         else:
             arr = np.asarray(value)
-        if arr.dtype.hasobject:
+        if arr.dtype.hasobject and not is_string_array(arr):
             where = "" if sample is None else f" for sample {sample}"
             raise OpOutputError(
                 f"output {i} of op '{self.name}'{where} is an array of Python objects "
-                f"(from {type(value).__name__}); return numeric or bytes arrays"
+                f"(from {type(value).__name__}); return numeric arrays, or arrays of "
+                "strings (bytes or str)"
             )
         return arr
 
@@ -259,12 +260,24 @@ class OpRunner:
         return arr
 
 
+def is_string_array(arr: np.ndarray[Any, Any]) -> bool:
+    """An object array holding only ``bytes``/``str``: it travels pickled."""
+    return arr.dtype == object and all(isinstance(v, (bytes, str)) for v in arr.flat)
+
+
+def same_kind_of_sample(a: Any, b: Any) -> bool:
+    """One rank and dtype; byte and text strings may differ in length."""
+    if a.ndim != b.ndim:
+        return False
+    return bool(a.dtype == b.dtype or (a.dtype.kind in "SU" and a.dtype.kind == b.dtype.kind))
+
+
 def _check_consistent(name: str, i: int, samples: list[Any]) -> None:
     if not samples:
         return
     first = samples[0]
     for j, s in enumerate(samples):
-        if s.dtype != first.dtype or s.ndim != first.ndim:
+        if not same_kind_of_sample(s, first):
             raise OpOutputError(
                 f"output {i} of op '{name}' is inconsistent across the batch: sample 0 is "
                 f"{first.dtype} of rank {first.ndim}, sample {j} is {s.dtype} of rank "

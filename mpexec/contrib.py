@@ -1,0 +1,97 @@
+"""TF 1.x's ``tf.contrib.framework.py_func``: nested structures in and out, shapes checked.
+
+``mpexec.contrib.py_func`` is :func:`mpexec.py_func` for functions that take
+and return nested tuples, lists and dicts. Like the rest of mpexec's TensorFlow
+entry points it runs eagerly on a worker pool outside a pipeline definition,
+and adds a per-sample op inside one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import _tf
+from ._graph import DataNode, current_graph
+
+__all__ = ["py_func"]
+
+
+def py_func(
+    func: Callable[..., Any],
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    output_types: Any = None,
+    output_shapes: Any = None,
+    stateful: bool = True,
+    name: str | None = None,
+) -> Any:
+    """Call ``func(*args, **kwargs)`` on arrays; check its output's structure, dtypes, shapes.
+
+    - ``args`` (a list or tuple) and ``kwargs`` (a dict) may nest tuples,
+      lists and dicts; each leaf reaches ``func`` as :func:`mpexec.py_func`
+      gives inputs (arrays, 0-d ones as NumPy scalars, strings as ``bytes``),
+      in the same nesting.
+    - ``output_types``: a dtype, or a nested structure of dtypes, that the
+      return must follow (same nesting, dict keys and lengths); each leaf's
+      dtype is checked with no casting. ``None``: ``func`` returns nothing
+      (``None``), and so does this call.
+    - ``output_shapes``: None, or shapes nested as ``output_types`` is (tuples
+      of ints, None for an unknown dimension; None for an unknown rank).
+      A returned array of another shape raises ``ValueError`` naming where it
+      sits (``output[1]['mask']``).
+    - Either may be a callable, called with ``*args, **kwargs`` to get it.
+
+    Returns the outputs nested as ``output_types`` is (arrays eagerly; DataNodes in
+    a pipeline definition, where leaves of ``args``/``kwargs`` may be DataNodes).
+    """
+    _tf.check_callable(func)
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(args, (list, tuple)):
+        raise TypeError(f"args must be list and not {type(args)}. args: {args}")
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be dict and not {type(kwargs)}. args: {kwargs}")
+    if _is_function(output_types):
+        output_types = output_types(*args, **kwargs)
+    if _is_function(output_shapes):
+        output_shapes = output_shapes(*args, **kwargs)
+    structure = _tf.OutputStructure.build(output_types, output_shapes)
+    if current_graph() is None:
+        if _tf.contains_node(args) or _tf.contains_node(dict(kwargs)):
+            raise TypeError(
+                "a DataNode was given outside a pipeline definition; eager calls take arrays"
+            )
+        wrapper = _tf.eager_wrapper(func, structure.dtypes, name, False, structure)
+        out = _tf.run_eager(wrapper, tuple(args), dict(kwargs))
+        return structure.pack(_flat(out, len(structure.dtypes)))
+    nodes: list[DataNode] = []
+    bound_args = tuple(_tf.bind(a, nodes, nested=True) for a in args)
+    bound_kwargs = {k: _tf.bind(v, nodes, nested=True) for k, v in kwargs.items()}
+    wrapper = _tf.PyFuncCall(
+        func,
+        structure.dtypes,
+        _tf.op_name(name),
+        False,
+        (bound_args, bound_kwargs),
+        structure,
+    )
+    return structure.pack(_tf.add_op(wrapper, nodes, stateful, name))
+
+
+def _is_function(value: Any) -> bool:
+    """Callable, and not a dtype: ``np.float32`` and ``float`` are types, hence callable."""
+    return (
+        callable(value)
+        and not isinstance(value, (type, np.dtype))
+        and not hasattr(value, "as_numpy_dtype")
+    )
+
+
+def _flat(out: Any, n: int) -> list[Any]:
+    """A :class:`~mpexec._tf.PyFuncCall` result (None, one array, a tuple) as a list."""
+    if n == 0:
+        return []
+    return [out] if n == 1 else list(out)
