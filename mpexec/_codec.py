@@ -91,13 +91,20 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, writable: bool) -> None:
+    def __init__(self, file: io.BytesIO, writable: bool, shared_ok: bool) -> None:
         super().__init__(file)
         self._writable = writable
+        self._shared_ok = shared_ok
 
     def persistent_load(self, pid: Any) -> Any:
         if pid[0] == _SHARED:
-            return shm.open_array(shm.ArrayDescriptor.unpack(pid[1]), writable=self._writable)
+            desc = shm.ArrayDescriptor.unpack(pid[1])
+            arr = shm.open_array(desc, writable=self._writable)
+            if desc.readonly and self._writable and not self._shared_ok:
+                # A view of memory others read (a function returned its input):
+                # the caller was promised an array of its own.
+                return arr.copy()
+            return arr
         _, dtype, shape, data = pid
         buf = bytearray(data) if self._writable else data
         return np.frombuffer(buf, dtype=dtype).reshape(shape)
@@ -157,9 +164,13 @@ def encode(
     return Encoded(buf.getvalue(), refs)
 
 
-def decode(data: bytes | memoryview, writable: bool = False) -> Any:
-    """The value :func:`encode` pickled; its arrays are views, read-only unless asked."""
-    return _Unpickler(io.BytesIO(data), writable).load()
+def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = False) -> Any:
+    """The value :func:`encode` pickled; its arrays are views, read-only unless asked.
+
+    ``writable`` arrays that arrive as read-only shared views (forwarded) are
+    copied, unless ``shared_ok`` says read-only views will do.
+    """
+    return _Unpickler(io.BytesIO(data), writable, shared_ok).load()
 
 
 def dump_value(value: Any, what: str = "function") -> bytes:

@@ -160,6 +160,9 @@ class _State:
         self.next_task_id = itertools.count(1)
         self.submitted = self.completed = self.failed = self.restarts = 0
         self.bytes_shared = self.bytes_copied = 0
+        # Results that are forwarded read-only views stay views (the pipeline
+        # sets this; its outputs are read-only anyway) instead of being copied.
+        self.shared_results = False
 
     def poke(self) -> None:
         with contextlib.suppress(shm.SharedMemoryError, ValueError):
@@ -706,7 +709,7 @@ def _deliver(state: _State, slot: _Slot) -> None:
         try:
             body = _worker.body_of(rec, flags)
             if kind == OK:
-                outcome: Any = _codec.decode(body, writable=True)
+                outcome: Any = _codec.decode(body, True, state.shared_results)
             else:
                 exc, tb = pickle.loads(body)
                 exc.__cause__ = RemoteTraceback(tb)
