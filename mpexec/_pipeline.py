@@ -420,7 +420,9 @@ class Pipeline:
                     f"no external_source named {name!r} takes feed_input "
                     f"(those that do: {names or 'none'})"
                 )
-            state.fed.append(_batch_samples(state.op, data, self.batch_size))
+            rows = _batch_samples(state.op, data, self.batch_size)
+            columns = self._own(state, tuple(list(c) for c in zip(*rows, strict=True)))
+            state.fed.append(list(zip(*columns, strict=True)))
 
     def close(self) -> None:
         """Stop the workers and free what the pipeline holds; idempotent.
@@ -515,7 +517,8 @@ class Pipeline:
             except Exception as exc:
                 self._fail(it, _annotate(exc, s.op, it, None))
                 return True
-            it.values[s.pos] = samples
+            # Fed batches were copied when fed: the caller may reuse its arrays.
+            it.values[s.pos] = samples if s.op.source_mode == "feed" else self._own(s, samples)
             n = len(samples[0])
             if n < self.batch_size and s.op.source_mode == "iter" and not s.op.batch_processing:
                 it.stop = n if it.stop is None else min(it.stop, n)
@@ -555,6 +558,28 @@ class Pipeline:
         if not rows:
             it.stop = 0
         return columns
+
+    def _own(self, s: _OpState, columns: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
+        """Copies of a source's arrays (into shared memory), read-only.
+
+        The source, or the caller of feed_input, may refill its buffers at
+        once (as DALI's external_source allows: it copies too); this one copy
+        is where data enters the pipeline.
+        """
+        pool = self._pool
+        out = []
+        for col in columns:
+            own = []
+            for a in col:
+                if self.num_workers and pool is not None and not a.dtype.hasobject and a.nbytes:
+                    c = pool.put(a)
+                    s.bytes_copied += a.nbytes
+                else:
+                    c = np.array(a, copy=True)
+                c.flags.writeable = False
+                own.append(c)
+            out.append(own)
+        return tuple(out)
 
     def _next_item(self, s: _OpState) -> Any:
         op = s.op
@@ -689,8 +714,9 @@ class Pipeline:
             self._fail(it, _annotate(exc, s.op, it, getattr(exc, "mpexec_sample", None)))
             return
         res: ChunkResult = future.result()
-        s.calls += len(res.outputs) if s.op.batch_processing is False else 1
-        s.samples += len(res.outputs)
+        batch = s.op.batch_processing
+        s.calls += 1 if batch else len(res.outputs)
+        s.samples += it.size if batch else len(res.outputs)
         s.function_s += res.seconds
         s.waiting_s += max(0.0, elapsed - res.seconds)
         self._busy[res.pid] += res.seconds
