@@ -50,6 +50,7 @@ from ._errors import MpexecError, PoolClosedError, SerializationError
 from ._graph import DataNode, Graph, Op, Plan, defining
 from ._pool import WorkerPool, usable_cpus
 from ._runtime import (
+    ChainRunner,
     Chunk,
     ChunkResult,
     OpRunner,
@@ -127,7 +128,10 @@ class _OpState:
     def __init__(self, op: Op, pos: int, runner: OpRunner | None, worker: int | None) -> None:
         self.op = op
         self.pos = pos
-        self.runner = runner
+        self.runner: OpRunner | ChainRunner | None = runner
+        self.inputs = op.inputs  # of the chain's head, when ops are chained into this one
+        self.members = [self]  # the chain this op ends (itself alone if none)
+        self.absorbed = False  # runs inside a later op's chain
         self.worker = worker  # pinned worker index (stateful ops)
         self.turn = 0  # stateful: the compute sequence number allowed next
         self.skipped: set[int] = set()
@@ -341,6 +345,7 @@ class Pipeline:
                 for op in plan.ops
             ]
             self._plan = plan
+            self._chain(plan)
             self._pool = WorkerPool(
                 self.num_workers,
                 start_method=self.start_method,
@@ -350,6 +355,32 @@ class Pipeline:
             self._pool._state.shared_results = True
             self._started = time.perf_counter()
             self._finalizer = weakref.finalize(self, _close_pool, self._pool)
+
+    def _chain(self, plan: Plan) -> None:
+        """Run per-sample ops that only feed the next one inside its call."""
+        outputs = {self._pos[id(n.op)] for n in plan.outputs}
+
+        def chainable(s: _OpState) -> bool:
+            op = s.op
+            return not (op.is_source or op.batch_processing or op.stateful) and s.runner is not None
+
+        for s in self._ops:
+            if not chainable(s) or len(s.op.inputs) != 1:
+                continue
+            p = self._ops[self._pos[id(s.op.inputs[0].op)]]
+            if (
+                chainable(p)
+                and p.op.num_outputs == 1
+                and self._consumers[p.pos] == [s.pos]
+                and p.pos not in outputs
+            ):
+                s.members = [*p.members, s]
+                s.inputs = p.inputs
+                for m in p.members:
+                    m.absorbed = True
+        for s in self._ops:
+            if len(s.members) > 1 and not s.absorbed:
+                s.runner = ChainRunner([m.runner for m in s.members])  # type: ignore[misc]
 
     # ------------------------------------------------------------ running
     def run(self) -> tuple[Batch, ...]:
@@ -623,7 +654,7 @@ class Pipeline:
                     vals = it.values[s.pos]
                     assert vals is not None
                     it.values[s.pos] = tuple(v[:size] for v in vals)
-            it.ops_left = sum(1 for s in self._ops if not s.op.is_source)
+            it.ops_left = sum(1 for s in self._ops if not (s.op.is_source or s.absorbed))
             if it.ops_left == 0:
                 self._finish(it)
             else:
@@ -633,9 +664,9 @@ class Pipeline:
         for s in self._ops:
             if it.error is not None or it.dropped:
                 return
-            if s.op.is_source or s.pos in it.dispatched:
+            if s.op.is_source or s.absorbed or s.pos in it.dispatched:
                 continue
-            if any(it.values[self._pos[id(n.op)]] is None for n in s.op.inputs):
+            if any(it.values[self._pos[id(n.op)]] is None for n in s.inputs):
                 continue
             if s.worker is not None and s.turn != it.seq:
                 continue  # a stateful op: an earlier iteration goes first
@@ -659,13 +690,15 @@ class Pipeline:
         assert pool is not None
         assert s.runner is not None
         inputs = []
-        for n in op.inputs:
+        for n in s.inputs:
             vals = it.values[self._pos[id(n.op)]]
             assert vals is not None
             inputs.append(vals[n.index])
+        chained = len(s.members) > 1  # the chain counts its ops' bytes itself
         for column in inputs:
             for a in column:
-                s.bytes_in += a.nbytes
+                if not chained:
+                    s.bytes_in += a.nbytes
                 if (
                     self.num_workers
                     and a.nbytes > _codec.INLINE_MAX
@@ -711,13 +744,19 @@ class Pipeline:
             return
         exc = future.exception()
         if exc is not None:
-            self._fail(it, _annotate(exc, s.op, it, getattr(exc, "mpexec_sample", None)))
+            name = getattr(exc, "mpexec_op", None)
+            op = next((m.op for m in s.members if m.op.name == name), s.op)
+            self._fail(it, _annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
             return
         res: ChunkResult = future.result()
         batch = s.op.batch_processing
-        s.calls += 1 if batch else len(res.outputs)
-        s.samples += it.size if batch else len(res.outputs)
-        s.function_s += res.seconds
+        per_op = res.per_op or ((res.seconds, 0, 0),)
+        for m, (spent, b_in, b_out) in zip(s.members, per_op, strict=True):
+            m.calls += 1 if batch else len(res.outputs)
+            m.samples += it.size if batch else len(res.outputs)
+            m.function_s += spent
+            m.bytes_in += b_in
+            m.bytes_out += b_out
         s.waiting_s += max(0.0, elapsed - res.seconds)
         self._busy[res.pid] += res.seconds
         if it.dropped or it.error is not None:
@@ -728,9 +767,10 @@ class Pipeline:
             return
         del it.parts[s.pos]
         columns = self._assemble(s, parts)  # type: ignore[arg-type]
-        for col in columns:
-            for a in col:
-                s.bytes_out += a.nbytes
+        if len(s.members) == 1:
+            for col in columns:
+                for a in col:
+                    s.bytes_out += a.nbytes
         it.values[s.pos] = columns
         if s.op.is_source:
             stops = [p.stop for p in parts if p is not None and p.stop is not None]

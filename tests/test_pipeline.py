@@ -1403,3 +1403,41 @@ def test_sample_info_inside_and_outside_calls(style: str) -> None:
             assert values(per_sample) == [[3 * i + j, j, i, 0] for j in range(3)]
             assert values(per_batch) == [[i, 0]] * 3
     assert mpexec.sample_info() is None
+
+
+def _fail_on_three(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if mpexec.sample_info().idx_in_epoch == 3:  # type: ignore[union-attr]
+        raise KeyError("three")
+    return x
+
+
+def test_chained_ops_run_in_one_call_and_keep_their_identity() -> None:
+    """Per-sample ops feeding only each other run as one call per chunk."""
+
+    @mpexec.pipeline_def(batch_size=4, num_workers=2, seed=3)
+    def graph() -> Any:
+        src = fn.external_source(source=_big_source, batch=False, name="src")
+        a = fn.python_function(src, function=_plus_one, name="a")
+        b = fn.python_function(a, function=_fail_on_three, name="b")
+        return fn.python_function(b, function=_double, name="c")
+
+    with graph() as pipe:
+        with pytest.raises(KeyError, match="three") as info:
+            pipe.run()
+        notes = list(info.value.__notes__)
+        del info
+        assert any("'b'" in note and "sample 3" in note for note in notes)
+        (out,) = pipe.run()
+        np.testing.assert_array_equal(out[0], np.full(8 * KiB, (4 + 1) * 2.0))
+        del out
+        stats = {s.name: s for s in pipe.stats().ops}
+        absorbed = [s.absorbed for s in pipe._ops]
+        members = [m.op.name for m in pipe._ops[3].members]
+    assert absorbed == [False, True, True, False]
+    assert members == ["a", "b", "c"]
+    calls = stats["a"].calls
+    assert calls >= 6
+    for name in "abc":
+        assert stats[name].calls == calls
+        assert stats[name].bytes_in == stats[name].bytes_out == calls * 64 * KiB
+        assert stats[name].function_s > 0
