@@ -8,6 +8,10 @@ Run every benchmark with ``python -m benchmarks``, one of them with
 
 Benchmarks report *ratios* of transports measured side by side in one run:
 they hold on a noisy machine, where absolute times do not.
+
+``python -m benchmarks peers`` compares mpexec with the peers that are
+installed (PyTorch, TensorFlow, Grain, loky, DALI: ``tox -e bench`` installs
+them); it installs nothing itself, and reports a missing peer as skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 BENCHMARKS: dict[str, str] = {
     "shm": "benchmarks.shm_bench",
     "pool": "benchmarks.pool_bench",
+    "peers": "benchmarks.peers_bench",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from benchmarks import BENCHMARKS
 from benchmarks._common import RESULTS
+from benchmarks.peers_bench import add_arguments as add_peers_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a shortened run for smoke tests (~20 s)"
+        "--quick",
+        action="store_true",
+        help="a shortened run for smoke tests (~20 s each; peers: minutes)",
     )
     parser.add_argument(
         "--out",
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         default=RESULTS,
         help="where to write results (default: benchmarks/results)",
     )
+    add_peers_arguments(parser)
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
@@ -38,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for name in args.names or list(BENCHMARKS):
         module = importlib.import_module(BENCHMARKS[name])
-        result = module.run(quick=args.quick, out_dir=args.out)
+        extra = {}
+        if name == "peers":
+            extra = {"workloads": args.workloads, "systems": args.systems}
+        result = module.run(quick=args.quick, out_dir=args.out, **extra)
         if result.get("errors"):
             status = 1
     return status

@@ -1,0 +1,162 @@
+"""The functions every system runs in ``python -m benchmarks peers``: identical for all.
+
+Module-level functions only, so that every system (and every start method)
+can pickle them by reference. Nothing here depends on which process, worker
+or library runs it: every random choice comes from the sample's index,
+``np.random.default_rng([seed, index])``, never from a per-worker generator,
+so that each system's output can be compared, bit for bit, with the serial one.
+
+Workload 1 (augmentation), per sample ``i``:
+
+``load_image(i)``
+    A deterministic 256x256x3 uint8 image (what a reader and decoder would
+    hand over), made from the index.
+``augment(image, i)``
+    Random crop 256 -> 224, random horizontal flip, brightness and contrast
+    jitter in float32, then a per-pixel noise field drawn by a pure-Python
+    generator (the Python-heavy part: the GIL is held most of the time) and
+    the ImageNet normalisation. Returns 224x224x3 float32.
+``process_sample(i)``
+    ``augment(load_image(i), i)``: what a map-style worker runs.
+
+Workload 3 (per-call overhead): ``echo``. Workload 4 (transfer): ``add_one``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+IMAGE_SIZE = 256
+CROP = 224
+CHANNELS = 3
+IMAGE_SHAPE = (IMAGE_SIZE, IMAGE_SIZE, CHANNELS)
+OUTPUT_SHAPE = (CROP, CROP, CHANNELS)
+BATCH_SIZE = 64
+
+IMAGE_SEED = 20_261_201  # what the images are made of
+AUGMENT_SEED = 42  # the random choices of the augmentation
+
+# Every NOISE_STEP-th pixel of a row gets its own noise value, from a pure-Python
+# generator; the values are repeated over the pixels in between. It sets how much
+# of the time is spent in the interpreter, with the GIL held: about 75% at 1 (the
+# rest is NumPy, part of which releases the GIL).
+NOISE_STEP = 1
+
+MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+INV_255 = np.float32(1.0 / 255.0)
+NOISE_SCALE = np.float32(1.0 / 512.0)
+
+
+def load_image(index: int) -> np.ndarray[Any, Any]:
+    """Image ``index`` of the data set: 256x256x3 uint8, the same wherever it is made.
+
+    Smooth gradients plus seeded noise, so that crops and flips change the result.
+    """
+    index = int(index)
+    rng = np.random.default_rng([IMAGE_SEED, index])
+    img = rng.integers(0, 64, IMAGE_SHAPE, dtype=np.uint8)
+    ramp = np.arange(IMAGE_SIZE, dtype=np.uint16)
+    img[:, :, 0] += ((ramp[None, :] + 7 * index) % 192).astype(np.uint8)
+    img[:, :, 1] += ((ramp[:, None] + 13 * index) % 192).astype(np.uint8)
+    img[:, :, 2] += np.uint8((31 * index) % 192)
+    return img
+
+
+def augment(image: np.ndarray[Any, Any], index: Any) -> np.ndarray[Any, Any]:
+    """Crop, flip, jitter, noise and normalise one image; deterministic in ``index``.
+
+    ``index`` may be an int or an array holding one (as a pipeline passes it).
+    Every float operation is elementwise or exact (the image mean is an integer
+    sum), so that the result does not depend on memory alignment or SIMD width.
+    """
+    index = int(np.asarray(index).reshape(-1)[0])
+    rng = np.random.default_rng([AUGMENT_SEED, index])
+    top, left = (int(v) for v in rng.integers(0, IMAGE_SIZE - CROP + 1, size=2))
+    flip = bool(rng.random() < 0.5)
+    brightness = np.float32(rng.uniform(-0.125, 0.125))
+    contrast = np.float32(rng.uniform(0.75, 1.25))
+    state = int(rng.integers(1, 1 << 31))
+
+    crop = image[top : top + CROP, left : left + CROP]
+    if flip:
+        crop = crop[:, ::-1]
+    mean = np.float32(int(crop.sum(dtype=np.int64)) / crop.size / 255.0)
+    x = crop.astype(np.float32)
+    x *= INV_255
+    x -= mean
+    x *= contrast
+    x += mean + brightness
+
+    # The Python-heavy part: a noise value per NOISE_STEP pixels from a linear
+    # congruential generator, one interpreter iteration each.
+    cols = CROP // NOISE_STEP
+    noise = np.empty((CROP, cols), dtype=np.float32)
+    for r in range(CROP):
+        row = []
+        for _ in range(cols):
+            state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+            row.append((state >> 16) % 17 - 8)
+        noise[r] = row
+    noise *= NOISE_SCALE
+    x += np.repeat(noise, NOISE_STEP, axis=1)[:, :, None]
+
+    np.clip(x, np.float32(0.0), np.float32(1.0), out=x)
+    x -= MEAN
+    x /= STD
+    return x
+
+
+def process_sample(index: int) -> np.ndarray[Any, Any]:
+    """One sample of workload 1, from its index: what a map-style worker runs."""
+    return augment(load_image(index), index)
+
+
+def load_sample(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``(image, index)`` for pipelines whose source hands both to the augmentation op."""
+    return load_image(index), np.array([index], dtype=np.int64)
+
+
+def process_batch(indices: Iterable[int]) -> np.ndarray[Any, Any]:
+    """A whole batch, stacked: (n, 224, 224, 3) float32."""
+    return np.stack([process_sample(i) for i in indices])
+
+
+def batches_of(n: int, batch_size: int = BATCH_SIZE) -> list[range]:
+    """The indices of each batch of an epoch of ``n`` samples (the last may be short)."""
+    return [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+
+
+def digest(array: Any) -> str:
+    """A digest of an array's dtype, shape and bytes (how outputs are compared)."""
+    a = np.ascontiguousarray(array)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.data)
+    return h.hexdigest()
+
+
+def reference_digests(n: int, batch_size: int = BATCH_SIZE) -> list[str]:
+    """The serial result of workload 1: one digest per batch."""
+    return [digest(process_batch(b)) for b in batches_of(n, batch_size)]
+
+
+# ---------------------------------------------------------------- workload 3
+def echo(x: Any) -> Any:
+    """The trivial call: returns its argument."""
+    return x
+
+
+# ---------------------------------------------------------------- workload 4
+def add_one(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A new array of the same size and dtype, computed cheaply."""
+    return x + np.ones(1, dtype=x.dtype)
+
+
+def transfer_input(nbytes: int) -> np.ndarray[Any, Any]:
+    """The input of workload 4: ``nbytes`` of float32, values that ``+ 1`` keeps exact."""
+    return (np.arange(nbytes // 4, dtype=np.int64) % 1021).astype(np.float32)
