@@ -221,7 +221,7 @@ class Pipeline:
         if last_batch not in ("partial", "drop"):
             raise ValueError(f"last_batch must be 'partial' or 'drop', not {last_batch!r}")
         if seed is None or seed == -1:
-            seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
+            seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0]) >> 1
         _check_int("seed", seed, 0)
         self.batch_size = batch_size
         self.num_workers = num_workers
