@@ -107,7 +107,7 @@ class Batch(Sequence[Any]):
         dense = self.as_array()
         try:
             return dense.__dlpack__(*args, **kwargs)
-        except BufferError:
+        except (BufferError, TypeError):
             # NumPy before 2.1 cannot export read-only memory: export a copy.
             return dense.copy().__dlpack__(*args, **kwargs)
 

@@ -232,7 +232,7 @@ class OpRunner:
         if isinstance(value, np.ndarray):
             arr = value
         elif hasattr(value, "__dlpack__") and not isinstance(value, (bytes, str)):
-            arr = np.from_dlpack(value)
+            arr = _np_from_dlpack(value)
         else:
             arr = np.asarray(value)
         if arr.dtype.hasobject and not is_string_array(arr):
@@ -358,6 +358,10 @@ def _checksums(args: tuple[Any, ...]) -> list[int]:
         else:
             sums.append(0)
     return sums
+
+
+#: ``np.from_dlpack`` (NumPy 1.22 called it ``np._from_dlpack``).
+_np_from_dlpack: Any = getattr(np, "from_dlpack", None) or getattr(np, "_from_dlpack", None)
 
 
 def _from_dlpack_inputs(value: Any) -> Any:
