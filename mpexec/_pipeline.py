@@ -141,6 +141,11 @@ class _OpState:
         self.function_s = self.waiting_s = 0.0
         self.bytes_in = self.bytes_out = self.bytes_copied = 0
 
+    @property
+    def source(self) -> bool:
+        """This op, or the head of the chain it ends, is a source."""
+        return self.members[0].op.is_source
+
     def stats(self) -> OpStats:
         return OpStats(
             self.op.name,
@@ -365,14 +370,21 @@ class Pipeline:
             return not (op.is_source or op.batch_processing or op.stateful) and s.runner is not None
 
         for s in self._ops:
-            if not chainable(s) or len(s.op.inputs) != 1:
+            if not chainable(s) or not s.op.inputs or s.op.num_outputs == 0:
+                continue
+            producers = {id(n.op) for n in s.op.inputs}
+            if len(producers) != 1:
                 continue
             p = self._ops[self._pos[id(s.op.inputs[0].op)]]
+            # A per-sample source in the workers may head a chain too: its ops
+            # then run before the batch size is known, on samples a StopIteration
+            # may drop (they are stateless: the waste is one partial chunk).
+            head_ok = chainable(p) or p.op.source_mode == "sample"
             if (
-                chainable(p)
-                and p.op.num_outputs == 1
+                head_ok
                 and self._consumers[p.pos] == [s.pos]
                 and p.pos not in outputs
+                and not (p.op.is_source and len(s.op.inputs) != p.op.num_outputs)
             ):
                 s.members = [*p.members, s]
                 s.inputs = p.inputs
@@ -380,7 +392,8 @@ class Pipeline:
                     m.absorbed = True
         for s in self._ops:
             if len(s.members) > 1 and not s.absorbed:
-                s.runner = ChainRunner([m.runner for m in s.members])  # type: ignore[misc]
+                picks = [tuple(n.index for n in m.op.inputs) for m in s.members]
+                s.runner = ChainRunner([m.runner for m in s.members], picks)  # type: ignore[misc]
 
     # ------------------------------------------------------------ running
     def run(self) -> tuple[Batch, ...]:
@@ -539,9 +552,9 @@ class Pipeline:
         it = _Iteration(self._epoch, self._next_index, self.batch_size, len(self._ops))
         self._next_index += 1
         self._window.append(it)
-        sources = [s for s in self._ops if s.op.is_source]
+        sources = [s for s in self._ops if s.source and not s.absorbed]
         it.sources_left = len(sources)
-        here = [s for s in sources if s.op.source_mode != "sample"]
+        here = [s for s in sources if s.runner is None]
         for s in here:
             try:
                 samples = self._pull(s, it)
@@ -556,7 +569,7 @@ class Pipeline:
             it.size = min(it.size, n)
             it.sources_left -= 1
         for s in sources:
-            if s.op.source_mode == "sample":
+            if s.runner is not None:
                 self._dispatch(it, s)
         if it.sources_left == 0:
             self._sources_in(it)
@@ -650,11 +663,11 @@ class Pipeline:
             it.seq = self._next_seq
             self._next_seq += 1
             for s in self._ops:
-                if s.op.is_source:
+                if s.source and not s.absorbed:
                     vals = it.values[s.pos]
                     assert vals is not None
                     it.values[s.pos] = tuple(v[:size] for v in vals)
-            it.ops_left = sum(1 for s in self._ops if not (s.op.is_source or s.absorbed))
+            it.ops_left = sum(1 for s in self._ops if not (s.source or s.absorbed))
             if it.ops_left == 0:
                 self._finish(it)
             else:
@@ -664,7 +677,7 @@ class Pipeline:
         for s in self._ops:
             if it.error is not None or it.dropped:
                 return
-            if s.op.is_source or s.absorbed or s.pos in it.dispatched:
+            if s.source or s.absorbed or s.pos in it.dispatched:
                 continue
             if any(it.values[self._pos[id(n.op)]] is None for n in s.inputs):
                 continue
@@ -772,7 +785,7 @@ class Pipeline:
                 for a in col:
                     s.bytes_out += a.nbytes
         it.values[s.pos] = columns
-        if s.op.is_source:
+        if s.source:
             stops = [p.stop for p in parts if p is not None and p.stop is not None]
             if stops:
                 it.stop = min(stops) if it.stop is None else min(it.stop, *stops)

@@ -281,26 +281,37 @@ class ChainRunner:
     keeps its own seed and checks, so results equal those of separate calls.
     """
 
-    def __init__(self, runners: list[OpRunner]) -> None:
+    def __init__(self, runners: list[OpRunner], picks: list[tuple[int, ...]]) -> None:
         self.runners = runners
+        self.picks = picks  # per op: which outputs of the previous one it takes
 
     def __call__(self, chunk: Chunk, *inputs: Any) -> ChunkResult:
         global _current
         t0 = time.perf_counter()
         spent = [[0.0, 0, 0] for _ in self.runners]
         outputs = []
+        stop = None
+        source = self.runners[0].kind == "source"
         for j in range(chunk.count):
             b = chunk.start + j
             info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
-            values: tuple[Any, ...] = tuple(x[j] for x in inputs)
+            values: tuple[Any, ...] = (info,) if source else tuple(x[j] for x in inputs)
             for k, runner in enumerate(self.runners):
                 t = time.perf_counter()
                 _current = info
                 counts = spent[k]
-                counts[1] += sum(v.nbytes for v in values)
+                if k:
+                    values = tuple(values[i] for i in self.picks[k])
+                if not (source and k == 0):
+                    counts[1] += sum(v.nbytes for v in values)
                 try:
                     out = runner._call(values, (chunk.epoch, chunk.iteration, b + 1), b)
                     values = tuple(_read_only(v) for v in runner._sample_outputs(out, b))
+                except StopIteration:
+                    if not (source and k == 0):
+                        raise
+                    stop = b
+                    break
                 except BaseException as exc:
                     with contextlib.suppress(AttributeError):
                         exc.mpexec_op = runner.name  # type: ignore[attr-defined]
@@ -309,9 +320,11 @@ class ChainRunner:
                     _current = None
                 counts[0] += time.perf_counter() - t
                 counts[2] += sum(v.nbytes for v in values)
+            if stop is not None:
+                break
             outputs.append(values)
         per_op = tuple((float(c[0]), int(c[1]), int(c[2])) for c in spent)
-        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), None, per_op)
+        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, per_op)
 
 
 def _read_only(array: Any) -> Any:

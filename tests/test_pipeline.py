@@ -1418,7 +1418,7 @@ def _fail_on_three(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def test_chained_ops_run_in_one_call_and_keep_their_identity() -> None:
-    """Per-sample ops feeding only each other run as one call per chunk."""
+    """A per-sample source and the ops feeding only each other run as one call per chunk."""
 
     @mpexec.pipeline_def(batch_size=4, num_workers=2, seed=3)
     def graph() -> Any:
@@ -1439,8 +1439,9 @@ def test_chained_ops_run_in_one_call_and_keep_their_identity() -> None:
         stats = {s.name: s for s in pipe.stats().ops}
         absorbed = [s.absorbed for s in pipe._ops]
         members = [m.op.name for m in pipe._ops[3].members]
-    assert absorbed == [False, True, True, False]
-    assert members == ["a", "b", "c"]
+    # The per-sample source heads the chain: one round trip per chunk in all.
+    assert absorbed == [True, True, True, False]
+    assert members == ["src", "a", "b", "c"]
     calls = stats["a"].calls
     assert calls >= 6
     for name in "abc":
