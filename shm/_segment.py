@@ -158,10 +158,19 @@ def _close_fd(fd: int) -> None:
 
 
 def _unlink(names: list[str], owner_pid: int) -> None:
-    # A forked child inherits finalizers; only the creator may unlink.
+    # A forked child inherits finalizers; only the creator may unlink. A name
+    # leaves the list only once unlinked: two threads may race here (a worker's
+    # lifeline watchdog and its main thread), and the one cut short by the
+    # other's os._exit must not have taken the name with it.
     while names and os.getpid() == owner_pid:
+        try:
+            name = names[-1]
+        except IndexError:
+            return
         with contextlib.suppress(OSError):
-            _shm_module().shm_unlink(names.pop())
+            _shm_module().shm_unlink(name)
+        with contextlib.suppress(ValueError):
+            names.remove(name)
 
 
 def _release(owner_pid: int, fd: int, names: list[str]) -> None:
