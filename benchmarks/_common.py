@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -40,6 +41,21 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] | None = No
         ).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def git_state(*paths: str) -> tuple[str | None, bool | None]:
+    """The checkout's short commit, and whether ``paths`` have uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--", *paths))
+    except (OSError, subprocess.SubprocessError):
+        return None, None
 
 
 def log(msg: str) -> None:

@@ -64,7 +64,7 @@ import psutil
 
 from benchmarks import _peers
 from benchmarks import _workloads as wl
-from benchmarks._common import RESULTS, Watchdog, fmt_size, fmt_time, log, targets_text
+from benchmarks._common import RESULTS, Watchdog, fmt_size, fmt_time, git_state, log, targets_text
 
 NAME = "peers"
 ROOT = Path(__file__).resolve().parent.parent
@@ -634,29 +634,6 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git() -> tuple[str | None, bool | None]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "mpexec", "shm", "benchmarks"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-    return commit, bool(dirty)
-
-
 def usable_cpus() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -675,7 +652,7 @@ def environment() -> dict[str, Any]:
     }
     for module in ("torch", "tensorflow", "grain", "loky", "joblib", "nvidia.dali", "matplotlib"):
         versions[module] = _peers.installed_version(module)
-    commit, dirty = _git()
+    commit, dirty = git_state("mpexec", "shm", "benchmarks")
     return {
         "versions": versions,
         "implementation": platform.python_implementation(),

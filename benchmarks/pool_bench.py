@@ -54,7 +54,6 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -71,7 +70,17 @@ import psutil
 
 import mpexec
 import shm
-from benchmarks._common import RESULTS, Watchdog, cli, fmt_time, log, table, targets_text, write
+from benchmarks._common import (
+    RESULTS,
+    Watchdog,
+    cli,
+    fmt_time,
+    git_state,
+    log,
+    table,
+    targets_text,
+    write,
+)
 from shm._views import KEEP_MAPPED
 
 NAME = "pool"
@@ -952,30 +961,8 @@ def environment() -> dict[str, Any]:
         "start_method": START_METHOD,
         "workers_per_pool": WORKERS,
         "shm_backend": info.backend,
-        "git_commit": None,
-        "git_dirty": None,
     }
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "mpexec", "shm"],
-            cwd=here.parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        env["git_commit"], env["git_dirty"] = commit, bool(dirty)
-    except (OSError, subprocess.SubprocessError):
-        pass
+    env["git_commit"], env["git_dirty"] = git_state("mpexec", "shm")
     return env
 
 

@@ -46,7 +46,6 @@ import pickle
 import platform
 import queue
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -70,6 +69,7 @@ from benchmarks._common import (
     cli,
     fmt_size,
     fmt_time,
+    git_state,
     log,
     table,
     targets_text,
@@ -807,30 +807,8 @@ def environment() -> dict[str, Any]:
         "shm_backend": info.backend,
         "eventfd": info.eventfd,
         "page_size": info.page_size,
-        "git_commit": None,
-        "git_dirty": None,
     }
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "shm"],
-            cwd=here.parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        env["git_commit"], env["git_dirty"] = commit, bool(dirty)
-    except (OSError, subprocess.SubprocessError):
-        pass
+    env["git_commit"], env["git_dirty"] = git_state("shm")
     return env
 
 

@@ -34,7 +34,7 @@ import sysconfig
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -54,9 +54,9 @@ from ._runtime import (
     Chunk,
     ChunkResult,
     OpRunner,
+    check_consistent,
     derive_seed,
     is_string_array,
-    same_kind_of_sample,
 )
 
 _PARAMS = (
@@ -818,7 +818,7 @@ class Pipeline:
                 col[:] = [np.array(a, copy=True) for a in col]
             for a in col:
                 a.flags.writeable = False
-            _check_batch_consistent(s.op, i, col)
+            check_consistent(s.op.describe(), i, col)
         return columns
 
     def _finish(self, it: _Iteration) -> None:
@@ -984,19 +984,6 @@ def _check_source_value(op: Op, i: int, a: Any) -> None:
     shape = op.output_shapes[i] if op.output_shapes is not None else None
     if shape is not None and a.ndim != len(shape):
         raise ValueError(f"{op.describe()}: output {i} has rank {a.ndim}, but ndim={len(shape)}")
-
-
-def _check_batch_consistent(op: Op, i: int, col: Sequence[Any]) -> None:
-    if not col:
-        return
-    first = col[0]
-    for j, a in enumerate(col):
-        if not same_kind_of_sample(a, first):
-            raise TypeError(
-                f"output {i} of {op.describe()} is inconsistent across the batch: sample 0 "
-                f"is {first.dtype} of rank {first.ndim}, sample {j} is {a.dtype} of rank "
-                f"{a.ndim}; every sample of an output needs one dtype and one rank"
-            )
 
 
 _SYSTEM_PATHS = tuple(

@@ -15,6 +15,7 @@ import os
 import random
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -224,7 +225,7 @@ class OpRunner:
                 )
             for j, s in enumerate(samples):
                 self._checked(s, i, j)
-            _check_consistent(self.name, i, samples)
+            check_consistent(f"op '{self.name}'", i, samples)
             result.append(samples)
         return tuple(result)
 
@@ -334,14 +335,15 @@ def _read_only(array: Any) -> Any:
     return view
 
 
-def _check_consistent(name: str, i: int, samples: list[Any]) -> None:
+def check_consistent(what: str, i: int, samples: Sequence[Any]) -> None:
+    """Every sample of output ``i`` of ``what`` (an op) has one dtype and one rank."""
     if not samples:
         return
     first = samples[0]
     for j, s in enumerate(samples):
         if not same_kind_of_sample(s, first):
             raise OpOutputError(
-                f"output {i} of op '{name}' is inconsistent across the batch: sample 0 is "
+                f"output {i} of {what} is inconsistent across the batch: sample 0 is "
                 f"{first.dtype} of rank {first.ndim}, sample {j} is {s.dtype} of rank "
                 f"{s.ndim}; every sample of an output needs one dtype and one rank"
             )

@@ -52,23 +52,9 @@ def python_function(
     or ``-1`` for any size) are checked. Returns a DataNode, a list of
     ``num_outputs`` DataNodes, or None for ``num_outputs=0``.
     """
-    return _python_function(
-        "python_function",
-        inputs,
-        function=function,
-        batch_processing=batch_processing,
-        num_outputs=num_outputs,
-        output_layouts=output_layouts,
-        preserve=preserve,
-        seed=seed,
-        device=device,
-        bytes_per_sample_hint=bytes_per_sample_hint,
-        name=name,
-        stateful=stateful,
-        output_dtypes=output_dtypes,
-        output_shapes=output_shapes,
-        dlpack=False,
-    )
+    kw = dict(locals())
+    del kw["inputs"]
+    return _python_function("python_function", inputs, dlpack=False, **kw)
 
 
 def dl_tensor_python_function(
@@ -90,23 +76,9 @@ def dl_tensor_python_function(
     DLPack producer may be returned (DALI's ``fn.dl_tensor_python_function``).
     On the CPU the inputs are NumPy arrays, which are DLPack producers.
     """
-    return _python_function(
-        "dl_tensor_python_function",
-        inputs,
-        function=function,
-        batch_processing=batch_processing,
-        num_outputs=num_outputs,
-        output_layouts=output_layouts,
-        preserve=preserve,
-        seed=seed,
-        device=device,
-        bytes_per_sample_hint=bytes_per_sample_hint,
-        name=name,
-        stateful=stateful,
-        output_dtypes=output_dtypes,
-        output_shapes=output_shapes,
-        dlpack=True,
-    )
+    kw = dict(locals())
+    del kw["inputs"]
+    return _python_function("dl_tensor_python_function", inputs, dlpack=True, **kw)
 
 
 def _python_function(kind: str, inputs: tuple[Any, ...], **kw: Any) -> Any:
