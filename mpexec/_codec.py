@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -130,9 +131,13 @@ def encode_call(
     inline_max: int = INLINE_MAX,
 ) -> Encoded:
     """Encode a call's arguments; a failure names ``args[i]`` or ``kwargs['k']``."""
+    return encode((args, kwargs), arena, peer, "the arguments", inline_max, _call_parts)
+
+
+def _call_parts(value: tuple[tuple[Any, ...], dict[str, Any]]) -> list[tuple[Any, str]]:
+    args, kwargs = value
     parts = [(v, f"args[{i}]") for i, v in enumerate(args)]
-    parts += [(v, f"kwargs[{k!r}]") for k, v in kwargs.items()]
-    return encode((args, kwargs), arena, peer, "the arguments", inline_max, parts)
+    return parts + [(v, f"kwargs[{k!r}]") for k, v in kwargs.items()]
 
 
 def encode(
@@ -141,12 +146,12 @@ def encode(
     peer: shm.Ring | None = None,
     what: str = "value",
     inline_max: int = INLINE_MAX,
-    parts: list[tuple[Any, str]] | None = None,
+    parts: Callable[[Any], list[tuple[Any, str]]] | None = None,
 ) -> Encoded:
     """Pickle ``value`` with its arrays by reference; SerializationError if it cannot.
 
-    ``parts``: the pieces of ``value`` and their names, where a failure is
-    looked for first (default: ``value`` itself, named ``what``).
+    ``parts(value)``: the pieces of ``value`` and their names, where a failure
+    is looked for first (default: ``value`` itself, named ``what``).
     """
     refs = _Refs(arena, peer, inline_max)
     buf = io.BytesIO()
@@ -159,7 +164,8 @@ def encode(
             _CloudPickler(buf, refs).dump(value)
         except Exception as exc:
             refs.undo()
-            bad = next((p for p in parts or () if not _picklable(p[0])), (value, what))
+            pieces = parts(value) if parts is not None else []
+            bad = next((p for p in pieces if not _picklable(p[0])), (value, what))
             raise SerializationError(describe_unpicklable(bad[0], bad[1], exc)) from exc
     return Encoded(buf.getvalue(), refs)
 

@@ -62,7 +62,7 @@ from ._errors import (
     WorkerCrashedError,
     signal_name,
 )
-from ._worker import CALL, ERROR, FAILED, FORGET, FUNC, HEADER, HELLO, OK
+from ._worker import CALL, FAILED, FORGET, FUNC, HEADER, HELLO, OK
 
 T = TypeVar("T")
 
@@ -70,6 +70,8 @@ _RING_CAPACITY = 64
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
 _FN_CACHE = 1024  # functions kept (strongly) with their ids; older ones are forgotten
 _STOP_GRACE = 5.0  # seconds a worker gets to exit after its ring is closed
+_COLLECT_SECONDS = 1e-3  # how long result() polls for a quick call's result
+_QUIET_TICK = 1e-3  # how often a manager that leaves results to waiters looks for itself
 
 
 def usable_cpus() -> int:
@@ -96,7 +98,7 @@ class PoolStats:
 
 
 class _Task:
-    __slots__ = ("args", "fn", "future", "kwargs", "started", "task_id", "worker")
+    __slots__ = ("args", "fn", "future", "kwargs", "sent", "started", "task_id", "worker")
 
     def __init__(
         self,
@@ -111,12 +113,75 @@ class _Task:
         self.args = args
         self.kwargs = kwargs
         self.worker = worker  # the worker index it must run on, or None for any
-        self.future: Future[Any] = Future()
+        self.future: _PoolFuture[Any] = _PoolFuture()
         self.started = 0.0  # when it reached the head of its worker's queue
+        self.sent = 0.0  # when it was pushed to its worker (perf_counter)
 
     def release(self) -> None:
         """Drop the call's function and arguments (kept only to rerun it elsewhere)."""
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+
+
+class _PoolFuture(Future[T]):
+    """A Future whose waiter collects the result itself when it comes quickly.
+
+    The manager thread delivers every result, but handing one from it to a
+    waiting thread costs a thread wake-up and a GIL hand-off (~50 us, most of
+    a small call's round trip). So ``result()`` first polls the done ring of
+    the call's worker for a moment, and delivers what it finds itself; it
+    does so only while recent calls on the pool came back that fast.
+    """
+
+    _mp_state: _State | None = None
+    _mp_slot: _Slot | None = None
+
+    def result(self, timeout: float | None = None) -> T:
+        if self._mp_slot is not None and not self.done():
+            self._collect(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._mp_slot is not None and not self.done():
+            self._collect(timeout)
+        return super().exception(timeout)
+
+    def _collect(self, timeout: float | None) -> None:
+        state, slot = self._mp_state, self._mp_slot
+        if state is None or slot is None or state.manager_ident == threading.get_ident():
+            return
+        budget = _COLLECT_SECONDS if timeout is None else min(timeout, _COLLECT_SECONDS)
+        if state.latency > budget:
+            return
+        with state.lock:
+            state.collecting += 1
+            if not state.quiet:  # the manager stops watching the done rings
+                state.quiet = True
+                state.poke()
+        try:
+            _collect_until(self, state, slot, time.perf_counter() + budget)
+        finally:
+            with state.lock:
+                state.collecting -= 1
+                state.last_collect = time.perf_counter()
+                if not self.done() and not state.collecting:
+                    state.quiet = False  # a slow call: the manager delivers it
+                    state.poke()
+
+
+def _collect_until(future: Future[Any], state: _State, slot: _Slot, end: float) -> None:
+    """Deliver results (``slot``'s first) until ``future`` is done or ``end`` passes."""
+    with contextlib.suppress(shm.SharedMemoryError, ValueError):
+        while not future.done():
+            if slot.done.may_have_records():
+                _deliver(state, slot)
+            for other in state.slots:
+                if other is not slot and other.ready and other.done.may_have_records():
+                    _deliver(state, other)
+            if state.pending:
+                with state.lock:
+                    _dispatch_pending(state, state.pool_ref)
+            if time.perf_counter() >= end:
+                return
 
 
 class _Slot:
@@ -133,6 +198,9 @@ class _Slot:
         self.result_releases = shm.Ring(4096, shm.RELEASE_RECORD_SIZE)
         self.arena_id = 0
         self.queue: collections.deque[_Task] = collections.deque()
+        # The manager and a waiting caller may both collect results: popping a
+        # record and matching it to the head of ``queue`` is one step.
+        self.collect_lock = threading.Lock()
         self.fns: set[int] = set()
         self.forget: list[int] = []
         self.ready = False
@@ -163,6 +231,17 @@ class _State:
         # Results that are forwarded read-only views stay views (the pipeline
         # sets this; its outputs are read-only anyway) instead of being copied.
         self.shared_results = False
+        self.manager_ident: int | None = None
+        self.pool_ref: Callable[[], WorkerPool | None] = lambda: None  # set by the pool
+        # Threads polling for their results in result(); while any does (and
+        # for a moment after), the manager leaves the done rings to them: its
+        # waking up on each result would cost them a GIL hand-off every call.
+        self.collecting = 0
+        self.last_collect = 0.0
+        self.quiet = False
+        # Seconds from dispatch to delivery of the latest call: waiters poll
+        # for their result only while calls come back within the poll budget.
+        self.latency = 0.0
 
     def poke(self) -> None:
         with contextlib.suppress(shm.SharedMemoryError, ValueError):
@@ -216,6 +295,7 @@ class WorkerPool(Executor):
         self.timeout = timeout
         self.restart = restart
         self._state = _State()
+        self._state.pool_ref = weakref.ref(self)
         self._seed = int(np.random.SeedSequence(seed).entropy)  # type: ignore[arg-type]
         self._inline_max = inline_max
         self._worker_arena_size = worker_arena_size
@@ -408,15 +488,20 @@ class WorkerPool(Executor):
         enc = _codec.encode_call(task.args, task.kwargs, arena, slot.arg_releases, self._inline_max)
         records.append(_worker.spill(CALL, enc.data, arena, slot.arg_releases, task.task_id, fn_id))
         try:
-            slot.tasks.push_many(records, timeout=self._start_timeout, watch=[slot.process])
+            if len(records) == 1:
+                slot.tasks.push(records[0], timeout=self._start_timeout, watch=[slot.process])
+            else:
+                slot.tasks.push_many(records, timeout=self._start_timeout, watch=[slot.process])
         except BaseException:
             enc.refs.undo()
             raise
         slot.fns.add(fn_id)
         state.bytes_shared += enc.bytes_shared
         state.bytes_copied += enc.bytes_copied
+        task.sent = time.perf_counter()
         if not slot.queue:
             task.started = time.monotonic()
+        task.future._mp_state, task.future._mp_slot = state, slot
         slot.queue.append(task)
         if not task.future.running():  # a call rerun after a crash already is
             task.future.set_running_or_notify_cancel()
@@ -602,6 +687,7 @@ def _manage(state: _State, pool_ref: weakref.ref[WorkerPool], timeout: float | N
     Holds the pool only weakly, so that a pool dropped without ``shutdown``
     is collected (its finalizer then stops everything, this thread included).
     """
+    state.manager_ident = threading.get_ident()
     watcher = _Watcher(state)
     try:
         while _manage_once(state, pool_ref, timeout, watcher):
@@ -620,18 +706,21 @@ class _Watcher:
 
     def __init__(self, state: _State) -> None:
         self.state = state
-        self.key: tuple[tuple[int, bool], ...] = ()
+        self.key: tuple[Any, ...] = ()
         self.poller = select.poll()
         self.by_fd: dict[int, tuple[_Slot | None, str]] = {}
 
-    def wait(self, slots: list[_Slot], timeout: float | None) -> list[tuple[_Slot | None, str]]:
-        key = tuple((id(s), s.ready) for s in slots)
+    def wait(
+        self, slots: list[_Slot], timeout: float | None, quiet: bool
+    ) -> list[tuple[_Slot | None, str]]:
+        key = (quiet, *((id(s), s.ready) for s in slots))
         if key != self.key:
             self.poller = select.poll()
             self.by_fd = {self.state.wake.fileno(): (None, "wake")}
             for slot in slots:
                 if slot.ready:
-                    self.by_fd[slot.done.fileno()] = (slot, "done")
+                    if not quiet:
+                        self.by_fd[slot.done.fileno()] = (slot, "done")
                     self.by_fd[slot.process.sentinel] = (slot, "died")
             for fd in self.by_fd:
                 self.poller.register(fd, select.POLLIN)
@@ -649,7 +738,17 @@ def _manage_once(
         slots = list(state.slots)
         if state.stopping and not state.pending and not any(s.queue for s in slots):
             return False
-    ready = watcher.wait(slots, _next_deadline(slots, timeout))
+    quiet = state.quiet
+    deadline = _next_deadline(slots, timeout)
+    if quiet:
+        deadline = _QUIET_TICK if deadline is None else min(deadline, _QUIET_TICK)
+    ready = watcher.wait(slots, deadline, quiet)
+    if quiet:
+        with state.lock:
+            if not state.collecting and time.perf_counter() - state.last_collect > _QUIET_TICK:
+                state.quiet = False
+        if not state.quiet:  # what came back while waiters were collecting
+            ready += [(slot, "done") for slot in slots if slot.ready]
     died: list[_Slot] = []
     for slot, what in ready:
         if slot is None:
@@ -692,46 +791,49 @@ def _timed_out(slot: _Slot, timeout: float | None) -> bool:
 def _deliver(state: _State, slot: _Slot) -> None:
     """Complete the futures of every record waiting in ``slot``'s done ring."""
     while True:
-        try:
-            rec = slot.done.try_pop()
-        except shm.RingClosedError:
-            return
-        if rec is None:
-            return
-        kind, flags, _, task_id = HEADER.unpack_from(rec)
-        with state.lock:
-            if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
-                raise AssertionError(f"completion for task {task_id} out of order")
-            task = slot.queue.popleft()
-            if slot.queue:
-                slot.queue[0].started = time.monotonic()
+        with slot.collect_lock:
+            try:
+                rec = slot.done.try_pop()
+            except shm.RingClosedError:
+                return
+            if rec is None:
+                return
+            kind, flags, _, task_id = HEADER.unpack_from(rec)
+            ok, outcome = _outcome(rec, kind, flags, state.shared_results)
+            with state.lock:
+                if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
+                    raise AssertionError(f"completion for task {task_id} out of order")
+                task = slot.queue.popleft()
+                if slot.queue:
+                    slot.queue[0].started = time.monotonic()
+                if ok:
+                    state.completed += 1
+                else:
+                    state.failed += 1
+        state.latency = time.perf_counter() - task.sent
+        task.future._mp_slot = None
         task.release()
-        try:
-            body = _worker.body_of(rec, flags)
-            if kind == OK:
-                outcome: Any = _codec.decode(body, True, state.shared_results)
-            else:
-                exc, tb = pickle.loads(body)
-                exc.__cause__ = RemoteTraceback(tb)
-                outcome = exc
-            del body
-        except Exception as exc:
-            kind, outcome = (
-                ERROR,
-                SerializationError(
-                    f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
-                ),
-            )
-            outcome.__cause__ = exc
-        with state.lock:
-            if kind == OK:
-                state.completed += 1
-            else:
-                state.failed += 1
-        if kind == OK:
+        if ok:
             _settle(task.future, result=outcome)
         else:
             _settle(task.future, exc=outcome)
+
+
+def _outcome(rec: bytes, kind: int, flags: int, shared_ok: bool) -> tuple[bool, Any]:
+    """(True, the result) or (False, the exception) that a done record carries."""
+    try:
+        body = _worker.body_of(rec, flags)
+        if kind == OK:
+            return True, _codec.decode(body, True, shared_ok)
+        exc, tb = pickle.loads(body)
+        exc.__cause__ = RemoteTraceback(tb)
+        return False, exc
+    except Exception as exc:
+        err = SerializationError(
+            f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
+        )
+        err.__cause__ = exc
+        return False, err
 
 
 def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
@@ -832,7 +934,7 @@ def _break(state: _State, error: BrokenPoolError, tasks: list[_Task] | None = No
             slot.process.kill()
 
 
-def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
+def _dispatch_pending(state: _State, pool_ref: Callable[[], WorkerPool | None]) -> None:
     """Hand waiting calls to workers with room (the state lock is held)."""
     pool = pool_ref()
     if pool is None or state.broken is not None:

@@ -27,6 +27,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,25 @@ SPILLED = 1
 
 #: Ring record size: a small call (a few scalars, small arrays) fits in one slot.
 RECORD_SIZE = 2048 - 4 - 60  # slot stride 2048 with the ring's length word
+
+
+#: How long an idle worker polls its ring before it sleeps. A sleeping process
+#: takes 10-50 us to wake, as much as a small call costs altogether; polling
+#: (yielding the CPU to anything runnable) for a moment after each call keeps a
+#: caller that submits call after call from paying that every time.
+SPIN_SECONDS = 200e-6
+
+
+def _spin_until(ready: Any, seconds: float) -> bool:
+    """Poll ``ready()`` for up to ``seconds``, yielding the CPU between polls."""
+    if ready():
+        return True
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        os.sched_yield()
+        if ready():
+            return True
+    return False
 
 
 @dataclass
@@ -132,6 +152,7 @@ class _Worker:
     def serve(self) -> None:
         tasks, watch = self.boot.tasks, [self.boot.lifeline]
         while True:
+            _spin_until(tasks.may_have_records, SPIN_SECONDS)
             try:
                 batch = tasks.pop_many(timeout=None, watch=watch)
             except shm.RingClosedError:  # the pool closed our ring, or died

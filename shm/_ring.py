@@ -284,6 +284,14 @@ class Ring:
         return True
 
     # ---------------------------------------------------------------- consumer
+    def may_have_records(self) -> bool:
+        """Whether a pop might find a record now: a cheap hint, no system call.
+
+        For spinning consumers: it reads the producer's ``head`` (racy, see
+        above), so it can say "no" a moment after a push; a pop is what counts.
+        """
+        return bool(self._item_credits) or _U64.unpack_from(self._buf, _HEAD)[0] != self._taken
+
     def try_pop(self) -> bytes | None:
         """Pop one record if one is waiting now; None otherwise."""
         if not self._acquire_items(0.0, ()):
@@ -354,10 +362,12 @@ class Ring:
         self._check_usable()
         if self._eof_seen:
             raise RingClosedError("the ring's producer closed it")
-        # ``head`` is only a hint (see above), but when it shows nothing new a
-        # blocking pop goes straight to sleep: poll() returns at once anyway if
-        # a credit did arrive, and the empty read (an exception) is saved.
-        quiet = timeout != 0 and _U64.unpack_from(self._buf, _HEAD)[0] == self._taken
+        # ``head`` is only a hint (see above), but when it shows nothing new
+        # there is nothing to take: the producer moves ``head`` before it rings,
+        # so a blocking pop goes straight to sleep (poll() returns at once if a
+        # credit did arrive) and a non-blocking one saves the empty read (an
+        # exception, as costly as a small record's whole pop).
+        quiet = _U64.unpack_from(self._buf, _HEAD)[0] == self._taken
         got = 0 if quiet else self._items.take()
         if not got:
             # About to sleep: give back every freed slot first, so that a

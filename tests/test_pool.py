@@ -249,6 +249,36 @@ def test_submit_scalars_lambdas_closures_kwargs() -> None:
         assert os.getpid() not in pool.pids
 
 
+def _sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_waiters_collecting_results_leave_nothing_undelivered() -> None:
+    # Quick calls are collected by the thread waiting in result(), which
+    # tells the manager to leave the done rings alone: calls nobody waits
+    # on (callbacks, wait(), as_completed), calls on other workers, and slow
+    # calls must still be delivered, during and after that.
+    with WorkerPool(2) as pool:
+        for i in range(200):  # result() collects these itself
+            assert pool.submit(_square, i).result(T) == i * i
+        assert pool._state.quiet
+        fired = threading.Event()
+        pool.submit(_square, 3).add_done_callback(lambda f: fired.set())
+        assert fired.wait(T)  # no waiter: the manager took over again
+        slow = pool.submit(_sleep, 0.05)  # longer than result()'s polling
+        assert slow.result(T) == 0.05
+        # A waiter on one call delivers the others' results as it goes.
+        futures = [pool.submit(_square, i) for i in range(40)]
+        assert futures[-1].result(T) == 39 * 39
+        _, not_done = wait_futures(futures, T)
+        assert not not_done
+        assert [f.result() for f in futures] == [i * i for i in range(40)]
+        assert pool.submit(_raise_value_error, 5).exception(T).args == ("bad value 5",)
+        stats = pool.stats()
+        assert (stats.completed, stats.failed, stats.pending) == (242, 1, 0)
+
+
 def test_map_ordered_unordered_and_prefetch() -> None:
     items = list(range(60))
     expected = [x * x for x in items]

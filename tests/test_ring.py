@@ -150,6 +150,24 @@ def test_fresh_ring(no_leaks: None) -> None:
     ring.close()  # idempotent
 
 
+def test_may_have_records_hint(no_leaks: None) -> None:
+    ring = shm.Ring(4, 8)
+    with _rings(ring):
+        assert not ring.may_have_records()
+        ring.push(b"a")
+        ring.push(b"b")
+        assert ring.may_have_records()
+        assert ring.try_pop() == b"a"
+        assert ring.may_have_records()  # one credit taken, not yet popped
+        assert ring.try_pop() == b"b"
+        assert not ring.may_have_records()
+        assert ring.try_pop() is None
+        ring.close_producer()
+        assert ring.may_have_records()  # the end marker is there to be seen
+        with pytest.raises(shm.RingClosedError):
+            ring.try_pop()
+
+
 # ------------------------------------------------------------ records
 
 
