@@ -15,8 +15,8 @@ module for the catalogue (:data:`CATALOGUE`) without importing any of them.
 
 Commands (a line each) and answers:
 
-augment    ``verify`` -> ``digests`` (one per batch); ``epoch`` -> ``seconds`` and
-           ``subs`` (a digest of a strided sample of each batch, checked by the parent)
+augment,   ``verify`` -> ``digests`` (one per batch); ``epoch`` -> ``seconds`` and
+jpeg       ``subs`` (a digest of a strided sample of each batch, checked by the parent)
 overhead   ``verify``; ``time`` with ``calls`` -> ``us`` (each call timed)
 transfer   ``verify`` with ``size``; ``time`` with ``size`` and ``calls`` -> ``ms``
 all        ``quit``; a failure answers ``{"ok": false, "error": traceback}``
@@ -98,6 +98,7 @@ TRANSFER = [
 
 CATALOGUE: dict[str, list[System]] = {
     "augment": AUGMENT,
+    "jpeg": AUGMENT,  # workload 2: the same systems, the same way
     "overhead": OVERHEAD,
     "transfer": TRANSFER,
 }
@@ -161,30 +162,32 @@ def _loky() -> Any:
 
 # ============================================================ shared pieces
 class IndexSource:
-    """A per-sample source (mpexec and DALI): ``(image, index)`` of sample ``idx_in_epoch``.
+    """A per-sample source (mpexec and DALI): ``(input, index)`` of sample ``idx_in_epoch``.
 
     Picklable and stateless, as parallel sources must be; the epoch ends at ``n``.
+    ``workload`` names a :data:`wl.PER_SAMPLE` entry (the image, or the JPEG's bytes).
     """
 
-    def __init__(self, n: int, whole: bool = False) -> None:
+    def __init__(self, n: int, whole: bool = False, workload: str = "augment") -> None:
         self.n = n
-        self.whole = whole  # return the finished sample, not (image, index)
+        self.whole = whole  # return the finished sample, not (input, index)
+        self.workload = workload
 
     def __call__(self, info: Any) -> Any:
         i = int(info.idx_in_epoch)
         if i >= self.n:
             raise StopIteration
-        if self.whole:
-            return wl.process_sample(i)
-        return wl.load_sample(i)
+        fns = wl.PER_SAMPLE[self.workload]
+        return fns.sample(i) if self.whole else fns.load(i)
 
 
 class IndexDataset:
     """A map-style data set of ``n`` samples (PyTorch's protocol, and Grain's)."""
 
-    def __init__(self, n: int, pair: bool = False) -> None:
+    def __init__(self, n: int, pair: bool = False, workload: str = "augment") -> None:
         self.n = n
-        self.pair = pair  # (image, index) instead of the finished sample
+        self.pair = pair  # (input, index) instead of the finished sample
+        self.workload = workload
 
     def __len__(self) -> int:
         return self.n
@@ -193,15 +196,18 @@ class IndexDataset:
         i = int(i)
         if not 0 <= i < self.n:
             raise IndexError(i)
-        if self.pair:
-            return wl.load_sample(i)
-        return wl.process_sample(i)
+        fns = wl.PER_SAMPLE[self.workload]
+        return fns.load(i) if self.pair else fns.sample(i)
 
 
-def grain_augment(element: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> Any:
-    """Grain's map step: the augmentation of an ``(image, index)`` element."""
-    image, index = element
-    return wl.augment(image, index)
+class PairTransform:
+    """Grain's map step: the workload's transform of an ``(input, index)`` element."""
+
+    def __init__(self, workload: str) -> None:
+        self.workload = workload
+
+    def __call__(self, element: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> Any:
+        return wl.PER_SAMPLE[self.workload].transform(*element)
 
 
 def collate(samples: Iterable[np.ndarray[Any, Any]], n: int) -> Iterator[np.ndarray[Any, Any]]:
@@ -223,16 +229,21 @@ def _start_method(ctx: Any) -> str:
         return "default"
 
 
-# ============================================================ workload 1: augment
+# ============================================================ workloads 1 and 2
 class Augment:
-    """A system that produces the epoch's batches, dense (64, 224, 224, 3) float32."""
+    """A system that produces the epoch's batches, dense (64, 224, 224, 3) float32.
+
+    ``workload`` (``augment`` or ``jpeg``) picks the functions, :data:`wl.PER_SAMPLE`.
+    """
 
     version: str = ""
     start_method: str = ""
 
-    def __init__(self, n: int, workers: int) -> None:
+    def __init__(self, n: int, workers: int, workload: str = "augment") -> None:
         self.n = n
         self.workers = workers
+        self.workload = workload
+        self.fns = wl.PER_SAMPLE[workload]
 
     def start(self) -> None:
         """Build the system and start its workers."""
@@ -254,7 +265,7 @@ class Serial(Augment):
 
     def epoch(self) -> Iterator[Any]:
         for b in wl.batches_of(self.n):
-            yield wl.process_batch(b)
+            yield wl.process_batch(b, self.workload)
 
 
 class Threads(Augment):
@@ -264,7 +275,7 @@ class Threads(Augment):
         self.pool = cf.ThreadPoolExecutor(self.workers)
 
     def epoch(self) -> Iterator[Any]:
-        return collate(self.pool.map(wl.process_sample, range(self.n), timeout=CALL_S), self.n)
+        return collate(self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S), self.n)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -277,7 +288,7 @@ class MpPool(Augment):
         self.pool = ctx.Pool(self.workers)
 
     def epoch(self) -> Iterator[Any]:
-        it = self.pool.imap(wl.process_sample, range(self.n))
+        it = self.pool.imap(self.fns.sample, range(self.n))
         return collate((it.next(CALL_S) for _ in range(self.n)), self.n)
 
     def close(self) -> None:
@@ -293,7 +304,7 @@ class Loky(Augment):
         self.pool = loky.get_reusable_executor(max_workers=self.workers, timeout=3600)
 
     def epoch(self) -> Iterator[Any]:
-        return collate(self.pool.map(wl.process_sample, range(self.n), timeout=CALL_S), self.n)
+        return collate(self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S), self.n)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, kill_workers=True)
@@ -309,7 +320,7 @@ class MpexecPool(Augment):
         self.pool.submit(wl.echo, 0).result(CALL_S)  # the workers are up
 
     def epoch(self) -> Iterator[Any]:
-        return collate(self.pool.map(wl.process_sample, range(self.n), timeout=CALL_S), self.n)
+        return collate(self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S), self.n)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -323,14 +334,15 @@ class MpexecPipeline(Augment):
         from mpexec import fn
 
         self.version = mpexec.__version__
-        source = IndexSource(self.n)
+        source = IndexSource(self.n, workload=self.workload)
+        transform = self.fns.transform
 
         @mpexec.pipeline_def(
             batch_size=wl.BATCH_SIZE, num_workers=self.workers, seed=1, prefetch_depth=2
         )
         def augment_pipeline() -> Any:
-            image, index = fn.external_source(source=source, batch=False, num_outputs=2)
-            return fn.python_function(image, index, function=wl.augment)
+            data, index = fn.external_source(source=source, batch=False, num_outputs=2)
+            return fn.python_function(data, index, function=transform)
 
         self.pipe = augment_pipeline()
         self.pipe.build()
@@ -366,7 +378,7 @@ class TorchLoader(Augment):
 
         self.version = torch.__version__
         self.loader = DataLoader(
-            IndexDataset(self.n),  # type: ignore[arg-type]
+            IndexDataset(self.n, workload=self.workload),  # type: ignore[arg-type]
             batch_size=wl.BATCH_SIZE,
             num_workers=self.workers,
             persistent_workers=True,
@@ -398,9 +410,10 @@ class TfData(Augment):
 
         self.version = tf.__version__
         shape = wl.OUTPUT_SHAPE
+        process = self.fns.sample
 
         def sample(i: Any) -> Any:
-            y = tf.numpy_function(wl.process_sample, [i], tf.float32, stateful=False)
+            y = tf.numpy_function(process, [i], tf.float32, stateful=False)
             return tf.ensure_shape(y, shape)
 
         self.dataset = (
@@ -460,11 +473,12 @@ class DaliPythonFunction(DaliBase):
     def start(self) -> None:
         import nvidia.dali.fn as dfn
 
-        source = IndexSource(self.n)
+        source = IndexSource(self.n, workload=self.workload)
+        transform = self.fns.transform
 
         def build() -> Any:
-            image, index = dfn.external_source(source=source, batch=False, num_outputs=2)
-            return dfn.python_function(image, index, function=wl.augment)
+            data, index = dfn.external_source(source=source, batch=False, num_outputs=2)
+            return dfn.python_function(data, index, function=transform)
 
         # python_function runs only with the synchronous executor.
         self._pipeline(build, num_threads=self.workers, exec_async=False, exec_pipelined=False)
@@ -476,7 +490,7 @@ class DaliParallelSource(DaliBase):
     def start(self) -> None:
         import nvidia.dali.fn as dfn
 
-        source = IndexSource(self.n, whole=True)
+        source = IndexSource(self.n, whole=True, workload=self.workload)
 
         def build() -> Any:
             return dfn.external_source(source=source, batch=False, parallel=True)
@@ -494,8 +508,8 @@ class Grain(Augment):
         self.version = installed_version("grain") or ""
         self.start_method = "grain"
         self.dataset = (
-            grain.MapDataset.source(IndexDataset(self.n, pair=True))
-            .map(grain_augment)
+            grain.MapDataset.source(IndexDataset(self.n, pair=True, workload=self.workload))
+            .map(PairTransform(self.workload))
             .batch(wl.BATCH_SIZE)
             .to_iter_dataset()
             .mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
@@ -526,8 +540,11 @@ def subsample(a: np.ndarray[Any, Any]) -> str:
 
 
 class AugmentServer:
+    """Workloads 1 and 2: epochs of batches, from the workload's per-sample functions."""
+
     def __init__(self, spec: dict[str, Any]) -> None:
-        self.system = AUGMENT_CLASSES[spec["system"]](spec["n"], spec["workers"])
+        system = AUGMENT_CLASSES[spec["system"]]
+        self.system = system(spec["n"], spec["workers"], spec["workload"])
 
     def start(self) -> dict[str, Any]:
         self.system.start()
@@ -819,6 +836,7 @@ class TransferServer:
 
 SERVERS: dict[str, Any] = {
     "augment": AugmentServer,
+    "jpeg": AugmentServer,
     "overhead": OverheadServer,
     "transfer": TransferServer,
 }

@@ -19,13 +19,36 @@ Workload 1 (augmentation), per sample ``i``:
 ``process_sample(i)``
     ``augment(load_image(i), i)``: what a map-style worker runs.
 
+Workload 2 (JPEG decoding and augmentation), per sample ``i``:
+
+``load_jpeg(i)``
+    The encoded bytes of JPEG ``i % 9`` (a 1-D uint8 array), and the index: what a
+    reader hands over. The nine JPEGs are made in each process, once, from a real
+    photograph that ships with matplotlib (``sample_data/grace_hopper.jpg``, found
+    without importing matplotlib): three 512x512 windows of it, each resized (Lanczos)
+    to 256, 384 and 512 px squares and encoded by Pillow at quality 90.
+``decode_augment(encoded, i)``
+    Pillow's decoding to 256x256x3 uint8 (resized bilinearly where larger), then
+    ``augment``. Returns 224x224x3 float32.
+``jpeg_sample(i)``
+    ``decode_augment(*load_jpeg(i))``: what a map-style worker runs.
+
+Workloads 1 and 2 are :data:`PER_SAMPLE` entries, and every system of them is
+built from one: its ``load`` (a source's or data set's sample), ``transform``
+(the op run on that) and ``sample`` (both, for map-style systems).
+
 Workload 3 (per-call overhead): ``echo``. Workload 4 (transfer): ``add_one``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Iterable
+import importlib.util
+import io
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,9 +144,122 @@ def load_sample(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]
     return load_image(index), np.array([index], dtype=np.int64)
 
 
-def process_batch(indices: Iterable[int]) -> np.ndarray[Any, Any]:
-    """A whole batch, stacked: (n, 224, 224, 3) float32."""
-    return np.stack([process_sample(i) for i in indices])
+# ---------------------------------------------------------------- workload 2
+JPEG_SOURCE = "grace_hopper.jpg"  # matplotlib's sample photograph, 512x600 RGB
+JPEG_SIZES = (256, 384, 512)  # the encoded squares' sides, in pixels
+JPEG_WINDOWS = 3  # 512x512 windows of the photograph, top to bottom
+JPEG_QUALITY = 90
+
+
+def jpeg_source() -> Path | None:
+    """Where matplotlib's sample photograph is, if it is installed (matplotlib not imported)."""
+    spec = importlib.util.find_spec("matplotlib")
+    for folder in (spec and spec.submodule_search_locations) or ():
+        path = Path(folder, "mpl-data", "sample_data", JPEG_SOURCE)
+        if path.is_file():
+            return path
+    return None
+
+
+def jpeg_unavailable() -> str | None:
+    """None if workload 2 can run here, else why not (a skip reason)."""
+    if importlib.util.find_spec("PIL") is None:
+        return "skipped (Pillow not installed: it decodes the JPEGs)"
+    if jpeg_source() is None:
+        return f"skipped (no matplotlib with sample_data/{JPEG_SOURCE}: the JPEGs are made of it)"
+    return None
+
+
+@functools.cache
+def jpeg_files() -> tuple[bytes, ...]:
+    """The encoded JPEGs of workload 2, made once per process; the same in every process."""
+    from PIL import Image
+
+    path = jpeg_source()
+    if path is None:
+        raise RuntimeError(jpeg_unavailable())
+    with Image.open(path) as f:
+        photo = f.convert("RGB")
+    width, height = photo.size
+    side = min(width, height)
+    tops = np.linspace(0, height - side, JPEG_WINDOWS).round().astype(int)
+    lefts = np.linspace(0, width - side, JPEG_WINDOWS).round().astype(int)
+    files = []
+    for size in JPEG_SIZES:
+        for top, left in zip(tops, lefts, strict=True):
+            window = photo.crop((int(left), int(top), int(left) + side, int(top) + side))
+            if size != side:
+                window = window.resize((size, size), Image.Resampling.LANCZOS)
+            out = io.BytesIO()
+            window.save(out, format="JPEG", quality=JPEG_QUALITY)
+            files.append(out.getvalue())
+    return tuple(files)
+
+
+def jpeg_dataset() -> dict[str, Any]:
+    """What workload 2's data set is made of (for the report)."""
+    from PIL import features
+
+    files = jpeg_files()
+    return {
+        "source": f"matplotlib sample_data/{JPEG_SOURCE}",
+        "files": len(files),
+        "sizes": list(JPEG_SIZES),
+        "quality": JPEG_QUALITY,
+        "mean_bytes": int(np.mean([len(f) for f in files])),
+        "pillow": features.version("pil"),
+        "libjpeg_turbo": features.version("libjpeg_turbo"),
+    }
+
+
+def load_jpeg(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``(encoded bytes as 1-D uint8, index)``: sample ``index`` of workload 2, as read."""
+    files = jpeg_files()
+    encoded = np.frombuffer(files[int(index) % len(files)], dtype=np.uint8)
+    return encoded, np.array([index], dtype=np.int64)
+
+
+def decode(encoded: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A JPEG's bytes decoded by Pillow to 256x256x3 uint8 (bilinear downsizing if larger)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(np.asarray(encoded, dtype=np.uint8).tobytes())) as f:
+        image = f.convert("RGB")
+    if image.size != (IMAGE_SIZE, IMAGE_SIZE):
+        image = image.resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+    return np.asarray(image)
+
+
+def decode_augment(encoded: np.ndarray[Any, Any], index: Any) -> np.ndarray[Any, Any]:
+    """Workload 2's op: decode, then workload 1's ``augment``."""
+    return augment(decode(encoded), index)
+
+
+def jpeg_sample(index: int) -> np.ndarray[Any, Any]:
+    """One sample of workload 2, from its index: what a map-style worker runs."""
+    return decode_augment(*load_jpeg(index))
+
+
+# ---------------------------------------------------------------- workloads 1 and 2
+@dataclass(frozen=True)
+class PerSample:
+    """A per-sample workload: the module-level functions its systems call."""
+
+    load: Callable[[int], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]  # (input, index)
+    transform: Callable[[np.ndarray[Any, Any], Any], np.ndarray[Any, Any]]  # -> 224x224x3
+    sample: Callable[[int], np.ndarray[Any, Any]]  # transform(*load(i))
+
+
+PER_SAMPLE: dict[str, PerSample] = {
+    "augment": PerSample(load_sample, augment, process_sample),
+    "jpeg": PerSample(load_jpeg, decode_augment, jpeg_sample),
+}
+
+
+def process_batch(indices: Iterable[int], workload: str = "augment") -> np.ndarray[Any, Any]:
+    """A whole batch of a per-sample workload, stacked: (n, 224, 224, 3) float32."""
+    sample = PER_SAMPLE[workload].sample
+    return np.stack([sample(i) for i in indices])
 
 
 def batches_of(n: int, batch_size: int = BATCH_SIZE) -> list[range]:

@@ -10,7 +10,15 @@ system; each system is driven in its own idiom by ``benchmarks/_peers.py``):
    ``tf.numpy_function``, DALI's ``fn.python_function`` and its parallel
    ``external_source``, Grain, ``multiprocessing.Pool.imap``, loky, threads
    and serially. Throughput in images/s, and peak memory.
-2. JPEG decoding: not implemented yet (the report says so).
+2. jpeg: workload 1 on real JPEGs. Nine files, made in each process from a
+   photograph that ships with matplotlib (``sample_data/grace_hopper.jpg``:
+   three 512x512 windows, each at 256, 384 and 512 px, Pillow at quality 90);
+   sample i is the encoded bytes of file i % 9, which every system's op
+   decodes with Pillow (to 256x256x3 uint8) and augments as in workload 1.
+   Each system runs it as it runs workload 1, with the bytes where the image
+   was (DALI too: its own ``fn.decoders.image`` would give other pixels than
+   Pillow's, and the values must be the same in every system). Skipped, with
+   the reason, where Pillow or matplotlib is missing.
 3. overhead: the round trip of a trivial call on 16 float64.
 4. transfer: ``x + 1`` of one float32 array, 1 KiB to 256 MiB (16 MiB with
    ``--quick``), answered with an array of the same size.
@@ -54,7 +62,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -97,7 +105,9 @@ class Config:
     transfer_rounds: int
     transfer_budget_s: float  # per system, size and round
     scaling_rounds: int
-    workloads: tuple[str, ...] = ("augment", "overhead", "transfer", "scaling")
+    jpeg_images: int  # at least a batch per worker: DataLoader and Grain hand out batches
+    jpeg_rounds: int
+    workloads: tuple[str, ...] = ("augment", "jpeg", "overhead", "transfer", "scaling")
     systems: tuple[str, ...] = ()  # only these (keys), if any
 
     def calls_for(self, size: int) -> int:
@@ -119,6 +129,8 @@ FULL = Config(
     transfer_rounds=5,
     transfer_budget_s=10.0,
     scaling_rounds=3,
+    jpeg_images=256,
+    jpeg_rounds=2,  # workload 2 adds about 4 minutes on 2 CPUs
 )
 QUICK = Config(
     quick=True,
@@ -131,7 +143,14 @@ QUICK = Config(
     transfer_rounds=3,
     transfer_budget_s=4.0,
     scaling_rounds=2,
+    jpeg_images=128,
+    jpeg_rounds=2,
 )
+
+
+def jpeg_config(cfg: Config) -> Config:
+    """Workload 2's settings in workload 1's terms: its images, and its timed epochs."""
+    return replace(cfg, images=cfg.jpeg_images, aug_rounds=cfg.jpeg_rounds)
 
 
 def epoch_timeout(cfg: Config) -> float:
@@ -464,16 +483,19 @@ def ask(children: dict[str, Child], e: Entry, timeout: float, **msg: Any) -> dic
 
 
 # ============================================================ workload 1
-def reference(cfg: Config) -> dict[str, Any]:
+def reference(cfg: Config, workload: str = "augment") -> dict[str, Any]:
     """The serial result: a digest of each batch, and of its strided sample."""
     t0 = time.perf_counter()
     full, subs = [], []
     for b in wl.batches_of(cfg.images):
-        batch = wl.process_batch(b)
+        batch = wl.process_batch(b, workload)
         full.append(wl.digest(batch))
         subs.append(wl.digest(batch.reshape(-1)[:: _peers.SUB_STRIDE]))
     seconds = time.perf_counter() - t0
-    log(f"[{NAME}] reference: {cfg.images} images, {1e3 * seconds / cfg.images:.1f} ms an image")
+    log(
+        f"[{NAME}] {workload} reference: {cfg.images} images, "
+        f"{1e3 * seconds / cfg.images:.1f} ms an image"
+    )
     return {"digests": full, "subs": subs, "ms_per_image": 1e3 * seconds / cfg.images}
 
 
@@ -483,8 +505,10 @@ def bench_augment(
     workers: int,
     problems: list[str],
     keys: list[str] | None = None,
+    workload: str = "augment",
 ) -> list[Entry]:
-    entries = entries_for("augment", cfg)
+    """Workload 1, or 2 (``workload="jpeg"``, ``cfg`` from :func:`jpeg_config`)."""
+    entries = entries_for(workload, cfg)
     if keys is not None:
         entries = [e for e in entries if e.key in keys]
     timeout = epoch_timeout(cfg)
@@ -503,9 +527,9 @@ def bench_augment(
             )
 
     if keys is None:  # the main run: verified alone first, with memory
-        verify_alone("augment", entries, workers, cfg, check, problems)
+        verify_alone(workload, entries, workers, cfg, check, problems)
     deadline = (len(entries) + 1) * (START_S + (cfg.aug_rounds + 2) * timeout)
-    with started("augment", entries, workers, cfg, deadline, problems) as children:
+    with started(workload, entries, workers, cfg, deadline, problems) as children:
         for e in live(entries):  # a warm-up epoch, checked in full
             reply = ask(children, e, timeout, cmd="verify")
             if reply is not None and reply["digests"] != ref["digests"]:
@@ -519,10 +543,24 @@ def bench_augment(
                     e.fail(f"output differs from the serial result (timed epoch {r + 1})")
                     continue
                 e.samples.append(cfg.images / reply["seconds"])
-            log(f"[{NAME}] augment ({workers} workers): round {r + 1}/{cfg.aug_rounds}")
+            log(f"[{NAME}] {workload} ({workers} workers): round {r + 1}/{cfg.aug_rounds}")
     for e in live(entries):
         e.status = "ok" if e.samples else e.status
     return entries
+
+
+# ============================================================ workload 2
+def bench_jpeg(cfg: Config, problems: list[str]) -> dict[str, Any]:
+    """Workload 1's measurement over JPEGs decoded by Pillow, or why it was skipped."""
+    why = wl.jpeg_unavailable()
+    if why:
+        log(f"[{NAME}] jpeg: {why}")
+        return {"skipped": why}
+    jcfg = jpeg_config(cfg)
+    dataset = wl.jpeg_dataset()
+    ref = reference(jcfg, "jpeg")
+    entries = bench_augment(jcfg, ref, WORKERS, problems, workload="jpeg")
+    return {**summarize_augment(entries), "dataset": dataset, "reference": ref}
 
 
 # ============================================================ workload 3
@@ -913,6 +951,11 @@ How each system runs (`benchmarks/_peers.py`; the functions are `benchmarks/_wor
 - `multiprocessing.Pool(w).imap`, loky's reusable executor `map`, `ThreadPoolExecutor(w)
   .map` over `process_sample`: the batches are stacked in the main process. Start
   methods are each library's default.
+- Workload 2: each system as in workload 1, with a JPEG's bytes (1-D uint8) where the
+  image was: sources and data sets give (bytes, index) and the op is `decode_augment`
+  (Pillow, then `augment`); map-style systems run `jpeg_sample`. DALI too: its own
+  `fn.decoders.image` decodes and resizes otherwise than Pillow, and every system's
+  values must equal the serial ones.
 - Workload 4: DALI runs `x + 1` in the main process (`feed_input`, `python_function`): no
   process boundary. Grain has no call-with-an-array API: each call iterates a one-element
   data set through one worker, whose start it includes.
@@ -948,7 +991,8 @@ def _status_row(r: dict[str, Any], width: int) -> list[str]:
     return [r["label"], text[:160]] + [""] * (width - 2)
 
 
-def augment_md(aug: dict[str, Any], cfg: Config) -> str:
+def throughput_md(aug: dict[str, Any], cfg: Config, heading: str, what: str) -> str:
+    """The table of workload 1 or 2: images/s, ratios, and memory."""
     rows = []
     headers = [
         "system",
@@ -986,8 +1030,7 @@ def augment_md(aug: dict[str, Any], cfg: Config) -> str:
     serial = aug["by_system"].get("serial", {}).get("images_per_s", {}).get("median")
     per_image = f"{1e3 / serial:.1f} ms an image serially" if serial else "serial not measured"
     return (
-        f"### 1. Augmentation ({cfg.images} images of 256x256x3 uint8 -> 224x224x3 float32, "
-        f"batches of {wl.BATCH_SIZE}, {WORKERS} workers)\n\n"
+        f"### {heading} ({what}, batches of {wl.BATCH_SIZE}, {WORKERS} workers)\n\n"
         f"{per_image.capitalize()}. "
         f"Every system's batches were compared with the serial ones before timing (all "
         f"equal, or the system is marked failed); {cfg.aug_rounds} interleaved epochs each. "
@@ -995,6 +1038,27 @@ def augment_md(aug: dict[str, Any], cfg: Config) -> str:
         "Peak PSS: all processes of the system, sampled while it verified alone.\n\n"
         + md_table(headers, rows)
     )
+
+
+def augment_md(aug: dict[str, Any], cfg: Config) -> str:
+    what = f"{cfg.images} images of 256x256x3 uint8 -> 224x224x3 float32"
+    return throughput_md(aug, cfg, "1. Augmentation", what)
+
+
+def jpeg_md(jp: dict[str, Any], cfg: Config) -> str:
+    heading = "2. JPEG decoding and augmentation"
+    if "skipped" in jp:
+        why = jp["skipped"]
+        return f"### {heading}\n\n{why[:1].upper()}{why[1:]}."
+    d = jp["dataset"]
+    what = (
+        f"{cfg.images} samples of {d['files']} JPEGs made of {d['source']}: "
+        f"{'/'.join(map(str, d['sizes']))} px squares at quality {d['quality']}, "
+        f"{d['mean_bytes'] / KiB:.0f} KiB on average; Pillow {d['pillow']}"
+        + (f" (libjpeg-turbo {d['libjpeg_turbo']})" if d["libjpeg_turbo"] else "")
+        + " decodes to 256x256x3 uint8, workload 1 augments -> 224x224x3 float32"
+    )
+    return throughput_md(jp, cfg, heading, what)
 
 
 def overhead_md(ov: dict[str, Any], cfg: Config) -> str:
@@ -1103,10 +1167,8 @@ def report(res: dict[str, Any], cfg: Config) -> str:
         )
     if res.get("augment"):
         parts.append(augment_md(res["augment"], cfg))
-    parts.append(
-        "### 2. JPEG decoding and augmentation\n\n"
-        "TODO: workload 2 not implemented (JPEG decode + augment, per system)."
-    )
+    if res.get("jpeg"):
+        parts.append(jpeg_md(res["jpeg"], jpeg_config(cfg)))
     if res.get("overhead"):
         parts.append(overhead_md(res["overhead"], cfg))
     if res.get("transfer"):
@@ -1152,8 +1214,11 @@ def plots(res: dict[str, Any], out_dir: Path, suffix: str) -> tuple[list[str], s
         return [], f"skipped (matplotlib not installed: {type(exc).__name__}: {exc})"
     names: list[str] = []
     aug = res.get("augment")
-    if aug:
-        ok = [r for r in aug["by_system"].values() if "images_per_s" in r]
+    for key, title, name in (
+        ("augment", "Workload 1: augmentation", "peers-throughput"),
+        ("jpeg", "Workload 2: JPEG decoding and augmentation", "peers-jpeg"),
+    ):
+        ok = [r for r in res.get(key, {}).get("by_system", {}).values() if "images_per_s" in r]
         ok.sort(key=lambda r: r["images_per_s"]["median"])
         if ok:
             fig, ax = plt.subplots(figsize=(8, 0.45 * len(ok) + 1.5))
@@ -1162,15 +1227,15 @@ def plots(res: dict[str, Any], out_dir: Path, suffix: str) -> tuple[list[str], s
             hi = [r["images_per_s"]["max"] - m for m, r in zip(med, ok, strict=True)]
             colors = ["tab:orange" if r["mpexec"] else "tab:blue" for r in ok]
             ax.barh([r["label"] for r in ok], med, xerr=[lo, hi], color=colors)
-            serial = aug["by_system"].get("serial", {}).get("images_per_s", {}).get("median")
+            serial = res[key]["by_system"].get("serial", {}).get("images_per_s", {}).get("median")
             if serial:
                 ax.axvline(serial, color="gray", linestyle=":", label="serial")
                 ax.axvline(serial * WORKERS, color="gray", linestyle="--", label="serial x workers")
                 ax.legend(fontsize=8, loc="lower right")
             ax.set_xlabel("images/s (median, min-max)")
-            ax.set_title(f"Workload 1: augmentation, {WORKERS} workers")
+            ax.set_title(f"{title}, {WORKERS} workers")
             fig.tight_layout()
-            names.append(_save(fig, out_dir, f"peers-throughput{suffix}.png"))
+            names.append(_save(fig, out_dir, f"{name}{suffix}.png"))
             plt.close(fig)
     tr = res.get("transfer")
     if tr:
@@ -1246,7 +1311,6 @@ def run(
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": env,
         "config": asdict(cfg),
-        "workload_2": "TODO: workload 2 not implemented",
     }
     augment: list[Entry] = []
     ref = None
@@ -1257,6 +1321,9 @@ def run(
         with section("augment", errors, load):
             augment = bench_augment(cfg, ref or {}, WORKERS, problems)
             res["augment"] = summarize_augment(augment)
+    if "jpeg" in cfg.workloads:
+        with section("jpeg", errors, load):
+            res["jpeg"] = bench_jpeg(cfg, problems)
     if "overhead" in cfg.workloads:
         with section("overhead", errors, load):
             res["overhead"] = summarize_overhead(bench_overhead(cfg, problems))
