@@ -71,6 +71,8 @@ _PARAMS = (
     "last_batch",
 )
 _FORMAT = 1  # of serialize()
+_CHUNK_SECONDS = 0.05  # what a chunk of a slow op should take (see _chunk_count)
+_MAX_CHUNKS_PER_WORKER = 4
 
 
 @dataclass(frozen=True)
@@ -722,7 +724,7 @@ class Pipeline:
         if op.batch_processing or op.stateful or self.num_workers <= 1:
             bounds = [(0, size)]
         else:
-            k = max(1, min(size, self.num_workers))
+            k = self._chunk_count(s, size)
             edges = [size * j // k for j in range(k + 1)]
             bounds = [(edges[j], edges[j + 1]) for j in range(k)]
         it.parts[s.pos] = [None] * len(bounds)
@@ -737,6 +739,24 @@ class Pipeline:
                 self._fail(it, _annotate(exc, op, it, None))
                 return
             future.add_done_callback(functools.partial(self._on_chunk, it, s, ci, t0))
+
+    def _chunk_count(self, s: _OpState, size: int) -> int:
+        """One chunk per worker, or a few each where samples are slow.
+
+        The workers finish an iteration together only if its chunks take them
+        equally long; a worker slowed down (by the consumer, by other load)
+        leaves the others idle at the end of each epoch, for up to a chunk.
+        Smaller chunks shorten that tail, and cost a round trip each (under a
+        millisecond), so an op is cut into chunks of about ``_CHUNK_SECONDS``,
+        judged by what its calls took so far.
+        """
+        workers = self.num_workers
+        samples = s.members[-1].samples
+        if not samples:
+            return max(1, min(size, workers))
+        per_sample = sum(m.function_s for m in s.members) / samples
+        per_worker = round(size * per_sample / workers / _CHUNK_SECONDS)
+        return max(1, min(size, workers * max(1, min(_MAX_CHUNKS_PER_WORKER, per_worker))))
 
     def _on_chunk(
         self, it: _Iteration, s: _OpState, ci: int, t0: float, future: Future[Any]

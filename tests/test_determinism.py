@@ -168,6 +168,27 @@ def test_bit_identical_across_workers_prefetch_and_start_method(
     assert_identical(got, reference, what)
 
 
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_bit_identical_whatever_the_chunking(
+    reference: Run, num_workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow ops are cut into several chunks per worker: outputs stay the same."""
+    from mpexec import _pipeline
+
+    monkeypatch.setattr(_pipeline, "_CHUNK_SECONDS", 1e-9)  # every op "slow": most chunks
+    counts: list[int] = []
+    chunk_count = _pipeline.Pipeline._chunk_count
+
+    def spy(self: mpexec.Pipeline, s: Any, size: int) -> int:
+        counts.append(chunk_count(self, s, size))
+        return counts[-1]
+
+    monkeypatch.setattr(_pipeline.Pipeline, "_chunk_count", spy)
+    got = run_two_epochs(make(num_workers, 2))
+    assert_identical(got, reference, f"num_workers={num_workers}, 4 chunks per worker")
+    assert max(counts) == min(BATCH, 4 * num_workers)
+
+
 def test_same_seed_same_outputs_other_seed_other_outputs(reference: Run) -> None:
     assert_identical(run_two_epochs(make(2, 2)), reference, "a second run, same seed")
     other = run_two_epochs(make(2, 2, seed=SEED + 1))
