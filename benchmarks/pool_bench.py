@@ -15,7 +15,10 @@ array
     ``x * 2`` of a 64 MiB float32 array, answered with an array of the same
     size, one call at a time: (a) from a plain ndarray, for every system;
     (b) mpexec with the input already in the pool's shared memory
-    (``pool.put``); (c) ``x * 2`` inline in the main process. Each system's
+    (``pool.put``); (c) ``x * 2`` inline in the main process; (d) mpexec with
+    the input put and the output in the pool's memory too: the function
+    writes it there (``np.multiply(x, 2, out=out)``, ``out`` passed as
+    ``mpexec.writable``), so no copy is made either way. Each system's
     answer is checked in full before timing (every element, and the sum), and
     a few elements of every timed answer; each answer is dropped before the
     next call.
@@ -160,6 +163,10 @@ def echo(x: Any) -> Any:
 
 def double(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return x * 2
+
+
+def double_into(x: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return np.multiply(x, 2, out=out)
 
 
 def augment(image: np.ndarray[Any, Any], seed: int) -> np.ndarray[Any, Any]:
@@ -659,7 +666,8 @@ def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
                 raise RuntimeError(f"{what}: wrong result (sum {got}, want {want_sum})")
 
     with running(systems, cfg.deadline_s, "array", problems):
-        held = {"shared": mpexec_sys.pool.put(x)}  # dropped at the end of the section
+        # dropped at the end of the section
+        held = {"shared": mpexec_sys.pool.put(x), "out": mpexec_sys.pool.empty(n, np.float32)}
         try:
             # (key, label, one call, samples per round)
             cases: list[tuple[str, str, Callable[[], Any], int]] = [
@@ -681,6 +689,14 @@ def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
                     lambda: double(x),
                     cfg.array_fast_per_round,
                 ),
+                (
+                    "mpexec_d",
+                    "mpexec (d) input put, output written in pool memory (writable)",
+                    lambda: mpexec_sys.call(
+                        double_into, held["shared"], mpexec.writable(held["out"])
+                    ),
+                    cfg.array_fast_per_round,
+                ),
             ]
             cases.extend(
                 (f"{s.key}_a", f"{s.label} (a)", _caller(s, x), cfg.array_slow_per_round)
@@ -689,6 +705,7 @@ def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
             samples: dict[str, list[float]] = {key: [] for key, *_ in cases}
             # Verify every case in full, which warms it up too.
             for key, label, once, _ in cases:
+                held["out"][:] = 0  # (d) must write every element
                 r = once()
                 check(r, label, full=True)
                 del r
@@ -731,6 +748,7 @@ def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
     results["ratios"] = {
         "ppe_a_over_mpexec_a": med["ppe_a"] / med["mpexec_a"],
         "mpexec_b_over_inline": med["mpexec_b"] / med["inline"],
+        "mpexec_d_over_inline": med["mpexec_d"] / med["inline"],
         "mpexec_a_over_inline": med["mpexec_a"] / med["inline"],
     }
     results["rounds"] = cfg.array_rounds
@@ -765,6 +783,7 @@ def array_table(res: dict[str, Any], skipped: list[str]) -> str:
     foot = (
         f"\n\nProcessPoolExecutor (a) / mpexec (a) = {r['ppe_a_over_mpexec_a']:.1f}x; "
         f"mpexec (b) / inline (c) = {r['mpexec_b_over_inline']:.2f}x; "
+        f"mpexec (d) / inline (c) = {r['mpexec_d_over_inline']:.2f}x; "
         f"mpexec (a) / inline (c) = {r['mpexec_a_over_inline']:.2f}x\n"
         f"mpexec pool: {ms['bytes_shared'] / MiB:.0f} MiB passed through shared memory, "
         f"{ms['bytes_copied'] / MiB:.0f} MiB of it copied in (inputs not in the pool's arena)\n"
@@ -928,6 +947,14 @@ def evaluate(
             "<=",
             TARGET_SHARED_VS_INLINE,
             "x",
+        )
+        add(
+            f"array {ar['array']}: mpexec (d) put, writable out / inline (c)",
+            ar["ratios"]["mpexec_d_over_inline"],
+            "<=",
+            TARGET_SHARED_VS_INLINE,
+            "x",
+            "(b) with the output written into pool memory by the function",
         )
     if au is not None:
         add(

@@ -16,6 +16,7 @@ see what this machine offers.
 
 from . import contrib, fn
 from ._batch import Batch
+from ._codec import writable
 from ._errors import (
     BrokenPoolError,
     InputMutatedError,
@@ -63,4 +64,5 @@ __all__ = [
     "py_function",
     "sample_info",
     "set_default_pool",
+    "writable",
 ]

@@ -32,14 +32,52 @@ from ._errors import SerializationError
 #: Arrays up to this size travel inside the record rather than through the arena.
 INLINE_MAX = 16 << 10
 
-_SHARED, _INLINE = 0, 1
+_SHARED, _INLINE, _WRITABLE = 0, 1, 2
+
+
+class Writable:
+    """An argument the function may write to: see :func:`mpexec.writable`."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.array = array
+
+    def __repr__(self) -> str:
+        return f"mpexec.writable(<{self.array.dtype} array {self.array.shape}>)"
+
+
+def writable(array: np.ndarray[Any, Any]) -> Writable:
+    """Pass ``array`` to a worker's function writable: its writes land in ``array``.
+
+    Arguments reach functions read-only; this one is a writable view of the same
+    memory instead, so a function can fill an output buffer the caller owns
+    (``np.multiply(x, 2, out=out)``) and nothing is copied back. ``array`` must
+    live in the pool's shared memory (``pool.empty()``, ``pool.put()``), and the
+    caller must leave it alone until the call is done. Inline (``num_workers=0``)
+    the function gets ``array`` itself.
+    """
+    if type(array) is not np.ndarray:
+        raise TypeError(f"writable() takes a numpy.ndarray, not {type(array).__name__}")
+    if not array.flags.writeable:
+        raise ValueError("writable() got a read-only array")
+    if array.dtype.hasobject:
+        raise TypeError("writable() cannot share an array of Python objects")
+    return Writable(array)
 
 
 class _Refs:
     """What one encoding shared, so that a failed encoding can give it back."""
 
-    def __init__(self, arena: shm.Arena | None, peer: shm.Ring | None, inline_max: int) -> None:
+    def __init__(
+        self,
+        arena: shm.Arena | None,
+        peer: shm.Ring | None,
+        inline_max: int,
+        owner: shm.Arena | None = None,
+    ) -> None:
         self.arena = arena
+        self.owner = owner or arena  # where writable() arrays must live
         self.peer = peer
         self.inline_max = inline_max
         self.shared: list[shm.ArrayDescriptor] = []
@@ -47,6 +85,8 @@ class _Refs:
         self.bytes_copied = 0
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is Writable:
+            return self._writable(obj.array)
         if type(obj) is not np.ndarray or obj.dtype.hasobject:
             return None
         arena = self.arena
@@ -65,6 +105,20 @@ class _Refs:
         dt = obj.dtype
         code = dt.str if dt.fields is None and dt.subdtype is None and dt.str[1] != "V" else dt
         return (_INLINE, code, obj.shape, data)
+
+    def _writable(self, array: np.ndarray[Any, Any]) -> Any:
+        if self.owner is not None and not self.owner.owns(array):
+            raise SerializationError(
+                "writable() needs an array in the pool's shared memory (from pool.empty() "
+                "or pool.put()): a worker cannot write to this process's private memory"
+            )
+        arena = self.arena
+        if arena is None:
+            return (_WRITABLE, b"")  # checking only
+        desc = arena.share(array, peer=self.peer)
+        self.shared.append(desc)
+        self.bytes_shared += array.nbytes
+        return (_WRITABLE, desc.pack())
 
     def undo(self) -> None:
         if self.arena is not None:
@@ -98,6 +152,8 @@ class _Unpickler(pickle.Unpickler):
         self._shared_ok = shared_ok
 
     def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == _WRITABLE:
+            return shm.open_array(shm.ArrayDescriptor.unpack(pid[1]), writable=True)
         if pid[0] == _SHARED:
             desc = shm.ArrayDescriptor.unpack(pid[1])
             arr = shm.open_array(desc, writable=self._writable)
@@ -129,9 +185,14 @@ def encode_call(
     arena: shm.Arena | None,
     peer: shm.Ring | None = None,
     inline_max: int = INLINE_MAX,
+    owner: shm.Arena | None = None,
 ) -> Encoded:
-    """Encode a call's arguments; a failure names ``args[i]`` or ``kwargs['k']``."""
-    return encode((args, kwargs), arena, peer, "the arguments", inline_max, _call_parts)
+    """Encode a call's arguments; a failure names ``args[i]`` or ``kwargs['k']``.
+
+    ``owner``: the arena ``writable()`` arrays must be in, when ``arena`` is
+    None (checking that a call can be encoded, without sharing anything).
+    """
+    return encode((args, kwargs), arena, peer, "the arguments", inline_max, _call_parts, owner)
 
 
 def _call_parts(value: tuple[tuple[Any, ...], dict[str, Any]]) -> list[tuple[Any, str]]:
@@ -147,16 +208,20 @@ def encode(
     what: str = "value",
     inline_max: int = INLINE_MAX,
     parts: Callable[[Any], list[tuple[Any, str]]] | None = None,
+    owner: shm.Arena | None = None,
 ) -> Encoded:
     """Pickle ``value`` with its arrays by reference; SerializationError if it cannot.
 
     ``parts(value)``: the pieces of ``value`` and their names, where a failure
     is looked for first (default: ``value`` itself, named ``what``).
     """
-    refs = _Refs(arena, peer, inline_max)
+    refs = _Refs(arena, peer, inline_max, owner)
     buf = io.BytesIO()
     try:
         _Pickler(buf, refs).dump(value)
+    except SerializationError:  # ours, naming the problem already
+        refs.undo()
+        raise
     except Exception:
         refs.undo()
         buf = io.BytesIO()

@@ -434,7 +434,7 @@ class WorkerPool(Executor):
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
                 # encode when a worker frees up.
-                _check_picklable(fn, args, kwargs)
+                _check_picklable(fn, args, kwargs, self._arena)
                 state.pending.append(task)
                 if slot is not None:
                     _dispatch_pending(state, weakref.ref(self))
@@ -621,13 +621,18 @@ class _Unhashable:
         self.fn = fn
 
 
-def _check_picklable(fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+def _check_picklable(
+    fn: Callable[..., Any], args: Any, kwargs: Any, arena: shm.Arena | None
+) -> None:
     _codec.dump_value(fn)
-    _codec.encode_call(args, kwargs, None, None, inline_max=-1)  # arrays are not copied
+    # Arrays are not copied: nothing is shared, only checked.
+    _codec.encode_call(args, kwargs, None, None, inline_max=-1, owner=arena)
 
 
 def _readonly(value: Any) -> Any:
     """Arrays in ``value`` as read-only views, as a worker would see them."""
+    if type(value) is _codec.Writable:
+        return value.array
     if isinstance(value, np.ndarray):
         view = value.view()
         view.flags.writeable = False

@@ -496,6 +496,58 @@ def test_nested_containers_of_arrays() -> None:
     assert pair[1][0].flags.writeable
 
 
+def _times_into(x: np.ndarray[Any, Any], k: float, out: np.ndarray[Any, Any]) -> Any:
+    assert not x.flags.writeable
+    assert out.flags.writeable
+    return np.multiply(x, k, out=out)
+
+
+def _fill_all(outs: dict[str, np.ndarray[Any, Any]], value: int) -> int:
+    for a in outs.values():
+        a[...] = value
+    return len(outs)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_writable_arguments_are_written_in_place(num_workers: int) -> None:
+    n = BIG // 4
+    with WorkerPool(num_workers) as pool:
+        x = pool.put(np.arange(n, dtype=np.float32))
+        out = pool.empty(n, np.float32)
+        copied = pool.stats().bytes_copied
+        back = pool.submit(_times_into, x, 2.0, mpexec.writable(out)).result(T)
+        np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) * 2)
+        np.testing.assert_array_equal(back, out)
+        assert back.flags.writeable
+        if num_workers:
+            assert pool.stats().bytes_copied == copied  # nothing copied either way
+            small = pool.empty((3, 4), np.int16)  # small arrays too: still in place
+            outs = {"a": small, "b": out[:5]}
+            wrapped = {k: mpexec.writable(v) for k, v in outs.items()}
+            assert pool.submit(_fill_all, wrapped, 7).result(T) == 2
+            assert (small == 7).all()
+            assert (out[:5] == 7).all()
+            assert out[5] == 10.0
+            # private memory cannot be written by a worker: refused in submit()
+            with pytest.raises(mpexec.SerializationError, match="pool's shared memory"):
+                pool.submit(_times_into, x, 2.0, mpexec.writable(np.empty(n, np.float32)))
+        # everything else still arrives read-only
+        with pytest.raises(AssertionError):
+            pool.submit(_times_into, x, 2.0, out).result(T)
+
+
+def test_writable_rejects_what_it_cannot_share() -> None:
+    with pytest.raises(TypeError, match=r"numpy\.ndarray"):
+        mpexec.writable([1, 2])  # type: ignore[arg-type]
+    ro = np.zeros(3)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        mpexec.writable(ro)
+    with pytest.raises(TypeError, match="Python objects"):
+        mpexec.writable(np.array([None]))
+    assert "float64" in repr(mpexec.writable(np.zeros(2)))
+
+
 def test_put_and_empty_travel_without_copy() -> None:
     n = BIG // 8
     with WorkerPool(1) as pool:

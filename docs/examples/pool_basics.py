@@ -25,6 +25,11 @@ def main() -> None:
         out = [f.result(timeout=60) for f in futures]
         assert all(np.array_equal(o, brighten(images[i], 1.2)) for i, o in enumerate(out))
 
+        # An output buffer in shared memory, written by the worker in place.
+        out = pool.empty(images.shape, np.uint8)
+        pool.submit(np.subtract, 255, images, out=mpexec.writable(out)).result(timeout=60)
+        assert np.array_equal(out, 255 - images)
+
         # map: ordered, with a bounded number of calls in flight.
         means = list(pool.map(np.mean, images, prefetch=4))
         print("means:", np.round(means, 1))
