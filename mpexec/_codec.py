@@ -129,11 +129,10 @@ class _Refs:
 
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, refs: _Refs) -> None:
+        # Pickle calls persistent_id for every object it writes: bound straight
+        # to the refs' method, one Python call each instead of two.
+        self.persistent_id = refs.persistent_id  # type: ignore[method-assign]
         super().__init__(file, protocol=5)
-        self._refs = refs
-
-    def persistent_id(self, obj: Any) -> Any:
-        return self._refs.persistent_id(obj)
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
