@@ -254,20 +254,34 @@ def _sleep(seconds: float) -> float:
     return seconds
 
 
-def test_waiters_collecting_results_leave_nothing_undelivered() -> None:
+def test_waiters_collecting_results_leave_nothing_undelivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Quick calls are collected by the thread waiting in result(), which
     # tells the manager to leave the done rings alone: calls nobody waits
     # on (callbacks, wait(), as_completed), calls on other workers, and slow
     # calls must still be delivered, during and after that.
+    from mpexec import _pool
+
+    # "Quick" up to 20 ms, so that a loaded machine does not turn it off.
+    monkeypatch.setattr(_pool, "_COLLECT_SECONDS", 0.02)
+    collected = []
+    collect_until = _pool._collect_until
+
+    def spy(future: Any, *args: Any) -> None:
+        collect_until(future, *args)
+        collected.append(future.done())
+
+    monkeypatch.setattr(_pool, "_collect_until", spy)
     with WorkerPool(2) as pool:
         for i in range(200):  # result() collects these itself
             assert pool.submit(_square, i).result(T) == i * i
-        assert pool._state.quiet
+        assert sum(collected) > 100, f"{sum(collected)} of 200 results collected by result()"
         fired = threading.Event()
         pool.submit(_square, 3).add_done_callback(lambda f: fired.set())
         assert fired.wait(T)  # no waiter: the manager took over again
-        slow = pool.submit(_sleep, 0.05)  # longer than result()'s polling
-        assert slow.result(T) == 0.05
+        slow = pool.submit(_sleep, 0.1)  # longer than result()'s polling
+        assert slow.result(T) == 0.1
         # A waiter on one call delivers the others' results as it goes.
         futures = [pool.submit(_square, i) for i in range(40)]
         assert futures[-1].result(T) == 39 * 39
