@@ -724,7 +724,11 @@ def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
         finally:
             held.clear()
             gc.collect()
-        st = mpexec_sys.pool.stats()
+        # The workers hand back the pool's memory as the releases reach them:
+        # give them a moment (a wait, bounded), then everything must be back.
+        end = time.monotonic() + 2.0
+        while (st := mpexec_sys.pool.stats()).arena.exported and time.monotonic() < end:
+            time.sleep(0.01)
         results["mpexec_stats"] = {
             "submitted": st.submitted,
             "completed": st.completed,

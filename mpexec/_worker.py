@@ -152,7 +152,8 @@ class _Worker:
     def serve(self) -> None:
         tasks, watch = self.boot.tasks, [self.boot.lifeline]
         while True:
-            _spin_until(tasks.may_have_records, SPIN_SECONDS)
+            if not _spin_until(tasks.may_have_records, SPIN_SECONDS):
+                self.idle()
             try:
                 batch = tasks.pop_many(timeout=None, watch=watch)
             except shm.RingClosedError:  # the pool closed our ring, or died
@@ -160,6 +161,22 @@ class _Worker:
             for rec in batch:
                 self.handle(rec)
             shm.flush_releases()
+
+    def idle(self) -> None:
+        """Wait for a task; meanwhile give back what the pool lets go of.
+
+        A result may hold the pool's memory (a function that returned a view of
+        its argument): the pool's release of the result reaches this arena,
+        which lets go of that memory in turn. Applied here, as it arrives, an
+        idle worker never pins memory that the pool's caller has dropped.
+        """
+        boot = self.boot
+        while True:
+            self.arena.collect()
+            shm.flush_releases()
+            ready = shm.wait([boot.tasks, boot.result_releases, boot.lifeline])
+            if boot.tasks in ready or boot.lifeline in ready:
+                return
 
     def handle(self, rec: bytes) -> None:
         kind, flags, fn_id, task_id = HEADER.unpack_from(rec)

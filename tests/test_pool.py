@@ -550,6 +550,27 @@ def test_writable_arguments_are_written_in_place(num_workers: int) -> None:
             pool.submit(_times_into, x, 2.0, out).result(T)
 
 
+def test_memory_held_by_a_result_comes_back_while_workers_idle() -> None:
+    # A function that returns (a view of) its argument: the result holds the
+    # pool's memory through the worker, which must let go of it as soon as
+    # the caller drops the result, not at its next call.
+    with WorkerPool(1) as pool:
+        x = pool.put(np.ones(BIG // 8))
+        out = pool.empty(BIG // 8)
+        r1 = pool.submit(_identity, x).result(T)
+        r2 = pool.submit(_times_into, x, 3.0, mpexec.writable(out)).result(T)
+        assert r1[0] == 1.0
+        assert r2[-1] == 3.0
+        del x, out, r1, r2
+        gc.collect()
+
+        def drained() -> bool:
+            arena = pool.stats().arena
+            return arena.in_use == 0 and arena.exported == 0
+
+        wait_until(drained, T, "the pool's arena to be empty")
+
+
 def test_writable_rejects_what_it_cannot_share() -> None:
     with pytest.raises(TypeError, match=r"numpy\.ndarray"):
         mpexec.writable([1, 2])  # type: ignore[arg-type]
