@@ -134,6 +134,11 @@ class _PoolFuture(Future[T]):
 
     _mp_state: _State | None = None
     _mp_slot: _Slot | None = None
+    _mp_callbacks = False  # callbacks run in the manager thread, never in a waiter
+
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        self._mp_callbacks = True
+        super().add_done_callback(fn)
 
     def result(self, timeout: float | None = None) -> T:
         if self._mp_slot is not None and not self.done():
@@ -237,6 +242,7 @@ class _State:
         # for a moment after), the manager leaves the done rings to them: its
         # waking up on each result would cost them a GIL hand-off every call.
         self.collecting = 0
+        self.handoff: collections.deque[tuple[Future[Any], bool, Any]] = collections.deque()
         self.last_collect = 0.0
         self.quiet = False
         # Seconds from dispatch to delivery of the latest call: waiters poll
@@ -754,6 +760,10 @@ def _manage_once(
                 state.quiet = False
         if not state.quiet:  # what came back while waiters were collecting
             ready += [(slot, "done") for slot in slots if slot.ready]
+    while state.handoff:  # results that waiters collected for futures with callbacks
+        with state.lock:
+            future, ok, outcome = state.handoff.popleft()
+        _settle(future, result=outcome) if ok else _settle(future, exc=outcome)
     died: list[_Slot] = []
     for slot, what in ready:
         if slot is None:
@@ -818,7 +828,13 @@ def _deliver(state: _State, slot: _Slot) -> None:
         state.latency = time.perf_counter() - task.sent
         task.future._mp_slot = None
         task.release()
-        if ok:
+        if task.future._mp_callbacks and threading.get_ident() != state.manager_ident:
+            # Callbacks run in the thread that completes a future: never in a
+            # caller's result(), which may hold a lock that a callback takes.
+            with state.lock:
+                state.handoff.append((task.future, ok, outcome))
+            state.poke()
+        elif ok:
             _settle(task.future, result=outcome)
         else:
             _settle(task.future, exc=outcome)

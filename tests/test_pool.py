@@ -293,6 +293,31 @@ def test_waiters_collecting_results_leave_nothing_undelivered(
         assert (stats.completed, stats.failed, stats.pending) == (242, 1, 0)
 
 
+def test_callbacks_never_run_in_a_waiting_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A waiter collecting results delivers other calls' results too; their
+    # callbacks must still run in the manager thread (as concurrent.futures
+    # does), not inside result(), where the caller may hold a lock they take.
+    from mpexec import _pool
+
+    monkeypatch.setattr(_pool, "_COLLECT_SECONDS", 0.02)
+    ran_in: list[int] = []
+    ran = threading.Event()
+
+    def callback(f: Any) -> None:
+        ran_in.append(threading.get_ident())
+        ran.set()
+
+    with WorkerPool(1) as pool:
+        for i in range(20):  # the waiter collects: the manager stands aside
+            assert pool.submit(_square, i).result(T) == i * i
+        first = pool.submit(_square, 3)
+        first.add_done_callback(callback)
+        assert pool.submit(_square, 4).result(T) == 16  # collects `first` on the way
+        assert ran.wait(T)
+        assert ran_in == [pool._state.manager_ident]
+        assert first.result(T) == 9
+
+
 def test_map_ordered_unordered_and_prefetch() -> None:
     items = list(range(60))
     expected = [x * x for x in items]
