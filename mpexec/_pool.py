@@ -173,10 +173,12 @@ class _PoolFuture(Future[T]):
                     state.poke()
 
 
-def _collect_until(future: Future[Any], state: _State, slot: _Slot, end: float) -> None:
+def _collect_until(future: _PoolFuture[Any], state: _State, slot: _Slot, end: float) -> None:
     """Deliver results (``slot``'s first) until ``future`` is done or ``end`` passes."""
     with contextlib.suppress(shm.SharedMemoryError, ValueError):
-        while not future.done():
+        # Until delivered (its slot is cleared then): a plain read, where
+        # done() would take the future's lock at every turn of the loop.
+        while future._mp_slot is slot:
             if slot.done.may_have_records():
                 _deliver(state, slot)
             for other in state.slots:
