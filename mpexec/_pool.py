@@ -189,6 +189,7 @@ def _collect_until(future: _PoolFuture[Any], state: _State, slot: _Slot, end: fl
                     _dispatch_pending(state, state.pool_ref)
             if time.perf_counter() >= end:
                 return
+            os.sched_yield()  # a worker on this CPU runs first: it is what we wait for
 
 
 class _Slot:
