@@ -70,8 +70,7 @@ _RING_CAPACITY = 64
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
 _FN_CACHE = 1024  # functions kept (strongly) with their ids; older ones are forgotten
 _STOP_GRACE = 5.0  # seconds a worker gets to exit after its ring is closed
-_COLLECT_SECONDS = 1e-3  # how long result() polls for a quick call's result
-_QUIET_TICK = 1e-3  # how often a manager that leaves results to waiters looks for itself
+_POLL_SECONDS = 1e-3  # how long result() polls for a quick call's result
 
 
 def usable_cpus() -> int:
@@ -123,73 +122,43 @@ class _Task:
 
 
 class _PoolFuture(Future[T]):
-    """A Future whose waiter collects the result itself when it comes quickly.
+    """A Future whose waiter polls for a quick call's result instead of sleeping.
 
-    The manager thread delivers every result, but handing one from it to a
-    waiting thread costs a thread wake-up and a GIL hand-off (~50 us, most of
-    a small call's round trip). So ``result()`` first polls the done ring of
-    the call's worker for a moment, and delivers what it finds itself; it
-    does so only while recent calls on the pool came back that fast.
+    The manager thread delivers every result. A waiter asleep on the
+    future's condition costs a thread wake-up and a GIL hand-off more (~50 us,
+    most of a small call's round trip); so ``result()`` first polls
+    ``done()`` for a moment, yielding the CPU (and the GIL, which the manager
+    needs) between polls, and sleeps only if the result is slow to come. It
+    polls only while recent calls on the pool came back within that moment.
+    The waiter never touches the pool's state: a Ctrl-C in ``result()`` can
+    interrupt nothing but its own wait.
     """
 
     _mp_state: _State | None = None
-    _mp_slot: _Slot | None = None
-    _mp_callbacks = False  # callbacks run in the manager thread, never in a waiter
-
-    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
-        self._mp_callbacks = True
-        super().add_done_callback(fn)
 
     def result(self, timeout: float | None = None) -> T:
-        if self._mp_slot is not None and not self.done():
-            self._collect(timeout)
-        return super().result(timeout)
+        return super().result(self._poll(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if self._mp_slot is not None and not self.done():
-            self._collect(timeout)
-        return super().exception(timeout)
+        return super().exception(self._poll(timeout))
 
-    def _collect(self, timeout: float | None) -> None:
-        state, slot = self._mp_state, self._mp_slot
-        if state is None or slot is None or state.manager_ident == threading.get_ident():
-            return
-        budget = _COLLECT_SECONDS if timeout is None else min(timeout, _COLLECT_SECONDS)
-        if state.latency > budget:
-            return
-        with state.lock:
-            state.collecting += 1
-            if not state.quiet:  # the manager stops watching the done rings
-                state.quiet = True
-                state.poke()
-        try:
-            _collect_until(self, state, slot, time.perf_counter() + budget)
-        finally:
-            with state.lock:
-                state.collecting -= 1
-                state.last_collect = time.perf_counter()
-                if not self.done() and not state.collecting:
-                    state.quiet = False  # a slow call: the manager delivers it
-                    state.poke()
-
-
-def _collect_until(future: _PoolFuture[Any], state: _State, slot: _Slot, end: float) -> None:
-    """Deliver results (``slot``'s first) until ``future`` is done or ``end`` passes."""
-    with contextlib.suppress(shm.SharedMemoryError, ValueError):
-        # Until delivered (its slot is cleared then): a plain read, where
-        # done() would take the future's lock at every turn of the loop.
-        while future._mp_slot is slot:
-            if slot.done.may_have_records():
-                _deliver(state, slot)
-            for other in state.slots:
-                if other is not slot and other.ready and other.done.may_have_records():
-                    _deliver(state, other)
-            if state.pending:
-                with state.lock:
-                    _dispatch_pending(state, state.pool_ref)
-            if time.perf_counter() >= end:
-                return
-            os.sched_yield()  # a worker on this CPU runs first: it is what we wait for
+    def _poll(self, timeout: float | None) -> float | None:
+        """Poll for up to the pool's budget; the caller's ``timeout`` left over."""
+        state = self._mp_state
+        if (
+            state is None
+            or state.latency > _POLL_SECONDS
+            or self.done()
+            or state.manager_ident == threading.get_ident()
+        ):
+            return timeout
+        start = time.perf_counter()
+        end = start + (_POLL_SECONDS if timeout is None else min(timeout, _POLL_SECONDS))
+        while not self.done() and time.perf_counter() < end:
+            os.sched_yield()
+        if timeout is None:
+            return None
+        return max(0.0, timeout - (time.perf_counter() - start))
 
 
 class _Slot:
@@ -206,9 +175,6 @@ class _Slot:
         self.result_releases = shm.Ring(4096, shm.RELEASE_RECORD_SIZE)
         self.arena_id = 0
         self.queue: collections.deque[_Task] = collections.deque()
-        # The manager and a waiting caller may both collect results: popping a
-        # record and matching it to the head of ``queue`` is one step.
-        self.collect_lock = threading.Lock()
         self.fns: set[int] = set()
         self.forget: list[int] = []
         self.ready = False
@@ -241,13 +207,6 @@ class _State:
         self.shared_results = False
         self.manager_ident: int | None = None
         self.pool_ref: Callable[[], WorkerPool | None] = lambda: None  # set by the pool
-        # Threads polling for their results in result(); while any does (and
-        # for a moment after), the manager leaves the done rings to them: its
-        # waking up on each result would cost them a GIL hand-off every call.
-        self.collecting = 0
-        self.handoff: collections.deque[tuple[Future[Any], bool, Any]] = collections.deque()
-        self.last_collect = 0.0
-        self.quiet = False
         # Seconds from dispatch to delivery of the latest call: waiters poll
         # for their result only while calls come back within the poll budget.
         self.latency = 0.0
@@ -510,7 +469,7 @@ class WorkerPool(Executor):
         task.sent = time.perf_counter()
         if not slot.queue:
             task.started = time.monotonic()
-        task.future._mp_state, task.future._mp_slot = state, slot
+        task.future._mp_state = state
         slot.queue.append(task)
         if not task.future.running():  # a call rerun after a crash already is
             task.future.set_running_or_notify_cancel()
@@ -724,17 +683,14 @@ class _Watcher:
         self.poller = select.poll()
         self.by_fd: dict[int, tuple[_Slot | None, str]] = {}
 
-    def wait(
-        self, slots: list[_Slot], timeout: float | None, quiet: bool
-    ) -> list[tuple[_Slot | None, str]]:
-        key = (quiet, *((id(s), s.ready) for s in slots))
+    def wait(self, slots: list[_Slot], timeout: float | None) -> list[tuple[_Slot | None, str]]:
+        key = tuple((id(s), s.ready) for s in slots)
         if key != self.key:
             self.poller = select.poll()
             self.by_fd = {self.state.wake.fileno(): (None, "wake")}
             for slot in slots:
                 if slot.ready:
-                    if not quiet:
-                        self.by_fd[slot.done.fileno()] = (slot, "done")
+                    self.by_fd[slot.done.fileno()] = (slot, "done")
                     self.by_fd[slot.process.sentinel] = (slot, "died")
             for fd in self.by_fd:
                 self.poller.register(fd, select.POLLIN)
@@ -752,21 +708,7 @@ def _manage_once(
         slots = list(state.slots)
         if state.stopping and not state.pending and not any(s.queue for s in slots):
             return False
-    quiet = state.quiet
-    deadline = _next_deadline(slots, timeout)
-    if quiet:
-        deadline = _QUIET_TICK if deadline is None else min(deadline, _QUIET_TICK)
-    ready = watcher.wait(slots, deadline, quiet)
-    if quiet:
-        with state.lock:
-            if not state.collecting and time.perf_counter() - state.last_collect > _QUIET_TICK:
-                state.quiet = False
-        if not state.quiet:  # what came back while waiters were collecting
-            ready += [(slot, "done") for slot in slots if slot.ready]
-    while state.handoff:  # results that waiters collected for futures with callbacks
-        with state.lock:
-            future, ok, outcome = state.handoff.popleft()
-        _settle(future, result=outcome) if ok else _settle(future, exc=outcome)
+    ready = watcher.wait(slots, _next_deadline(slots, timeout))
     died: list[_Slot] = []
     for slot, what in ready:
         if slot is None:
@@ -809,35 +751,27 @@ def _timed_out(slot: _Slot, timeout: float | None) -> bool:
 def _deliver(state: _State, slot: _Slot) -> None:
     """Complete the futures of every record waiting in ``slot``'s done ring."""
     while True:
-        with slot.collect_lock:
-            try:
-                rec = slot.done.try_pop()
-            except shm.RingClosedError:
-                return
-            if rec is None:
-                return
-            kind, flags, _, task_id = HEADER.unpack_from(rec)
-            ok, outcome = _outcome(rec, kind, flags, state.shared_results)
-            with state.lock:
-                if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
-                    raise AssertionError(f"completion for task {task_id} out of order")
-                task = slot.queue.popleft()
-                if slot.queue:
-                    slot.queue[0].started = time.monotonic()
-                if ok:
-                    state.completed += 1
-                else:
-                    state.failed += 1
+        try:
+            rec = slot.done.try_pop()
+        except shm.RingClosedError:
+            return
+        if rec is None:
+            return
+        kind, flags, _, task_id = HEADER.unpack_from(rec)
+        ok, outcome = _outcome(rec, kind, flags, state.shared_results)
+        with state.lock:
+            if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
+                raise AssertionError(f"completion for task {task_id} out of order")
+            task = slot.queue.popleft()
+            if slot.queue:
+                slot.queue[0].started = time.monotonic()
+            if ok:
+                state.completed += 1
+            else:
+                state.failed += 1
         state.latency = time.perf_counter() - task.sent
-        task.future._mp_slot = None
         task.release()
-        if task.future._mp_callbacks and threading.get_ident() != state.manager_ident:
-            # Callbacks run in the thread that completes a future: never in a
-            # caller's result(), which may hold a lock that a callback takes.
-            with state.lock:
-                state.handoff.append((task.future, ok, outcome))
-            state.poke()
-        elif ok:
+        if ok:
             _settle(task.future, result=outcome)
         else:
             _settle(task.future, exc=outcome)

@@ -1385,7 +1385,10 @@ def test_stats_fields_and_str() -> None:
     assert by_name["pids"].bytes_in == 12 * 5 * 8
     assert by_name["pids"].bytes_out == 12 * 8
     busy = dict(stats.busy)
-    assert set(busy) <= seen
+    # Every worker that ran a chunk of `pids` was busy; the others may have run
+    # only the source or the batch op (chunks go to whichever worker is free).
+    assert seen <= set(busy)
+    assert len(busy) <= 2
     assert os.getpid() not in busy
     assert all(0 <= f <= 1 for f in busy.values())
     text = str(stats)

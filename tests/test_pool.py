@@ -254,35 +254,29 @@ def _sleep(seconds: float) -> float:
     return seconds
 
 
-def test_waiters_collecting_results_leave_nothing_undelivered(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Quick calls are collected by the thread waiting in result(), which
-    # tells the manager to leave the done rings alone: calls nobody waits
-    # on (callbacks, wait(), as_completed), calls on other workers, and slow
-    # calls must still be delivered, during and after that.
+def test_polling_waiters_leave_nothing_undelivered(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Quick calls' waiters poll for their results instead of sleeping: calls
+    # nobody waits on (callbacks, wait(), as_completed), calls on other
+    # workers, slow calls and timeouts must behave as they would otherwise.
     from mpexec import _pool
 
     # "Quick" up to 20 ms, so that a loaded machine does not turn it off.
-    monkeypatch.setattr(_pool, "_COLLECT_SECONDS", 0.02)
-    collected = []
-    collect_until = _pool._collect_until
-
-    def spy(future: Any, *args: Any) -> None:
-        collect_until(future, *args)
-        collected.append(future.done())
-
-    monkeypatch.setattr(_pool, "_collect_until", spy)
+    monkeypatch.setattr(_pool, "_POLL_SECONDS", 0.02)
     with WorkerPool(2) as pool:
-        for i in range(200):  # result() collects these itself
+        for i in range(200):
             assert pool.submit(_square, i).result(T) == i * i
-        assert sum(collected) > 100, f"{sum(collected)} of 200 results collected by result()"
+        assert pool._state.latency < 0.02
         fired = threading.Event()
         pool.submit(_square, 3).add_done_callback(lambda f: fired.set())
-        assert fired.wait(T)  # no waiter: the manager took over again
+        assert fired.wait(T)
         slow = pool.submit(_sleep, 0.1)  # longer than result()'s polling
         assert slow.result(T) == 0.1
-        # A waiter on one call delivers the others' results as it goes.
+        slower = pool.submit(_sleep, 0.5)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            slower.result(0.1)  # the polling counts against the timeout
+        assert time.monotonic() - t0 < 0.4
+        assert slower.result(T) == 0.5
         futures = [pool.submit(_square, i) for i in range(40)]
         assert futures[-1].result(T) == 39 * 39
         _, not_done = wait_futures(futures, T)
@@ -290,16 +284,59 @@ def test_waiters_collecting_results_leave_nothing_undelivered(
         assert [f.result() for f in futures] == [i * i for i in range(40)]
         assert pool.submit(_raise_value_error, 5).exception(T).args == ("bad value 5",)
         stats = pool.stats()
-        assert (stats.completed, stats.failed, stats.pending) == (242, 1, 0)
+        assert (stats.completed, stats.failed, stats.pending) == (243, 1, 0)
+
+
+def test_ctrl_c_in_result_leaves_the_pool_working() -> None:
+    # KeyboardInterrupt can land anywhere in a waiting result(): the pool's
+    # state must not depend on where (only the manager thread changes it).
+    in_result = threading.Event()
+    stop = threading.Event()
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if in_result.is_set():
+            raise KeyboardInterrupt
+
+    def interrupter() -> None:
+        while not stop.wait(0.003):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    sender = threading.Thread(target=interrupter)
+    interrupted = calls = 0
+    try:
+        with WorkerPool(2) as pool:
+            sender.start()
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                future = pool.submit(_square, calls)
+                in_result.set()
+                try:
+                    assert future.result(T) == calls * calls
+                except KeyboardInterrupt:
+                    interrupted += 1
+                finally:
+                    in_result.clear()
+                calls += 1
+            stop.set()
+            sender.join(T)
+            assert pool.submit(_square, 12).result(T) == 144
+            wait_until(lambda: pool.stats().pending == 0, T, "every call to be delivered")
+            assert pool.stats().completed == calls + 1
+    finally:
+        stop.set()
+        if sender.is_alive():
+            sender.join(T)
+        signal.signal(signal.SIGINT, previous)
+    assert interrupted > 0, "no interrupt landed in result(): the test tested nothing"
 
 
 def test_callbacks_never_run_in_a_waiting_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A waiter collecting results delivers other calls' results too; their
-    # callbacks must still run in the manager thread (as concurrent.futures
-    # does), not inside result(), where the caller may hold a lock they take.
+    # Callbacks run in the manager thread (as concurrent.futures does), not
+    # inside a polling result(), where the caller may hold a lock they take.
     from mpexec import _pool
 
-    monkeypatch.setattr(_pool, "_COLLECT_SECONDS", 0.02)
+    monkeypatch.setattr(_pool, "_POLL_SECONDS", 0.02)
     ran_in: list[int] = []
     ran = threading.Event()
 
@@ -308,11 +345,11 @@ def test_callbacks_never_run_in_a_waiting_callers_thread(monkeypatch: pytest.Mon
         ran.set()
 
     with WorkerPool(1) as pool:
-        for i in range(20):  # the waiter collects: the manager stands aside
+        for i in range(20):  # the waiters poll
             assert pool.submit(_square, i).result(T) == i * i
         first = pool.submit(_square, 3)
         first.add_done_callback(callback)
-        assert pool.submit(_square, 4).result(T) == 16  # collects `first` on the way
+        assert pool.submit(_square, 4).result(T) == 16
         assert ran.wait(T)
         assert ran_in == [pool._state.manager_ident]
         assert first.result(T) == 9
