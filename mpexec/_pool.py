@@ -212,7 +212,9 @@ class _State:
         self.latency = 0.0
 
     def poke(self) -> None:
-        with contextlib.suppress(shm.SharedMemoryError, ValueError):
+        # Under the lock: the wake-up ring has one producer end, and any
+        # thread may poke.
+        with self.lock, contextlib.suppress(shm.SharedMemoryError, ValueError):
             self.wake.try_push(b"!")
 
 
