@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import BrokenExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError  # not the builtin on 3.10
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
@@ -273,7 +274,7 @@ def test_polling_waiters_leave_nothing_undelivered(monkeypatch: pytest.MonkeyPat
         assert slow.result(T) == 0.1
         slower = pool.submit(_sleep, 0.5)
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(FutureTimeoutError):
             slower.result(0.1)  # the polling counts against the timeout
         assert time.monotonic() - t0 < 0.4
         assert slower.result(T) == 0.5
