@@ -288,48 +288,67 @@ def test_polling_waiters_leave_nothing_undelivered(monkeypatch: pytest.MonkeyPat
         assert (stats.completed, stats.failed, stats.pending) == (243, 1, 0)
 
 
+_CHILD_CTRL_C = """
+import os, signal, threading, time
+import mpexec
+
+def square(x):
+    return x * x
+
+in_result, stop = threading.Event(), threading.Event()
+
+def on_sigint(signum, frame):
+    if in_result.is_set():
+        raise KeyboardInterrupt
+
+def interrupter():
+    while not stop.wait(0.003):
+        os.kill(os.getpid(), signal.SIGINT)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, on_sigint)
+    sender = threading.Thread(target=interrupter)
+    interrupted = calls = 0
+    with mpexec.WorkerPool(2) as pool:
+        sender.start()
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            future = pool.submit(square, calls)
+            in_result.set()
+            try:
+                assert future.result(30) == calls * calls
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                in_result.clear()
+            calls += 1
+        stop.set()
+        sender.join(30)
+        assert pool.submit(square, 12).result(30) == 144
+        end = time.monotonic() + 30
+        while pool.stats().pending and time.monotonic() < end:
+            time.sleep(0.01)
+        stats = pool.stats()
+        assert (stats.pending, stats.completed) == (0, calls + 1), (stats, calls)
+    print(interrupted, calls)
+"""
+
+
 def test_ctrl_c_in_result_leaves_the_pool_working() -> None:
     # KeyboardInterrupt can land anywhere in a waiting result(): the pool's
     # state must not depend on where (only the manager thread changes it).
-    in_result = threading.Event()
-    stop = threading.Event()
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        if in_result.is_set():
-            raise KeyboardInterrupt
-
-    def interrupter() -> None:
-        while not stop.wait(0.003):
-            os.kill(os.getpid(), signal.SIGINT)
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    sender = threading.Thread(target=interrupter)
-    interrupted = calls = 0
-    try:
-        with WorkerPool(2) as pool:
-            sender.start()
-            end = time.monotonic() + 1.5
-            while time.monotonic() < end:
-                future = pool.submit(_square, calls)
-                in_result.set()
-                try:
-                    assert future.result(T) == calls * calls
-                except KeyboardInterrupt:
-                    interrupted += 1
-                finally:
-                    in_result.clear()
-                calls += 1
-            stop.set()
-            sender.join(T)
-            assert pool.submit(_square, 12).result(T) == 144
-            wait_until(lambda: pool.stats().pending == 0, T, "every call to be delivered")
-            assert pool.stats().completed == calls + 1
-    finally:
-        stop.set()
-        if sender.is_alive():
-            sender.join(T)
-        signal.signal(signal.SIGINT, previous)
+    # In a child process, whose main thread is ours to give a SIGINT handler.
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD_CTRL_C],
+        capture_output=True,
+        text=True,
+        timeout=2 * T,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    interrupted, calls = map(int, proc.stdout.split())
     assert interrupted > 0, "no interrupt landed in result(): the test tested nothing"
+    assert calls > interrupted
 
 
 def test_callbacks_never_run_in_a_waiting_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
