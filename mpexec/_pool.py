@@ -206,7 +206,6 @@ class _State:
         # sets this; its outputs are read-only anyway) instead of being copied.
         self.shared_results = False
         self.manager_ident: int | None = None
-        self.pool_ref: Callable[[], WorkerPool | None] = lambda: None  # set by the pool
         # Seconds from dispatch to delivery of the latest call: waiters poll
         # for their result only while calls come back within the poll budget.
         self.latency = 0.0
@@ -265,7 +264,6 @@ class WorkerPool(Executor):
         self.timeout = timeout
         self.restart = restart
         self._state = _State()
-        self._state.pool_ref = weakref.ref(self)
         self._seed = int(np.random.SeedSequence(seed).entropy)  # type: ignore[arg-type]
         self._inline_max = inline_max
         self._worker_arena_size = worker_arena_size
@@ -681,7 +679,7 @@ class _Watcher:
 
     def __init__(self, state: _State) -> None:
         self.state = state
-        self.key: tuple[Any, ...] = ()
+        self.key: tuple[tuple[int, bool], ...] = ()
         self.poller = select.poll()
         self.by_fd: dict[int, tuple[_Slot | None, str]] = {}
 
@@ -894,7 +892,7 @@ def _break(state: _State, error: BrokenPoolError, tasks: list[_Task] | None = No
             slot.process.kill()
 
 
-def _dispatch_pending(state: _State, pool_ref: Callable[[], WorkerPool | None]) -> None:
+def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
     """Hand waiting calls to workers with room (the state lock is held)."""
     pool = pool_ref()
     if pool is None or state.broken is not None:
