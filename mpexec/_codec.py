@@ -17,8 +17,10 @@ raises :class:`~mpexec.SerializationError` naming where it sits
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +34,57 @@ from ._errors import SerializationError
 #: Arrays up to this size travel inside the record rather than through the arena.
 INLINE_MAX = 16 << 10
 
+# An array's reference is one bytes object, its kind in the last byte: pickle
+# offers every object it writes to ``persistent_id``, the parts of a reference
+# included, so a tuple of four parts would cost five more calls per array.
 _SHARED, _INLINE, _WRITABLE = 0, 1, 2
+_SHARED_TAG, _WRITABLE_TAG = bytes([_SHARED]), bytes([_WRITABLE])
+#: An inline array is its data, then a "meta" (ndim, shape, dtype code), then
+#: this tail: the meta's length and the kind. The data comes first so that the
+#: array the receiver wraps in place is aligned; metas are cached both ways, as
+#: one shape and dtype recur call after call.
+_INLINE_TAIL = struct.Struct("<HB")
+_metas: dict[tuple[tuple[int, ...], np.dtype[Any]], bytes] = {}
+_parsed: dict[bytes, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+_CACHE_MAX = 1024
+
+
+def _inline_ref(array: np.ndarray[Any, Any]) -> bytes:
+    """``array``'s bytes, shape and dtype, in one bytes object."""
+    key = (array.shape, array.dtype)
+    meta = _metas.get(key)
+    if meta is None:
+        meta = _meta(*key)
+        if len(_metas) < _CACHE_MAX:
+            _metas[key] = meta
+    return b"".join((array.tobytes(), meta, _INLINE_TAIL.pack(len(meta), _INLINE)))
+
+
+def _meta(shape: tuple[int, ...], dtype: np.dtype[Any]) -> bytes:
+    # ``dtype.str`` loses field names, offsets and sub-array shapes: pickle those.
+    simple = dtype.fields is None and dtype.subdtype is None and np.dtype(dtype.str) == dtype
+    code = b"s" + dtype.str.encode() if simple else b"p" + pickle.dumps(dtype, protocol=5)
+    return struct.pack(f"<B{len(shape)}q", len(shape), *shape) + code
+
+
+def _inline_array(ref: bytes, writable: bool) -> np.ndarray[Any, Any]:
+    """The array :func:`_inline_ref` described: a view of ``ref``, or of a copy if writable."""
+    size, _ = _INLINE_TAIL.unpack_from(ref, len(ref) - _INLINE_TAIL.size)
+    end = len(ref) - _INLINE_TAIL.size - size
+    meta = ref[end : end + size]
+    parsed = _parsed.get(meta)
+    if parsed is None:
+        nd = meta[0]
+        code = meta[1 + 8 * nd :]
+        dtype = np.dtype(code[1:].decode()) if code[:1] == b"s" else pickle.loads(code[1:])
+        parsed = struct.unpack_from(f"<{nd}q", meta, 1), dtype
+        if len(_parsed) < _CACHE_MAX:
+            _parsed[meta] = parsed
+    shape, dtype = parsed
+    array: np.ndarray[Any, Any] = np.ndarray(
+        shape, dtype, bytearray(ref[:end]) if writable else ref
+    )
+    return array
 
 
 class Writable:
@@ -91,7 +143,7 @@ class _Refs:
             return None
         arena = self.arena
         if arena is None and obj.nbytes > self.inline_max:
-            return (_SHARED, b"")  # only checking that the rest pickles: no bytes needed
+            return _SHARED_TAG  # only checking that the rest pickles: no bytes needed
         if arena is not None and (obj.nbytes > self.inline_max or arena.owns(obj)):
             # Views of other processes' arenas are forwarded, not copied.
             if not shm.in_shared_memory(obj):
@@ -99,12 +151,8 @@ class _Refs:
             desc = arena.share(obj, peer=self.peer)
             self.shared.append(desc)
             self.bytes_shared += obj.nbytes
-            return (_SHARED, desc.pack())
-        data = obj.tobytes() if obj.flags.c_contiguous else np.ascontiguousarray(obj).tobytes()
-        # A dtype pickles as a dozen objects; its type string is one (when it says it all).
-        dt = obj.dtype
-        code = dt.str if dt.fields is None and dt.subdtype is None and dt.str[1] != "V" else dt
-        return (_INLINE, code, obj.shape, data)
+            return desc.pack() + _SHARED_TAG
+        return _inline_ref(obj)
 
     def _writable(self, array: np.ndarray[Any, Any]) -> Any:
         if self.owner is not None and not self.owner.owns(array):
@@ -114,25 +162,17 @@ class _Refs:
             )
         arena = self.arena
         if arena is None:
-            return (_WRITABLE, b"")  # checking only
+            return _WRITABLE_TAG  # checking only
         desc = arena.share(array, peer=self.peer)
         self.shared.append(desc)
         self.bytes_shared += array.nbytes
-        return (_WRITABLE, desc.pack())
+        return desc.pack() + _WRITABLE_TAG
 
     def undo(self) -> None:
         if self.arena is not None:
             for desc in self.shared:
                 self.arena.unshare(desc, self.peer)
         self.shared.clear()
-
-
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, refs: _Refs) -> None:
-        # Pickle calls persistent_id for every object it writes: bound straight
-        # to the refs' method, one Python call each instead of two.
-        self.persistent_id = refs.persistent_id  # type: ignore[method-assign]
-        super().__init__(file, protocol=5)
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -144,26 +184,27 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
         return self._refs.persistent_id(obj)
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, writable: bool, shared_ok: bool) -> None:
-        super().__init__(file)
-        self._writable = writable
-        self._shared_ok = shared_ok
+def _load_ref(writable: bool, shared_ok: bool, pid: bytes) -> Any:
+    """The array a reference names: see :func:`decode`."""
+    kind = pid[-1]
+    if kind == _INLINE:
+        return _inline_array(pid, writable)
+    desc = shm.ArrayDescriptor.unpack(memoryview(pid)[:-1])
+    if kind == _WRITABLE:
+        return shm.open_array(desc, writable=True)
+    arr = shm.open_array(desc, writable=writable)
+    if desc.readonly and writable and not shared_ok:
+        # A view of memory others read (a function returned its input):
+        # the caller was promised an array of its own.
+        return arr.copy()
+    return arr
 
-    def persistent_load(self, pid: Any) -> Any:
-        if pid[0] == _WRITABLE:
-            return shm.open_array(shm.ArrayDescriptor.unpack(pid[1]), writable=True)
-        if pid[0] == _SHARED:
-            desc = shm.ArrayDescriptor.unpack(pid[1])
-            arr = shm.open_array(desc, writable=self._writable)
-            if desc.readonly and self._writable and not self._shared_ok:
-                # A view of memory others read (a function returned its input):
-                # the caller was promised an array of its own.
-                return arr.copy()
-            return arr
-        _, dtype, shape, data = pid
-        buf = bytearray(data) if self._writable else data
-        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+# Bound once: the C (un)pickler calls an instance's own persistent_id /
+# persistent_load attribute directly, with no Python subclass in the way.
+_LOADERS = {
+    (w, ok): functools.partial(_load_ref, w, ok) for w in (False, True) for ok in (False, True)
+}
 
 
 class Encoded:
@@ -217,7 +258,9 @@ def encode(
     refs = _Refs(arena, peer, inline_max, owner)
     buf = io.BytesIO()
     try:
-        _Pickler(buf, refs).dump(value)
+        pickler = pickle.Pickler(buf, protocol=5)
+        pickler.persistent_id = refs.persistent_id  # type: ignore[method-assign]
+        pickler.dump(value)
     except SerializationError:  # ours, naming the problem already
         refs.undo()
         raise
@@ -240,7 +283,9 @@ def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = F
     ``writable`` arrays that arrive as read-only shared views (forwarded) are
     copied, unless ``shared_ok`` says read-only views will do.
     """
-    return _Unpickler(io.BytesIO(data), writable, shared_ok).load()
+    unpickler = pickle.Unpickler(io.BytesIO(data))
+    unpickler.persistent_load = _LOADERS[writable, shared_ok]  # type: ignore[method-assign]
+    return unpickler.load()
 
 
 def dump_value(value: Any, what: str = "function") -> bytes:

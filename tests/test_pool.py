@@ -445,6 +445,7 @@ def _small_arrays() -> list[np.ndarray[Any, Any]]:
         _structured(4),
         _pairs(3),
         np.arange(20, dtype=">i4"),  # non-native byte order
+        np.array(["2020-01-01", "1969-12-31"], dtype="datetime64[D]"),
         np.arange(40, dtype=np.float64).reshape(5, 8)[::2, 1::3],  # not contiguous
         np.asfortranarray(np.arange(12, dtype=np.int16).reshape(3, 4)),
     ]
@@ -484,6 +485,7 @@ def _check_same(got: Any, want: np.ndarray[Any, Any]) -> None:
     assert got.shape == want.shape
     assert np.array_equal(got, want)
     assert got.flags.writeable, "results must be writable"
+    assert got.flags.aligned, "an unaligned result is slow, and refused by some C code"
 
 
 def _round_trip_problems(pool: WorkerPool, arrays: list[np.ndarray[Any, Any]]) -> list[str]:
