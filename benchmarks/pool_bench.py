@@ -98,6 +98,7 @@ STOP_S = 15.0  # a pool's shutdown, before its workers are terminated
 IDLE_S = 600.0  # a bare worker gives up after waiting this long for its next order
 
 ROUND_TRIP_FLOATS = 16
+SMALL_CHUNK = 64  # map(chunksize=...) of the small-calls section
 ARRAY_BYTES = 64 * MiB
 IMAGE_SHAPE = (224, 224, 3)
 CROP = 192
@@ -115,6 +116,9 @@ class Config:
     array_rounds: int
     array_fast_per_round: int  # samples per round of mpexec (a), (b) and inline
     array_slow_per_round: int  # samples per round of the pickling peers
+    # small calls
+    small_calls: int  # calls per map() in chunks
+    small_rounds: int
     # augment
     aug_images: int
     aug_rounds: int
@@ -129,6 +133,8 @@ FULL = Config(
     array_rounds=12,
     array_fast_per_round=3,
     array_slow_per_round=1,
+    small_calls=20_000,
+    small_rounds=5,
     aug_images=64,
     aug_rounds=12,
     deadline_s=600.0,
@@ -142,6 +148,8 @@ QUICK = Config(
     array_rounds=3,
     array_fast_per_round=2,
     array_slow_per_round=1,
+    small_calls=4_000,
+    small_rounds=2,
     aug_images=16,
     aug_rounds=3,
     deadline_s=120.0,
@@ -333,6 +341,12 @@ class System:
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float) -> list[Any]:
         raise NotImplementedError
 
+    def map_chunked(
+        self, fn: Callable[..., Any], items: list[Any], chunksize: int, timeout: float
+    ) -> list[Any]:
+        """``fn`` over ``items``, ``chunksize`` calls per task, in the pool's own idiom."""
+        raise NotImplementedError
+
     def _shutdown(self) -> None:
         raise NotImplementedError
 
@@ -370,6 +384,11 @@ class MpexecSystem(System):
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float) -> list[Any]:
         return list(self.pool.map(fn, *iterables, timeout=timeout))
 
+    def map_chunked(
+        self, fn: Callable[..., Any], items: list[Any], chunksize: int, timeout: float
+    ) -> list[Any]:
+        return list(self.pool.map(fn, items, chunksize=chunksize, timeout=timeout))
+
     def _shutdown(self) -> None:
         self.pool.shutdown(wait=True)
 
@@ -390,6 +409,11 @@ class ExecutorSystem(System):
 
     def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: float) -> list[Any]:
         return list(self.pool.map(fn, *iterables, timeout=timeout))
+
+    def map_chunked(
+        self, fn: Callable[..., Any], items: list[Any], chunksize: int, timeout: float
+    ) -> list[Any]:
+        return list(self.pool.map(fn, items, chunksize=chunksize, timeout=timeout))
 
     def _shutdown(self) -> None:
         self.pool.shutdown(wait=True)
@@ -426,6 +450,12 @@ class MpPoolSystem(System):
                 out.append(it.next(max(0.0, deadline - time.monotonic())))
             except StopIteration:
                 return out
+
+    def map_chunked(
+        self, fn: Callable[..., Any], items: list[Any], chunksize: int, timeout: float
+    ) -> list[Any]:
+        # imap() with chunks yields from a plain generator, which takes no timeout.
+        return list(self.pool.map_async(fn, items, chunksize=chunksize).get(timeout))
 
     def _shutdown(self) -> None:
         self.pool.close()
@@ -639,6 +669,64 @@ def round_trip_table(res: dict[str, Any], skipped: list[str]) -> str:
         "time/mpexec > 1.00x: mpexec is faster\n\n"
     )
     return head + table(["system", "median", "p90", "p10", "time/mpexec", "n"], rows)
+
+
+# ============================================================ small calls
+def bench_small_calls(cfg: Config, problems: list[str]) -> dict[str, Any]:
+    """Many trivial calls through ``map``: one task per call, and in chunks."""
+    systems = [cls() for cls in system_classes()]
+    items = [np.full(ROUND_TRIP_FLOATS, i, np.float64) for i in range(cfg.small_calls)]
+    alone = items[: max(1, cfg.small_calls // 10)]  # one task per call: slow, so fewer
+    runs = [(s, SMALL_CHUNK, items) for s in systems]
+    runs.insert(1, (systems[0], 1, alone))  # mpexec without chunks, for the contrast
+    samples: dict[tuple[str, int], list[float]] = {(s.key, cs): [] for s, cs, _ in runs}
+
+    def once(s: System, chunksize: int, xs: list[Any], out: list[float] | None) -> None:
+        t0 = time.perf_counter_ns()
+        got = s.map_chunked(echo, xs, chunksize, OP_S)
+        dt = time.perf_counter_ns() - t0
+        if out is not None:
+            out.append(dt / 1e3 / len(xs))
+        if len(got) != len(xs) or any(float(g[0]) != i for i, g in enumerate(got)):
+            raise RuntimeError(f"{s.label}: map(chunksize={chunksize}) gave wrong results")
+
+    with running(systems, cfg.deadline_s, "small calls", problems):
+        for s, cs, xs in runs:
+            once(s, cs, xs[: len(xs) // 4], None)  # warm-up
+        for r in range(cfg.small_rounds):
+            for s, cs, xs in rotated(runs, r):
+                once(s, cs, xs, samples[s.key, cs])
+            log(f"  small calls: round {r + 1}/{cfg.small_rounds}")
+    base = float(np.median(samples["mpexec", SMALL_CHUNK]))
+    rows = []
+    for s, cs, xs in runs:
+        st = stats(samples[s.key, cs])
+        st["vs_mpexec"] = st["median"] / base
+        rows.append({"key": s.key, "label": s.label, "chunksize": cs, "calls": len(xs), "us": st})
+    return {"payload": f"{ROUND_TRIP_FLOATS} float64 ndarray", "rows": rows}
+
+
+def small_calls_table(res: dict[str, Any], skipped: list[str]) -> str:
+    rows = [
+        [
+            row["label"],
+            str(row["chunksize"]),
+            fmt_time(row["us"]["median"]),
+            fmt_time(row["us"]["p10"]),
+            fmt_time(row["us"]["p90"]),
+            f"{row['us']['vs_mpexec']:.2f}x",
+            str(row["calls"]),
+        ]
+        for row in res["rows"]
+    ]
+    rows.extend([label, "", "skipped", "", "", "", ""] for label in skipped)
+    head = (
+        f"Many small calls through map (echo of a {res['payload']}, each call its own array); "
+        f"time per call, median over interleaved rounds\n"
+        f"time/mpexec > 1.00x: mpexec with chunksize={SMALL_CHUNK} is faster\n\n"
+    )
+    cols = ["system", "chunksize", "per call", "p10", "p90", "time/mpexec", "calls per map"]
+    return head + table(cols, rows)
 
 
 # ============================================================ array
@@ -1160,10 +1248,12 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     }
     gc.collect()
     baseline, fds_before = _descendants(), _open_fds()
-    rt = ar = au = None
+    rt = sc = ar = au = None
     load: dict[str, Any] = {}  # CPU used by other processes, per section
     with _section("round trip", errors, load):
         rt = bench_round_trip(cfg, problems)
+    with _section("small calls", errors, load):
+        sc = bench_small_calls(cfg, problems)
     with _section("array", errors, load):
         ar = bench_array(cfg, problems)
     with _section("augment", errors, load):
@@ -1172,6 +1262,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     problems.extend(hyg.pop("problems"))
     result.update(
         round_trip=rt,
+        small_calls=sc,
         array=ar,
         augment=au,
         skipped={"loky": env["loky_skipped"]} if env["loky_skipped"] else {},
@@ -1209,6 +1300,8 @@ def report(result: dict[str, Any]) -> str:
     )
     if result["round_trip"] is not None:
         parts.append(round_trip_table(result["round_trip"], skipped))
+    if result.get("small_calls") is not None:
+        parts.append(small_calls_table(result["small_calls"], skipped))
     if result["array"] is not None:
         parts.append(array_table(result["array"], skipped))
     if result["augment"] is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import itertools
 import os
 import pickle
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -402,7 +403,7 @@ class WorkerPool(Executor):
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
                 # encode when a worker frees up.
-                _check_picklable(fn, args, kwargs, self._arena)
+                _check_picklable(fn, args, kwargs, self._arena, self._known_function(fn))
                 state.pending.append(task)
                 if slot is not None:
                     _dispatch_pending(state, weakref.ref(self))
@@ -451,7 +452,11 @@ class WorkerPool(Executor):
             records.append(_worker.spill(FORGET, body, arena, slot.arg_releases))
             slot.forget.clear()
         if fn_id not in slot.fns:
-            body = _codec.dump_value(task.fn)
+            try:
+                body = _codec.dump_value(task.fn)
+            except SerializationError:
+                self._forget_function(task.fn)
+                raise
             records.append(_worker.spill(FUNC, body, arena, slot.arg_releases, fn_id=fn_id))
         enc = _codec.encode_call(task.args, task.kwargs, arena, slot.arg_releases, self._inline_max)
         records.append(_worker.spill(CALL, enc.data, arena, slot.arg_releases, task.task_id, fn_id))
@@ -475,6 +480,17 @@ class WorkerPool(Executor):
             task.future.set_running_or_notify_cancel()
         if self.timeout is not None:
             state.poke()  # the manager sleeps until the earliest deadline
+
+    def _known_function(self, fn: Callable[..., Any]) -> bool:
+        """Whether ``fn`` pickled before (a function keeps its id only if it did)."""
+        try:
+            return fn in self._state.fn_ids
+        except TypeError:  # unhashable
+            return False
+
+    def _forget_function(self, fn: Callable[..., Any]) -> None:
+        with contextlib.suppress(TypeError):
+            self._state.fn_ids.pop(fn, None)
 
     def _function_id(self, fn: Callable[..., Any]) -> int:
         state = self._state
@@ -509,13 +525,25 @@ class WorkerPool(Executor):
 
         ``prefetch`` defaults to twice the number of workers; ``ordered=False``
         yields results as they complete. ``timeout`` bounds the whole map.
-        ``chunksize`` is accepted for compatibility and ignored: calls are cheap.
+        ``chunksize`` > 1 sends the calls in chunks of that many, one task per
+        chunk: for many tiny calls, far less overhead per call. Then
+        ``prefetch`` counts chunks, a chunk is one call for the pool's
+        ``timeout``, and an exception in a call fails its whole chunk (the
+        chunk's other results are not yielded), as in ``ProcessPoolExecutor``.
         """
-        del chunksize
+        if type(chunksize) is not int or chunksize < 1:
+            raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
         limit = max(1, prefetch or 2 * max(1, self.num_workers))
         deadline = None if timeout is None else time.monotonic() + timeout
         calls = zip(*iterables, strict=False)
-        return _map_results(self, fn, calls, limit, deadline, ordered)
+        if chunksize == 1:
+            return _map_results(self, fn, calls, limit, deadline, ordered)
+        if not self._inline:
+            _codec.dump_value(fn)  # name the function, not the wrapper, if it cannot pickle
+        chunks = iter(lambda: (tuple(itertools.islice(calls, chunksize)),), ((),))
+        # One wrapper per map(): the workers receive and cache it once.
+        run = functools.partial(_run_chunk, fn)
+        return _flatten(_map_results(self, run, chunks, limit, deadline, ordered))
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
         """A new array in the pool's shared memory: it reaches workers without a copy."""
@@ -590,9 +618,10 @@ class _Unhashable:
 
 
 def _check_picklable(
-    fn: Callable[..., Any], args: Any, kwargs: Any, arena: shm.Arena | None
+    fn: Callable[..., Any], args: Any, kwargs: Any, arena: shm.Arena | None, fn_known: bool
 ) -> None:
-    _codec.dump_value(fn)
+    if not fn_known:  # pickling a function again costs as much as a small call
+        _codec.dump_value(fn)
     # Arrays are not copied: nothing is shared, only checked.
     _codec.encode_call(args, kwargs, None, None, inline_max=-1, owner=arena)
 
@@ -614,6 +643,19 @@ def _readonly(value: Any) -> Any:
     return value
 
 
+def _run_chunk(fn: Callable[..., T], calls: tuple[tuple[Any, ...], ...]) -> list[T]:
+    """A chunk of ``map(chunksize=...)``, run in a worker."""
+    return [fn(*call) for call in calls]
+
+
+def _flatten(chunks: Generator[list[T], None, None]) -> Iterator[T]:
+    try:
+        for results in chunks:
+            yield from results
+    finally:
+        chunks.close()  # now, not when collected: it cancels the chunks in flight
+
+
 def _map_results(
     pool: WorkerPool,
     fn: Callable[..., T],
@@ -621,7 +663,7 @@ def _map_results(
     limit: int,
     deadline: float | None,
     ordered: bool,
-) -> Iterator[T]:
+) -> Generator[T, None, None]:
     from concurrent.futures import FIRST_COMPLETED
     from concurrent.futures import wait as wait_futures
 

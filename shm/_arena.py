@@ -36,6 +36,7 @@ release then goes back to the owner. A proxy has no bytes here.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import secrets
 import threading
@@ -193,7 +194,9 @@ class Arena:
         shp = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if dt.hasobject:
             check_shareable(np.empty(0, dt))
-        nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
+        if shp and min(shp) < 0:
+            raise ValueError(f"negative dimensions are not allowed: {shp}")
+        nbytes = math.prod(shp) * dt.itemsize  # np.prod costs 30x more, on every allocation
         if nbytes == 0:
             return np.empty(shp, dt)
         alloc = self._allocate(nbytes, tag)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import os
 import pickle
 import struct
@@ -80,7 +81,7 @@ class ArrayDescriptor:
     @property
     def size_bytes(self) -> int:
         """Bytes of the array's data (not of the whole allocation)."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def pack(self) -> bytes:
         """A compact encoding (about 100 bytes) for ring records; see :meth:`unpack`.

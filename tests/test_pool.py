@@ -387,6 +387,60 @@ def test_map_ordered_unordered_and_prefetch() -> None:
         assert list(pool.map(_square, [], timeout=T)) == []
 
 
+def _fail_at(x: int, bad: int) -> int:
+    if x == bad:
+        raise ValueError(f"bad item {x}")
+    return x * x
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_map_chunksize_gives_the_same_results(workers: int) -> None:
+    items = list(range(23))  # not a multiple of any chunk size below
+    arrays = [np.full(4, i, np.float32) for i in items]
+    with WorkerPool(workers) as pool:
+        for chunksize in (1, 2, 5, 23, 100):
+            assert list(pool.map(_square, items, chunksize=chunksize, timeout=T)) == [
+                x * x for x in items
+            ]
+            got = pool.map(_add, items, items, chunksize=chunksize, ordered=False, timeout=T)
+            assert sorted(got) == [2 * x for x in items]
+            sums = pool.map(np.sum, arrays, chunksize=chunksize, prefetch=1, timeout=T)
+            assert list(sums) == [4 * x for x in items]
+        assert list(pool.map(_square, [], chunksize=4, timeout=T)) == []
+
+
+def test_map_chunks_are_one_call_each() -> None:
+    with WorkerPool(2) as pool:
+        assert list(pool.map(_square, range(100), chunksize=10, timeout=T)) == [
+            x * x for x in range(100)
+        ]
+        assert pool.stats().submitted == 10
+
+
+def test_map_chunk_failure_fails_its_chunk_only() -> None:
+    with WorkerPool(2) as pool:
+        results = pool.map(_fail_at, range(20), [13] * 20, chunksize=5, timeout=T)
+        got = [next(results) for _ in range(10)]  # chunks [0, 5) and [5, 10)
+        assert got == [x * x for x in range(10)]
+        with pytest.raises(ValueError, match="bad item 13") as info:
+            next(results)
+        assert isinstance(info.value.__cause__, mpexec.RemoteTraceback)
+        assert "_fail_at" in str(info.value.__cause__)
+        assert list(pool.map(_square, range(3), chunksize=2, timeout=T)) == [0, 1, 4]
+
+
+@pytest.mark.parametrize("chunksize", [0, -3, 2.5, "4", True])
+def test_map_rejects_a_bad_chunksize(chunksize: Any) -> None:
+    with WorkerPool(1) as pool, pytest.raises(ValueError, match="chunksize must be an int >= 1"):
+        pool.map(_square, range(4), chunksize=chunksize)
+
+
+def test_map_chunked_names_an_unpicklable_function() -> None:
+    lock = threading.Lock()
+    with WorkerPool(1) as pool, pytest.raises(mpexec.SerializationError, match="lock"):
+        pool.map(lambda x: (lock, x), range(4), chunksize=2)
+
+
 def test_inline_pool_runs_in_caller_with_readonly_arrays() -> None:
     with WorkerPool(0) as pool:
         assert pool.pids == []
@@ -757,6 +811,29 @@ def test_unpicklable_argument_fails_in_submit_while_workers_busy(tmp_path: Path)
         assert blocked.result(T) is True
         assert [f.result(T) for f in queued] == [i * i for i in range(12)]
         assert pool.stats().submitted == 13
+
+
+def test_unpicklable_function_is_refused_whether_workers_are_busy_or_not(
+    tmp_path: Path,
+) -> None:
+    """A refused function is not remembered as sent: queued, it is checked again."""
+    gate = tmp_path / "open"
+    lock = threading.Lock()
+
+    def holds_lock(x: int) -> Any:
+        return lock, x
+
+    with WorkerPool(1) as pool:
+        with pytest.raises(mpexec.SerializationError, match="lock"):
+            pool.submit(holds_lock, 1)  # idle worker: encoded at once
+        blocked = pool.submit(_wait_for, str(gate))
+        queued = [pool.submit(_square, i) for i in range(12)]
+        assert pool.stats().pending == 13
+        with pytest.raises(mpexec.SerializationError, match="lock"):
+            pool.submit(holds_lock, 2)  # busy: checked, then queued
+        gate.touch()
+        assert blocked.result(T) is True
+        assert [f.result(T) for f in queued] == [i * i for i in range(12)]
 
 
 def test_unpicklable_result_raises_serialization_error() -> None:
