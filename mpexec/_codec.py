@@ -3,9 +3,10 @@
 Values are pickled (protocol 5), but every ndarray is pulled out of the stream
 by ``persistent_id`` and replaced by a reference:
 
-- arrays already in the sender's arena, and any larger than ``inline_max``,
-  by an :class:`shm.ArrayDescriptor` (the receiver maps the same bytes); a
-  view of another process's arena is forwarded as it is, not copied;
+- arrays already in the sender's arena (but for views of 1 KiB or less), and
+  any larger than ``inline_max``, by an :class:`shm.ArrayDescriptor` (the
+  receiver maps the same bytes); a view of another process's arena is
+  forwarded as it is, not copied;
 - small arrays by their bytes, which the receiver wraps without a copy.
 
 So tuples, lists, dicts and user objects holding arrays are walked by pickle
@@ -33,6 +34,9 @@ from ._errors import SerializationError
 
 #: Arrays up to this size travel inside the record rather than through the arena.
 INLINE_MAX = 16 << 10
+#: Arrays already in shared memory travel by descriptor, in place, unless this
+#: small: sending, opening and releasing a descriptor costs ~4x a copy of 1 KiB.
+VIEW_INLINE_MAX = 1 << 10
 
 # An array's reference is one bytes object, its kind in the last byte: pickle
 # offers every object it writes to ``persistent_id``, the parts of a reference
@@ -144,7 +148,9 @@ class _Refs:
         arena = self.arena
         if arena is None and obj.nbytes > self.inline_max:
             return _SHARED_TAG  # only checking that the rest pickles: no bytes needed
-        if arena is not None and (obj.nbytes > self.inline_max or arena.owns(obj)):
+        if arena is not None and (
+            obj.nbytes > self.inline_max or (obj.nbytes > VIEW_INLINE_MAX and arena.owns(obj))
+        ):
             # Views of other processes' arenas are forwarded, not copied.
             if not shm.in_shared_memory(obj):
                 self.bytes_copied += obj.nbytes

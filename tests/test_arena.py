@@ -106,6 +106,15 @@ def test_object_arrays_are_refused(arena: shm.Arena) -> None:
         arena.empty(3, object)
 
 
+def test_empty_refuses_negative_dimensions(arena: shm.Arena) -> None:
+    with pytest.raises(ValueError, match="negative dimensions"):
+        arena.empty((4, -1), np.float32)
+    assert arena.stats().in_use == 0
+    assert arena.empty((0, 3)).shape == (0, 3)
+    big = arena.empty((3, 1000), np.int16)  # math.prod, not np.prod: exact sizes
+    assert big.nbytes == 6000
+
+
 def test_allocation_lives_while_any_view_lives(arena: shm.Arena) -> None:
     a = arena.put(np.arange(1000, dtype=np.float64))
     tail = a[500:].reshape(10, 50).T  # derived views keep the memory

@@ -732,10 +732,16 @@ def test_put_and_empty_travel_without_copy() -> None:
         assert empty.flags.writeable
         assert pool.submit(_describe, put).result(T) == (False, "<f8", (n,), float(put.sum()))
         assert pool.submit(_describe, empty).result(T) == (False, "<f8", (n,), 2.0 * n)
-        # views of arena arrays are shared in place too, even small ones
-        assert pool.submit(_describe, put[10:20]).result(T)[3] == float(put[10:20].sum())
+        # views of arena arrays are shared in place too, down to small ones (2 KiB)
+        view = put[10:266]
+        shared = pool.stats().bytes_shared
+        assert pool.submit(_describe, view).result(T)[3] == float(view.sum())
+        assert pool.stats().bytes_shared == shared + view.nbytes
         assert pool.stats().bytes_copied == copied, "arena arrays must not be copied"
         assert pool.stats().bytes_shared >= 2 * put.nbytes
+        # ... but a tiny view rides in the record: cheaper than a descriptor
+        assert pool.submit(_describe, put[10:20]).result(T)[3] == float(put[10:20].sum())
+        assert pool.stats().bytes_shared == shared + view.nbytes
         plain = np.ones(n)
         assert pool.submit(_describe, plain).result(T)[3] == float(n)
         assert pool.stats().bytes_copied == copied + plain.nbytes

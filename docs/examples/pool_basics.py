@@ -34,6 +34,11 @@ def main() -> None:
         means = list(pool.map(np.mean, images, prefetch=4))
         print("means:", np.round(means, 1))
 
+        # Many tiny calls: 256 of them per task, so each costs a few microseconds.
+        rows = images[0].reshape(-1, 3)  # 50,176 pixels
+        peaks = list(pool.map(np.max, rows, chunksize=256))
+        assert peaks == [int(p.max()) for p in rows]
+
         # A user exception comes back as itself, with the worker's traceback as __cause__.
         try:
             pool.submit(np.reshape, images[0], (7, 7)).result(timeout=60)
