@@ -67,8 +67,11 @@ from ._worker import CALL, FAILED, FORGET, FUNC, HEADER, HELLO, OK
 
 T = TypeVar("T")
 
-_RING_CAPACITY = 64
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
+# A task takes up to three records (forget, function, call); results one each.
+# Slots are large (see RECORD_SIZE): rings hold what is in flight, with room to spare.
+_TASK_RING = 4 * _IN_FLIGHT
+_DONE_RING = 3 * _IN_FLIGHT
 _FN_CACHE = 1024  # functions kept (strongly) with their ids; older ones are forgotten
 _STOP_GRACE = 5.0  # seconds a worker gets to exit after its ring is closed
 _POLL_SECONDS = 1e-3  # how long result() polls for a quick call's result
@@ -170,8 +173,8 @@ class _Slot:
         self.generation = generation
         self.process: Any = None
         self.pid = 0
-        self.tasks = shm.Ring(_RING_CAPACITY, _worker.RECORD_SIZE)
-        self.done = shm.Ring(_RING_CAPACITY * 2 + 8, _worker.RECORD_SIZE)
+        self.tasks = shm.Ring(_TASK_RING, _worker.RECORD_SIZE)
+        self.done = shm.Ring(_DONE_RING, _worker.RECORD_SIZE)
         self.arg_releases: shm.Ring | None = None
         self.result_releases = shm.Ring(4096, shm.RELEASE_RECORD_SIZE)
         self.arena_id = 0

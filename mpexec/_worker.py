@@ -45,8 +45,11 @@ FUNC, CALL, FORGET = 1, 2, 3
 HELLO, FAILED, OK, ERROR = 10, 11, 12, 13
 SPILLED = 1
 
-#: Ring record size: a small call (a few scalars, small arrays) fits in one slot.
-RECORD_SIZE = 2048 - 4 - 60  # slot stride 2048 with the ring's length word
+#: Ring record size: a call with arrays up to the inline limit (16 KiB) fits in
+#: one slot. A record that does not is spilled through the arena, which costs
+#: 40-100 us at each end (allocation, descriptor, mapping, release), several
+#: times what the bytes cost to copy through a slot.
+RECORD_SIZE = 20 * 1024 - 4 - 60  # slot stride 20 KiB with the ring's length word
 
 
 #: How long an idle worker polls its ring before it sleeps. A sleeping process

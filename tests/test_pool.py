@@ -688,6 +688,31 @@ def test_writable_arguments_are_written_in_place(num_workers: int) -> None:
             pool.submit(_times_into, x, 2.0, out).result(T)
 
 
+def test_calls_too_big_for_a_ring_slot_go_through_the_arena() -> None:
+    """Many small arrays (inline each), a big closure: records spilled, all given back."""
+    parts = [np.full(1024, i, np.float64) for i in range(12)]  # 12 x 8 KiB inline arrays
+    table = {f"key{i}": "x" * 100 for i in range(400)}  # ~45 KiB of captured state
+
+    def lookup(arrays: list[np.ndarray[Any, Any]]) -> tuple[list[np.ndarray[Any, Any]], int]:
+        return [a * 2 for a in arrays], len(table)
+
+    with WorkerPool(1) as pool:
+        for _ in range(3):
+            doubled, n = pool.submit(lookup, parts).result(T)
+            assert n == 400
+            assert [float(d[0]) for d in doubled] == [2.0 * i for i in range(12)]
+            assert all(d.flags.writeable for d in doubled)
+        del doubled
+        gc.collect()
+
+        def drained() -> bool:
+            arena = pool.stats().arena
+            return arena.in_use == 0 and arena.exported == 0
+
+        wait_until(drained, T, "the spilled records' memory to come back")
+        assert pool.stats().bytes_shared == 0, "inline arrays: nothing shared by descriptor"
+
+
 def test_memory_held_by_a_result_comes_back_while_workers_idle() -> None:
     # A function that returns (a view of) its argument: the result holds the
     # pool's memory through the worker, which must let go of it as soon as
