@@ -231,18 +231,11 @@ class Arena:
             )
         anchor = find_anchor(arr)
         if anchor is None or not self._in_place(anchor):
-            arr = self.put(arr, tag)
-            anchor = find_anchor(arr)
-            if anchor is None:  # pragma: no cover - put() always returns a view
-                raise AssertionError("put() returned memory outside the arena")
+            return self._share_copy(arr, tag, peer)
         readonly = anchor.readonly or not arr.flags.writeable
         start = arr.__array_interface__["data"][0] - anchor.address
         with self._lock:
-            owed = None
-            if peer is not None:
-                owed = self._owed.get(id(peer))
-                if owed is None:
-                    raise ValueError("peer must be a ring made or adopted by this arena's link()")
+            owed = self._owed_by(peer)
             if anchor.arena_id == self.id:
                 alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go
             else:
@@ -264,6 +257,55 @@ class Arena:
             start=start,
             readonly=readonly,
         )
+
+    def _share_copy(
+        self, arr: np.ndarray[Any, Any], tag: str, peer: Ring | None
+    ) -> ArrayDescriptor:
+        """``share`` of memory from outside: a copy only the descriptor references.
+
+        No local view of it is made (the anchor, finalizer and release that
+        ``put`` would add cost more than copying a few KiB).
+        """
+        with self._lock:
+            self._owed_by(peer)  # a bad peer fails before anything is allocated
+        alloc = self._allocate(arr.nbytes, tag)
+        assert alloc.seg is not None
+        try:
+            copy: np.ndarray[Any, Any] = np.ndarray(
+                arr.shape, arr.dtype, buffer=alloc.seg.rw.buf, offset=alloc.offset
+            )
+            np.copyto(copy, arr, casting="no")
+        except BaseException:
+            with self._lock:
+                self._maybe_free(alloc)
+            raise
+        with self._lock:
+            owed = self._owed_by(peer)
+            alloc.exported += 1
+            self._exported += 1
+            if owed is not None:
+                owed[alloc.id] = owed.get(alloc.id, 0) + 1
+        return ArrayDescriptor(
+            arena_id=self.id,
+            alloc_id=alloc.id,
+            segment=alloc.handle,
+            offset=alloc.offset,
+            nbytes=alloc.size,
+            dtype=arr.dtype,
+            shape=arr.shape,
+            strides=copy.strides,
+            start=0,
+            readonly=False,
+        )
+
+    def _owed_by(self, peer: Ring | None) -> dict[int, int] | None:
+        """What ``peer`` holds of ours (lock held); ValueError for a foreign ring."""
+        if peer is None:
+            return None
+        owed = self._owed.get(id(peer))
+        if owed is None:
+            raise ValueError("peer must be a ring made or adopted by this arena's link()")
+        return owed
 
     def _in_place(self, anchor: Anchor) -> bool:
         """Whether views on ``anchor`` can be shared without a copy: it is a
