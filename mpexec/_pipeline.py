@@ -359,7 +359,7 @@ class Pipeline:
                 seed=self.seed,
                 timeout=self.timeout,
             )
-            self._pool._state.shared_results = True
+            self._pool._keep_results_shared()
             self._started = time.perf_counter()
             self._finalizer = weakref.finalize(self, _close_pool, self._pool)
 

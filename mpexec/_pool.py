@@ -281,6 +281,7 @@ class WorkerPool(Executor):
         self._arena: shm.Arena | None = None
         self._manager: threading.Thread | None = None
         self._finalizer: weakref.finalize[Any, WorkerPool] | None = None
+        self._ref = weakref.ref(self)  # what the manager holds: the pool can be collected
         if self._inline:
             return
         self._ctx = _context(start_method)
@@ -294,7 +295,7 @@ class WorkerPool(Executor):
             raise
         self._manager = threading.Thread(
             target=_manage,
-            args=(self._state, weakref.ref(self), timeout),
+            args=(self._state, self._ref, timeout),
             name="mpexec-pool-manager",
             daemon=True,
         )
@@ -409,7 +410,7 @@ class WorkerPool(Executor):
                 _check_picklable(fn, args, kwargs, self._arena, self._known_function(fn))
                 state.pending.append(task)
                 if slot is not None:
-                    _dispatch_pending(state, weakref.ref(self))
+                    _dispatch_pending(state, self._ref)
             else:
                 self._dispatch(task, slot)
             state.submitted += 1
@@ -425,6 +426,14 @@ class WorkerPool(Executor):
         except BaseException as exc:
             future.set_exception(exc)
         return future
+
+    def _keep_results_shared(self) -> None:
+        """Deliver results that are read-only views of shared memory as such, uncopied.
+
+        For the pipeline, whose outputs are read-only anyway; a pool's own
+        callers are promised arrays of their own.
+        """
+        self._state.shared_results = True
 
     def _check_usable(self) -> None:
         state = self._state
