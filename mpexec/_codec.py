@@ -47,7 +47,7 @@ _SHARED_TAG, _WRITABLE_TAG = bytes([_SHARED]), bytes([_WRITABLE])
 #: this tail: the meta's length and the kind. The data comes first so that the
 #: array the receiver wraps in place is aligned; metas are cached both ways, as
 #: one shape and dtype recur call after call.
-_INLINE_TAIL = struct.Struct("<HB")
+_INLINE_TAIL = struct.Struct("<IB")  # a structured dtype's pickle may pass 64 KiB
 _metas: dict[tuple[tuple[int, ...], np.dtype[Any]], bytes] = {}
 _parsed: dict[bytes, tuple[tuple[int, ...], np.dtype[Any]]] = {}
 _CACHE_MAX = 1024

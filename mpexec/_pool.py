@@ -68,9 +68,11 @@ from ._worker import CALL, FAILED, FORGET, FUNC, HEADER, HELLO, OK
 T = TypeVar("T")
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
-# A task takes up to three records (forget, function, call); results one each.
-# Slots are large (see RECORD_SIZE): rings hold what is in flight, with room to spare.
-_TASK_RING = 4 * _IN_FLIGHT
+# A task takes up to three records (forget, function, call): 24 in flight. A busy
+# worker gives freed slots back only every half ring, so it may sit on up to
+# half of them: the task ring needs 24 + 31 < 64. The manager drains the done
+# ring to empty (which returns every slot), and a worker sends one record a task.
+_TASK_RING = 64
 _DONE_RING = 3 * _IN_FLIGHT
 _FN_CACHE = 1024  # functions kept (strongly) with their ids; older ones are forgotten
 _STOP_GRACE = 5.0  # seconds a worker gets to exit after its ring is closed

@@ -267,6 +267,7 @@ class Arena:
         ``put`` would add cost more than copying a few KiB).
         """
         with self._lock:
+            self._check_open()
             self._owed_by(peer)  # a bad peer fails before anything is allocated
         alloc = self._allocate(arr.nbytes, tag)
         assert alloc.seg is not None
@@ -280,7 +281,11 @@ class Arena:
                 self._maybe_free(alloc)
             raise
         with self._lock:
-            owed = self._owed_by(peer)
+            try:
+                owed = self._owed_by(peer)  # reclaimed meanwhile: nobody will release it
+            except ValueError:
+                self._maybe_free(alloc)
+                raise
             alloc.exported += 1
             self._exported += 1
             if owed is not None:

@@ -115,6 +115,18 @@ def test_empty_refuses_negative_dimensions(arena: shm.Arena) -> None:
     assert big.nbytes == 6000
 
 
+def test_share_on_a_closed_arena_says_so() -> None:
+    arena = shm.Arena(1 << 20)
+    peer = arena.link()
+    arena.close()
+    try:
+        for p in (None, peer):
+            with pytest.raises(shm.SharedMemoryError, match="closed"):
+                arena.share(np.ones(8), peer=p)
+    finally:
+        peer.close()
+
+
 def test_allocation_lives_while_any_view_lives(arena: shm.Arena) -> None:
     a = arena.put(np.arange(1000, dtype=np.float64))
     tail = a[500:].reshape(10, 50).T  # derived views keep the memory

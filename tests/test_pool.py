@@ -8,6 +8,7 @@ import fcntl
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import select
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import psutil
 import pytest
 
 import mpexec
+import shm
 from mpexec import WorkerPool
 from tests.conftest import START_METHODS, wait_until
 
@@ -578,6 +580,17 @@ def test_small_array_round_trip() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_array_with_a_huge_structured_dtype_round_trips() -> None:
+    """A dtype whose description pickles to more than 64 KiB, on a small (inline) array."""
+    dt = np.dtype([(f"field_{i:04d}_{'x' * 30}", "u1") for i in range(1500)])
+    a = np.zeros(2, dt)
+    a[dt.names[7]] = [3, 4]
+    assert len(pickle.dumps(dt)) > 64 * KiB
+    with WorkerPool(1) as pool:
+        problems = _round_trip_problems(pool, [a])
+    assert not problems, "\n".join(problems)
+
+
 def test_large_array_round_trip() -> None:
     """The same kinds of arrays above the inline limit: through the arenas."""
     arrays = _big_arrays()
@@ -686,6 +699,28 @@ def test_writable_arguments_are_written_in_place(num_workers: int) -> None:
         # everything else still arrives read-only
         with pytest.raises(AssertionError):
             pool.submit(_times_into, x, 2.0, out).result(T)
+
+
+def test_task_ring_takes_every_record_in_flight_while_its_worker_holds_slots() -> None:
+    """Eight three-record tasks (forget, function, call) must never wait for ring space.
+
+    A busy worker hands freed slots back only every half ring, so the ring must
+    hold what may be in flight plus what the worker sits on.
+    """
+    from mpexec import _pool
+
+    ring = shm.Ring(_pool._TASK_RING, 64)
+    try:
+        # The worker takes tasks one by one, always finding the next: it never
+        # sleeps, so it returns no slot until it has freed half the ring.
+        freed = 0
+        while freed + 3 < _pool._TASK_RING // 2:
+            ring.push_many([b"forget", b"function", b"call"])
+            freed += len(ring.pop_many())
+        in_flight = [b"record"] * (3 * _pool._IN_FLIGHT)
+        assert all(ring.try_push(r) for r in in_flight), "submit() would block on a busy worker"
+    finally:
+        ring.close()
 
 
 def test_calls_too_big_for_a_ring_slot_go_through_the_arena() -> None:
@@ -1170,6 +1205,7 @@ def test_dropped_pool_stops_its_workers() -> None:
 _CHILD = """
 import sys, time
 from mpexec import WorkerPool
+import shm
 pool = WorkerPool(2, start_method=sys.argv[1])
 assert pool.submit(int, "5").result(30) == 5
 print(" ".join(map(str, pool.pids)), flush=True)
@@ -1229,6 +1265,7 @@ def _main_killed(start_method: str, backend: str) -> None:
 _CHILD_SHUTDOWN = """
 import os, sys
 from mpexec import WorkerPool
+import shm
 with WorkerPool(2, start_method=sys.argv[1]) as pool:
     assert pool.submit(int, "5").result(30) == 5
     assert len(pool.submit(bytes, 1 << 16).result(30)) == 1 << 16
