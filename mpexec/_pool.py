@@ -503,8 +503,12 @@ class WorkerPool(Executor):
             return False
 
     def _forget_function(self, fn: Callable[..., Any]) -> None:
+        """Drop ``fn`` (it no longer pickles): checked again next time, gone from workers."""
+        fn_id = None
         with contextlib.suppress(TypeError):
-            self._state.fn_ids.pop(fn, None)
+            fn_id = self._state.fn_ids.pop(fn, None)
+        if fn_id is not None:
+            _forget_everywhere(self._state, fn_id)
 
     def _function_id(self, fn: Callable[..., Any]) -> int:
         state = self._state
@@ -520,10 +524,7 @@ class WorkerPool(Executor):
         state.fn_ids[key] = fn_id
         if len(state.fn_ids) > _FN_CACHE:
             _, old = state.fn_ids.popitem(last=False)
-            for slot in state.slots:
-                if old in slot.fns:
-                    slot.fns.discard(old)
-                    slot.forget.append(old)
+            _forget_everywhere(state, old)
         return fn_id
 
     def map(
@@ -622,6 +623,14 @@ class WorkerPool(Executor):
         state = self._state
         status = "broken" if state.broken else "closed" if state.closed else "running"
         return f"<WorkerPool {status} workers={self.num_workers} submitted={state.submitted}>"
+
+
+def _forget_everywhere(state: _State, fn_id: int) -> None:
+    """Workers that cached function ``fn_id`` drop it with their next task."""
+    for slot in state.slots:
+        if fn_id in slot.fns:
+            slot.fns.discard(fn_id)
+            slot.forget.append(fn_id)
 
 
 class _Unhashable:

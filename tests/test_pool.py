@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import gc
 import multiprocessing as mp
 import os
@@ -721,6 +722,29 @@ def test_task_ring_takes_every_record_in_flight_while_its_worker_holds_slots() -
         assert all(ring.try_push(r) for r in in_flight), "submit() would block on a busy worker"
     finally:
         ring.close()
+
+
+def _cached_functions() -> int:
+    """How many functions this worker holds (its _Worker's cache)."""
+    workers = [o for o in gc.get_objects() if type(o).__name__ == "_Worker"]
+    assert len(workers) == 1
+    return len(workers[0].fns)
+
+
+def test_function_cache_is_bounded_and_evicted_functions_come_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mpexec import _pool
+
+    monkeypatch.setattr(_pool, "_FN_CACHE", 4)
+    adders = [functools.partial(_add, i) for i in range(12)]
+    with WorkerPool(1) as pool:
+        for _ in range(2):  # the second time round, every one was evicted
+            assert [pool.submit(f, 100).result(T) for f in adders] == [i + 100 for i in range(12)]
+        # the worker dropped evicted functions (sent with the next tasks): 4 kept,
+        # plus _cached_functions itself, plus at most the one just evicted for it
+        assert pool.submit(_cached_functions).result(T) <= 4 + 2
+        assert len(pool._state.fn_ids) <= 4
 
 
 def test_calls_too_big_for_a_ring_slot_go_through_the_arena() -> None:
