@@ -122,16 +122,24 @@ def writable(array: np.ndarray[Any, Any]) -> Writable:
     return Writable(array)
 
 
-class _Refs:
-    """What one encoding shared, so that a failed encoding can give it back."""
+class _Refs(pickle.Pickler):
+    """Pickles a value with its arrays by reference; what it shared, to give back.
+
+    The pickler and the references are one object so that pickle's call to
+    ``persistent_id``, made for every object it writes, is one Python call.
+    (Binding a function to a plain pickler's ``persistent_id`` is refused from
+    Python 3.13 on.)
+    """
 
     def __init__(
         self,
+        file: io.BytesIO,
         arena: shm.Arena | None,
         peer: shm.Ring | None,
         inline_max: int,
         owner: shm.Arena | None = None,
     ) -> None:
+        super().__init__(file, protocol=5)
         self.arena = arena
         self.owner = owner or arena  # where writable() arrays must live
         self.peer = peer
@@ -206,11 +214,15 @@ def _load_ref(writable: bool, shared_ok: bool, pid: bytes) -> Any:
     return arr
 
 
-# Bound once: the C (un)pickler calls an instance's own persistent_id /
-# persistent_load attribute directly, with no Python subclass in the way.
-_LOADERS = {
-    (w, ok): functools.partial(_load_ref, w, ok) for w in (False, True) for ok in (False, True)
-}
+def _unpickler(writable: bool, shared_ok: bool) -> type[pickle.Unpickler]:
+    # A class attribute, not an instance's: Python 3.13 makes the latter read-only.
+    class Unpickler(pickle.Unpickler):
+        persistent_load = staticmethod(functools.partial(_load_ref, writable, shared_ok))
+
+    return Unpickler
+
+
+_UNPICKLERS = {(w, ok): _unpickler(w, ok) for w in (False, True) for ok in (False, True)}
 
 
 class Encoded:
@@ -261,12 +273,10 @@ def encode(
     ``parts(value)``: the pieces of ``value`` and their names, where a failure
     is looked for first (default: ``value`` itself, named ``what``).
     """
-    refs = _Refs(arena, peer, inline_max, owner)
     buf = io.BytesIO()
+    refs = _Refs(buf, arena, peer, inline_max, owner)
     try:
-        pickler = pickle.Pickler(buf, protocol=5)
-        pickler.persistent_id = refs.persistent_id  # type: ignore[method-assign]
-        pickler.dump(value)
+        refs.dump(value)
     except SerializationError:  # ours, naming the problem already
         refs.undo()
         raise
@@ -289,9 +299,7 @@ def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = F
     ``writable`` arrays that arrive as read-only shared views (forwarded) are
     copied, unless ``shared_ok`` says read-only views will do.
     """
-    unpickler = pickle.Unpickler(io.BytesIO(data))
-    unpickler.persistent_load = _LOADERS[writable, shared_ok]  # type: ignore[method-assign]
-    return unpickler.load()
+    return _UNPICKLERS[writable, shared_ok](io.BytesIO(data)).load()
 
 
 def dump_value(value: Any, what: str = "function") -> bytes:
@@ -304,7 +312,7 @@ def dump_value(value: Any, what: str = "function") -> bytes:
 
 def _picklable(obj: Any) -> bool:
     try:
-        _CloudPickler(io.BytesIO(), _Refs(None, None, -1)).dump(obj)
+        _CloudPickler(io.BytesIO(), _Refs(io.BytesIO(), None, None, -1)).dump(obj)
     except Exception:
         return False
     return True

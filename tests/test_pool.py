@@ -581,6 +581,26 @@ def test_small_array_round_trip() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_plain_values_never_fall_back_to_cloudpickle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arrays, containers and numbers go through the fast C pickler on every Python."""
+    from mpexec import _codec
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("encoding fell back to cloudpickle")
+
+    monkeypatch.setattr(_codec, "_CloudPickler", refuse)
+    value = ((np.arange(5), [np.zeros((2, 3), np.float32), 7]), {"k": (np.ones(2), "s")})
+    enc = _codec.encode(value, None, None)
+    for writable in (False, True):
+        (a, (b, n)), kw = _codec.decode(enc.data, writable)
+        assert a.tolist() == [0, 1, 2, 3, 4]
+        assert b.shape == (2, 3)
+        assert n == 7
+        assert kw["k"][0].tolist() == [1.0, 1.0]
+        assert kw["k"][1] == "s"
+        assert a.flags.writeable == writable
+
+
 def test_array_with_a_huge_structured_dtype_round_trips() -> None:
     """A dtype whose description pickles to more than 64 KiB, on a small (inline) array."""
     dt = np.dtype([(f"field_{i:04d}_{'x' * 30}", "u1") for i in range(1500)])
