@@ -240,23 +240,9 @@ class Arena:
                 alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go
             else:
                 alloc = self._proxy(anchor, tag)
-            alloc.exported += 1
-            self._exported += 1
-            if owed is not None:
-                owed[alloc.id] = owed.get(alloc.id, 0) + 1
+            desc = self._export(alloc, owed, arr, start, readonly)
         self._drain_deferred()
-        return ArrayDescriptor(
-            arena_id=self.id,
-            alloc_id=alloc.id,
-            segment=alloc.handle,
-            offset=alloc.offset,
-            nbytes=alloc.size,
-            dtype=arr.dtype,
-            shape=arr.shape,
-            strides=arr.strides,
-            start=start,
-            readonly=readonly,
-        )
+        return desc
 
     def _share_copy(
         self, arr: np.ndarray[Any, Any], tag: str, peer: Ring | None
@@ -286,21 +272,32 @@ class Arena:
             except ValueError:
                 self._maybe_free(alloc)
                 raise
-            alloc.exported += 1
-            self._exported += 1
-            if owed is not None:
-                owed[alloc.id] = owed.get(alloc.id, 0) + 1
+            return self._export(alloc, owed, copy, 0, readonly=False)
+
+    def _export(
+        self,
+        alloc: _Alloc,
+        owed: dict[int, int] | None,
+        view: np.ndarray[Any, Any],
+        start: int,
+        readonly: bool,
+    ) -> ArrayDescriptor:
+        """Count a reference to ``alloc`` going out (lock held); the descriptor of ``view``."""
+        alloc.exported += 1
+        self._exported += 1
+        if owed is not None:
+            owed[alloc.id] = owed.get(alloc.id, 0) + 1
         return ArrayDescriptor(
             arena_id=self.id,
             alloc_id=alloc.id,
             segment=alloc.handle,
             offset=alloc.offset,
             nbytes=alloc.size,
-            dtype=arr.dtype,
-            shape=arr.shape,
-            strides=copy.strides,
-            start=0,
-            readonly=False,
+            dtype=view.dtype,
+            shape=view.shape,
+            strides=view.strides,
+            start=start,
+            readonly=readonly,
         )
 
     def _owed_by(self, peer: Ring | None) -> dict[int, int] | None:
