@@ -65,10 +65,7 @@ def _inline_ref(array: np.ndarray[Any, Any]) -> bytes:
 
 
 def _meta(shape: tuple[int, ...], dtype: np.dtype[Any]) -> bytes:
-    # ``dtype.str`` loses field names, offsets and sub-array shapes: pickle those.
-    simple = dtype.fields is None and dtype.subdtype is None and np.dtype(dtype.str) == dtype
-    code = b"s" + dtype.str.encode() if simple else b"p" + pickle.dumps(dtype, protocol=5)
-    return struct.pack(f"<B{len(shape)}q", len(shape), *shape) + code
+    return struct.pack(f"<B{len(shape)}q", len(shape), *shape) + shm.dtype_code(dtype)
 
 
 def _inline_array(ref: bytes, writable: bool) -> np.ndarray[Any, Any]:
@@ -79,9 +76,7 @@ def _inline_array(ref: bytes, writable: bool) -> np.ndarray[Any, Any]:
     parsed = _parsed.get(meta)
     if parsed is None:
         nd = meta[0]
-        code = meta[1 + 8 * nd :]
-        dtype = np.dtype(code[1:].decode()) if code[:1] == b"s" else pickle.loads(code[1:])
-        parsed = struct.unpack_from(f"<{nd}q", meta, 1), dtype
+        parsed = struct.unpack_from(f"<{nd}q", meta, 1), shm.dtype_from_code(meta[1 + 8 * nd :])
         if len(_parsed) < _CACHE_MAX:
             _parsed[meta] = parsed
     shape, dtype = parsed

@@ -31,6 +31,8 @@ from ._segment import Segment, SegmentHandle, reap_orphans
 from ._views import (
     RELEASE_RECORD_SIZE,
     ArrayDescriptor,
+    dtype_code,
+    dtype_from_code,
     flush_releases,
     in_shared_memory,
     open_array,
@@ -55,6 +57,8 @@ __all__ = [
     "Segment",
     "SegmentHandle",
     "SharedMemoryError",
+    "dtype_code",
+    "dtype_from_code",
     "flush_releases",
     "in_shared_memory",
     "open_array",

@@ -91,7 +91,9 @@ class ArrayDescriptor:
         """
         seg = self.segment
         name = seg.name.encode() if seg is not None and seg.name else b""
-        dt = _encode_dtype(self.dtype)
+        dt = dtype_code(self.dtype)
+        if len(dt) > 0xFFFF:
+            raise ValueError(f"dtype {self.dtype} is too complex to describe in a descriptor")
         nd = len(self.shape)
         head = _DESC_HEAD.pack(
             self.arena_id,
@@ -123,7 +125,7 @@ class ArrayDescriptor:
         pos = _DESC_HEAD.size
         dims = struct.unpack_from(f"<{nd + ns}q", data, pos)
         pos += 8 * (nd + ns)
-        dtype = _decode_dtype(bytes(data[pos : pos + nt]))
+        dtype = dtype_from_code(bytes(data[pos : pos + nt]))
         pos += nt
         segment = None
         if backend != _NO_SEGMENT:
@@ -145,20 +147,24 @@ _dtype_codes: dict[np.dtype[Any], bytes] = {}
 _code_dtypes: dict[bytes, np.dtype[Any]] = {}
 
 
-def _encode_dtype(dtype: np.dtype[Any]) -> bytes:
+def dtype_code(dtype: np.dtype[Any]) -> bytes:
+    """A compact bytes code for ``dtype`` (cached): its type string, or its pickle.
+
+    :func:`dtype_from_code` turns it back. Descriptors carry dtypes this way;
+    so can anything else that ships arrays between processes.
+    """
     code = _dtype_codes.get(dtype)
     if code is None:
         # ``dtype.str`` loses field names, offsets and sub-array shapes: pickle those.
         simple = dtype.fields is None and dtype.subdtype is None and np.dtype(dtype.str) == dtype
         code = b"s" + dtype.str.encode() if simple else b"p" + pickle.dumps(dtype)
-        if len(code) > 0xFFFF:
-            raise ValueError(f"dtype {dtype} is too complex to describe in a descriptor")
         if len(_dtype_codes) < 1024:
             _dtype_codes[dtype] = code
     return code
 
 
-def _decode_dtype(code: bytes) -> np.dtype[Any]:
+def dtype_from_code(code: bytes) -> np.dtype[Any]:
+    """The dtype :func:`dtype_code` encoded (cached)."""
     dtype = _code_dtypes.get(code)
     if dtype is None:
         dtype = np.dtype(code[1:].decode()) if code[:1] == b"s" else pickle.loads(code[1:])

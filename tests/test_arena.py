@@ -127,6 +127,31 @@ def test_share_on_a_closed_arena_says_so() -> None:
         peer.close()
 
 
+def test_dtype_codes_round_trip_and_bound_descriptors(arena: shm.Arena) -> None:
+    dtypes = [
+        np.dtype("<f8"),
+        np.dtype(">i2"),
+        np.dtype("U7"),
+        np.dtype("datetime64[ms]"),
+        np.dtype([("x", "<f4"), ("v", "<i2", (2,))]),
+    ]
+    for dt in dtypes:
+        code = shm.dtype_code(dt)
+        assert shm.dtype_code(dt) is code  # cached
+        back = shm.dtype_from_code(code)
+        assert back == dt
+        assert back.names == dt.names
+    # Any size of code for the caller; a descriptor has 16 bits for it.
+    huge = np.dtype([(f"field_{i:04d}_{'x' * 30}", "u1") for i in range(1500)])
+    assert shm.dtype_from_code(shm.dtype_code(huge)) == huge
+    desc = arena.share(np.zeros(2, huge))
+    try:
+        with pytest.raises(ValueError, match="too complex"):
+            desc.pack()
+    finally:
+        arena.unshare(desc)
+
+
 def test_allocation_lives_while_any_view_lives(arena: shm.Arena) -> None:
     a = arena.put(np.arange(1000, dtype=np.float64))
     tail = a[500:].reshape(10, 50).T  # derived views keep the memory
