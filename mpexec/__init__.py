@@ -29,9 +29,10 @@ from ._errors import (
     WorkerCrashedError,
 )
 from ._graph import DataNode
-from ._pipeline import OpStats, Pipeline, PipelineStats, pipeline_def
+from ._pipeline import Pipeline, PipelineStats, pipeline_def
 from ._pool import PoolStats, WorkerPool
 from ._runtime import BatchInfo, SampleInfo, sample_info
+from ._scheduler import OpStats
 from ._tf import default_pool, numpy_function, py_func, py_function, set_default_pool
 from ._version import __version__
 

@@ -173,17 +173,17 @@ def test_bit_identical_whatever_the_chunking(
     reference: Run, num_workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Slow ops are cut into several chunks per worker: outputs stay the same."""
-    from mpexec import _pipeline
+    from mpexec import _scheduler
 
-    monkeypatch.setattr(_pipeline, "_CHUNK_SECONDS", 1e-9)  # every op "slow": most chunks
+    monkeypatch.setattr(_scheduler, "_CHUNK_SECONDS", 1e-9)  # every op "slow": most chunks
     counts: list[int] = []
-    chunk_count = _pipeline.Pipeline._chunk_count
+    chunk_count = _scheduler.Scheduler._chunk_count
 
-    def spy(self: mpexec.Pipeline, s: Any, size: int) -> int:
+    def spy(self: _scheduler.Scheduler, s: Any, size: int) -> int:
         counts.append(chunk_count(self, s, size))
         return counts[-1]
 
-    monkeypatch.setattr(_pipeline.Pipeline, "_chunk_count", spy)
+    monkeypatch.setattr(_scheduler.Scheduler, "_chunk_count", spy)
     got = run_two_epochs(make(num_workers, 2))
     assert_identical(got, reference, f"num_workers={num_workers}, 4 chunks per worker")
     assert max(counts) == min(BATCH, 4 * num_workers)

@@ -1440,8 +1440,9 @@ def test_chained_ops_run_in_one_call_and_keep_their_identity() -> None:
         np.testing.assert_array_equal(out[0], np.full(8 * KiB, (4 + 1) * 2.0))
         del out
         stats = {s.name: s for s in pipe.stats().ops}
-        absorbed = [s.absorbed for s in pipe._ops]
-        members = [m.op.name for m in pipe._ops[3].members]
+        assert pipe._scheduler is not None
+        absorbed = [s.absorbed for s in pipe._scheduler.ops]
+        members = [m.op.name for m in pipe._scheduler.ops[3].members]
     # The per-sample source heads the chain: one round trip per chunk in all.
     assert absorbed == [True, True, True, False]
     assert members == ["src", "a", "b", "c"]
