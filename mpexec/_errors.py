@@ -9,6 +9,8 @@
     ├── TaskTimeoutError           (also TimeoutError) a call ran past its limit
     ├── SerializationError         a function, argument or result cannot be pickled
     ├── OpOutputError              (also ValueError) an op returned what it may not
+    ├── GpuUnavailableError        (also RuntimeError) device='gpu' without CuPy, driver or device
+    ├── GpuError                   (also RuntimeError) the GPU stage itself failed (copy, close)
     └── InputMutatedError          (also RuntimeError) debug mode: a function wrote to an input
 
 "Something outside broke it" (:class:`BrokenPoolError`) is kept apart from "you
@@ -76,6 +78,19 @@ class OpOutputError(MpexecError, ValueError):
     """An op's function returned something its declaration does not allow."""
 
 
+class GpuUnavailableError(MpexecError, RuntimeError):
+    """A GPU op was defined where CuPy, a CUDA driver or the device is missing."""
+
+
+class GpuError(MpexecError, RuntimeError):
+    """The GPU stage failed outside a user function (a copy, a registration, close).
+
+    A CUDA error or device out-of-memory raised *inside* a user function is
+    re-raised as its own type (CuPy's), with the op and sample attached, as any
+    user exception is.
+    """
+
+
 class InputMutatedError(MpexecError, RuntimeError):
     """``debug=True`` found an input whose bytes a function changed in place."""
 
@@ -108,6 +123,8 @@ for _cls in (
     SerializationError,
     OpOutputError,
     InputMutatedError,
+    GpuUnavailableError,
+    GpuError,
     RemoteTraceback,
 ):
     _cls.__module__ = "mpexec"

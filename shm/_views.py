@@ -236,6 +236,20 @@ def in_shared_memory(array: Any) -> bool:
     return isinstance(array, np.ndarray) and find_anchor(array) is not None
 
 
+def segment_of(array: Any) -> Segment | None:
+    """The mapped segment under an arena view; None for any other array.
+
+    The whole mapping, so that a consumer can act on it once (a GPU stage
+    page-locks it in place with ``cudaHostRegister``); it stays mapped for as
+    long as the caller holds it or any view of it.
+    """
+    if not isinstance(array, np.ndarray):
+        return None
+    anchor = find_anchor(array)
+    keep = anchor.keep if anchor is not None else None
+    return keep if isinstance(keep, Segment) else None
+
+
 def check_shareable(array: np.ndarray[Any, Any]) -> None:
     if array.dtype.hasobject:
         raise TypeError(
