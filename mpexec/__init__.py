@@ -19,6 +19,8 @@ from ._batch import Batch
 from ._codec import writable
 from ._errors import (
     BrokenPoolError,
+    GpuError,
+    GpuUnavailableError,
     InputMutatedError,
     MpexecError,
     OpOutputError,
@@ -41,6 +43,8 @@ __all__ = [
     "BatchInfo",
     "BrokenPoolError",
     "DataNode",
+    "GpuError",
+    "GpuUnavailableError",
     "InputMutatedError",
     "MpexecError",
     "OpOutputError",

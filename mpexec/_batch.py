@@ -50,6 +50,11 @@ class Batch(Sequence[Any]):
 
     # ------------------------------------------------------------ properties
     @property
+    def device(self) -> str:
+        """Where the samples live: ``"cpu"`` (NumPy) or ``"gpu"`` (CuPy)."""
+        return "cpu"
+
+    @property
     def dtype(self) -> np.dtype[Any] | None:
         """The samples' dtype (the same for every sample), None if empty."""
         return self._samples[0].dtype if self._samples else None

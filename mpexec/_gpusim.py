@@ -103,9 +103,14 @@ class Stream:
         self.null = null
         self.non_blocking = non_blocking
         Stream._next_ptr += 0x10
-        self.ptr = 0 if null else Stream._next_ptr
+        self._ptr = 0 if null else Stream._next_ptr
         self._queue: deque[_Item] = deque()
-        self._sim._streams[self.ptr] = self
+        self._sim._streams[self._ptr] = self
+
+    @property
+    def ptr(self) -> int:
+        """The ``cudaStream_t`` as an integer (0 for the legacy default stream)."""
+        return self._ptr
 
     # -------------------------------------------------------------- queueing
     def _enqueue(self, item: _Item) -> None:
@@ -171,7 +176,7 @@ class ExternalStream(Stream):
         super().__init__(null=ptr == 0)
         if known is not None:  # the same underlying stream: share its queue
             self._queue = known._queue
-        self.ptr = ptr
+        self._ptr = ptr
         sim._streams.setdefault(ptr, self)
 
 
