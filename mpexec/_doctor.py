@@ -48,6 +48,16 @@ class GpuReport:
     device_names: tuple[str, ...]
     #: Why the CUDA runtime could not be queried (None when it could).
     cuda_error: str | None
+    #: CUDA driver and runtime versions (e.g. 12040), None when unknown.
+    driver_version: int | None = None
+    runtime_version: int | None = None
+    #: Whether cudaHostRegister page-locks shared memory in place (None: not tried).
+    host_register: bool | None = None
+    #: Why host registration failed, when it did.
+    host_register_error: str | None = None
+    #: Host-to-device bandwidth in GB/s, by kind of host memory (registered shared
+    #: memory, pinned, pageable); empty without a device.
+    h2d_gbps: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,12 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def gpu_report() -> GpuReport:
-    """Probe CuPy and the CUDA runtime; never raises."""
+def gpu_report(*, measure: bool = False) -> GpuReport:
+    """Probe CuPy and the CUDA runtime; never raises.
+
+    ``measure=True`` (the doctor command) also tries host registration of a
+    shared-memory segment and times host-to-device copies, when a device is there.
+    """
     with warnings.catch_warnings():
         # CuPy warns at import about CUDA paths it cannot find; the report says it better.
         warnings.simplefilter("ignore")
@@ -133,14 +147,35 @@ def gpu_report() -> GpuReport:
         except Exception as exc:  # ImportError, or CUDA libraries that fail to load
             return GpuReport(None, _describe(exc), 0, (), None)
         version = str(cupy.__version__)
+        runtime = _version_of(cupy.cuda.runtime, "runtimeGetVersion")
+        driver = _version_of(cupy.cuda.runtime, "driverGetVersion")
         try:
             count = int(cupy.cuda.runtime.getDeviceCount())
             names = tuple(
                 _device_name(cupy.cuda.runtime.getDeviceProperties(i)) for i in range(count)
             )
         except Exception as exc:  # CUDARuntimeError without a driver or a device
-            return GpuReport(version, None, 0, (), _describe(exc))
-    return GpuReport(version, None, count, names, None)
+            return GpuReport(version, None, 0, (), _describe(exc), driver, runtime)
+    report = GpuReport(version, None, count, names, None, driver, runtime)
+    if measure and count:
+        from ._gpu import measure_h2d, probe_host_register
+
+        ok, error = probe_host_register(cupy)
+        try:
+            bandwidth = tuple(measure_h2d(cupy).items())
+        except Exception as exc:  # report, never raise
+            bandwidth, error = (), error or _describe(exc)
+        report = dataclasses.replace(
+            report, host_register=ok, host_register_error=error, h2d_gbps=bandwidth
+        )
+    return report
+
+
+def _version_of(runtime: object, name: str) -> int | None:
+    try:
+        return int(getattr(runtime, name)())
+    except Exception:  # no driver: the version is unknown, and the report says why
+        return None
 
 
 def _device_name(props: object) -> str:
@@ -173,7 +208,7 @@ def _notes(
     return tuple(notes)
 
 
-def collect() -> DoctorReport:
+def collect(*, measure: bool = True) -> DoctorReport:
     """Gather the report; only the shared-memory probe can record an error."""
     shm_info: PlatformInfo | None
     shm_error: str | None = None
@@ -197,7 +232,7 @@ def collect() -> DoctorReport:
         cpu_quota=quota,
         shm=shm_info,
         shm_error=shm_error,
-        gpu=gpu_report(),
+        gpu=gpu_report(measure=measure),
         notes=_notes(shm_info, start_method, cpus, quota),
     )
 
@@ -247,16 +282,33 @@ def format_report(report: DoctorReport) -> str:
         lines.append(f"  cupy          not importable ({gpu.cupy_error})")
     else:
         lines.append(f"  cupy          {gpu.cupy_version}")
+    if gpu.cupy_version is not None:
+        lines.append(
+            f"  cuda          driver {_cuda_version(gpu.driver_version)}, "
+            f"runtime {_cuda_version(gpu.runtime_version)}"
+        )
     if gpu.cuda_error is not None:
         lines.append(f"  cuda devices  none ({gpu.cuda_error})")
     elif gpu.cuda_devices:
         lines.append(f"  cuda devices  {gpu.cuda_devices}: {', '.join(gpu.device_names)}")
     else:
         lines.append("  cuda devices  none")
+    if gpu.host_register is not None:
+        how = "yes" if gpu.host_register else f"no ({gpu.host_register_error}); copies are staged"
+        lines.append(f"  host register {how}")
+    if gpu.h2d_gbps:
+        rates = ", ".join(f"{kind} {gbps:.1f}" for kind, gbps in gpu.h2d_gbps)
+        lines.append(f"  H2D GB/s      {rates}")
     if report.notes:
         lines.append("notes")
         lines += [f"  - {note}" for note in report.notes]
     return "\n".join(lines)
+
+
+def _cuda_version(v: int | None) -> str:
+    if v is None:
+        return "unknown"
+    return "none" if v == 0 else f"{v // 1000}.{v % 1000 // 10}"
 
 
 def run_doctor(*, as_json: bool = False) -> int:

@@ -75,6 +75,8 @@ CUPY_NAMES = (
     "cuda.runtime.memcpyAsync",
     "cuda.runtime.memcpyDeviceToHost",
     "cuda.runtime.memcpyHostToDevice",
+    "cuda.runtime.driverGetVersion",  # the doctor's
+    "cuda.runtime.runtimeGetVersion",  # the doctor's
     "empty",
     "from_dlpack",
     "ndarray",
@@ -199,6 +201,73 @@ def pinned_array(xp: Any, nbytes: int) -> np.ndarray[Any, Any]:
     """``nbytes`` of page-locked host memory as a NumPy uint8 array (keeps it alive)."""
     mem = xp.cuda.alloc_pinned_memory(max(nbytes, 1))
     return np.asarray(_PinnedView(mem, nbytes))
+
+
+# ---------------------------------------------------------------- doctor probes
+
+
+def probe_host_register(xp: Any, nbytes: int = 1 << 21) -> tuple[bool, str | None]:
+    """Whether a shared-memory segment can be page-locked in place; (ok, why not)."""
+    seg = shm.Segment.create(nbytes, tag="mpxprobe")
+    try:
+        xp.cuda.runtime.hostRegister(seg.address, seg.size, 0)
+    except Exception as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+    else:
+        xp.cuda.runtime.hostUnregister(seg.address)
+        return True, None
+    finally:
+        seg.close()
+
+
+def measure_h2d(xp: Any, nbytes: int = 64 << 20, repeat: int = 5) -> dict[str, float]:
+    """Host-to-device GB/s (best of ``repeat``) from registered shared, pinned and pageable memory.
+
+    Each copy is one ``cudaMemcpyAsync`` on a non-blocking stream, timed to that
+    stream's synchronization.
+    """
+    import time
+
+    seg = shm.Segment.create(nbytes, tag="mpxprobe")
+    shared = np.ndarray((nbytes,), np.uint8, buffer=seg.buf)
+    shared[:] = 1
+    pinned = pinned_array(xp, nbytes)
+    pinned[:] = 1
+    pageable = np.ones(nbytes, np.uint8)
+    rt = xp.cuda.runtime
+    result: dict[str, float] = {}
+    registered = False
+    try:
+        try:
+            rt.hostRegister(seg.address, seg.size, 0)
+            registered = True
+        except rt.CUDARuntimeError:
+            pass
+        with xp.cuda.Device(0):
+            stream = xp.cuda.Stream(non_blocking=True)
+            dev = xp.empty(nbytes, np.uint8)
+            kinds = [("registered", shared)] if registered else []
+            kinds += [("pinned", pinned), ("pageable", pageable)]
+            for kind, host in kinds:
+                best = float("inf")
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    rt.memcpyAsync(
+                        int(dev.data.ptr),
+                        _address(host),
+                        nbytes,
+                        rt.memcpyHostToDevice,
+                        stream.ptr,
+                    )
+                    stream.synchronize()
+                    best = min(best, time.perf_counter() - t0)
+                result[kind] = nbytes / best / 1e9
+    finally:
+        if registered:
+            rt.hostUnregister(seg.address)
+        del shared
+        seg.close()
+    return result
 
 
 # ---------------------------------------------------------------- the stage

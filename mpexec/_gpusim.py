@@ -279,6 +279,14 @@ class _Runtime:
     def getDeviceCount(self) -> int:
         return self._sim._count()
 
+    def driverGetVersion(self) -> int:
+        if not self._sim.driver:
+            return 0  # as CUDA: no driver installed
+        return 12040
+
+    def runtimeGetVersion(self) -> int:
+        return 12040
+
     def getDeviceProperties(self, device: int) -> dict[str, Any]:
         self._sim._count()
         return {"name": b"mpexec simulated device", "totalGlobalMem": self._sim.capacity}

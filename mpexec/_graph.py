@@ -114,6 +114,7 @@ class Graph:
         self.ops: list[Op] = []
         self.outputs: tuple[DataNode, ...] = ()
         self.names: set[str] = set()
+        self.device_id: int | None = None  # the pipeline's, for GPU ops' definition checks
 
     def add(self, op: Op) -> Op:
         if op.name in self.names:

@@ -94,7 +94,7 @@ def _python_function(kind: str, inputs: tuple[Any, ...], **kw: Any) -> Any:
     num_outputs = kw["num_outputs"]
     if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 0:
         raise ValueError(f"{what}: num_outputs must be an int >= 0, not {num_outputs!r}")
-    device = _check_device(what, kw["device"])
+    device = _check_device(what, kw["device"], graph)
     seed = kw["seed"]
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < -1:
         raise ValueError(f"{what}: seed must be an int >= 0 (or -1 for derived), not {seed!r}")
@@ -166,7 +166,11 @@ def external_source(
     n: object = 1 if num_outputs is None else num_outputs
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{what}: num_outputs must be an int >= 1, not {num_outputs!r}")
-    _check_device(what, device)
+    if _check_device(what, device, graph) == "gpu":
+        raise ValueError(
+            f"{what}: device='gpu' sources are not supported; a source yields host "
+            "arrays, and a GPU op that consumes them gets them on the device"
+        )
     if cycle not in (False, True, "quiet", "no_quiet", "raise"):
         raise ValueError(f"{what}: cycle must be False, True, 'quiet' or 'raise', not {cycle!r}")
     mode = _source_mode(what, source, batch, parallel)
@@ -259,28 +263,20 @@ def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
         )
 
 
-def _check_device(what: str, device: Any) -> str:
+def _check_device(what: str, device: Any, graph: Graph | None = None) -> str:
+    """``"cpu"`` or ``"gpu"``; a GPU op is checked here, where it is defined.
+
+    No CuPy, no driver or no device is one clear error naming the op now,
+    rather than a CUDA traceback at the first iteration.
+    """
     if device == "cpu":
         return "cpu"
     if device not in ("gpu", "cuda"):
         raise ValueError(f"{what}: device must be 'cpu' or 'gpu', not {device!r}")
-    from ._doctor import gpu_report
+    from . import _gpu  # CuPy is imported only from here on
 
-    gpu = gpu_report()
-    if gpu.cupy_version is None:
-        raise MpexecError(
-            f"{what}: device='gpu' needs CuPy, which does not import here "
-            f"({gpu.cupy_error}); install mpexec[gpu] or use device='cpu'"
-        )
-    if gpu.cuda_devices == 0:
-        raise MpexecError(
-            f"{what}: device='gpu' needs a CUDA device, and CuPy sees none "
-            f"({gpu.cuda_error or 'no devices'}); use device='cpu'"
-        )
-    raise MpexecError(  # pragma: no cover - needs a GPU
-        f"{what}: device='gpu' ops are not available in this version of mpexec; "
-        "use device='cpu' (the function may still use CuPy itself)"
-    )
+    _gpu.require(what, None if graph is None else graph.device_id)
+    return "gpu"
 
 
 def _check_picklable(what: str, function: Any, role: str) -> None:
