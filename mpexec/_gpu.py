@@ -36,9 +36,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import queue
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +52,7 @@ import shm
 
 from ._batch import Batch
 from ._errors import GpuError, GpuUnavailableError, OpOutputError
+from ._runtime import BatchInfo, Chunk, ChunkResult, SampleInfo, _takes_keyword
 
 #: Every CuPy name this module uses (attribute paths from the ``cupy`` module).
 CUPY_NAMES = (
@@ -605,40 +610,48 @@ class GpuOpRunner:
         num_outputs: int,
         entropy: int,
         dlpack: bool,
+        producers: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.producers = producers  # per input, the op that produces it
         self.function = function
         self.batch_processing = batch_processing
         self.num_outputs = num_outputs
         self.entropy = entropy
         self.dlpack = dlpack
-        from ._runtime import _takes_keyword
-
         self.takes_rng = _takes_keyword(function, "rng")
 
     def __call__(
-        self,
-        xp: Any,
-        stream: Any,
-        inputs: Sequence[Sequence[Any]],
-        epoch: int,
-        iteration: int,
-        size: int,
+        self, xp: Any, stream: Any, chunk: Chunk, inputs: Sequence[Sequence[Any]]
     ) -> tuple[list[Any], ...]:
-        """Run over one batch on ``stream``; columns of device arrays per output."""
+        """Run over one chunk on ``stream``; per output, a column of device arrays."""
+        from . import _runtime
+
+        size = chunk.count
         with stream:
             if self.batch_processing:
                 args = tuple(self._arg(list(col), stream) for col in inputs)
-                out = self._call(args, (epoch, iteration, 0), None)
+                _runtime._current = BatchInfo(chunk.iteration, chunk.epoch)
+                try:
+                    out = self._call(args, (chunk.epoch, chunk.iteration, 0), None)
+                finally:
+                    _runtime._current = None
                 return tuple(
                     self._batch_column(xp, v, i, size) for i, v in enumerate(self._split(out))
                 )
             columns: tuple[list[Any], ...] = tuple([] for _ in range(self.num_outputs))
             for j in range(size):
+                b = chunk.start + j
                 args = tuple(self._arg(col[j], stream) for col in inputs)
-                out = self._call(args, (epoch, iteration, j + 1), j)
+                _runtime._current = SampleInfo(
+                    chunk.epoch_start + b, b, chunk.iteration, chunk.epoch
+                )
+                try:
+                    out = self._call(args, (chunk.epoch, chunk.iteration, b + 1), b)
+                finally:
+                    _runtime._current = None
                 for i, v in enumerate(self._split(out)):
-                    columns[i].append(self._device_array(xp, v, i, j))
+                    columns[i].append(self._device_array(xp, v, i, b))
             return columns
 
     def _arg(self, value: Any, stream: Any) -> Any:
@@ -709,6 +722,133 @@ class GpuOpRunner:
                 f"output needs its first dimension to be the batch size {size}"
             )
         return [dense[j] for j in range(size)]
+
+
+# ---------------------------------------------------------------- the executor
+
+
+class GpuExecutor:
+    """Runs GPU ops' calls in this process, on one thread that owns the device.
+
+    :meth:`submit` queues one call (a chunk through a :class:`GpuOpRunner`) and
+    returns a future of its :class:`ChunkResult` (outputs are device arrays).
+    The thread copies host inputs to the device (the op's stream waits on the
+    copy), makes the op's stream wait on the events of the GPU ops that
+    produced its device inputs (and on nothing else), runs the function, and
+    records the op's event. It never synchronizes the device: calls of later
+    iterations are queued while earlier ones still run on the GPU, which is
+    what overlaps the copy of iteration i+1 with the compute of iteration i.
+    """
+
+    workers = 1
+
+    def __init__(self, xp: Any, device_id: int = 0, *, register: bool = True) -> None:
+        self.xp = xp
+        self.stage = GpuStage(xp, device_id, register=register)
+        self._lock = threading.Lock()  # the stage is shared with to_host callers
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._events: dict[tuple[str, int, int], Any] = {}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(
+        self, runner: GpuOpRunner, chunk: Chunk, inputs: Sequence[Sequence[Any]]
+    ) -> Future[ChunkResult]:
+        future: Future[ChunkResult] = Future()
+        with self._lock:
+            if self._closed:
+                raise GpuError("the GPU stage is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="mpexec-gpu", daemon=True)
+                self._thread.start()
+        self._tasks.put((runner, chunk, inputs, future))
+        return future
+
+    def is_device_column(self, column: Sequence[Any]) -> bool:
+        return bool(column) and isinstance(column[0], self.xp.ndarray)
+
+    def to_host(
+        self, columns: Sequence[Sequence[Any]], producer: str, chunk: Chunk
+    ) -> list[list[Any]]:
+        """Host copies of a GPU op's output columns (pinned, complete on return)."""
+        with self._lock:
+            stream = self.stage.stream(producer)
+            return self.stage.to_host(columns, stream)
+
+    def _loop(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            runner, chunk, inputs, future = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = self._run(runner, chunk, inputs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def _run(
+        self, runner: GpuOpRunner, chunk: Chunk, inputs: Sequence[Sequence[Any]]
+    ) -> ChunkResult:
+        t0 = time.perf_counter()
+        with self._lock:
+            stage = self.stage
+            stream = stage.stream(runner.name)
+            host = [i for i, col in enumerate(inputs) if not self.is_device_column(col)]
+            args = [list(col) for col in inputs]
+            if host:
+                try:
+                    copied = stage.to_device([inputs[i] for i in host], stream)
+                except self.xp.cuda.runtime.CUDARuntimeError as exc:
+                    raise GpuError(
+                        f"copying the inputs of GPU op '{runner.name}' to device "
+                        f"{stage.device_id} failed: {exc}"
+                    ) from exc
+                for i, col in zip(host, copied, strict=True):
+                    args[i] = col
+            for i, producer in enumerate(runner.producers):
+                if i not in host:
+                    event = self._events.get((producer, chunk.epoch, chunk.iteration))
+                    if event is not None:
+                        stream.wait_event(event)
+        with stage.device:
+            columns = runner(self.xp, stream, chunk, args)
+        with self._lock:
+            self._events[(runner.name, chunk.epoch, chunk.iteration)] = stream.record()
+            stage.hold(stream, args)
+            stage.reap()
+            for key in [k for k, e in self._events.items() if e.done]:
+                del self._events[key]  # complete: consumers need not wait on it
+        seconds = time.perf_counter() - t0
+        if runner.batch_processing:
+            return ChunkResult(columns, seconds, os.getpid())
+        rows = list(zip(*columns, strict=True)) if columns else [()] * chunk.count
+        return ChunkResult(rows, seconds, os.getpid())
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop the thread (after queued calls, unless cancelled) and close the stage."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if cancel_futures:
+            while True:
+                try:
+                    task = self._tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if task is not None:
+                    task[3].cancel()
+        self._tasks.put(None)
+        if thread is not None and wait:
+            thread.join(timeout=60)
+        with self._lock:
+            self._events.clear()
+            self.stage.close()
 
 
 # ---------------------------------------------------------------- outputs
