@@ -213,7 +213,7 @@ def pinned_array(xp: Any, nbytes: int) -> np.ndarray[Any, Any]:
 
 def probe_host_register(xp: Any, nbytes: int = 1 << 21) -> tuple[bool, str | None]:
     """Whether a shared-memory segment can be page-locked in place; (ok, why not)."""
-    seg = shm.Segment.create(nbytes, tag="mpxprobe")
+    seg = shm.Segment.create(nbytes, tag="mpx-probe")
     try:
         xp.cuda.runtime.hostRegister(seg.address, seg.size, 0)
     except Exception as exc:
@@ -233,7 +233,7 @@ def measure_h2d(xp: Any, nbytes: int = 64 << 20, repeat: int = 5) -> dict[str, f
     """
     import time
 
-    seg = shm.Segment.create(nbytes, tag="mpxprobe")
+    seg = shm.Segment.create(nbytes, tag="mpx-probe")
     shared = np.ndarray((nbytes,), np.uint8, buffer=seg.buf)
     shared[:] = 1
     pinned = pinned_array(xp, nbytes)

@@ -139,6 +139,7 @@ class Stream:
         return event
 
     def wait_event(self, event: Event) -> None:
+        self._sim.waits.append((self, event._stream))
         if event._stream is None or event._done:
             return
         self._enqueue(_Item("wait", None, event))
@@ -531,6 +532,7 @@ class SimCuPy:
         self.violations: list[str] = []
         self.registered: dict[int, int] = {}
         self.dlpack_streams: list[int | None] = []
+        self.waits: list[tuple[Stream, Stream | None]] = []  # (waiting stream, event's stream)
         self.pinned_live = 0
         self.device_bytes = 0
         self._pinned: dict[int, tuple[int, np.ndarray[Any, Any]]] = {}
