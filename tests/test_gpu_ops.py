@@ -125,7 +125,9 @@ def test_gpu_op_outputs_are_checked(sim: SimCuPy, n: int, result: Any, match: st
     ex = _gpu.GpuExecutor(sim, 0)
     try:
         fut = ex.submit(runner, _chunk(1), [[np.zeros(3)]])
-        with pytest.raises(mpexec.OpOutputError, match=match.split(";")[0].replace("(", r"\(")):
+        with pytest.raises(
+            mpexec.OpOutputError, match=match.split(";", maxsplit=1)[0].replace("(", r"\(")
+        ):
             fut.result(timeout=30)
     finally:
         ex.shutdown()
@@ -221,7 +223,9 @@ def test_no_cupy_is_one_clear_error_naming_the_op(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(mpexec.GpuUnavailableError) as info:
         _define()
     msg = str(info.value)
-    assert "on_gpu" in msg and "CuPy" in msg and "device='cpu'" in msg
+    assert "on_gpu" in msg
+    assert "CuPy" in msg
+    assert "device='cpu'" in msg
 
 
 def test_no_driver_is_one_clear_error_naming_the_op() -> None:
@@ -230,17 +234,20 @@ def test_no_driver_is_one_clear_error_naming_the_op() -> None:
         pytest.raises(mpexec.GpuUnavailableError) as info,
     ):
         _define()
-    assert "on_gpu" in str(info.value) and "driver" in str(info.value)
+    assert "on_gpu" in str(info.value)
+    assert "driver" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def test_no_device_is_one_clear_error_naming_the_op() -> None:
     with _gpu.use_backend(SimCuPy(0, devices=0)), pytest.raises(mpexec.GpuUnavailableError) as info:
         _define()
-    assert "on_gpu" in str(info.value) and "no usable device" in str(info.value)
+    assert "on_gpu" in str(info.value)
+    assert "no usable device" in str(info.value)
     with _gpu.use_backend(SimCuPy(0, devices=1)), pytest.raises(mpexec.GpuUnavailableError) as info:
         _gpu.require("fn.python_function 'x'", 3)
-    assert "device 3" in str(info.value) and "1 device" in str(info.value)
+    assert "device 3" in str(info.value)
+    assert "1 device" in str(info.value)
 
 
 def test_gpu_sources_are_refused_clearly(sim: SimCuPy) -> None:
@@ -265,7 +272,9 @@ def test_doctor_probes_on_the_simulated_device() -> None:
     assert sim.registered == {}
     failing = SimCuPy(0, register_fails=True)
     ok, why = _gpu.probe_host_register(failing)
-    assert not ok and why is not None and "801" in why
+    assert not ok
+    assert why is not None
+    assert "801" in why
     assert set(_gpu.measure_h2d(failing, nbytes=1 << 12, repeat=1)) == {"pinned", "pageable"}
 
 
