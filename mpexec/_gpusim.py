@@ -416,16 +416,17 @@ class ndarray(NDArrayOperatorsMixin):
     def astype(self, *args: Any, **kwargs: Any) -> Any:
         return self._reduce("astype", *args, **kwargs)
 
-    def reshape(self, *shape: Any, order: str = "C") -> Any:
+    def reshape(self, *shape: Any, order: str = "C", copy: bool | None = None) -> Any:
+        del copy
         v = self._view.reshape(*shape, order=order)  # type: ignore[call-overload]
         if np.shares_memory(v, self._view):
             return type(self)(v, self._mem)
         self._bound._kernel()
         return _wrap(self._bound, v)
 
-    def view(self, dtype: Any = None, array_class: Any = None) -> Any:
-        del array_class
-        return type(self)(self._view.view(dtype) if dtype is not None else self._view, self._mem)
+    def view(self, dtype: Any = None, type: Any = None) -> Any:  # CuPy's parameter names
+        v = self._view.view(dtype) if dtype is not None else self._view
+        return self.__class__(v, self._mem)
 
     def copy(self, order: str = "C") -> Any:
         return self._reduce("copy", order)
