@@ -466,12 +466,19 @@ class GpuStage:
         return True
 
     # ------------------------------------------------------------ device -> host
-    def to_host(self, columns: Sequence[Sequence[Any]], producer: Any) -> list[list[Any]]:
-        """Copy device columns into pinned host memory; return once they landed.
+    def to_host(
+        self,
+        columns: Sequence[Sequence[Any]],
+        producer: Any,
+        alloc: Callable[[int], np.ndarray[Any, Any]] | None = None,
+    ) -> list[list[Any]]:
+        """Copy device columns to host memory; return once the bytes have landed.
 
         The D2H stream waits on ``producer``'s work so far; the copy's event is
         synchronized before returning, so the NumPy arrays are complete. Each
-        column shares one pinned buffer (read-only arrays over it).
+        column lands in one host buffer: pinned memory, or ``alloc(nbytes)``
+        (a pool's shared memory, page-locked in place like the workers'
+        arenas, so that CPU ops in workers read it with no further copy).
         """
         self._check_open()
         xp = self.xp
@@ -481,7 +488,10 @@ class GpuStage:
             self.d2h.wait_event(producer.record())
             for column in columns:
                 sizes = [int(a.nbytes) for a in column]
-                host = pinned_array(xp, sum(sizes))
+                total = sum(sizes)
+                host = pinned_array(xp, total) if alloc is None or not total else alloc(total)
+                if alloc is not None and total:
+                    self._host_ready(host)  # page-lock the segment, or copy from pageable
                 pos = 0
                 views = []
                 for a, n in zip(column, sizes, strict=True):
@@ -494,8 +504,7 @@ class GpuStage:
                             rt.memcpyDeviceToHost,
                             self.d2h.ptr,
                         )
-                    v = host[pos : pos + n].view(a.dtype).reshape(a.shape)
-                    views.append(v)
+                    views.append(host[pos : pos + n].view(a.dtype).reshape(a.shape))
                     pos += n
                 self._d2h_bytes += pos
                 out.append(views)
@@ -768,12 +777,15 @@ class GpuExecutor:
         return bool(column) and isinstance(column[0], self.xp.ndarray)
 
     def to_host(
-        self, columns: Sequence[Sequence[Any]], producer: str, chunk: Chunk
+        self,
+        columns: Sequence[Sequence[Any]],
+        producer: str,
+        alloc: Callable[[int], np.ndarray[Any, Any]] | None = None,
     ) -> list[list[Any]]:
-        """Host copies of a GPU op's output columns (pinned, complete on return)."""
+        """Host copies of GPU op ``producer``'s output columns, complete on return."""
         with self._lock:
             stream = self.stage.stream(producer)
-            return self.stage.to_host(columns, stream)
+            return self.stage.to_host(columns, stream, alloc)
 
     def _loop(self) -> None:
         while True:

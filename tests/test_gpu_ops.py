@@ -56,8 +56,8 @@ def test_executor_runs_ops_on_their_streams_and_chains_by_events(sim: SimCuPy) -
             dev = [row[0] for row in r1.outputs]
             r2 = ex.submit(second, _chunk(3, it), [dev]).result(timeout=30)
             r3 = ex.submit(third, _chunk(3, it), [host]).result(timeout=30)
-            (out2,) = ex.to_host([[row[0] for row in r2.outputs]], "second", _chunk(3, it))
-            (out3,) = ex.to_host([[row[0] for row in r3.outputs]], "third", _chunk(3, it))
+            (out2,) = ex.to_host([[row[0] for row in r2.outputs]], "second")
+            (out3,) = ex.to_host([[row[0] for row in r3.outputs]], "third")
             np.testing.assert_array_equal(np.stack(out2), np.stack(host) * 2 + 1)
             np.testing.assert_array_equal(np.stack(out3), -np.stack(host))
         streams = {ex.stage.stream(n).ptr for n in ("first", "second", "third")}
@@ -80,7 +80,7 @@ def test_executor_batch_mode_and_sample_info(sim: SimCuPy) -> None:
     try:
         res = ex.submit(_runner(batch_fn, batch=True), _chunk(2, 5), [[np.ones(3), np.zeros(3)]])
         (col,) = res.result(timeout=30).outputs
-        (host,) = ex.to_host([col], "gpu_op", _chunk(2, 5))
+        (host,) = ex.to_host([col], "gpu_op")
     finally:
         ex.shutdown()
     np.testing.assert_array_equal(np.stack(host), [[10.0] * 3, [0.0] * 3])
@@ -143,7 +143,7 @@ def test_dl_tensor_variant_gets_dlpack_capsules(sim: SimCuPy) -> None:
     ex = _gpu.GpuExecutor(sim, 0)
     try:
         res = ex.submit(_runner(f, dlpack=True), _chunk(1), [[np.arange(4.0)]]).result(30)
-        (host,) = ex.to_host([[res.outputs[0][0]]], "gpu_op", _chunk(1))
+        (host,) = ex.to_host([[res.outputs[0][0]]], "gpu_op")
     finally:
         ex.shutdown()
     assert kinds == ["PyCapsule"]

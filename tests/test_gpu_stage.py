@@ -289,3 +289,20 @@ def test_the_simulator_has_every_name_the_gpu_module_uses() -> None:
         for part in name.split("."):
             assert hasattr(obj, part), f"the simulator lacks {name}"
             obj = getattr(obj, part)
+
+
+def test_device_to_host_into_shared_memory_page_locks_it_in_place(
+    sim: SimCuPy, arena: shm.Arena
+) -> None:
+    """A pool's arena as the destination: CPU ops in workers then read it with no copy."""
+    stage = _gpu.GpuStage(sim, 0)
+    op = stage.stream("op")
+    (dev,) = stage.to_device([[np.arange(6.0), np.arange(6.0, 12.0)]], op)
+    with op:
+        out = [d * d for d in dev]
+    (host,) = stage.to_host([out], op, alloc=lambda n: arena.empty(n, np.uint8))
+    np.testing.assert_array_equal(np.concatenate(host), np.arange(12.0) ** 2)
+    assert all(shm.in_shared_memory(h) for h in host)
+    assert stage.stats().registered_segments == 1
+    stage.close()
+    assert sim.registered == {}
