@@ -12,6 +12,7 @@ they hold on a noisy machine, where absolute times do not.
 ``python -m benchmarks peers`` compares mpexec with the peers that are
 installed (PyTorch, TensorFlow, Grain, loky, DALI: ``tox -e bench`` installs
 them); it installs nothing itself, and reports a missing peer as skipped.
+``python -m benchmarks gpu`` needs CuPy and a CUDA GPU, and says so when skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "shm": "benchmarks.shm_bench",
     "pool": "benchmarks.pool_bench",
     "peers": "benchmarks.peers_bench",
+    "gpu": "benchmarks.gpu_bench",
 }
 
 __all__ = ["BENCHMARKS"]
