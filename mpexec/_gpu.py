@@ -773,6 +773,10 @@ class GpuExecutor:
         self._tasks.put((runner, chunk, inputs, future))
         return future
 
+    def batch(self, samples: Sequence[Any], layout: str | None, producer: str) -> GpuBatch:
+        """A GPU op's output as a :class:`GpuBatch` on that op's stream."""
+        return GpuBatch(samples, layout, self.xp, self.stage.stream(producer))
+
     def is_device_column(self, column: Sequence[Any]) -> bool:
         return bool(column) and isinstance(column[0], self.xp.ndarray)
 

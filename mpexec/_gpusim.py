@@ -114,10 +114,15 @@ class Stream:
 
     # -------------------------------------------------------------- queueing
     def _enqueue(self, item: _Item) -> None:
-        self._queue.append(item)
-        self._sim._step()
+        with self._sim._lock:
+            self._queue.append(item)
+            self._sim._step()
 
     def _run_one(self) -> None:
+        with self._sim._lock:
+            self._run_one_locked()
+
+    def _run_one_locked(self) -> None:
         item = self._queue.popleft()
         if item.kind == "wait":
             assert item.event is not None
@@ -129,8 +134,9 @@ class Stream:
             item.run()
 
     def _drain(self) -> None:
-        while self._queue:
-            self._run_one()
+        with self._sim._lock:  # the GPU thread and a D2H caller may drain at once
+            while self._queue:
+                self._run_one_locked()
 
     # -------------------------------------------------------------- API
     def record(self, event: Event | None = None) -> Event:
@@ -201,9 +207,10 @@ class Event:
         stream._enqueue(_Item("record", None, self))
 
     def _complete_now(self) -> None:
-        while not self._done:
-            assert self._stream is not None
-            self._stream._run_one()
+        with self._sim._lock:
+            while not self._done:
+                assert self._stream is not None
+                self._stream._run_one_locked()
 
     def synchronize(self) -> None:
         self._complete_now()
@@ -475,7 +482,7 @@ class ndarray(NDArrayOperatorsMixin):
                 raise ValueError(f"unknown stream {stream!r}")
             if consumer is not current:
                 consumer.wait_event(current.record())
-        return self._view.__dlpack__()
+        return np.asarray(_Keep(self._view, self._mem)).__dlpack__()
 
     # -------------------------------------------------------------- internals
     @property
@@ -529,6 +536,7 @@ class SimCuPy:
         self.register_fails = register_fails
         self.capacity = capacity
         self.rng = random.Random(seed)
+        self._lock = threading.RLock()  # the queues: a GPU thread and a D2H caller share them
         self.progress = progress  # chance that a call lets a random stream run one item
         self.violations: list[str] = []
         self.registered: dict[int, int] = {}
@@ -638,6 +646,10 @@ class SimCuPy:
 
     def _step(self) -> None:
         """Let one random stream run one queued item (the device progressing on its own)."""
+        with self._lock:
+            self._step_locked()
+
+    def _step_locked(self) -> None:
         if self.rng.random() >= self.progress:
             return
         busy = [s for s in self._streams.values() if s._queue]
@@ -647,7 +659,7 @@ class SimCuPy:
         head = s._queue[0]
         if head.kind == "wait" and head.event is not None and not head.event._done:
             return  # a stream blocked on another makes no progress by itself
-        s._run_one()
+        s._run_one_locked()
 
     def _kernel(self) -> None:
         """A kernel runs after everything queued on the current stream."""
@@ -769,3 +781,12 @@ class _Capsule:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)
+
+
+class _Keep:
+    """A view's bytes for NumPy, keeping their device allocation alive (a capsule's owner)."""
+
+    def __init__(self, view: np.ndarray[Any, Any], mem: _DeviceMemory) -> None:
+        self.__array_interface__ = dict(view.__array_interface__)
+        self.view = view
+        self.mem = mem
