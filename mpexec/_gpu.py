@@ -773,6 +773,28 @@ class GpuExecutor:
         self._tasks.put((runner, chunk, inputs, future))
         return future
 
+    def runner(self, op: Any, entropy: int) -> GpuOpRunner:
+        """The runner of GPU op ``op`` (an ``_graph.Op``)."""
+        return GpuOpRunner(
+            op.name,
+            op.function,
+            op.batch_processing,
+            op.num_outputs,
+            entropy,
+            op.dlpack,
+            tuple(n.op.name for n in op.inputs),
+        )
+
+    def submit_unit(self, unit: Any) -> Future[ChunkResult]:
+        """The scheduler's entry point (a ``_scheduler.WorkUnit`` of a GPU op)."""
+        return self.submit(unit.runner, unit.chunk, unit.inputs)
+
+    def share(self, array: Any) -> Any:
+        """A read-only copy (GPU ops are never sources; here for the executor protocol)."""
+        out = np.array(array, copy=True)
+        out.flags.writeable = False
+        return out
+
     def batch(self, samples: Sequence[Any], layout: str | None, producer: str) -> GpuBatch:
         """A GPU op's output as a :class:`GpuBatch` on that op's stream."""
         return GpuBatch(samples, layout, self.xp, self.stage.stream(producer))

@@ -96,7 +96,7 @@ class Pipeline:
     - ``debug``: checksum inputs around every call and name the function
       that changed one.
     - ``timeout``: seconds one call may run (then :class:`TaskTimeoutError`).
-    - ``device_id``: the CUDA device of GPU ops (reserved; CPU ops ignore it).
+    - ``device_id``: the CUDA device of GPU ops (``device="gpu"``; default 0).
     """
 
     def __init__(
@@ -136,6 +136,7 @@ class Pipeline:
         self._plan: Plan | None = None
         self._pool: WorkerPool | None = None
         self._scheduler: Scheduler | None = None
+        self._gpu: Any = None  # the GPU stage (_gpu.GpuExecutor), when the graph has GPU ops
         self._lock = threading.RLock()
         self._closed = False
         self._iterations = 0
@@ -151,6 +152,7 @@ class Pipeline:
         if self._graph is not None:
             raise MpexecError("this pipeline is already defined")
         graph = Graph()
+        graph.device_id = self.device_id
         with defining(graph):
             out = graph_fn()
         if out is None:
@@ -177,6 +179,7 @@ class Pipeline:
     def __enter__(self) -> Pipeline:
         if self._graph is None and self._defining is None:
             graph = Graph()
+            graph.device_id = self.device_id
             ctx = defining(graph)
             ctx.__enter__()
             self._defining = (graph, ctx)
@@ -217,6 +220,12 @@ class Pipeline:
             pool._keep_results_shared()
             self._finalizer = weakref.finalize(self, _close_pool, pool)
             try:
+                if any(op.device == "gpu" for op in plan.ops):
+                    from ._gpu import GpuExecutor, require
+
+                    device = self.device_id or 0
+                    xp = require(f"a pipeline with GPU ops on device {device}", device)
+                    self._gpu = GpuExecutor(xp, device)
                 scheduler = Scheduler(
                     plan,
                     PoolExecutor(pool),
@@ -225,8 +234,11 @@ class Pipeline:
                     seed=self.seed,
                     last_batch=self.last_batch,
                     debug=self.debug,
+                    gpu=self._gpu,
                 )
             except BaseException:
+                if self._gpu is not None:
+                    self._gpu.shutdown()
                 self._finalizer()
                 raise
             self._plan, self._pool, self._scheduler = plan, pool, scheduler
@@ -282,6 +294,9 @@ class Pipeline:
             if self._scheduler is not None:
                 self._scheduler.close()
             pool, self._pool = self._pool, None
+            gpu, self._gpu = self._gpu, None
+        if gpu is not None:
+            gpu.shutdown(wait=True, cancel_futures=True)  # waits for copies, unregisters
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         if self._finalizer is not None:

@@ -68,7 +68,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -77,7 +77,7 @@ import shm
 from . import _codec
 from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
-from ._graph import Op, Plan
+from ._graph import DataNode, Op, Plan
 from ._pool import WorkerPool
 from ._runtime import (
     ChainRunner,
@@ -88,6 +88,9 @@ from ._runtime import (
     derive_seed,
     is_string_array,
 )
+
+if TYPE_CHECKING:
+    from ._gpu import GpuExecutor, GpuOpRunner
 
 _CHUNK_SECONDS = 0.05  # what a chunk of a slow op should take (see _chunk_count)
 _MAX_CHUNKS_PER_WORKER = 4
@@ -104,7 +107,7 @@ class WorkUnit:
     ops it runs, head first.
     """
 
-    runner: OpRunner | ChainRunner
+    runner: OpRunner | ChainRunner  # or, for a GPU op, a GpuOpRunner its executor calls
     chunk: Chunk
     inputs: tuple[Sequence[Any], ...]
     worker: int | None = None
@@ -145,6 +148,10 @@ class PoolExecutor:
     def share(self, array: Any) -> Any:
         return self.pool.put(array)
 
+    def empty(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """Shared memory that units take as input with no copy (a GPU stage copies into it)."""
+        return self.pool.empty(nbytes, np.uint8)  # type: ignore[no-any-return]
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.pool.shutdown(wait, cancel_futures=cancel_futures)
 
@@ -176,7 +183,7 @@ class _OpState:
     ) -> None:
         self.op = op
         self.pos = pos
-        self.runner: OpRunner | ChainRunner | None = runner
+        self.runner: OpRunner | ChainRunner | GpuOpRunner | None = runner
         self.inputs = op.inputs  # of the chain's head, when ops are chained into this one
         self.members = [self]  # the chain this op ends (itself alone if none)
         self.absorbed = False  # runs inside a later op's chain
@@ -221,6 +228,7 @@ class _Iteration:
         self.values: list[tuple[list[Any], ...] | None] = [None] * n_ops
         self.parts: dict[int, list[ChunkResult | None]] = {}
         self.dispatched: set[int] = set()
+        self.host: dict[tuple[int, int], list[Any]] = {}  # GPU outputs copied for CPU ops
         self.sources_left = 0
         self.ops_left = 0
         self.error: BaseException | None = None
@@ -250,6 +258,7 @@ class Scheduler:
         seed: int,
         last_batch: str,
         debug: bool,
+        gpu: GpuExecutor | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.prefetch_depth = prefetch_depth
@@ -269,6 +278,12 @@ class Scheduler:
         self.ops: list[_OpState] = []
         n_stateful = 0
         for i, op in enumerate(plan.ops):
+            if op.device == "gpu":  # runs in this process, on the GPU stage's thread
+                assert gpu is not None
+                state = _OpState(op, i, None, 0 if op.stateful else None, gpu)
+                state.runner = gpu.runner(op, derive_seed(seed, op.index, op.seed))
+                self.ops.append(state)
+                continue
             runner = None
             if not op.is_source or op.source_mode == "sample":
                 kind = "source" if op.is_source else "batch" if op.batch_processing else "sample"
@@ -304,7 +319,11 @@ class Scheduler:
 
         def chainable(s: _OpState) -> bool:
             op = s.op
-            return not (op.is_source or op.batch_processing or op.stateful) and s.runner is not None
+            return (
+                not (op.is_source or op.batch_processing or op.stateful)
+                and s.runner is not None
+                and s.executor is self.executor  # not across executors (GPU ops)
+            )
 
         for s in self.ops:
             if not chainable(s) or not s.op.inputs or s.op.num_outputs == 0:
@@ -556,20 +575,29 @@ class Scheduler:
         it.dispatched.add(s.pos)
         op = s.op
         assert s.runner is not None
+        gpu = op.device == "gpu"
         inputs = []
         for n in s.inputs:
             vals = it.values[self._pos[id(n.op)]]
             assert vals is not None
-            inputs.append(vals[n.index])
+            column = vals[n.index]
+            if n.op.device == "gpu" and not gpu:
+                column = self._host_column(it, s, n, column)
+            inputs.append(column)
         chained = len(s.members) > 1  # the chain counts its ops' bytes itself
         for column in inputs:
             for a in column:
                 if not chained:
                     s.bytes_in += a.nbytes
-                if self._workers and a.nbytes > _codec.INLINE_MAX and not shm.in_shared_memory(a):
+                if (
+                    self._workers
+                    and not gpu
+                    and a.nbytes > _codec.INLINE_MAX
+                    and not shm.in_shared_memory(a)
+                ):
                     s.bytes_copied += a.nbytes
         size = it.size
-        if op.batch_processing or op.stateful or self._workers <= 1:
+        if op.batch_processing or op.stateful or s.executor.workers <= 1:
             bounds = [(0, size)]
         else:
             k = self._chunk_count(s, size)
@@ -578,9 +606,10 @@ class Scheduler:
         it.parts[s.pos] = [None] * len(bounds)
         submit = s.executor.submit_unit
         names = tuple(m.op.name for m in s.members)
+        runner: Any = s.runner  # a GpuOpRunner goes only to the GPU executor
         for ci, (a, b) in enumerate(bounds):
             chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start)
-            unit = WorkUnit(s.runner, chunk, tuple(col[a:b] for col in inputs), s.worker, names)
+            unit = WorkUnit(runner, chunk, tuple(col[a:b] for col in inputs), s.worker, names)
             t0 = time.perf_counter()
             try:
                 future = submit(unit)
@@ -588,6 +617,23 @@ class Scheduler:
                 self._fail(it, _annotate(exc, op, it, None))
                 return
             future.add_done_callback(functools.partial(self._on_chunk, it, s, ci, t0))
+
+    def _host_column(
+        self, it: _Iteration, s: _OpState, n: DataNode, column: list[Any]
+    ) -> list[Any]:
+        """A GPU op's output for CPU op ``s``: copied to the host once per iteration.
+
+        Into the consumer's shared memory where its executor offers it (so its
+        workers read the bytes with no further copy), else into pinned memory.
+        """
+        key = (self._pos[id(n.op)], n.index)
+        host = it.host.get(key)
+        if host is None:
+            producer = self.ops[key[0]].executor
+            alloc = getattr(s.executor, "empty", None) if self._workers else None
+            (host,) = producer.to_host([column], n.op.name, alloc)  # type: ignore[attr-defined]
+            it.host[key] = host
+        return host
 
     def _chunk_count(self, s: _OpState, size: int) -> int:
         """One chunk per worker, or a few each where samples are slow.
@@ -640,7 +686,8 @@ class Scheduler:
             m.bytes_in += b_in
             m.bytes_out += b_out
         s.waiting_s += max(0.0, elapsed - res.seconds)
-        self.busy[res.pid] += res.seconds
+        if s.op.device != "gpu":  # per worker; GPU ops run in this process
+            self.busy[res.pid] += res.seconds
         if it.dropped or it.error is not None:
             return
         parts = it.parts[s.pos]
@@ -680,6 +727,10 @@ class Scheduler:
                 if p.stop is not None:
                     break  # samples past a source's end are not in the epoch
             columns = tuple([r[i] for r in rows] for i in range(n))
+        if s.op.device == "gpu":  # device arrays the GPU runner made and checked
+            for i, col in enumerate(columns):
+                check_consistent(s.op.describe(), i, col)
+            return columns
         inline = self._workers == 0
         for i, col in enumerate(columns):
             if inline:
@@ -697,9 +748,15 @@ class Scheduler:
         for n in plan.outputs:
             vals = it.values[self._pos[id(n.op)]]
             assert vals is not None
-            out.append(Batch(vals[n.index], n.op.output_layouts[n.index]))
+            layout = n.op.output_layouts[n.index]
+            if n.op.device == "gpu":
+                gpu: Any = self.ops[self._pos[id(n.op)]].executor
+                out.append(gpu.batch(vals[n.index], layout, n.op.name))
+            else:
+                out.append(Batch(vals[n.index], layout))
         it.result = tuple(out)
         it.values = []
+        it.host = {}
         it.done.set()
 
     def _fail(self, it: _Iteration, exc: BaseException) -> None:
@@ -719,6 +776,7 @@ class Scheduler:
     def _abandon(self, it: _Iteration) -> None:
         """Stateful ops this iteration will not call give up their turn."""
         it.values = [None] * len(self.ops)
+        it.host = {}
         if not it.computing:
             return
         for s in self.ops:
