@@ -41,6 +41,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ _MIN_STAGING = 1 << 20
 
 _lock = threading.Lock()
 _override: Any = None  # a simulated device installed by use_backend()
+_pinned_live = 0
 
 
 # ---------------------------------------------------------------- availability
@@ -190,7 +192,7 @@ class _Slot:
 class _PinnedView:
     """Exports pinned memory to NumPy and keeps the allocation alive as the base."""
 
-    __slots__ = ("__array_interface__", "mem")
+    __slots__ = ("__array_interface__", "__weakref__", "mem")
 
     def __init__(self, mem: Any, nbytes: int) -> None:
         self.mem = mem
@@ -204,8 +206,23 @@ class _PinnedView:
 
 def pinned_array(xp: Any, nbytes: int) -> np.ndarray[Any, Any]:
     """``nbytes`` of page-locked host memory as a NumPy uint8 array (keeps it alive)."""
+    global _pinned_live
     mem = xp.cuda.alloc_pinned_memory(max(nbytes, 1))
-    return np.asarray(_PinnedView(mem, nbytes))
+    view = _PinnedView(mem, nbytes)
+    with _lock:
+        _pinned_live += 1
+    weakref.finalize(view, _pinned_freed)
+    return np.asarray(view)
+
+
+def pinned_live() -> int:
+    """Pinned buffers this module allocated that are still referenced (a leak check)."""
+    return _pinned_live
+
+
+def _pinned_freed() -> None:
+    global _pinned_live
+    _pinned_live -= 1  # an int update: atomic under the GIL, no lock in a finalizer
 
 
 # ---------------------------------------------------------------- doctor probes

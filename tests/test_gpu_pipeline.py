@@ -65,9 +65,7 @@ def _cpu_after(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def parity_pipeline(device: str, num_workers: int = 2, prefetch: int = 2) -> mpexec.Pipeline:
-    @mpexec.pipeline_def(
-        batch_size=4, num_workers=num_workers, seed=7, prefetch_depth=prefetch
-    )
+    @mpexec.pipeline_def(batch_size=4, num_workers=num_workers, seed=7, prefetch_depth=prefetch)
     def pipe() -> Any:
         a = fn.external_source(source=_source, batch=False)
         b = fn.python_function(a, function=_noisy, device=device, name="noisy")
