@@ -20,6 +20,7 @@ from ._codec import writable
 from ._errors import (
     BrokenPoolError,
     InputMutatedError,
+    MainModuleError,
     MpexecError,
     OpOutputError,
     PoolClosedError,
@@ -41,6 +42,7 @@ __all__ = [
     "BrokenPoolError",
     "DataNode",
     "InputMutatedError",
+    "MainModuleError",
     "MpexecError",
     "OpOutputError",
     "OpStats",

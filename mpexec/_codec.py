@@ -47,6 +47,9 @@ _SHARED_TAG, _WRITABLE_TAG = bytes([_SHARED]), bytes([_WRITABLE])
 #: this tail: the meta's length and the kind. The data comes first so that the
 #: array the receiver wraps in place is aligned; metas are cached both ways, as
 #: one shape and dtype recur call after call.
+#: How a pickle names the main module: a value that mentions it is pickled again
+#: with cloudpickle, which sends what ``__main__`` defines by value.
+_MAIN = b"__main__"
 _INLINE_TAIL = struct.Struct("<IB")  # a structured dtype's pickle may pass 64 KiB
 _metas: dict[tuple[tuple[int, ...], np.dtype[Any]], bytes] = {}
 _parsed: dict[bytes, tuple[tuple[int, ...], np.dtype[Any]]] = {}
@@ -182,6 +185,7 @@ class _Refs(pickle.Pickler):
             for desc in self.shared:
                 self.arena.unshare(desc, self.peer)
         self.shared.clear()
+        self.bytes_shared = self.bytes_copied = 0
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -272,10 +276,16 @@ def encode(
     refs = _Refs(buf, arena, peer, inline_max, owner)
     try:
         refs.dump(value)
+        data = buf.getvalue()
+        # Workers never import the caller's __main__ (see _launch): what pickle
+        # would name there (a class defined in a script) goes by value.
+        by_value = _MAIN in data
     except SerializationError:  # ours, naming the problem already
         refs.undo()
         raise
     except Exception:
+        by_value = True
+    if by_value:
         refs.undo()
         buf = io.BytesIO()
         try:
@@ -285,7 +295,8 @@ def encode(
             pieces = parts(value) if parts is not None else []
             bad = next((p for p in pieces if not _picklable(p[0])), (value, what))
             raise SerializationError(describe_unpicklable(bad[0], bad[1], exc)) from exc
-    return Encoded(buf.getvalue(), refs)
+        data = buf.getvalue()
+    return Encoded(data, refs)
 
 
 def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = False) -> Any:

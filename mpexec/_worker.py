@@ -237,7 +237,12 @@ def _pickle_error(exc: BaseException) -> bytes:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc.__traceback__ = None
     try:
-        data = pickle.dumps((exc, tb), protocol=5)
+        try:
+            data = pickle.dumps((exc, tb), protocol=5)
+        except Exception:
+            # A class defined in the caller's __main__ (which workers never
+            # import) goes by value; cloudpickle brings back the caller's own.
+            data = cloudpickle.dumps((exc, tb), protocol=5)
         pickle.loads(data)  # some exceptions pickle but cannot be rebuilt
     except Exception:
         name = f"{type(exc).__module__}.{type(exc).__qualname__}"
