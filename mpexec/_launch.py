@@ -191,25 +191,27 @@ class _Bootstrapped:
         popen = mp_context.get_spawning_popen()
         if popen is None or self._report is None:
             raise TypeError("a worker process is pickled only to start it")
-        state = {
-            k: v for k, v in self.__dict__.items() if k not in ("_report", "_target", "_args")
-        }
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_report", "_target", "_args")}
         payload = bytes(reduction.ForkingPickler.dumps((self._target, self._args, self._kwargs)))
         report = popen.DupFd(popen.duplicate_for_child(self._report.write_fd))
         state.update(_target=exec, _args=(_BOOTSTRAP, {"payload": payload, "report": report}))
         state["_kwargs"] = {}
-        return (copyreg._reconstructor, (self._base, object, None), state)
+        # copyreg's reconstructor (what pickle protocols 0 and 1 use) builds the
+        # standard class, which the child can load before mpexec is importable.
+        return (copyreg._reconstructor, (self._base, object, None), state)  # type: ignore[attr-defined]
 
 
-class _SpawnPopen(popen_spawn_posix.Popen):  # type: ignore[misc]
+class _SpawnPopen(popen_spawn_posix.Popen):
     """The standard spawn Popen, sending preparation data without the main module."""
+
+    _fds: list[int]
 
     def _launch(self, process_obj: Any) -> None:
         # As multiprocessing.popen_spawn_posix.Popen._launch (3.10 - 3.13), but
         # for the preparation data.
         from multiprocessing import resource_tracker
 
-        tracker_fd = resource_tracker.getfd()
+        tracker_fd: int = resource_tracker.getfd()  # type: ignore[assignment]
         self._fds.append(tracker_fd)
         prep_data = preparation_data(process_obj._name)
         fp = io.BytesIO()
@@ -225,21 +227,25 @@ class _SpawnPopen(popen_spawn_posix.Popen):  # type: ignore[misc]
             child_r, parent_w = os.pipe()
             cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
             self._fds.extend([child_r, child_w])
-            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)
+            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)  # type: ignore[arg-type]
             self.sentinel = parent_r
             with open(parent_w, "wb", closefd=False) as f:
                 f.write(fp.getbuffer())
         finally:
             self.finalizer = util.Finalize(
-                self, util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None]
+                self,
+                util.close_fds,  # type: ignore[attr-defined]
+                [fd for fd in (parent_r, parent_w) if fd is not None],
             )
             for fd in (child_r, child_w):
                 if fd is not None:
                     os.close(fd)
 
 
-class _ForkServerPopen(popen_forkserver.Popen):  # type: ignore[misc]
+class _ForkServerPopen(popen_forkserver.Popen):
     """The standard forkserver Popen, talking to mpexec's fork server."""
+
+    _fds: list[int]
 
     def _launch(self, process_obj: Any) -> None:
         # As multiprocessing.popen_forkserver.Popen._launch (3.10 - 3.13), but
@@ -255,7 +261,11 @@ class _ForkServerPopen(popen_forkserver.Popen):  # type: ignore[misc]
         self.sentinel, w = _fork_server().connect_to_new_process(self._fds)
         # The child watches a duplicate of the data pipe's write end to see us die.
         parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        self.finalizer = util.Finalize(
+            self,
+            util.close_fds,  # type: ignore[attr-defined]
+            (parent_w, self.sentinel),
+        )
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
@@ -333,8 +343,10 @@ def start_failure(who: str, proc: Any, exit_status: str) -> BrokenPoolError:
     tb = startup_failure(proc)
     if not tb:
         return BrokenPoolError(
-            f"{who} died while starting ({exit_status}); it reported nothing: it may have "
-            "been killed, or Python itself failed to start (see the process's stderr)"
+            f"{who} died while starting ({exit_status}) without reporting an error: "
+            "something ended it outright (os._exit() or a crash in worker_init or a "
+            "library it loads, the OOM killer, a signal), or Python itself could not "
+            "start (see the process's stderr)"
         )
     last = tb.strip().splitlines()[-1]
     err = BrokenPoolError(

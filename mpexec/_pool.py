@@ -371,7 +371,8 @@ class WorkerPool(Executor):
         if kind == FAILED:
             exc, tb = pickle.loads(body)
             err = BrokenPoolError(
-                f"worker {slot.index} (pid {slot.pid}) failed to start: {type(exc).__name__}: {exc}"
+                f"worker {slot.index} (pid {slot.pid}) failed to start: "
+                f"{type(exc).__name__}: {exc} (the worker's traceback follows)"
             )
             exc.__cause__ = RemoteTraceback(tb)
             raise err from exc

@@ -254,6 +254,26 @@ def _pickle_error(exc: BaseException) -> bytes:
     return data
 
 
+def _load_init(data: bytes) -> Any:
+    """``(worker_init, args)``; a failure says why a module may be missing here."""
+    try:
+        return cloudpickle.loads(data)
+    except Exception as exc:
+        hint = ""
+        if isinstance(exc, ImportError):
+            hint = (
+                ". A module the pool's process has imported cannot be imported by the "
+                "workers (loaded from a file path rather than from sys.path, not installed "
+                "for this interpreter, or removed since): put its directory on sys.path "
+                "(or PYTHONPATH) before the pool starts, install it, or send it by value "
+                "with cloudpickle.register_pickle_by_value(module)"
+            )
+        raise SerializationError(
+            "worker_init or its arguments could not be unpickled in the worker: "
+            f"{type(exc).__name__}: {exc}{hint}"
+        ) from exc
+
+
 def main(boot: WorkerBoot) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group: the pool's process decides.
@@ -283,7 +303,7 @@ def main(boot: WorkerBoot) -> None:
     try:
         seed_worker(boot.seed_entropy, boot.index, boot.generation)
         if boot.init is not None:
-            init, init_args = cloudpickle.loads(boot.init)
+            init, init_args = _load_init(boot.init)
             init(*init_args)
     except BaseException as exc:
         done.push(spill(FAILED, _pickle_error(exc), arena, boot.result_releases), timeout=10)
