@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 # The body a user writes: everything at module level, nothing guarded.
 SCRIPT = """\
+import enum
 import os
 import sys
 
@@ -52,6 +53,19 @@ class Refused(Exception):
     pass
 
 
+class Color(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+def apply(f, *args):
+    return f(*args)
+
+
+def swap(c):
+    return Color.BLUE if c is Color.RED else Color.RED
+
+
 def double(s):
     return Scaled(s.a * 2 + OFFSET)
 
@@ -73,6 +87,7 @@ def plus(x):
 pool = mpexec.WorkerPool(2, start_method=METHOD)
 out = pool.submit(double, Scaled(np.arange(4))).result(60)
 print("POOL", type(out) is Scaled, out.a.tolist(), flush=True)
+print("CALLBACK", pool.submit(apply, swap, Color.RED).result(60) is Color.BLUE, flush=True)
 try:
     pool.submit(refuse, 7).result(60)
 except Refused as exc:
@@ -99,6 +114,7 @@ print("LEFT", left, flush=True)
 
 EXPECTED = [
     "POOL True [10, 12, 14, 16]",
+    "CALLBACK True",
     "RAISED no 7",
     "PIPE [99, 126]",  # (10 + 11 + 12) * 3, (13 + 14 + 15) * 3
     "LEFT []",
