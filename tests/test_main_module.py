@@ -314,3 +314,13 @@ def test_bootstrap_loads_only_the_standard_library() -> None:
         for word in line.split()[1:]
     }
     assert imported <= set(sys.stdlib_module_names)
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_start_up_pipes_are_closed_once_workers_are_up(method: str) -> None:
+    """Each worker's start-up report pipe is closed at its hello: no fd per worker kept."""
+    with WorkerPool(3, start_method=method) as pool:
+        reports = [slot.process._report for slot in pool._state.slots]
+        assert len(reports) == 3
+        assert all(r is not None and not r._close.alive for r in reports)
+        assert pool.submit(int, "4").result(60) == 4
