@@ -258,17 +258,28 @@ class _ForkServerPopen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             mp_context.set_spawning_popen(None)
-        self.sentinel, w = _fork_server().connect_to_new_process(self._fds)
-        # The child watches a duplicate of the data pipe's write end to see us die.
-        parent_w = os.dup(w)
-        self.finalizer = util.Finalize(
-            self,
-            util.close_fds,  # type: ignore[attr-defined]
-            (parent_w, self.sentinel),
-        )
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+        try:
+            self.sentinel, w = _fork_server().connect_to_new_process(self._fds)
+            # The child watches a duplicate of the data pipe's write end to see us die.
+            parent_w = os.dup(w)
+            self.finalizer = util.Finalize(
+                self,
+                util.close_fds,  # type: ignore[attr-defined]
+                (parent_w, self.sentinel),
+            )
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = forkserver.read_signed(self.sentinel)
+        except (OSError, EOFError) as exc:
+            # The server went away without a word to us: most likely it died
+            # importing mpexec, with its traceback on stderr (it has no other).
+            raise BrokenPoolError(
+                f"mpexec's fork server could not start {process_obj.name}: "
+                f"{type(exc).__name__}: {exc}. It most likely died preloading mpexec in "
+                "a broken environment (its traceback is on stderr): a package missing "
+                "or shadowed on sys.path, or a bad PYTHONPATH. Fix that, or pass "
+                "start_method='spawn', whose workers report their own traceback"
+            ) from exc
 
 
 _server: forkserver.ForkServer | None = None

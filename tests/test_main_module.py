@@ -231,7 +231,7 @@ try:
 except mpexec.BrokenPoolError as exc:
     print("MESSAGE", exc)
     print("CAUSE", type(exc.__cause__).__name__)
-    print(exc.__cause__.tb)
+    print(getattr(exc.__cause__, "tb", ""))
 """
 
 
@@ -252,6 +252,21 @@ def test_broken_environment_reports_the_workers_traceback(method: str, tmp_path:
     assert "Traceback" not in proc.stderr, (
         "mpexec bug: a start-up failure printed a traceback per worker:\n" + proc.stderr
     )
+
+
+def test_fork_server_that_dies_preloading_is_named(tmp_path: Path) -> None:
+    """An import that raises (not ImportError) kills the fork server: one clear error."""
+    fake = tmp_path / "env" / "numpy"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("numpy explodes (test)")\n')
+    (tmp_path / "broken.py").write_text(BROKEN_ENV)
+    proc = _run([str(tmp_path / "broken.py"), "forkserver"], fake.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert "MESSAGE mpexec's fork server could not start mpexec-worker-0" in proc.stdout
+    assert "start_method='spawn'" in proc.stdout
+    # The server's own traceback, once; none from workers.
+    assert proc.stderr.count("Traceback") == 1, proc.stderr
+    assert "RuntimeError: numpy explodes (test)" in proc.stderr
 
 
 @pytest.mark.parametrize("method", START_METHODS)
