@@ -22,6 +22,8 @@ import functools
 import io
 import pickle
 import struct
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,8 +43,17 @@ VIEW_INLINE_MAX = 1 << 10
 # An array's reference is one bytes object, its kind in the last byte: pickle
 # offers every object it writes to ``persistent_id``, the parts of a reference
 # included, so a tuple of four parts would cost five more calls per array.
-_SHARED, _INLINE, _WRITABLE = 0, 1, 2
-_SHARED_TAG, _WRITABLE_TAG = bytes([_SHARED]), bytes([_WRITABLE])
+_SHARED, _INLINE, _WRITABLE, _CLASS = 0, 1, 2, 3
+_SHARED_TAG, _WRITABLE_TAG, _CLASS_TAG = bytes([_SHARED]), bytes([_WRITABLE]), bytes([_CLASS])
+#: Workers never import the caller's ``__main__`` (see ``_launch``), so what it
+#: defines goes by value. A class goes as a reference too: its cloudpickle,
+#: made once per class here and loaded once per process there (cloudpickle
+#: gives the receiver back the sender's own class when it sent it first). A
+#: value naming anything else of ``__main__`` is pickled again by cloudpickle.
+_MAIN = "__main__"
+_MAIN_BYTES = _MAIN.encode()
+_class_refs: weakref.WeakKeyDictionary[type, tuple[bytes, int]] = weakref.WeakKeyDictionary()
+_classes: dict[bytes, type] = {}
 #: An inline array is its data, then a "meta" (ndim, shape, dtype code), then
 #: this tail: the meta's length and the kind. The data comes first so that the
 #: array the receiver wraps in place is aligned; metas are cached both ways, as
@@ -142,11 +153,22 @@ class _Refs(pickle.Pickler):
         self.shared: list[shm.ArrayDescriptor] = []
         self.bytes_shared = 0
         self.bytes_copied = 0
+        self.names_main = False  # a function of __main__ was met: cloudpickle it all
+        self.classes: set[type] = set()  # classes of __main__ sent by reference
+        self.main_in_refs = 0  # how often their refs mention __main__
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) is Writable:
             return self._writable(obj.array)
         if type(obj) is not np.ndarray or obj.dtype.hasobject:
+            if isinstance(obj, type) and obj.__module__ == _MAIN:
+                ref, mentions = _class_ref(obj)
+                if obj not in self.classes:  # pickle writes the same ref once
+                    self.classes.add(obj)
+                    self.main_in_refs += mentions
+                return ref
+            if type(obj) is types.FunctionType and obj.__module__ == _MAIN:
+                self.names_main = True
             return None
         arena = self.arena
         if arena is None and obj.nbytes > self.inline_max:
@@ -182,6 +204,9 @@ class _Refs(pickle.Pickler):
             for desc in self.shared:
                 self.arena.unshare(desc, self.peer)
         self.shared.clear()
+        self.bytes_shared = self.bytes_copied = 0
+        self.classes.clear()
+        self.main_in_refs = 0
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -193,11 +218,31 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
         return self._refs.persistent_id(obj)
 
 
+def _class_ref(cls: type) -> tuple[bytes, int]:
+    """A reference to a class of ``__main__`` (its cloudpickle, made once); its mentions of it."""
+    cached = _class_refs.get(cls)
+    if cached is None:
+        ref = bytes(cloudpickle.dumps(cls, protocol=5)) + _CLASS_TAG
+        cached = _class_refs[cls] = (ref, ref.count(_MAIN_BYTES))
+    return cached
+
+
+def _load_class(pid: bytes) -> type:
+    cls = _classes.get(pid)
+    if cls is None:
+        cls = cloudpickle.loads(memoryview(pid)[:-1])
+        if len(_classes) < _CACHE_MAX:
+            _classes[pid] = cls
+    return cls
+
+
 def _load_ref(writable: bool, shared_ok: bool, pid: bytes) -> Any:
-    """The array a reference names: see :func:`decode`."""
+    """The array (or class) a reference names: see :func:`decode`."""
     kind = pid[-1]
     if kind == _INLINE:
         return _inline_array(pid, writable)
+    if kind == _CLASS:
+        return _load_class(pid)
     desc = shm.ArrayDescriptor.unpack(memoryview(pid)[:-1])
     if kind == _WRITABLE:
         return shm.open_array(desc, writable=True)
@@ -272,10 +317,15 @@ def encode(
     refs = _Refs(buf, arena, peer, inline_max, owner)
     try:
         refs.dump(value)
+        data = buf.getvalue()
+        # Anything else pickle names in __main__ (its classes went by reference).
+        by_value = refs.names_main or data.count(_MAIN_BYTES) > refs.main_in_refs
     except SerializationError:  # ours, naming the problem already
         refs.undo()
         raise
     except Exception:
+        by_value = True
+    if by_value:
         refs.undo()
         buf = io.BytesIO()
         try:
@@ -285,7 +335,8 @@ def encode(
             pieces = parts(value) if parts is not None else []
             bad = next((p for p in pieces if not _picklable(p[0])), (value, what))
             raise SerializationError(describe_unpicklable(bad[0], bad[1], exc)) from exc
-    return Encoded(buf.getvalue(), refs)
+        data = buf.getvalue()
+    return Encoded(data, refs)
 
 
 def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = False) -> Any:

@@ -6,6 +6,8 @@
     ├── BrokenPoolError            (also concurrent.futures.BrokenExecutor)
     │   └── WorkerCrashedError     a worker died: pid, signal, likely cause
     ├── PoolClosedError            you shut the pool down, then used it
+    ├── MainModuleError            (also RuntimeError) a pool created while multiprocessing
+    │                              re-ran a parent's main module: the guard is needed there
     ├── TaskTimeoutError           (also TimeoutError) a call ran past its limit
     ├── SerializationError         a function, argument or result cannot be pickled
     ├── OpOutputError              (also ValueError) an op returned what it may not
@@ -66,6 +68,15 @@ class PoolClosedError(MpexecError, RuntimeError):
     """The pool was shut down; it accepts no more work."""
 
 
+class MainModuleError(MpexecError, RuntimeError):
+    """Workers were asked for while multiprocessing re-ran a parent's main module.
+
+    mpexec's own workers never import the caller's ``__main__``; processes
+    started by other code with ``spawn`` or ``forkserver`` do, and a pool
+    created at import time would be created again in each of them.
+    """
+
+
 class TaskTimeoutError(MpexecError, TimeoutError):
     """A call ran longer than the pool's ``timeout``; its worker was replaced."""
 
@@ -119,6 +130,7 @@ for _cls in (
     BrokenPoolError,
     WorkerCrashedError,
     PoolClosedError,
+    MainModuleError,
     TaskTimeoutError,
     SerializationError,
     OpOutputError,

@@ -52,7 +52,7 @@ import psutil
 
 import shm
 
-from . import _codec, _worker
+from . import _codec, _launch, _worker
 from ._doctor import default_start_method
 from ._errors import (
     BrokenPoolError,
@@ -360,22 +360,26 @@ class WorkerPool(Executor):
             ) from None
         except shm.SharedMemoryError:
             slot.process.join(1)
-            raise BrokenPoolError(
-                f"worker {slot.index} (pid {slot.pid}) died while starting "
-                f"({_describe_exit(slot.process.exitcode)})"
-            ) from None
+            err = _launch.start_failure(
+                f"worker {slot.index} (pid {slot.pid})",
+                slot.process,
+                _describe_exit(slot.process.exitcode),
+            )
+            raise err from err.__cause__
         kind, flags, _, _ = HEADER.unpack_from(rec)
         body = _worker.body_of(rec, flags)
         if kind == FAILED:
             exc, tb = pickle.loads(body)
             err = BrokenPoolError(
-                f"worker {slot.index} (pid {slot.pid}) failed to start: {type(exc).__name__}: {exc}"
+                f"worker {slot.index} (pid {slot.pid}) failed to start: "
+                f"{type(exc).__name__}: {exc} (the worker's traceback follows)"
             )
             exc.__cause__ = RemoteTraceback(tb)
             raise err from exc
         if kind != HELLO:  # pragma: no cover - protocol error
             raise BrokenPoolError(f"worker {slot.index} sent record kind {kind} first")
         slot.pid, slot.arena_id = pickle.loads(body)
+        _launch.started(slot.process)
         shm.set_release_route(slot.arena_id, slot.result_releases)
         slot.ready = True
 
@@ -1187,7 +1191,7 @@ def _context(start_method: str | None) -> Any:
             "children would inherit a CUDA context they cannot use; use 'forkserver' "
             "or 'spawn'"
         )
-    return mp.get_context(method)
+    return _launch.context(method)
 
 
 def _cuda_initialised() -> bool:

@@ -237,7 +237,12 @@ def _pickle_error(exc: BaseException) -> bytes:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc.__traceback__ = None
     try:
-        data = pickle.dumps((exc, tb), protocol=5)
+        try:
+            data = pickle.dumps((exc, tb), protocol=5)
+        except Exception:
+            # A class defined in the caller's __main__ (which workers never
+            # import) goes by value; cloudpickle brings back the caller's own.
+            data = cloudpickle.dumps((exc, tb), protocol=5)
         pickle.loads(data)  # some exceptions pickle but cannot be rebuilt
     except Exception:
         name = f"{type(exc).__module__}.{type(exc).__qualname__}"
@@ -247,6 +252,26 @@ def _pickle_error(exc: BaseException) -> bytes:
         )
         data = pickle.dumps((stand_in, tb), protocol=5)
     return data
+
+
+def _load_init(data: bytes) -> Any:
+    """``(worker_init, args)``; a failure says why a module may be missing here."""
+    try:
+        return cloudpickle.loads(data)
+    except Exception as exc:
+        hint = ""
+        if isinstance(exc, ImportError):
+            hint = (
+                ". A module the pool's process has imported cannot be imported by the "
+                "workers (loaded from a file path rather than from sys.path, not installed "
+                "for this interpreter, or removed since): put its directory on sys.path "
+                "(or PYTHONPATH) before the pool starts, install it, or send it by value "
+                "with cloudpickle.register_pickle_by_value(module)"
+            )
+        raise SerializationError(
+            "worker_init or its arguments could not be unpickled in the worker: "
+            f"{type(exc).__name__}: {exc}{hint}"
+        ) from exc
 
 
 def main(boot: WorkerBoot) -> None:
@@ -278,7 +303,7 @@ def main(boot: WorkerBoot) -> None:
     try:
         seed_worker(boot.seed_entropy, boot.index, boot.generation)
         if boot.init is not None:
-            init, init_args = cloudpickle.loads(boot.init)
+            init, init_args = _load_init(boot.init)
             init(*init_args)
     except BaseException as exc:
         done.push(spill(FAILED, _pickle_error(exc), arena, boot.result_releases), timeout=10)

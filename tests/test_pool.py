@@ -1134,9 +1134,9 @@ def test_worker_init_failure_breaks_construction(num_workers: int) -> None:
 
 def _start_failure(monkeypatch: pytest.MonkeyPatch) -> BaseException | None:
     """What WorkerPool(2) raises when starting its second worker process fails."""
-    import multiprocessing.context as mp_context
+    from mpexec import _launch
 
-    real = mp_context.SpawnProcess._Popen
+    real = _launch._SpawnProcess._Popen
     calls: list[int] = []
 
     def popen(process_obj: Any) -> Any:
@@ -1145,7 +1145,7 @@ def _start_failure(monkeypatch: pytest.MonkeyPatch) -> BaseException | None:
             raise OSError(errno.EAGAIN, "Resource temporarily unavailable (simulated)")
         return real(process_obj)
 
-    monkeypatch.setattr(mp_context.SpawnProcess, "_Popen", staticmethod(popen))
+    monkeypatch.setattr(_launch._SpawnProcess, "_Popen", staticmethod(popen))
     try:
         WorkerPool(2, start_method="spawn")
     except BaseException as exc:  # reported below, whatever it is

@@ -1,0 +1,370 @@
+"""Starting worker processes that never run the caller's ``__main__``.
+
+multiprocessing's spawn and forkserver start a child by sending it
+*preparation data*, then the pickled ``Process``. The preparation data names
+the parent's main module (``init_main_from_path`` for ``python script.py``,
+``init_main_from_name`` for ``python -m pkg.mod``) and the child runs that
+module as ``__mp_main__`` before anything else, so that objects pickled by
+reference to ``__main__`` can be found there; the standard fork server runs it
+once more, as a preload. A script that creates a pool at module level thus
+creates one again in every child, which multiprocessing refuses ("...before the
+current process has finished its bootstrapping phase"): hence the
+``if __name__ == "__main__":`` guard that multiprocessing, DALI and PyTorch's
+DataLoader ask for.
+
+mpexec's workers need nothing from ``__main__``: functions, and the classes of
+arguments and results defined there, travel by value (cloudpickle). So:
+
+- the preparation data we send leaves the main module out (``sys.path``, the
+  working directory, ``sys.argv`` and the authkey still go);
+- under forkserver, workers fork from mpexec's own fork server, which preloads
+  mpexec instead of ``__main__`` (the standard server stays the user's);
+- the ``Process`` a child unpickles is a standard-library one whose target is
+  a few lines of standard-library code (:data:`_BOOTSTRAP`). Importing mpexec
+  and loading the worker's arguments happen inside it, so their failure (a
+  broken environment, a module missing on the workers' ``sys.path``) is
+  caught and its traceback sent back through a pipe, to be raised by the pool
+  instead of being printed behind an exit code.
+
+``fork`` copies the parent, runs no main module, and needs none of this. What
+still needs the guard: the *user's own* spawn or forkserver children (their
+multiprocessing, a PyTorch DataLoader...) run the main module, and a pool
+created there is refused with :class:`MainModuleError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import io
+import multiprocessing as mp
+import os
+import sys
+import threading
+import weakref
+from multiprocessing import context as mp_context
+from multiprocessing import (
+    forkserver,
+    popen_forkserver,
+    popen_spawn_posix,
+    process,
+    reduction,
+    spawn,
+    util,
+)
+from typing import Any
+
+from ._errors import BrokenPoolError, MainModuleError, RemoteTraceback
+
+#: The main-module entries of multiprocessing's preparation data.
+_MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
+
+#: What a spawn or forkserver child runs: the names ``payload`` (the pickled
+#: target, args and kwargs) and ``report`` (an fd stand-in) are given. Standard
+#: library only, so that it runs whatever state the environment is in.
+_BOOTSTRAP = """\
+import os, pickle, sys, traceback
+fd = report.detach()
+try:
+    target, args, kwargs = pickle.loads(payload)
+except BaseException:
+    with open(fd, "w", encoding="utf-8", errors="replace") as f:
+        f.write(traceback.format_exc())
+    sys.exit(1)
+os.close(fd)
+del payload, report, fd
+target(*args, **kwargs)
+"""
+
+#: Bytes of a start-up traceback the pool reads back at most.
+_REPORT_MAX = 1 << 20
+
+
+def preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's preparation data for a child, without the main module."""
+    data: dict[str, Any] = spawn.get_preparation_data(name)
+    for key in _MAIN_KEYS:
+        data.pop(key, None)
+    return data
+
+
+def check_not_bootstrapping() -> None:
+    """Refuse to start workers while multiprocessing re-runs a parent's main module.
+
+    mpexec's workers never do that; the user's own spawn or forkserver
+    children do, and a pool created at import time would then be created again
+    in each of them.
+    """
+    if not getattr(process.current_process(), "_inheriting", False):
+        return
+    main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main module"
+    raise MainModuleError(
+        f"a WorkerPool (or a pipeline) was created while this process, started by "
+        f"multiprocessing, was importing {main} of its parent: that module creates "
+        "one at import time. mpexec's own workers never import your main module, but "
+        "processes your code starts with the 'spawn' or 'forkserver' method do "
+        "(multiprocessing, concurrent.futures.ProcessPoolExecutor, a PyTorch "
+        "DataLoader with workers...). Create the pool under "
+        'if __name__ == "__main__": in that module, or start those other processes '
+        "with the 'fork' method"
+    )
+
+
+class _StartupReport:
+    """The read end of the pipe a starting worker writes its failure to."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self._close = weakref.finalize(self, _close_fds, [self.read_fd, self.write_fd])
+
+    def sent(self) -> None:
+        """The child has its copy: ours of the write end must go, or EOF never comes."""
+        with contextlib.suppress(OSError):
+            os.close(self.write_fd)
+        self._close.detach()
+        self._close = weakref.finalize(self, _close_fds, [self.read_fd])
+
+    def read(self) -> str:
+        """What the child wrote (it has exited); closes the pipe."""
+        if not self._close.alive:
+            return ""
+        os.set_blocking(self.read_fd, False)
+        chunks: list[bytes] = []
+        size = 0
+        with contextlib.suppress(OSError):
+            while size < _REPORT_MAX:
+                chunk = os.read(self.read_fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        self.close()
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        self._close()
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class _Bootstrapped:
+    """A Process whose child unpickles only the standard library (see the module doc)."""
+
+    _base: type[process.BaseProcess]
+    _report: _StartupReport | None = None
+    _target: Any
+    _args: Any
+    _kwargs: Any
+
+    def start(self) -> None:
+        self._report = _StartupReport()
+        try:
+            super().start()  # type: ignore[misc]
+        except BaseException:
+            self._report.close()
+            raise
+        self._report.sent()
+
+    def startup_failure(self) -> str:
+        """The traceback of a child that failed to load its target, or ``""``.
+
+        Read once the child has exited; afterwards the pipe is closed.
+        """
+        return self._report.read() if self._report is not None else ""
+
+    def started(self) -> None:
+        """The worker is up: its start-up report will never come."""
+        if self._report is not None:
+            self._report.close()
+
+    def close(self) -> None:
+        super().close()  # type: ignore[misc]
+        self.started()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Called by multiprocessing while it pickles us for the child, with the
+        # child-to-be exposed: fds (ours and those in the args) go to it.
+        popen = mp_context.get_spawning_popen()
+        if popen is None or self._report is None:
+            raise TypeError("a worker process is pickled only to start it")
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_report", "_target", "_args")}
+        payload = bytes(reduction.ForkingPickler.dumps((self._target, self._args, self._kwargs)))
+        report = popen.DupFd(popen.duplicate_for_child(self._report.write_fd))
+        state.update(_target=exec, _args=(_BOOTSTRAP, {"payload": payload, "report": report}))
+        state["_kwargs"] = {}
+        # copyreg's reconstructor (what pickle protocols 0 and 1 use) builds the
+        # standard class, which the child can load before mpexec is importable.
+        return (copyreg._reconstructor, (self._base, object, None), state)  # type: ignore[attr-defined]
+
+
+class _SpawnPopen(popen_spawn_posix.Popen):
+    """The standard spawn Popen, sending preparation data without the main module."""
+
+    _fds: list[int]
+
+    def _launch(self, process_obj: Any) -> None:
+        # As multiprocessing.popen_spawn_posix.Popen._launch (3.10 - 3.13), but
+        # for the preparation data.
+        from multiprocessing import resource_tracker
+
+        tracker_fd: int = resource_tracker.getfd()  # type: ignore[assignment]
+        self._fds.append(tracker_fd)
+        prep_data = preparation_data(process_obj._name)
+        fp = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, fp)
+            reduction.dump(process_obj, fp)
+        finally:
+            mp_context.set_spawning_popen(None)
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            self._fds.extend([child_r, child_w])
+            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)  # type: ignore[arg-type]
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(
+                self,
+                util.close_fds,  # type: ignore[attr-defined]
+                [fd for fd in (parent_r, parent_w) if fd is not None],
+            )
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class _ForkServerPopen(popen_forkserver.Popen):
+    """The standard forkserver Popen, talking to mpexec's fork server."""
+
+    _fds: list[int]
+
+    def _launch(self, process_obj: Any) -> None:
+        # As multiprocessing.popen_forkserver.Popen._launch (3.10 - 3.13), but
+        # for the preparation data and the server.
+        prep_data = preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        try:
+            self.sentinel, w = _fork_server().connect_to_new_process(self._fds)
+            # The child watches a duplicate of the data pipe's write end to see us die.
+            parent_w = os.dup(w)
+            self.finalizer = util.Finalize(
+                self,
+                util.close_fds,  # type: ignore[attr-defined]
+                (parent_w, self.sentinel),
+            )
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = forkserver.read_signed(self.sentinel)
+        except (OSError, EOFError) as exc:
+            # The server went away without a word to us: most likely it died
+            # importing mpexec, with its traceback on stderr (it has no other).
+            raise BrokenPoolError(
+                f"mpexec's fork server could not start {process_obj.name}: "
+                f"{type(exc).__name__}: {exc}. It most likely died preloading mpexec in "
+                "a broken environment (its traceback is on stderr): a package missing "
+                "or shadowed on sys.path, or a bad PYTHONPATH. Fix that, or pass "
+                "start_method='spawn', whose workers report their own traceback"
+            ) from exc
+
+
+_server: forkserver.ForkServer | None = None
+_server_lock = threading.Lock()
+
+
+def _fork_server() -> forkserver.ForkServer:
+    """mpexec's fork server: it preloads mpexec, never the caller's ``__main__``."""
+    global _server
+    with _server_lock:
+        if _server is None:
+            server = forkserver.ForkServer()
+            server.set_forkserver_preload(["mpexec._worker"])
+            _server = server
+        return _server
+
+
+class _SpawnProcess(_Bootstrapped, mp_context.SpawnProcess):
+    _base = mp_context.SpawnProcess
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _SpawnPopen(process_obj)
+
+
+class _ForkServerProcess(_Bootstrapped, mp_context.ForkServerProcess):
+    _base = mp_context.ForkServerProcess
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _ForkServerPopen(process_obj)
+
+
+class _Context:
+    """What the pool needs of a multiprocessing context: ``Process``."""
+
+    def __init__(self, method: str, process_class: type[Any]) -> None:
+        self.method = method
+        self.Process = process_class
+
+
+def context(method: str) -> Any:
+    """A context whose processes never import the caller's ``__main__``.
+
+    ``method`` is a start method available here; ``fork`` is the standard one.
+    Raises :class:`MainModuleError` if this process is still importing the
+    main module of the process that started it.
+    """
+    check_not_bootstrapping()
+    if method == "spawn":
+        return _Context(method, _SpawnProcess)
+    if method == "forkserver":
+        return _Context(method, _ForkServerProcess)
+    return mp.get_context(method)
+
+
+def startup_failure(proc: Any) -> str:
+    """The traceback a worker that died while starting reported, or ``""``."""
+    read = getattr(proc, "startup_failure", None)
+    return read() if read is not None else ""
+
+
+def started(proc: Any) -> None:
+    """Tell a worker process that it is up: its start-up report is closed."""
+    done = getattr(proc, "started", None)
+    if done is not None:
+        done()
+
+
+def start_failure(who: str, proc: Any, exit_status: str) -> BrokenPoolError:
+    """The error for a worker that died before it said hello, with its traceback."""
+    tb = startup_failure(proc)
+    if not tb:
+        return BrokenPoolError(
+            f"{who} died while starting ({exit_status}) without reporting an error: "
+            "something ended it outright (os._exit() or a crash in worker_init or a "
+            "library it loads, the OOM killer, a signal), or Python itself could not "
+            "start (see the process's stderr)"
+        )
+    last = tb.strip().splitlines()[-1]
+    err = BrokenPoolError(
+        f"{who} failed to start ({exit_status}) while loading mpexec and its start-up "
+        f"arguments: {last}. Workers run {sys.executable} with this process's sys.path "
+        "and environment; a package missing or broken there is the likely cause (the "
+        "worker's traceback follows)"
+    )
+    err.__cause__ = RemoteTraceback(tb)
+    return err
