@@ -73,6 +73,45 @@ class ChunkResult:
     per_op: tuple[tuple[float, int, int], ...] = ()  # a ChainRunner's (s, in, out) per op
 
 
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix_int(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (a 64-bit bijection, well mixed)."""
+    z &= _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix_array(z: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """:func:`_mix_int` on a uint64 array (NumPy's array arithmetic wraps, silently)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray[Any, Any] = z ^ (z >> np.uint64(31))
+    return out
+
+
+def call_seeds(
+    entropy: int, epoch: int, iteration: int, first: int, count: int
+) -> tuple[list[int], list[int]]:
+    """Seeds of ``np.random`` and ``random`` for ``count`` calls of one op, at once.
+
+    Call ``k`` of an iteration (``k = sample + 1``; 0 for a batch call) gets
+    seeds that depend only on (entropy, epoch, iteration, k): a counter-based
+    hash, computed for a whole chunk in a few array operations instead of a
+    ``SeedSequence`` per call (which cost more than a light op itself).
+    ``np.random`` takes 32 bits (its cheap legacy seeding), ``random`` 64.
+    """
+    key = _mix_int((entropy >> 64) ^ _mix_int(entropy))
+    key = _mix_int(key ^ _mix_int(epoch ^ _mix_int(iteration + _GOLDEN)))
+    ks = np.arange(first, first + count, dtype=np.uint64)
+    h = _mix_array(ks * np.uint64(_GOLDEN) + np.uint64(key))
+    h2 = _mix_array(h ^ np.uint64(_mix_int(key + 1)))
+    return (h >> np.uint64(32)).tolist(), h2.tolist()
+
+
 def derive_seed(pipeline_seed: int, op_index: int, op_seed: int) -> int:
     """The entropy of an op's randomness: its own seed, or one from its position."""
     if op_seed != -1:
@@ -117,20 +156,28 @@ class OpRunner:
         stop = None
         if self.kind == "batch":
             _current = BatchInfo(chunk.iteration, chunk.epoch)
+            (np_seed,), (py_seed,) = call_seeds(self.entropy, chunk.epoch, chunk.iteration, 0, 1)
             try:
-                outputs = self._call(inputs, (chunk.epoch, chunk.iteration, 0), None)
+                outputs = self._call(
+                    inputs, (chunk.epoch, chunk.iteration, 0), None, np_seed, py_seed
+                )
             finally:
                 _current = None
             outputs = self._batch_outputs(outputs, len(inputs[0]) if inputs else chunk.count)
         else:
             outputs = []
+            np_seeds, py_seeds = call_seeds(
+                self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count
+            )
             for j in range(chunk.count):
                 b = chunk.start + j
                 info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
                 _current = info
                 args = (info,) if self.kind == "source" else tuple(x[j] for x in inputs)
                 try:
-                    out = self._call(args, (chunk.epoch, chunk.iteration, b + 1), b)
+                    out = self._call(
+                        args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
+                    )
                 except StopIteration:
                     if self.kind != "source":
                         raise
@@ -142,12 +189,21 @@ class OpRunner:
         return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop)
 
     # ------------------------------------------------------------ calling
-    def _call(self, args: tuple[Any, ...], key: tuple[int, int, int], sample: int | None) -> Any:
-        seq = np.random.SeedSequence(self.entropy, spawn_key=key)
-        words = seq.generate_state(4)
-        np.random.seed(words)
-        random.seed(int(words[0]) << 32 | int(words[1]))
-        kwargs = {"rng": np.random.Generator(np.random.PCG64(seq))} if self.takes_rng else {}
+    def _call(
+        self,
+        args: tuple[Any, ...],
+        key: tuple[int, int, int],
+        sample: int | None,
+        np_seed: int,
+        py_seed: int,
+    ) -> Any:
+        """One call: global random state reseeded from :func:`call_seeds`, ``rng`` from key."""
+        np.random.seed(np_seed)
+        random.seed(py_seed)
+        kwargs = {}
+        if self.takes_rng:
+            seq = np.random.SeedSequence(self.entropy, spawn_key=key)
+            kwargs["rng"] = np.random.Generator(np.random.PCG64(seq))
         if self.dlpack and self.kind != "source":
             args = tuple(_from_dlpack_inputs(a) for a in args)
         sums = _checksums(args) if self.debug else None
@@ -293,6 +349,10 @@ class ChainRunner:
         outputs = []
         stop = None
         source = self.runners[0].kind == "source"
+        seeds = [
+            call_seeds(r.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
+            for r in self.runners
+        ]
         for j in range(chunk.count):
             b = chunk.start + j
             info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
@@ -306,7 +366,10 @@ class ChainRunner:
                 if not (source and k == 0):
                     counts[1] += sum(v.nbytes for v in values)
                 try:
-                    out = runner._call(values, (chunk.epoch, chunk.iteration, b + 1), b)
+                    np_seeds, py_seeds = seeds[k]
+                    out = runner._call(
+                        values, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
+                    )
                     values = tuple(_read_only(v) for v in runner._sample_outputs(out, b))
                 except StopIteration:
                     if not (source and k == 0):

@@ -218,3 +218,25 @@ def test_seed_none_picks_a_seed_that_reruns_identically() -> None:
     first = make(0, seed=None)  # type: ignore[arg-type]
     assert isinstance(first.seed, int)
     assert_identical(run_two_epochs(make(0, seed=first.seed)), run_two_epochs(first), "seed")
+
+
+def test_call_seeds_depend_on_the_call_not_on_the_chunk() -> None:
+    """A chunk's seeds, computed at once, are each call's own: chunking changes nothing."""
+    from mpexec._runtime import call_seeds
+
+    entropy = (1 << 127) + 12345
+    whole = call_seeds(entropy, 2, 7, 1, 64)
+    for k in range(64):
+        one = call_seeds(entropy, 2, 7, 1 + k, 1)
+        assert (whole[0][k], whole[1][k]) == (one[0][0], one[1][0])
+    # Every part of the key matters, and the 64 calls' seeds are distinct.
+    assert len(set(whole[0])) == len(set(whole[1])) == 64
+    for other in (
+        call_seeds(entropy + 1, 2, 7, 1, 64),
+        call_seeds(entropy ^ (1 << 100), 2, 7, 1, 64),
+        call_seeds(entropy, 3, 7, 1, 64),
+        call_seeds(entropy, 2, 8, 1, 64),
+    ):
+        assert not set(other[1]) & set(whole[1])
+    assert all(0 <= s < 1 << 32 for s in whole[0])
+    assert all(0 <= s < 1 << 64 for s in whole[1])
