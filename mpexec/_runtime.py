@@ -71,6 +71,37 @@ class ChunkResult:
     pid: int
     stop: int | None = None  # a source ended the epoch at this sample (batch index)
     per_op: tuple[tuple[float, int, int], ...] = ()  # a ChainRunner's (s, in, out) per op
+    # Per output: its rows went into the call's ``out`` array (their entries here are None).
+    written: tuple[bool, ...] = ()
+
+
+def write_rows(
+    rows: list[tuple[Any, ...]], out: tuple[Any, ...]
+) -> tuple[list[tuple[Any, ...]], tuple[bool, ...]]:
+    """Per-sample outputs written into the chunk's ``out`` arrays, where they fit.
+
+    ``out[i]`` (or None) holds a row per sample of output ``i``, in the block
+    of the whole batch: where every sample of the chunk has its shape and
+    dtype, the rows are stacked into it in one copy and their entries become
+    None; otherwise (a sample departs from the learned shape) the chunk
+    returns that output's arrays, and the scheduler falls back to them.
+    """
+    if not out:
+        return rows, ()
+    n = len(rows)
+    written = []
+    for i, o in enumerate(out):
+        ok = False
+        if o is not None and n:
+            column = [r[i] for r in rows]
+            shape, dtype = o.shape[1:], o.dtype
+            if all(a.shape == shape and a.dtype == dtype for a in column):
+                np.stack(column, out=o[:n])
+                ok = True
+        written.append(ok)
+    if any(written):
+        rows = [tuple(None if w else v for v, w in zip(r, written, strict=True)) for r in rows]
+    return rows, tuple(written)
 
 
 _M64 = (1 << 64) - 1
@@ -150,20 +181,26 @@ class OpRunner:
         self.debug = debug
         self.takes_rng = _takes_keyword(function, "rng")
 
-    def __call__(self, chunk: Chunk, *inputs: Any) -> ChunkResult:
+    def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
+        """Run the chunk; ``out``: per output, an array to write its rows into, or None."""
         global _current
         t0 = time.perf_counter()
         stop = None
+        written: tuple[bool, ...] = ()
         if self.kind == "batch":
             _current = BatchInfo(chunk.iteration, chunk.epoch)
             (np_seed,), (py_seed,) = call_seeds(self.entropy, chunk.epoch, chunk.iteration, 0, 1)
+            # A batch function gets lists of samples, also of a batch held as one block.
+            inputs = tuple(list(x) if isinstance(x, np.ndarray) else x for x in inputs)
             try:
                 outputs = self._call(
                     inputs, (chunk.epoch, chunk.iteration, 0), None, np_seed, py_seed
                 )
             finally:
                 _current = None
-            outputs = self._batch_outputs(outputs, len(inputs[0]) if inputs else chunk.count)
+            outputs, written = self._batch_outputs(
+                outputs, len(inputs[0]) if inputs else chunk.count, out
+            )
         else:
             outputs = []
             np_seeds, py_seeds = call_seeds(
@@ -175,7 +212,7 @@ class OpRunner:
                 _current = info
                 args = (info,) if self.kind == "source" else tuple(x[j] for x in inputs)
                 try:
-                    out = self._call(
+                    result = self._call(
                         args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
                     )
                 except StopIteration:
@@ -185,8 +222,9 @@ class OpRunner:
                     break
                 finally:
                     _current = None
-                outputs.append(self._sample_outputs(out, b))
-        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop)
+                outputs.append(self._sample_outputs(result, b))
+            outputs, written = write_rows(outputs, out)
+        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, written=written)
 
     # ------------------------------------------------------------ calling
     def _call(
@@ -254,9 +292,13 @@ class OpRunner:
             for i, v in enumerate(self._split(out))
         )
 
-    def _batch_outputs(self, out: Any, size: int) -> tuple[Any, ...]:
-        result = []
-        for i, v in enumerate(self._split(out)):
+    def _batch_outputs(
+        self, result: Any, size: int, out: tuple[Any, ...]
+    ) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
+        columns: list[Any] = []
+        written = [False] * len(out)
+        for i, v in enumerate(self._split(result)):
+            block = out[i] if out else None
             if isinstance(v, np.ndarray) or hasattr(v, "__dlpack__"):
                 dense = self._array(v, i, None)
                 if dense.ndim == 0 or dense.shape[0] != size:
@@ -265,6 +307,13 @@ class OpRunner:
                         f"{dense.shape}; a batch output needs its first dimension to be the "
                         f"batch size {size} (or return a list of {size} arrays)"
                     )
+                if block is not None and dense.shape == block.shape and dense.dtype == block.dtype:
+                    if size:
+                        self._checked(dense[0], i, 0)  # every row has row 0's shape and dtype
+                    np.copyto(block, dense, casting="no")
+                    written[i] = True
+                    columns.append(None)
+                    continue
                 samples = list(dense)
             elif isinstance(v, (list, tuple)):
                 if len(v) != size:
@@ -282,8 +331,13 @@ class OpRunner:
             for j, s in enumerate(samples):
                 self._checked(s, i, j)
             check_consistent(f"op '{self.name}'", i, samples)
-            result.append(samples)
-        return tuple(result)
+            if block is not None and _fits(samples, block):
+                np.stack(samples, out=block)
+                written[i] = True
+                columns.append(None)
+            else:
+                columns.append(samples)
+        return tuple(columns), tuple(written)
 
     def _array(self, value: Any, i: int, sample: int | None) -> np.ndarray[Any, Any]:
         if isinstance(value, np.ndarray):
@@ -342,7 +396,8 @@ class ChainRunner:
         self.runners = runners
         self.picks = picks  # per op: which outputs of the previous one it takes
 
-    def __call__(self, chunk: Chunk, *inputs: Any) -> ChunkResult:
+    def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
+        """Run the chunk through every op; ``out`` as :meth:`OpRunner.__call__`."""
         global _current
         t0 = time.perf_counter()
         spent = [[0.0, 0, 0] for _ in self.runners]
@@ -367,10 +422,10 @@ class ChainRunner:
                     counts[1] += sum(v.nbytes for v in values)
                 try:
                     np_seeds, py_seeds = seeds[k]
-                    out = runner._call(
+                    result = runner._call(
                         values, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
                     )
-                    values = tuple(_read_only(v) for v in runner._sample_outputs(out, b))
+                    values = tuple(_read_only(v) for v in runner._sample_outputs(result, b))
                 except StopIteration:
                     if not (source and k == 0):
                         raise
@@ -388,7 +443,15 @@ class ChainRunner:
                 break
             outputs.append(values)
         per_op = tuple((float(c[0]), int(c[1]), int(c[2])) for c in spent)
-        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, per_op)
+        outputs, written = write_rows(outputs, out)
+        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, per_op, written)
+
+
+def _fits(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:
+    shape, dtype = block.shape[1:], block.dtype
+    return len(samples) == len(block) and all(
+        a.shape == shape and a.dtype == dtype for a in samples
+    )
 
 
 def _read_only(array: Any) -> Any:
