@@ -45,6 +45,13 @@ class BatchInfo(NamedTuple):
 
 _current: SampleInfo | BatchInfo | None = None
 
+# The global generators each call reseeds, bound once: ``np.random.seed`` is the
+# legacy RandomState's method; ``random.seed`` is reached without its Python
+# wrapper (which, for an int, only forwards it and clears ``gauss_next``).
+_np_seed = np.random.seed
+_py_inst: Any = random.seed.__self__  # type: ignore[attr-defined]
+_py_seed: Any = type(_py_inst).__mro__[1].seed  # type: ignore[attr-defined]
+
 
 def sample_info() -> SampleInfo | BatchInfo | None:
     """Inside a pipeline op's call: where it is; None elsewhere."""
@@ -180,6 +187,13 @@ class OpRunner:
         self.dlpack = dlpack
         self.debug = debug
         self.takes_rng = _takes_keyword(function, "rng")
+        self._init_fast()
+
+    def _init_fast(self) -> None:
+        # Calls with nothing around them but the reseeding, and outputs with no
+        # declaration to check, take a short path (most ops of most pipelines).
+        self._plain = not (self.takes_rng or self.dlpack or self.debug)
+        self._unchecked = self.output_dtypes is None and self.output_shapes is None
 
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
         """Run the chunk; ``out``: per output, an array to write its rows into, or None."""
@@ -236,8 +250,15 @@ class OpRunner:
         py_seed: int,
     ) -> Any:
         """One call: global random state reseeded from :func:`call_seeds`, ``rng`` from key."""
-        np.random.seed(np_seed)
-        random.seed(py_seed)
+        _np_seed(np_seed)
+        _py_seed(_py_inst, py_seed)
+        _py_inst.gauss_next = None
+        if self._plain:
+            try:
+                return self.function(*args)
+            except Exception as exc:
+                _mark(exc, sample)
+                raise
         kwargs = {}
         if self.takes_rng:
             seq = np.random.SeedSequence(self.entropy, spawn_key=key)
@@ -287,6 +308,16 @@ class OpRunner:
         return tuple(out)
 
     def _sample_outputs(self, out: Any, sample: int) -> tuple[Any, ...]:
+        if self._unchecked:  # the common case, checked in a few attribute reads
+            if self.num_outputs == 1:
+                if type(out) is np.ndarray and not out.dtype.hasobject:
+                    return (out,)
+            elif (
+                type(out) is tuple
+                and len(out) == self.num_outputs
+                and all(type(v) is np.ndarray and not v.dtype.hasobject for v in out)
+            ):
+                return out
         return tuple(
             self._checked(self._array(v, i, sample), i, sample)
             for i, v in enumerate(self._split(out))
@@ -408,26 +439,32 @@ class ChainRunner:
             call_seeds(r.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
             for r in self.runners
         ]
+        picks, runners = self.picks, list(enumerate(self.runners))
+        epoch, iteration, start = chunk.epoch, chunk.iteration, chunk.start
+        perf = time.perf_counter
         for j in range(chunk.count):
-            b = chunk.start + j
-            info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
+            b = start + j
+            info = SampleInfo(chunk.epoch_start + b, b, iteration, epoch)
             values: tuple[Any, ...] = (info,) if source else tuple(x[j] for x in inputs)
-            for k, runner in enumerate(self.runners):
-                t = time.perf_counter()
+            t = perf()
+            for k, runner in runners:
                 _current = info
                 counts = spent[k]
                 if k:
-                    values = tuple(values[i] for i in self.picks[k])
-                if not (source and k == 0):
-                    counts[1] += sum(v.nbytes for v in values)
+                    values = tuple([values[i] for i in picks[k]])
+                if k or not source:
+                    nbytes = 0
+                    for v in values:
+                        nbytes += v.nbytes
+                    counts[1] += nbytes
                 try:
                     np_seeds, py_seeds = seeds[k]
                     result = runner._call(
-                        values, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
+                        values, (epoch, iteration, b + 1), b, np_seeds[j], py_seeds[j]
                     )
-                    values = tuple(_read_only(v) for v in runner._sample_outputs(result, b))
+                    values = tuple([_read_only(v) for v in runner._sample_outputs(result, b)])
                 except StopIteration:
-                    if not (source and k == 0):
+                    if k or not source:
                         raise
                     stop = b
                     break
@@ -437,8 +474,13 @@ class ChainRunner:
                     raise
                 finally:
                     _current = None
-                counts[0] += time.perf_counter() - t
-                counts[2] += sum(v.nbytes for v in values)
+                now = perf()
+                counts[0] += now - t
+                t = now
+                nbytes = 0
+                for v in values:
+                    nbytes += v.nbytes
+                counts[2] += nbytes
             if stop is not None:
                 break
             outputs.append(values)
