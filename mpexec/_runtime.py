@@ -312,12 +312,12 @@ class OpRunner:
             if self.num_outputs == 1:
                 if type(out) is np.ndarray and not out.dtype.hasobject:
                     return (out,)
-            elif (
-                type(out) is tuple
-                and len(out) == self.num_outputs
-                and all(type(v) is np.ndarray and not v.dtype.hasobject for v in out)
-            ):
-                return out
+            elif type(out) is tuple and len(out) == self.num_outputs:
+                for v in out:
+                    if type(v) is not np.ndarray or v.dtype.hasobject:
+                        break
+                else:
+                    return out
         return tuple(
             self._checked(self._array(v, i, sample), i, sample)
             for i, v in enumerate(self._split(out))
@@ -440,6 +440,7 @@ class ChainRunner:
             for r in self.runners
         ]
         picks, runners = self.picks, list(enumerate(self.runners))
+        last = len(runners) - 1
         epoch, iteration, start = chunk.epoch, chunk.iteration, chunk.start
         perf = time.perf_counter
         for j in range(chunk.count):
@@ -462,7 +463,9 @@ class ChainRunner:
                     result = runner._call(
                         values, (epoch, iteration, b + 1), b, np_seeds[j], py_seeds[j]
                     )
-                    values = tuple([_read_only(v) for v in runner._sample_outputs(result, b)])
+                    values = runner._sample_outputs(result, b)
+                    if k != last:  # the next op gets them as inputs: read-only
+                        values = tuple([_read_only(v) for v in values])
                 except StopIteration:
                     if k or not source:
                         raise
