@@ -96,9 +96,19 @@ TRANSFER = [
     System("grain", "Grain mp_prefetch, new iterator per call", "grain"),
 ]
 
+LIGHT = [
+    System("serial", "serial (main process)", multiprocess=False),
+    System("mpexec_pipeline", "mpexec pipeline, per sample", mpexec=True),
+    System("mpexec_pipeline_batch", "mpexec pipeline, batch_processing=True", mpexec=True),
+    System("torch", "PyTorch DataLoader", "torch"),
+    System("dali_parallel", "DALI parallel external_source", "nvidia.dali"),
+    System("grain", "Grain mp_prefetch", "grain"),
+]
+
 CATALOGUE: dict[str, list[System]] = {
     "augment": AUGMENT,
     "jpeg": AUGMENT,  # workload 2: the same systems, the same way
+    "light": LIGHT,  # workload 6: the per-item cost
     "overhead": OVERHEAD,
     "transfer": TRANSFER,
 }
@@ -210,12 +220,14 @@ class PairTransform:
         return wl.PER_SAMPLE[self.workload].transform(*element)
 
 
-def collate(samples: Iterable[np.ndarray[Any, Any]], n: int) -> Iterator[np.ndarray[Any, Any]]:
-    """Stack per-sample results into batches of ``BATCH_SIZE``, in order."""
+def collate(
+    samples: Iterable[np.ndarray[Any, Any]], n: int, batch_size: int = wl.BATCH_SIZE
+) -> Iterator[np.ndarray[Any, Any]]:
+    """Stack per-sample results into batches of ``batch_size``, in order."""
     pending: list[np.ndarray[Any, Any]] = []
     for s in samples:
         pending.append(s)
-        if len(pending) == wl.BATCH_SIZE:
+        if len(pending) == batch_size:
             yield np.stack(pending)
             pending.clear()
     if pending:
@@ -264,7 +276,7 @@ class Serial(Augment):
     start_method = "-"
 
     def epoch(self) -> Iterator[Any]:
-        for b in wl.batches_of(self.n):
+        for b in wl.batches_of(self.n, self.fns.batch_size):
             yield wl.process_batch(b, self.workload)
 
 
@@ -275,7 +287,11 @@ class Threads(Augment):
         self.pool = cf.ThreadPoolExecutor(self.workers)
 
     def epoch(self) -> Iterator[Any]:
-        return collate(self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S), self.n)
+        return collate(
+            self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S),
+            self.n,
+            self.fns.batch_size,
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -289,7 +305,7 @@ class MpPool(Augment):
 
     def epoch(self) -> Iterator[Any]:
         it = self.pool.imap(self.fns.sample, range(self.n))
-        return collate((it.next(CALL_S) for _ in range(self.n)), self.n)
+        return collate((it.next(CALL_S) for _ in range(self.n)), self.n, self.fns.batch_size)
 
     def close(self) -> None:
         self.pool.terminate()
@@ -304,7 +320,11 @@ class Loky(Augment):
         self.pool = loky.get_reusable_executor(max_workers=self.workers, timeout=3600)
 
     def epoch(self) -> Iterator[Any]:
-        return collate(self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S), self.n)
+        return collate(
+            self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S),
+            self.n,
+            self.fns.batch_size,
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, kill_workers=True)
@@ -320,7 +340,11 @@ class MpexecPool(Augment):
         self.pool.submit(wl.echo, 0).result(CALL_S)  # the workers are up
 
     def epoch(self) -> Iterator[Any]:
-        return collate(self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S), self.n)
+        return collate(
+            self.pool.map(self.fns.sample, range(self.n), timeout=CALL_S),
+            self.n,
+            self.fns.batch_size,
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -338,7 +362,7 @@ class MpexecPipeline(Augment):
         transform = self.fns.transform
 
         @mpexec.pipeline_def(
-            batch_size=wl.BATCH_SIZE, num_workers=self.workers, seed=1, prefetch_depth=2
+            batch_size=self.fns.batch_size, num_workers=self.workers, seed=1, prefetch_depth=2
         )
         def augment_pipeline() -> Any:
             data, index = fn.external_source(source=source, batch=False, num_outputs=2)
@@ -369,6 +393,33 @@ class MpexecPipeline(Augment):
         self.pipe.close()
 
 
+class MpexecPipelineBatch(MpexecPipeline):
+    """As :class:`MpexecPipeline`, with the op in batch mode (``batch_processing=True``)."""
+
+    def start(self) -> None:
+        import mpexec
+        from mpexec import fn
+
+        self.version = mpexec.__version__
+        source = IndexSource(self.n, workload=self.workload)
+        transform = self.fns.batch_transform
+        if transform is None:
+            raise RuntimeError(f"workload {self.workload} has no batch transform")
+
+        @mpexec.pipeline_def(
+            batch_size=self.fns.batch_size, num_workers=self.workers, seed=1, prefetch_depth=2
+        )
+        def batch_pipeline() -> Any:
+            data, index = fn.external_source(source=source, batch=False, num_outputs=2)
+            return fn.python_function(data, index, function=transform, batch_processing=True)
+
+        self.pipe = batch_pipeline()
+        self.pipe.build()
+        pool = getattr(self.pipe, "_pool", None)
+        self.start_method = _start_method(getattr(pool, "_ctx", None))
+        self.fresh = True
+
+
 class TorchLoader(Augment):
     """``DataLoader(dataset, batch_size=64, num_workers=w, persistent_workers=True)``."""
 
@@ -379,7 +430,7 @@ class TorchLoader(Augment):
         self.version = torch.__version__
         self.loader = DataLoader(
             IndexDataset(self.n, workload=self.workload),  # type: ignore[arg-type]
-            batch_size=wl.BATCH_SIZE,
+            batch_size=self.fns.batch_size,
             num_workers=self.workers,
             persistent_workers=True,
             timeout=CALL_S,
@@ -409,7 +460,7 @@ class TfData(Augment):
         import tensorflow as tf
 
         self.version = tf.__version__
-        shape = wl.OUTPUT_SHAPE
+        shape = self.fns.output_shape
         process = self.fns.sample
 
         def sample(i: Any) -> Any:
@@ -419,7 +470,7 @@ class TfData(Augment):
         self.dataset = (
             tf.data.Dataset.range(self.n)
             .map(sample, num_parallel_calls=self.workers, deterministic=True)
-            .batch(wl.BATCH_SIZE)
+            .batch(self.fns.batch_size)
             .prefetch(2)
         )
 
@@ -436,7 +487,7 @@ class DaliBase(Augment):
         from nvidia import dali
 
         self.version = dali.__version__
-        pipe = dali.Pipeline(batch_size=wl.BATCH_SIZE, device_id=None, seed=1, **kwargs)
+        pipe = dali.Pipeline(batch_size=self.fns.batch_size, device_id=None, seed=1, **kwargs)
         with pipe:
             pipe.set_outputs(build())
         pipe.build()
@@ -510,7 +561,7 @@ class Grain(Augment):
         self.dataset = (
             grain.MapDataset.source(IndexDataset(self.n, pair=True, workload=self.workload))
             .map(PairTransform(self.workload))
-            .batch(wl.BATCH_SIZE)
+            .batch(self.fns.batch_size)
             .to_iter_dataset()
             .mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers))
         )
@@ -526,6 +577,7 @@ AUGMENT_CLASSES: dict[str, type[Augment]] = {
     "loky": Loky,
     "mpexec_pool": MpexecPool,
     "mpexec_pipeline": MpexecPipeline,
+    "mpexec_pipeline_batch": MpexecPipelineBatch,
     "torch": TorchLoader,
     "tf": TfData,
     "dali_pyfunc": DaliPythonFunction,
@@ -561,7 +613,7 @@ class AugmentServer:
         t0 = time.perf_counter()
         for b in self.system.epoch():
             a = to_numpy(b)
-            if a.shape[1:] != wl.OUTPUT_SHAPE or a.dtype != np.float32:
+            if a.shape[1:] != self.system.fns.output_shape or a.dtype != np.float32:
                 raise RuntimeError(f"a batch of {a.dtype} {a.shape}")
             subs.append(a.reshape(-1)[::SUB_STRIDE].copy())
         seconds = time.perf_counter() - t0
@@ -837,6 +889,7 @@ class TransferServer:
 SERVERS: dict[str, Any] = {
     "augment": AugmentServer,
     "jpeg": AugmentServer,
+    "light": AugmentServer,
     "overhead": OverheadServer,
     "transfer": TransferServer,
 }

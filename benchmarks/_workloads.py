@@ -38,6 +38,11 @@ built from one: its ``load`` (a source's or data set's sample), ``transform``
 (the op run on that) and ``sample`` (both, for map-style systems).
 
 Workload 3 (per-call overhead): ``echo``. Workload 4 (transfer): ``add_one``.
+
+Workload 6 (light ops, per-item cost), per sample ``i``: ``light_load(i)`` is 16
+float32 made from the index (and the index), ``light_transform`` is ``x + 1``;
+batches of 256. ``light_batch_transform`` is the same on a whole batch (for
+batch-mode ops).
 """
 
 from __future__ import annotations
@@ -240,19 +245,60 @@ def jpeg_sample(index: int) -> np.ndarray[Any, Any]:
     return decode_augment(*load_jpeg(index))
 
 
-# ---------------------------------------------------------------- workloads 1 and 2
+# ---------------------------------------------------------------- workload 6
+LIGHT_SIZE = 16
+LIGHT_BATCH = 256
+LIGHT_SHAPE = (LIGHT_SIZE,)
+
+
+def light_load(index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``(16 float32, index)``: sample ``index`` of workload 6, as read."""
+    index = int(index)
+    x = np.arange(LIGHT_SIZE, dtype=np.float32) + np.float32(index % 1021)
+    return x, np.array([index], dtype=np.int64)
+
+
+def light_transform(x: np.ndarray[Any, Any], index: Any) -> np.ndarray[Any, Any]:
+    """Workload 6's op: ``x + 1`` (``index`` unused: the op is as light as it gets)."""
+    del index
+    return x + np.float32(1.0)
+
+
+def light_sample(index: int) -> np.ndarray[Any, Any]:
+    """One sample of workload 6, from its index: what a map-style worker runs."""
+    return light_transform(*light_load(index))
+
+
+def light_batch_transform(xs: list[Any], indices: list[Any]) -> np.ndarray[Any, Any]:
+    """Workload 6's op on a whole batch (a batch-mode op): one ``x + 1`` of the stack."""
+    del indices
+    return np.stack(xs) + np.float32(1.0)
+
+
+# ---------------------------------------------------------------- workloads 1, 2 and 6
 @dataclass(frozen=True)
 class PerSample:
     """A per-sample workload: the module-level functions its systems call."""
 
     load: Callable[[int], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]  # (input, index)
-    transform: Callable[[np.ndarray[Any, Any], Any], np.ndarray[Any, Any]]  # -> 224x224x3
+    transform: Callable[[np.ndarray[Any, Any], Any], np.ndarray[Any, Any]]  # -> output_shape
     sample: Callable[[int], np.ndarray[Any, Any]]  # transform(*load(i))
+    batch_size: int = BATCH_SIZE
+    output_shape: tuple[int, ...] = OUTPUT_SHAPE
+    batch_transform: Callable[[list[Any], list[Any]], np.ndarray[Any, Any]] | None = None
 
 
 PER_SAMPLE: dict[str, PerSample] = {
     "augment": PerSample(load_sample, augment, process_sample),
     "jpeg": PerSample(load_jpeg, decode_augment, jpeg_sample),
+    "light": PerSample(
+        light_load,
+        light_transform,
+        light_sample,
+        LIGHT_BATCH,
+        LIGHT_SHAPE,
+        light_batch_transform,
+    ),
 }
 
 

@@ -24,6 +24,11 @@ system; each system is driven in its own idiom by ``benchmarks/_peers.py``):
    ``--quick``), answered with an array of the same size.
 5. scaling: workload 1's throughput against the worker count, 1 to the CPUs
    this process may use, for mpexec and the two fastest peers of workload 1.
+6. light: the per-item cost. Sample i is ``x + 1`` on 16 float32 (made from
+   the index), batches of 256, measured as workload 1 (checked against serial,
+   interleaved epochs); mpexec runs it as a pipeline per sample and with the
+   op in batch mode (``batch_processing=True``), against PyTorch's
+   DataLoader, DALI's parallel ``external_source`` and Grain.
 
 How it measures:
 
@@ -90,6 +95,8 @@ TARGET_CALL_VS_PEER = 10.0
 TARGET_TRANSFER_VS_PEER = 1.3  # at 64 MiB
 TARGET_TRANSFER_FLAT = 1.3  # mpexec (put) / inline at the largest size: no copies
 TARGET_MEMORY_VS_PEER = 1.0
+TARGET_LIGHT_VS_TORCH = 1.0  # per-sample pipeline / PyTorch DataLoader, samples/s
+TARGET_LIGHT_BATCH_VS_TORCH = 2.0  # batch-mode pipeline / PyTorch DataLoader
 
 
 # ============================================================ configuration
@@ -107,7 +114,9 @@ class Config:
     scaling_rounds: int
     jpeg_images: int  # at least a batch per worker: DataLoader and Grain hand out batches
     jpeg_rounds: int
-    workloads: tuple[str, ...] = ("augment", "jpeg", "overhead", "transfer", "scaling")
+    light_samples: int
+    light_rounds: int
+    workloads: tuple[str, ...] = ("augment", "jpeg", "overhead", "transfer", "scaling", "light")
     systems: tuple[str, ...] = ()  # only these (keys), if any
 
     def calls_for(self, size: int) -> int:
@@ -131,6 +140,8 @@ FULL = Config(
     scaling_rounds=3,
     jpeg_images=256,
     jpeg_rounds=2,  # workload 2 adds about 4 minutes on 2 CPUs
+    light_samples=256 * 200,
+    light_rounds=5,
 )
 QUICK = Config(
     quick=True,
@@ -145,12 +156,19 @@ QUICK = Config(
     scaling_rounds=2,
     jpeg_images=128,
     jpeg_rounds=2,
+    light_samples=256 * 40,
+    light_rounds=3,
 )
 
 
 def jpeg_config(cfg: Config) -> Config:
     """Workload 2's settings in workload 1's terms: its images, and its timed epochs."""
     return replace(cfg, images=cfg.jpeg_images, aug_rounds=cfg.jpeg_rounds)
+
+
+def light_config(cfg: Config) -> Config:
+    """Workload 6's settings in workload 1's terms."""
+    return replace(cfg, images=cfg.light_samples, aug_rounds=cfg.light_rounds)
 
 
 def epoch_timeout(cfg: Config) -> float:
@@ -487,7 +505,7 @@ def reference(cfg: Config, workload: str = "augment") -> dict[str, Any]:
     """The serial result: a digest of each batch, and of its strided sample."""
     t0 = time.perf_counter()
     full, subs = [], []
-    for b in wl.batches_of(cfg.images):
+    for b in wl.batches_of(cfg.images, wl.PER_SAMPLE[workload].batch_size):
         batch = wl.process_batch(b, workload)
         full.append(wl.digest(batch))
         subs.append(wl.digest(batch.reshape(-1)[:: _peers.SUB_STRIDE]))
@@ -561,6 +579,15 @@ def bench_jpeg(cfg: Config, problems: list[str]) -> dict[str, Any]:
     ref = reference(jcfg, "jpeg")
     entries = bench_augment(jcfg, ref, WORKERS, problems, workload="jpeg")
     return {**summarize_augment(entries), "dataset": dataset, "reference": ref}
+
+
+# ============================================================ workload 6
+def bench_light(cfg: Config, problems: list[str]) -> dict[str, Any]:
+    """Workload 6: light ops, per sample and in batch mode, against the loaders."""
+    lcfg = light_config(cfg)
+    ref = reference(lcfg, "light")
+    entries = bench_augment(lcfg, ref, WORKERS, problems, workload="light")
+    return {**summarize_augment(entries), "reference": ref}
 
 
 # ============================================================ workload 3
@@ -881,6 +908,24 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
                 "x",
                 note,
             )
+    lt = res.get("light")
+    if lt:
+        rows = lt["by_system"]
+        torch_rate = rows.get("torch", {}).get("images_per_s", {}).get("median")
+        for key, want in (
+            ("mpexec_pipeline", TARGET_LIGHT_VS_TORCH),
+            ("mpexec_pipeline_batch", TARGET_LIGHT_BATCH_VS_TORCH),
+        ):
+            r = rows.get(key, {})
+            rate = r.get("images_per_s", {}).get("median")
+            add(
+                f"6 light: {r.get('label', key)} / PyTorch DataLoader (samples/s)",
+                rate / torch_rate if rate and torch_rate else None,
+                ">=",
+                want,
+                "x",
+                "" if torch_rate else "PyTorch not measured",
+            )
     ov = res.get("overhead")
     if ov:
         r = ov["by_system"].get("mpexec_pool", {})
@@ -991,12 +1036,19 @@ def _status_row(r: dict[str, Any], width: int) -> list[str]:
     return [r["label"], text[:160]] + [""] * (width - 2)
 
 
-def throughput_md(aug: dict[str, Any], cfg: Config, heading: str, what: str) -> str:
-    """The table of workload 1 or 2: images/s, ratios, and memory."""
+def throughput_md(
+    aug: dict[str, Any],
+    cfg: Config,
+    heading: str,
+    what: str,
+    batch_size: int = wl.BATCH_SIZE,
+    unit: str = "images",
+) -> str:
+    """The table of workload 1, 2 or 6: images (samples)/s, ratios, and memory."""
     rows = []
     headers = [
         "system",
-        "images/s (median)",
+        f"{unit}/s (median)",
         "min - max",
         "vs serial",
         "vs best peer",
@@ -1016,8 +1068,8 @@ def throughput_md(aug: dict[str, Any], cfg: Config, heading: str, what: str) -> 
         rows.append(
             [
                 r["label"],
-                f"{st['median']:.1f}",
-                f"{st['min']:.1f} - {st['max']:.1f}",
+                f"{st['median']:,.1f}",
+                f"{st['min']:,.1f} - {st['max']:,.1f}",
                 _x(r["vs_serial"]),
                 _x(r["vs_best_peer"]),
                 _mib(r["peak_pss"]),
@@ -1028,9 +1080,13 @@ def throughput_md(aug: dict[str, Any], cfg: Config, heading: str, what: str) -> 
         )
     best = aug["best_peer"]
     serial = aug["by_system"].get("serial", {}).get("images_per_s", {}).get("median")
-    per_image = f"{1e3 / serial:.1f} ms an image serially" if serial else "serial not measured"
+    per_image = (
+        f"{1e6 / serial:.1f} us {'an image' if unit == 'images' else 'a sample'} serially"
+        if serial
+        else "serial not measured"
+    )
     return (
-        f"### {heading} ({what}, batches of {wl.BATCH_SIZE}, {WORKERS} workers)\n\n"
+        f"### {heading} ({what}, batches of {batch_size}, {WORKERS} workers)\n\n"
         f"{per_image.capitalize()}. "
         f"Every system's batches were compared with the serial ones before timing (all "
         f"equal, or the system is marked failed); {cfg.aug_rounds} interleaved epochs each. "
@@ -1059,6 +1115,11 @@ def jpeg_md(jp: dict[str, Any], cfg: Config) -> str:
         + " decodes to 256x256x3 uint8, workload 1 augments -> 224x224x3 float32"
     )
     return throughput_md(jp, cfg, heading, what)
+
+
+def light_md(lt: dict[str, Any], cfg: Config) -> str:
+    what = f"{cfg.images} samples of 16 float32, x + 1"
+    return throughput_md(lt, cfg, "6. Light ops", what, wl.LIGHT_BATCH, "samples")
 
 
 def overhead_md(ov: dict[str, Any], cfg: Config) -> str:
@@ -1169,6 +1230,8 @@ def report(res: dict[str, Any], cfg: Config) -> str:
         parts.append(augment_md(res["augment"], cfg))
     if res.get("jpeg"):
         parts.append(jpeg_md(res["jpeg"], jpeg_config(cfg)))
+    if res.get("light"):
+        parts.append(light_md(res["light"], light_config(cfg)))
     if res.get("overhead"):
         parts.append(overhead_md(res["overhead"], cfg))
     if res.get("transfer"):
@@ -1324,6 +1387,9 @@ def run(
     if "jpeg" in cfg.workloads:
         with section("jpeg", errors, load):
             res["jpeg"] = bench_jpeg(cfg, problems)
+    if "light" in cfg.workloads:
+        with section("light", errors, load):
+            res["light"] = bench_light(cfg, problems)
     if "overhead" in cfg.workloads:
         with section("overhead", errors, load):
             res["overhead"] = summarize_overhead(bench_overhead(cfg, problems))

@@ -16,6 +16,11 @@ class Batch(Sequence[Any]):
     behind them is reused only after that. Copy an array to modify it.
     ``as_array()`` stacks the samples into one dense array (a copy unless the
     op produced the batch dense); ``__dlpack__`` exports that dense array.
+
+    A dense batch (``samples`` one NumPy array whose first axis is the batch,
+    as a pipeline's outputs of one shape and dtype are) is that block:
+    ``as_array()`` returns it, uncopied, and ``batch[i]`` is a view of row
+    ``i``, made when asked for.
     """
 
     __slots__ = ("_dense", "_samples", "layout")
@@ -23,30 +28,41 @@ class Batch(Sequence[Any]):
     def __init__(
         self, samples: Sequence[Any], layout: str | None = None, dense: Any | None = None
     ) -> None:
-        self._samples = list(samples)
-        self._dense = dense
+        # Exactly one of the two may be None: a dense batch keeps no list of rows.
+        self._samples: list[Any] | None
+        self._dense: Any = dense
+        if isinstance(samples, np.ndarray) and samples.ndim and dense is None:
+            self._samples, self._dense = None, samples
+        else:
+            self._samples = list(samples)
         self.layout = layout or ""
+
+    def _list(self) -> list[Any]:
+        """The samples as a list (of row views, for a dense batch)."""
+        return list(self._dense) if self._samples is None else self._samples
 
     # ------------------------------------------------------------ sequence
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._dense) if self._samples is None else len(self._samples)
 
     @overload
     def __getitem__(self, i: int) -> Any: ...
     @overload
     def __getitem__(self, i: slice) -> Batch: ...
     def __getitem__(self, i: int | slice) -> Any:
+        if self._samples is None:
+            return Batch(self._dense[i], self.layout) if isinstance(i, slice) else self._dense[i]
         if isinstance(i, slice):
             dense = self._dense[i] if self._dense is not None else None
             return Batch(self._samples[i], self.layout, dense)
         return self._samples[i]
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._samples)
+        return iter(self._dense if self._samples is None else self._samples)
 
     def at(self, i: int) -> Any:
         """Sample ``i`` (DALI's ``TensorList.at``)."""
-        return self._samples[i]
+        return self[i]
 
     # ------------------------------------------------------------ properties
     @property
@@ -57,41 +73,53 @@ class Batch(Sequence[Any]):
     @property
     def dtype(self) -> np.dtype[Any] | None:
         """The samples' dtype (the same for every sample), None if empty."""
+        if self._samples is None:
+            return self._dense.dtype  # type: ignore[no-any-return]
         return self._samples[0].dtype if self._samples else None
 
     @property
     def ndim(self) -> int | None:
         """Rank of each sample (the same for every sample), None if empty."""
+        if self._samples is None:
+            return int(self._dense.ndim) - 1
         return self._samples[0].ndim if self._samples else None
 
     def shape(self) -> list[tuple[int, ...]]:
         """Each sample's shape."""
+        if self._samples is None:
+            return [tuple(self._dense.shape[1:])] * len(self._dense)
         return [tuple(s.shape) for s in self._samples]
 
     def is_dense(self) -> bool:
         """True if every sample has the same shape (so ``as_array`` can stack)."""
-        return self._dense is not None or len({tuple(s.shape) for s in self._samples}) <= 1
+        return self._dense is not None or len({tuple(s.shape) for s in self._list()}) <= 1
 
     @property
     def nbytes(self) -> int:
+        if self._samples is None:
+            return int(self._dense.nbytes)
         return sum(int(s.nbytes) for s in self._samples)
 
     # ------------------------------------------------------------ conversion
     def as_array(self) -> Any:
-        """The samples stacked along a new first axis (shape ``(len, *sample)``)."""
+        """The samples stacked along a new first axis (shape ``(len, *sample)``).
+
+        A dense batch returns its block itself, read-only, without a copy.
+        """
         if self._dense is not None:
             return self._dense
+        samples = self._list()
         if not self.is_dense():
-            shapes = sorted({tuple(s.shape) for s in self._samples})
+            shapes = sorted({tuple(s.shape) for s in samples})
             raise ValueError(
                 f"cannot stack a ragged batch into one array: sample shapes differ "
                 f"({', '.join(map(str, shapes[:4]))}{', ...' if len(shapes) > 4 else ''}); "
                 "pad or crop them to one shape first, or use the samples one by one"
             )
-        if not self._samples:
+        if not samples:
             raise ValueError("cannot stack an empty batch: its sample shape is unknown")
-        xp = _namespace(self._samples[0])
-        dense = xp.stack(self._samples)
+        xp = _namespace(samples[0])
+        dense = xp.stack(samples)
         dense.flags.writeable = False if xp is np else dense.flags.writeable
         self._dense = dense
         return dense
@@ -120,7 +148,7 @@ class Batch(Sequence[Any]):
         return self.as_array().__dlpack_device__()
 
     def __repr__(self) -> str:
-        if not self._samples:
+        if not len(self):
             return f"Batch([], layout={self.layout!r})"
         shapes = self.shape()
         shape = shapes[0] if len(set(shapes)) == 1 else "ragged"

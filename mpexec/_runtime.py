@@ -45,6 +45,13 @@ class BatchInfo(NamedTuple):
 
 _current: SampleInfo | BatchInfo | None = None
 
+# The global generators each call reseeds, bound once: ``np.random.seed`` is the
+# legacy RandomState's method; ``random.seed`` is reached without its Python
+# wrapper (which, for an int, only forwards it and clears ``gauss_next``).
+_np_seed = np.random.seed
+_py_inst: Any = random.seed.__self__  # type: ignore[attr-defined]
+_py_seed: Any = type(_py_inst).__mro__[1].seed  # type: ignore[attr-defined]
+
 
 def sample_info() -> SampleInfo | BatchInfo | None:
     """Inside a pipeline op's call: where it is; None elsewhere."""
@@ -71,6 +78,76 @@ class ChunkResult:
     pid: int
     stop: int | None = None  # a source ended the epoch at this sample (batch index)
     per_op: tuple[tuple[float, int, int], ...] = ()  # a ChainRunner's (s, in, out) per op
+    # Per output: its rows went into the call's ``out`` array (their entries here are None).
+    written: tuple[bool, ...] = ()
+
+
+def write_rows(
+    rows: list[tuple[Any, ...]], out: tuple[Any, ...]
+) -> tuple[list[tuple[Any, ...]], tuple[bool, ...]]:
+    """Per-sample outputs written into the chunk's ``out`` arrays, where they fit.
+
+    ``out[i]`` (or None) holds a row per sample of output ``i``, in the block
+    of the whole batch: where every sample of the chunk has its shape and
+    dtype, the rows are stacked into it in one copy and their entries become
+    None; otherwise (a sample departs from the learned shape) the chunk
+    returns that output's arrays, and the scheduler falls back to them.
+    """
+    if not out:
+        return rows, ()
+    n = len(rows)
+    written = []
+    for i, o in enumerate(out):
+        ok = False
+        if o is not None and n:
+            column = [r[i] for r in rows]
+            shape, dtype = o.shape[1:], o.dtype
+            if all(a.shape == shape and a.dtype == dtype for a in column):
+                np.stack(column, out=o[:n])
+                ok = True
+        written.append(ok)
+    if any(written):
+        rows = [tuple(None if w else v for v, w in zip(r, written, strict=True)) for r in rows]
+    return rows, tuple(written)
+
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix_int(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (a 64-bit bijection, well mixed)."""
+    z &= _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix_array(z: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """:func:`_mix_int` on a uint64 array (NumPy's array arithmetic wraps, silently)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray[Any, Any] = z ^ (z >> np.uint64(31))
+    return out
+
+
+def call_seeds(
+    entropy: int, epoch: int, iteration: int, first: int, count: int
+) -> tuple[list[int], list[int]]:
+    """Seeds of ``np.random`` and ``random`` for ``count`` calls of one op, at once.
+
+    Call ``k`` of an iteration (``k = sample + 1``; 0 for a batch call) gets
+    seeds that depend only on (entropy, epoch, iteration, k): a counter-based
+    hash, computed for a whole chunk in a few array operations instead of a
+    ``SeedSequence`` per call (which cost more than a light op itself).
+    ``np.random`` takes 32 bits (its cheap legacy seeding), ``random`` 64.
+    """
+    key = _mix_int((entropy >> 64) ^ _mix_int(entropy))
+    key = _mix_int(key ^ _mix_int(epoch ^ _mix_int(iteration + _GOLDEN)))
+    ks = np.arange(first, first + count, dtype=np.uint64)
+    h = _mix_array(ks * np.uint64(_GOLDEN) + np.uint64(key))
+    h2 = _mix_array(h ^ np.uint64(_mix_int(key + 1)))
+    return (h >> np.uint64(32)).tolist(), h2.tolist()
 
 
 def derive_seed(pipeline_seed: int, op_index: int, op_seed: int) -> int:
@@ -110,27 +187,48 @@ class OpRunner:
         self.dlpack = dlpack
         self.debug = debug
         self.takes_rng = _takes_keyword(function, "rng")
+        self._init_fast()
 
-    def __call__(self, chunk: Chunk, *inputs: Any) -> ChunkResult:
+    def _init_fast(self) -> None:
+        # Calls with nothing around them but the reseeding, and outputs with no
+        # declaration to check, take a short path (most ops of most pipelines).
+        self._plain = not (self.takes_rng or self.dlpack or self.debug)
+        self._unchecked = self.output_dtypes is None and self.output_shapes is None
+
+    def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
+        """Run the chunk; ``out``: per output, an array to write its rows into, or None."""
         global _current
         t0 = time.perf_counter()
         stop = None
+        written: tuple[bool, ...] = ()
         if self.kind == "batch":
             _current = BatchInfo(chunk.iteration, chunk.epoch)
+            (np_seed,), (py_seed,) = call_seeds(self.entropy, chunk.epoch, chunk.iteration, 0, 1)
+            # A batch function gets lists of samples, also of a batch held as one block.
+            inputs = tuple(list(x) if isinstance(x, np.ndarray) else x for x in inputs)
             try:
-                outputs = self._call(inputs, (chunk.epoch, chunk.iteration, 0), None)
+                outputs = self._call(
+                    inputs, (chunk.epoch, chunk.iteration, 0), None, np_seed, py_seed
+                )
             finally:
                 _current = None
-            outputs = self._batch_outputs(outputs, len(inputs[0]) if inputs else chunk.count)
+            outputs, written = self._batch_outputs(
+                outputs, len(inputs[0]) if inputs else chunk.count, out
+            )
         else:
             outputs = []
+            np_seeds, py_seeds = call_seeds(
+                self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count
+            )
             for j in range(chunk.count):
                 b = chunk.start + j
                 info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
                 _current = info
                 args = (info,) if self.kind == "source" else tuple(x[j] for x in inputs)
                 try:
-                    out = self._call(args, (chunk.epoch, chunk.iteration, b + 1), b)
+                    result = self._call(
+                        args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
+                    )
                 except StopIteration:
                     if self.kind != "source":
                         raise
@@ -138,16 +236,33 @@ class OpRunner:
                     break
                 finally:
                     _current = None
-                outputs.append(self._sample_outputs(out, b))
-        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop)
+                outputs.append(self._sample_outputs(result, b))
+            outputs, written = write_rows(outputs, out)
+        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, written=written)
 
     # ------------------------------------------------------------ calling
-    def _call(self, args: tuple[Any, ...], key: tuple[int, int, int], sample: int | None) -> Any:
-        seq = np.random.SeedSequence(self.entropy, spawn_key=key)
-        words = seq.generate_state(4)
-        np.random.seed(words)
-        random.seed(int(words[0]) << 32 | int(words[1]))
-        kwargs = {"rng": np.random.Generator(np.random.PCG64(seq))} if self.takes_rng else {}
+    def _call(
+        self,
+        args: tuple[Any, ...],
+        key: tuple[int, int, int],
+        sample: int | None,
+        np_seed: int,
+        py_seed: int,
+    ) -> Any:
+        """One call: global random state reseeded from :func:`call_seeds`, ``rng`` from key."""
+        _np_seed(np_seed)
+        _py_seed(_py_inst, py_seed)
+        _py_inst.gauss_next = None
+        if self._plain:
+            try:
+                return self.function(*args)
+            except Exception as exc:
+                _mark(exc, sample)
+                raise
+        kwargs = {}
+        if self.takes_rng:
+            seq = np.random.SeedSequence(self.entropy, spawn_key=key)
+            kwargs["rng"] = np.random.Generator(np.random.PCG64(seq))
         if self.dlpack and self.kind != "source":
             args = tuple(_from_dlpack_inputs(a) for a in args)
         sums = _checksums(args) if self.debug else None
@@ -193,14 +308,28 @@ class OpRunner:
         return tuple(out)
 
     def _sample_outputs(self, out: Any, sample: int) -> tuple[Any, ...]:
+        if self._unchecked:  # the common case, checked in a few attribute reads
+            if self.num_outputs == 1:
+                if type(out) is np.ndarray and not out.dtype.hasobject:
+                    return (out,)
+            elif type(out) is tuple and len(out) == self.num_outputs:
+                for v in out:
+                    if type(v) is not np.ndarray or v.dtype.hasobject:
+                        break
+                else:
+                    return out
         return tuple(
             self._checked(self._array(v, i, sample), i, sample)
             for i, v in enumerate(self._split(out))
         )
 
-    def _batch_outputs(self, out: Any, size: int) -> tuple[Any, ...]:
-        result = []
-        for i, v in enumerate(self._split(out)):
+    def _batch_outputs(
+        self, result: Any, size: int, out: tuple[Any, ...]
+    ) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
+        columns: list[Any] = []
+        written = [False] * len(out)
+        for i, v in enumerate(self._split(result)):
+            block = out[i] if out else None
             if isinstance(v, np.ndarray) or hasattr(v, "__dlpack__"):
                 dense = self._array(v, i, None)
                 if dense.ndim == 0 or dense.shape[0] != size:
@@ -209,6 +338,13 @@ class OpRunner:
                         f"{dense.shape}; a batch output needs its first dimension to be the "
                         f"batch size {size} (or return a list of {size} arrays)"
                     )
+                if block is not None and dense.shape == block.shape and dense.dtype == block.dtype:
+                    if size:
+                        self._checked(dense[0], i, 0)  # every row has row 0's shape and dtype
+                    np.copyto(block, dense, casting="no")
+                    written[i] = True
+                    columns.append(None)
+                    continue
                 samples = list(dense)
             elif isinstance(v, (list, tuple)):
                 if len(v) != size:
@@ -226,8 +362,13 @@ class OpRunner:
             for j, s in enumerate(samples):
                 self._checked(s, i, j)
             check_consistent(f"op '{self.name}'", i, samples)
-            result.append(samples)
-        return tuple(result)
+            if block is not None and _fits(samples, block):
+                np.stack(samples, out=block)
+                written[i] = True
+                columns.append(None)
+            else:
+                columns.append(samples)
+        return tuple(columns), tuple(written)
 
     def _array(self, value: Any, i: int, sample: int | None) -> np.ndarray[Any, Any]:
         if isinstance(value, np.ndarray):
@@ -286,30 +427,47 @@ class ChainRunner:
         self.runners = runners
         self.picks = picks  # per op: which outputs of the previous one it takes
 
-    def __call__(self, chunk: Chunk, *inputs: Any) -> ChunkResult:
+    def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
+        """Run the chunk through every op; ``out`` as :meth:`OpRunner.__call__`."""
         global _current
         t0 = time.perf_counter()
         spent = [[0.0, 0, 0] for _ in self.runners]
         outputs = []
         stop = None
         source = self.runners[0].kind == "source"
+        seeds = [
+            call_seeds(r.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
+            for r in self.runners
+        ]
+        picks, runners = self.picks, list(enumerate(self.runners))
+        last = len(runners) - 1
+        epoch, iteration, start = chunk.epoch, chunk.iteration, chunk.start
+        perf = time.perf_counter
         for j in range(chunk.count):
-            b = chunk.start + j
-            info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
+            b = start + j
+            info = SampleInfo(chunk.epoch_start + b, b, iteration, epoch)
             values: tuple[Any, ...] = (info,) if source else tuple(x[j] for x in inputs)
-            for k, runner in enumerate(self.runners):
-                t = time.perf_counter()
+            t = perf()
+            for k, runner in runners:
                 _current = info
                 counts = spent[k]
                 if k:
-                    values = tuple(values[i] for i in self.picks[k])
-                if not (source and k == 0):
-                    counts[1] += sum(v.nbytes for v in values)
+                    values = tuple([values[i] for i in picks[k]])
+                if k or not source:
+                    nbytes = 0
+                    for v in values:
+                        nbytes += v.nbytes
+                    counts[1] += nbytes
                 try:
-                    out = runner._call(values, (chunk.epoch, chunk.iteration, b + 1), b)
-                    values = tuple(_read_only(v) for v in runner._sample_outputs(out, b))
+                    np_seeds, py_seeds = seeds[k]
+                    result = runner._call(
+                        values, (epoch, iteration, b + 1), b, np_seeds[j], py_seeds[j]
+                    )
+                    values = runner._sample_outputs(result, b)
+                    if k != last:  # the next op gets them as inputs: read-only
+                        values = tuple([_read_only(v) for v in values])
                 except StopIteration:
-                    if not (source and k == 0):
+                    if k or not source:
                         raise
                     stop = b
                     break
@@ -319,13 +477,26 @@ class ChainRunner:
                     raise
                 finally:
                     _current = None
-                counts[0] += time.perf_counter() - t
-                counts[2] += sum(v.nbytes for v in values)
+                now = perf()
+                counts[0] += now - t
+                t = now
+                nbytes = 0
+                for v in values:
+                    nbytes += v.nbytes
+                counts[2] += nbytes
             if stop is not None:
                 break
             outputs.append(values)
         per_op = tuple((float(c[0]), int(c[1]), int(c[2])) for c in spent)
-        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, per_op)
+        outputs, written = write_rows(outputs, out)
+        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, per_op, written)
+
+
+def _fits(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:
+    shape, dtype = block.shape[1:], block.dtype
+    return len(samples) == len(block) and all(
+        a.shape == shape and a.dtype == dtype for a in samples
+    )
 
 
 def _read_only(array: Any) -> Any:

@@ -47,6 +47,15 @@ A :class:`UnitExecutor` is anything that runs units and returns futures:
   take as input cheaply (the one copy where data enters the pipeline).
 - ``shutdown(wait, cancel_futures)``: stop (its owner calls it, not the
   scheduler); pending futures are cancelled.
+- optional, ``empty(shape, dtype)``: a writable array its units can write
+  to. Where an executor has it, an output whose samples share one shape and
+  dtype (declared by ``output_shapes``/``output_dtypes``, or learned from an
+  earlier batch) is one block per batch: each unit gets its rows of it as
+  ``unit.out`` and fills them (an executor that runs units elsewhere copies
+  the rows back into ``unit.out`` before it completes the future). The
+  batch's column is then the block itself: one allocation and one
+  descriptor, not one per sample. A chunk whose samples do not fit returns
+  its arrays, and that batch is assembled from them instead.
 
 :class:`PoolExecutor` adapts a :class:`WorkerPool`; each op's
 ``_OpState.executor`` names the executor its units go to (all the same one
@@ -104,7 +113,10 @@ class WorkUnit:
     ``runner(chunk, *inputs)`` computes it; ``inputs`` holds, per input column
     of the chain's head, the chunk's rows (read-only arrays). ``worker`` pins
     the unit to one worker index (stateful ops), else None. ``ops`` names the
-    ops it runs, head first.
+    ops it runs, head first. ``out`` (empty, or one entry per output of the
+    last op): a writable array of ``chunk.count`` rows in the batch's block
+    (from the executor's ``empty``), which the unit fills where its samples
+    fit; the result says which outputs it wrote (``ChunkResult.written``).
     """
 
     runner: OpRunner | ChainRunner  # or, for a GPU op, a GpuOpRunner its executor calls
@@ -112,10 +124,11 @@ class WorkUnit:
     inputs: tuple[Sequence[Any], ...]
     worker: int | None = None
     ops: tuple[str, ...] = ()
+    out: tuple[Any, ...] = ()  # per output: rows of the batch's block to write, or None
 
     def run(self) -> ChunkResult:
         """Compute the unit here (what an executor's worker does with it)."""
-        return self.runner(self.chunk, *self.inputs)
+        return self.runner(self.chunk, *self.inputs, out=self.out)
 
 
 class UnitExecutor(Protocol):
@@ -143,14 +156,16 @@ class PoolExecutor:
         self.workers = pool.num_workers
 
     def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
-        return self.pool._submit(unit.runner, (unit.chunk, *unit.inputs), {}, unit.worker)
+        kwargs = {}
+        if unit.out:
+            kwargs["out"] = tuple(None if o is None else _codec.writable(o) for o in unit.out)
+        return self.pool._submit(unit.runner, (unit.chunk, *unit.inputs), kwargs, unit.worker)
 
     def share(self, array: Any) -> Any:
         return self.pool.put(array)
 
-    def empty(self, nbytes: int) -> np.ndarray[Any, Any]:
-        """Shared memory that units take as input with no copy (a GPU stage copies into it)."""
-        return self.pool.empty(nbytes, np.uint8)  # type: ignore[no-any-return]
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
+        return self.pool.empty(shape, dtype)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.pool.shutdown(wait, cancel_futures=cancel_futures)
@@ -189,6 +204,9 @@ class _OpState:
         self.absorbed = False  # runs inside a later op's chain
         self.worker = worker  # pinned worker index (stateful ops)
         self.executor = executor  # where its units run
+        # Per output: (sample shape, dtype) of the batch's dense block, or None.
+        self.declared = _declared_blocks(op)
+        self.blocks: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = list(self.declared)
         self.turn = 0  # stateful: the compute sequence number allowed next
         self.skipped: set[int] = set()
         self.iterator: Iterator[Any] | None = None
@@ -225,8 +243,11 @@ class _Iteration:
         self.seq = -1  # compute-phase sequence number, once there
         self.size = batch_size
         self.stop: int | None = None  # a source raised StopIteration at this sample
-        self.values: list[tuple[list[Any], ...] | None] = [None] * n_ops
+        # Per op: its output columns (a list of per-sample arrays, or one dense block).
+        self.values: list[tuple[Any, ...] | None] = [None] * n_ops
         self.parts: dict[int, list[ChunkResult | None]] = {}
+        self.bounds: dict[int, list[tuple[int, int]]] = {}  # op -> its chunks' rows
+        self.blocks: dict[int, list[Any]] = {}  # op -> per output: the batch's block, or None
         self.dispatched: set[int] = set()
         self.host: dict[tuple[int, int], list[Any]] = {}  # GPU outputs copied for CPU ops
         self.sources_left = 0
@@ -586,7 +607,8 @@ class Scheduler:
             inputs.append(column)
         chained = len(s.members) > 1  # the chain counts its ops' bytes itself
         for column in inputs:
-            for a in column:
+            arrays = (column,) if isinstance(column, np.ndarray) else column
+            for a in arrays:
                 if not chained:
                     s.bytes_in += a.nbytes
                 if (
@@ -604,12 +626,17 @@ class Scheduler:
             edges = [size * j // k for j in range(k + 1)]
             bounds = [(edges[j], edges[j + 1]) for j in range(k)]
         it.parts[s.pos] = [None] * len(bounds)
+        it.bounds[s.pos] = bounds
+        blocks = self._blocks(s, size)
+        it.blocks[s.pos] = blocks
         submit = s.executor.submit_unit
         names = tuple(m.op.name for m in s.members)
         runner: Any = s.runner  # a GpuOpRunner goes only to the GPU executor
         for ci, (a, b) in enumerate(bounds):
             chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start)
-            unit = WorkUnit(runner, chunk, tuple(col[a:b] for col in inputs), s.worker, names)
+            out = tuple(None if k is None else k[a:b] for k in blocks) if blocks else ()
+            rows = tuple(col[a:b] for col in inputs)
+            unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
             t0 = time.perf_counter()
             try:
                 future = submit(unit)
@@ -630,10 +657,18 @@ class Scheduler:
         host = it.host.get(key)
         if host is None:
             producer = self.ops[key[0]].executor
-            alloc = getattr(s.executor, "empty", None) if self._workers else None
+            empty = getattr(s.executor, "empty", None) if self._workers else None
+            alloc = None if empty is None else functools.partial(_bytes_from, empty)
             (host,) = producer.to_host([column], n.op.name, alloc)  # type: ignore[attr-defined]
             it.host[key] = host
         return host
+
+    def _blocks(self, s: _OpState, size: int) -> list[Any]:
+        """Per output of ``s``: a dense block for the batch, or None; [] if none."""
+        empty = getattr(s.executor, "empty", None)
+        if empty is None or not size or not any(b is not None for b in s.blocks):
+            return []
+        return [None if b is None else empty((size, *b[0]), b[1]) for b in s.blocks]
 
     def _chunk_count(self, s: _OpState, size: int) -> int:
         """One chunk per worker, or a few each where samples are slow.
@@ -695,11 +730,12 @@ class Scheduler:
         if any(p is None for p in parts):
             return
         del it.parts[s.pos]
-        columns = self._assemble(s, parts)  # type: ignore[arg-type]
+        bounds = it.bounds.pop(s.pos)
+        blocks = it.blocks.pop(s.pos)
+        columns = self._assemble(s, parts, bounds, blocks)  # type: ignore[arg-type]
         if len(s.members) == 1:
             for col in columns:
-                for a in col:
-                    s.bytes_out += a.nbytes
+                s.bytes_out += _nbytes(col)
         it.values[s.pos] = columns
         if s.source:
             stops = [p.stop for p in parts if p is not None and p.stop is not None]
@@ -716,30 +752,80 @@ class Scheduler:
         else:
             self._dispatch_ready(it)
 
-    def _assemble(self, s: _OpState, parts: list[ChunkResult]) -> tuple[list[Any], ...]:
+    def _assemble(
+        self,
+        s: _OpState,
+        parts: list[ChunkResult],
+        bounds: list[tuple[int, int]],
+        blocks: list[Any],
+    ) -> tuple[Any, ...]:
+        """The chunks' outputs as one column per output: a dense block, or a list."""
+        if s.op.batch_processing:
+            parts, bounds = parts[:1], bounds[:1]
+            counts = [bounds[0][1] - bounds[0][0]]
+        else:
+            counts = []
+            for p in parts:
+                counts.append(len(p.outputs))
+                if p.stop is not None:
+                    break  # samples past a source's end are not in the epoch
+            parts, bounds = parts[: len(counts)], bounds[: len(counts)]
+        if s.op.device == "gpu":  # device arrays the GPU runner made and checked
+            return self._gpu_columns(s, parts)
+        total = sum(counts)
+        columns: list[Any] = []
+        for i in range(s.op.num_outputs):
+            block = blocks[i] if blocks else None
+            written = [bool(p.written) and p.written[i] for p in parts]
+            if block is not None and all(written):
+                col: Any = block[:total]
+                col.flags.writeable = False
+            else:
+                col = []
+                for p, (a, _), count, w in zip(parts, bounds, counts, written, strict=True):
+                    if w:
+                        assert block is not None
+                        col.extend(block[a : a + count])
+                    elif s.op.batch_processing:
+                        col.extend(p.outputs[i])
+                    else:
+                        col.extend(r[i] for r in p.outputs)
+                if self._workers == 0:
+                    # Here the function's own arrays: it may keep and reuse them.
+                    col[:] = [np.array(a, copy=True) for a in col]
+                for a in col:
+                    a.flags.writeable = False
+                check_consistent(s.op.describe(), i, col)
+                self._learn(s, i, col)
+            columns.append(col)
+        return tuple(columns)
+
+    def _gpu_columns(self, s: _OpState, parts: list[ChunkResult]) -> tuple[Any, ...]:
+        """A GPU op's outputs: device arrays, one list per output (no blocks)."""
         n = s.op.num_outputs
         if s.op.batch_processing:
             columns = tuple(list(parts[0].outputs[i]) for i in range(n))
         else:
-            rows: list[tuple[Any, ...]] = []
-            for p in parts:
-                rows.extend(p.outputs)
-                if p.stop is not None:
-                    break  # samples past a source's end are not in the epoch
+            rows = [r for p in parts for r in p.outputs]
             columns = tuple([r[i] for r in rows] for i in range(n))
-        if s.op.device == "gpu":  # device arrays the GPU runner made and checked
-            for i, col in enumerate(columns):
-                check_consistent(s.op.describe(), i, col)
-            return columns
-        inline = self._workers == 0
         for i, col in enumerate(columns):
-            if inline:
-                # Here the function's own arrays: it may keep and reuse them.
-                col[:] = [np.array(a, copy=True) for a in col]
-            for a in col:
-                a.flags.writeable = False
             check_consistent(s.op.describe(), i, col)
         return columns
+
+    def _learn(self, s: _OpState, i: int, col: list[Any]) -> None:
+        """Output ``i`` of ``s`` came back as arrays: a block for the next batches?
+
+        A batch whose samples share a shape and dtype sets the block of the
+        next ones (a learned shape that changed is learned anew); a ragged
+        batch leaves it as it was: one odd sample costs only its own batch.
+        """
+        if s.declared[i] is not None or not col:
+            return  # declared: a departing sample only makes this batch fall back
+        first = col[0]
+        shape, dtype = first.shape, first.dtype
+        if dtype.hasobject or not all(a.shape == shape and a.dtype == dtype for a in col):
+            return
+        s.blocks[i] = (tuple(shape), dtype)
 
     def _finish(self, it: _Iteration) -> None:
         plan = self._plan
@@ -789,6 +875,35 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | None]:
+    """Per output: (shape, dtype) where ``output_shapes``/``output_dtypes`` fix both."""
+    found: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = []
+    for i in range(op.num_outputs):
+        shape = op.output_shapes[i] if op.output_shapes is not None else None
+        dtype = op.output_dtypes[i] if op.output_dtypes is not None else None
+        if (
+            shape is None
+            or dtype is None
+            or np.dtype(dtype).hasobject
+            or any(d is None or d < 0 for d in shape)
+        ):
+            found.append(None)
+        else:
+            found.append((tuple(int(d) for d in shape), np.dtype(dtype)))  # type: ignore[arg-type]
+    return found
+
+
+def _bytes_from(empty: Any, nbytes: int) -> np.ndarray[Any, Any]:
+    """``nbytes`` of an executor's shared memory, as bytes (where a GPU stage copies)."""
+    return empty((nbytes,), np.dtype(np.uint8))  # type: ignore[no-any-return]
+
+
+def _nbytes(column: Any) -> int:
+    if isinstance(column, np.ndarray):
+        return int(column.nbytes)
+    return sum(int(a.nbytes) for a in column)
 
 
 def _annotate(exc: BaseException, op: Op, it: _Iteration, sample: int | None) -> BaseException:

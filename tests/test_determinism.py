@@ -218,3 +218,46 @@ def test_seed_none_picks_a_seed_that_reruns_identically() -> None:
     first = make(0, seed=None)  # type: ignore[arg-type]
     assert isinstance(first.seed, int)
     assert_identical(run_two_epochs(make(0, seed=first.seed)), run_two_epochs(first), "seed")
+
+
+def test_call_seeds_depend_on_the_call_not_on_the_chunk() -> None:
+    """A chunk's seeds, computed at once, are each call's own: chunking changes nothing."""
+    from mpexec._runtime import call_seeds
+
+    entropy = (1 << 127) + 12345
+    whole = call_seeds(entropy, 2, 7, 1, 64)
+    for k in range(64):
+        one = call_seeds(entropy, 2, 7, 1 + k, 1)
+        assert (whole[0][k], whole[1][k]) == (one[0][0], one[1][0])
+    # Every part of the key matters, and the 64 calls' seeds are distinct.
+    assert len(set(whole[0])) == len(set(whole[1])) == 64
+    for other in (
+        call_seeds(entropy + 1, 2, 7, 1, 64),
+        call_seeds(entropy ^ (1 << 100), 2, 7, 1, 64),
+        call_seeds(entropy, 3, 7, 1, 64),
+        call_seeds(entropy, 2, 8, 1, 64),
+    ):
+        assert not set(other[1]) & set(whole[1])
+    assert all(0 <= s < 1 << 32 for s in whole[0])
+    assert all(0 <= s < 1 << 64 for s in whole[1])
+
+
+def _gauss_once(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # One draw each: both generators cache the second value of a pair, which the
+    # reseeding before the next call must clear.
+    return np.array([random.gauss(0.0, 1.0), float(np.random.standard_normal())]) + x[0]
+
+
+def test_cached_gaussians_do_not_leak_into_the_next_call() -> None:
+    def run(num_workers: int) -> list[bytes]:
+        @mpexec.pipeline_def(batch_size=BATCH, num_workers=num_workers, seed=SEED)
+        def graph() -> Any:
+            src = fn.external_source(source=_source, batch=False)
+            return fn.python_function(src, function=_gauss_once)
+
+        with graph() as pipe:
+            return [np.asarray(s).tobytes() for (out,) in pipe for s in out]
+
+    inline = run(0)
+    assert len(set(inline)) == len(inline) == EPOCH
+    assert run(2) == inline

@@ -194,3 +194,65 @@ def test_a_unit_runs_the_same_anywhere() -> None:
     assert len(here.outputs) == len(there.outputs) == unit.chunk.count
     for a, b in zip(here.outputs, there.outputs, strict=True):
         assert a[0].tobytes() == b[0].tobytes()
+
+
+class PickledUnitsWithBlocks(PickledUnits):
+    """As :class:`PickledUnits`, giving units blocks to write (``empty``).
+
+    The agent writes into its own copies of ``unit.out`` (they travel pickled),
+    so the rows are copied back into the scheduler's block before the future
+    completes, as the interface asks of an executor that runs units elsewhere.
+    """
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        return np.empty(shape, dtype)
+
+    def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
+        inner = super().submit_unit(unit)
+        outer: Future[ChunkResult] = Future()
+
+        def copy_back(done: Future[Any]) -> None:
+            exc = done.exception()
+            if exc is not None:
+                outer.set_exception(exc)
+                return
+            result, filled = done.result()
+            for mine, theirs, wrote in zip(unit.out, filled, result.written, strict=False):
+                if mine is not None and wrote:
+                    np.copyto(mine[: len(theirs)], theirs)
+            outer.set_result(result)
+
+        inner.add_done_callback(copy_back)
+        return outer
+
+    def _run_remote(self, key: int, sent: bytes, blob: bytes) -> Any:
+        runner = self._agent.get(key)
+        if runner is None:
+            runner = self._agent[key] = cloudpickle.loads(sent)
+        unit = dataclasses.replace(cloudpickle.loads(blob), runner=runner)
+        return unit.run(), unit.out
+
+
+def test_another_executor_with_blocks_gives_bit_identical_outputs() -> None:
+    reference = _pipeline_run(2)
+    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=SEED)
+    pipe.define(_graph)
+    assert pipe._graph is not None
+    executor = PickledUnitsWithBlocks()
+    scheduler = Scheduler(
+        pipe._graph.plan(),
+        executor,
+        batch_size=BATCH,
+        prefetch_depth=1,
+        seed=SEED,
+        last_batch="partial",
+        debug=False,
+    )
+    try:
+        got = _collect(scheduler.next_result, scheduler.reset)
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    assert got == reference
+    # After the first batch taught the shapes, units were given rows to fill.
+    assert any(u.out and u.out[0] is not None for u in executor.units)
