@@ -945,17 +945,18 @@ class GpuBatch(Batch):
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             dense = self._dense[i] if self._dense is not None else None
-            return GpuBatch(self._samples[i], self.layout, self._xp, self._stream, dense)
-        return self._samples[i]
+            return GpuBatch(self._list()[i], self.layout, self._xp, self._stream, dense)
+        return self._list()[i]
 
     def as_array(self) -> Any:
         """The samples stacked on the device (shape ``(len, *sample)``), on the op's stream."""
         if self._dense is not None:
             return self._dense
-        if not self.is_dense() or not self._samples:
+        samples = self._list()
+        if not self.is_dense() or not samples:
             return super().as_array()  # raises the ragged/empty error
         with self._stream:
-            self._dense = self._xp.stack(self._samples)
+            self._dense = self._xp.stack(samples)
         return self._dense
 
     as_tensor = as_array
@@ -963,7 +964,7 @@ class GpuBatch(Batch):
     def as_cpu(self) -> Batch:
         """The samples copied to host memory (synchronized on the producer's stream)."""
         with self._stream:
-            host = [s.get(stream=self._stream) for s in self._samples]
+            host = [s.get(stream=self._stream) for s in self._list()]
         for h in host:
             h.flags.writeable = False
         return Batch(host, self.layout)

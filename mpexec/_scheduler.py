@@ -604,6 +604,9 @@ class Scheduler:
             column = vals[n.index]
             if n.op.device == "gpu" and not gpu:
                 column = self._host_column(it, s, n, column)
+            elif gpu and isinstance(column, np.ndarray):
+                # A dense block's rows: adjacent, so the GPU stage copies them in one run.
+                column = list(column)
             inputs.append(column)
         chained = len(s.members) > 1  # the chain counts its ops' bytes itself
         for column in inputs:
