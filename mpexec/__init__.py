@@ -19,6 +19,7 @@ from ._batch import Batch
 from ._codec import writable
 from ._errors import (
     BrokenPoolError,
+    ForkedPoolError,
     InputMutatedError,
     MpexecError,
     OpOutputError,
@@ -40,6 +41,7 @@ __all__ = [
     "BatchInfo",
     "BrokenPoolError",
     "DataNode",
+    "ForkedPoolError",
     "InputMutatedError",
     "MpexecError",
     "OpOutputError",

@@ -6,6 +6,7 @@
     ├── BrokenPoolError            (also concurrent.futures.BrokenExecutor)
     │   └── WorkerCrashedError     a worker died: pid, signal, likely cause
     ├── PoolClosedError            you shut the pool down, then used it
+    │   └── ForkedPoolError        a pool or pipeline inherited through os.fork()
     ├── TaskTimeoutError           (also TimeoutError) a call ran past its limit
     ├── SerializationError         a function, argument or result cannot be pickled
     ├── OpOutputError              (also ValueError) an op returned what it may not
@@ -64,6 +65,14 @@ class PoolClosedError(MpexecError, RuntimeError):
     """The pool was shut down; it accepts no more work."""
 
 
+class ForkedPoolError(PoolClosedError):
+    """A pool (or pipeline) was used in a process forked from the one that made it.
+
+    Its workers, rings and memory belong to the parent; a child that touched
+    them would corrupt the parent's pool. Make a new pool in the child.
+    """
+
+
 class TaskTimeoutError(MpexecError, TimeoutError):
     """A call ran longer than the pool's ``timeout``; its worker was replaced."""
 
@@ -104,6 +113,7 @@ for _cls in (
     BrokenPoolError,
     WorkerCrashedError,
     PoolClosedError,
+    ForkedPoolError,
     TaskTimeoutError,
     SerializationError,
     OpOutputError,

@@ -56,6 +56,7 @@ from . import _codec, _worker
 from ._doctor import default_start_method
 from ._errors import (
     BrokenPoolError,
+    ForkedPoolError,
     PoolClosedError,
     RemoteTraceback,
     SerializationError,
@@ -151,6 +152,9 @@ class _PoolFuture(Future[T]):
     def _poll(self, timeout: float | None) -> float | None:
         """Poll for up to the pool's budget; the caller's ``timeout`` left over."""
         state = self._mp_state
+        if state is not None and state.pid != os.getpid() and not self.done():
+            # No manager thread here will ever complete it: refuse, never hang.
+            raise forked_error(state.pid, "a Future of a WorkerPool")
         if (
             state is None
             or state.latency > _POLL_SECONDS
@@ -194,6 +198,7 @@ class _State:
     """Everything the pool and its manager thread share (the manager holds only this)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # the process that owns it; a forked child does not
         self.lock = threading.RLock()
         self.slots: list[_Slot] = []
         self.pending: collections.deque[_Task] = collections.deque()
@@ -400,6 +405,7 @@ class WorkerPool(Executor):
         if not callable(fn):
             raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
         state = self._state
+        self._check_not_forked()
         if self._inline:
             return self._run_inline(fn, args, kwargs)
         with state.lock:
@@ -436,6 +442,12 @@ class WorkerPool(Executor):
         callers are promised arrays of their own.
         """
         self._state.shared_results = True
+
+    def _check_not_forked(self) -> None:
+        """Raise ForkedPoolError in a process forked from the pool's (before any lock:
+        another thread of the parent may have held one at the fork)."""
+        if self._state.pid != os.getpid() and not self._inline:
+            raise forked_error(self._state.pid, "this WorkerPool")
 
     def _check_usable(self) -> None:
         state = self._state
@@ -548,6 +560,7 @@ class WorkerPool(Executor):
         """
         if type(chunksize) is not int or chunksize < 1:
             raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+        self._check_not_forked()
         limit = max(1, prefetch or 2 * max(1, self.num_workers))
         deadline = None if timeout is None else time.monotonic() + timeout
         calls = zip(*iterables, strict=False)
@@ -562,18 +575,21 @@ class WorkerPool(Executor):
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
         """A new array in the pool's shared memory: it reaches workers without a copy."""
+        self._check_not_forked()
         if self._arena is None:
             return np.empty(shape, dtype)
         return self._arena.empty(shape, dtype)
 
     def put(self, array: Any) -> Any:
         """A copy of ``array`` in the pool's shared memory, to pass to many calls."""
+        self._check_not_forked()
         if self._arena is None:
             return np.array(array, copy=True)
         return self._arena.put(array)
 
     def stats(self) -> PoolStats:
         """Counters and the arena's occupancy (a snapshot)."""
+        self._check_not_forked()
         state = self._state
         arena = self._arena.stats() if self._arena is not None else None
         with state.lock:
@@ -593,6 +609,7 @@ class WorkerPool(Executor):
     @property
     def pids(self) -> list[int]:
         """Process ids of the current workers."""
+        self._check_not_forked()
         with self._state.lock:
             return [s.pid for s in self._state.slots]
 
@@ -605,7 +622,14 @@ class WorkerPool(Executor):
         bounded time (closed ring, timed join, SIGTERM, SIGKILL). Without
         ``wait``, queued calls are cancelled and running ones abandoned (their
         futures fail with :class:`PoolClosedError`). Safe from several threads.
+
+        In a process forked from the pool's, it does nothing: the workers
+        are the parent's, which goes on using them.
         """
+        if self._state.pid != os.getpid():
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            return
         if self._inline:
             self._state.closed = True
             return
@@ -621,7 +645,15 @@ class WorkerPool(Executor):
 
     def __repr__(self) -> str:
         state = self._state
-        status = "broken" if state.broken else "closed" if state.closed else "running"
+        status = (
+            "inherited through fork"
+            if state.pid != os.getpid()
+            else "broken"
+            if state.broken
+            else "closed"
+            if state.closed
+            else "running"
+        )
         return f"<WorkerPool {status} workers={self.num_workers} submitted={state.submitted}>"
 
 
@@ -1060,6 +1092,8 @@ def _shutdown(
     cancel: bool,
 ) -> None:
     """Stop a pool: let queued calls finish (``wait``), then stop every worker."""
+    if state.pid != os.getpid():
+        return  # a forked child's exit: the workers and memory are the parent's
     with state.lock:
         if state.closed and state.stopped:
             return
@@ -1162,8 +1196,34 @@ def _register_exit_hook() -> None:
     global _exit_hook_registered, _OOM_BASELINE
     if not _exit_hook_registered:
         atexit.register(_stop_all_pools)
+        os.register_at_fork(after_in_child=_disown_workers)
         _OOM_BASELINE = _oom_kills()
         _exit_hook_registered = True
+
+
+def forked_error(owner_pid: int, what: str) -> ForkedPoolError:
+    """The error for using, in a forked child, ``what`` made by process ``owner_pid``."""
+    return ForkedPoolError(
+        f"{what} belongs to process {owner_pid}; this process ({os.getpid()}) inherited "
+        "it through os.fork() and cannot use it: its workers, rings and shared memory "
+        "are the parent's, which goes on using them. Make a new WorkerPool (or "
+        "pipeline) in the child, or start children with the 'spawn' or 'forkserver' "
+        "method (a prefork server: create the pool after the fork, e.g. in gunicorn's "
+        "post_fork hook)"
+    )
+
+
+def _disown_workers() -> None:
+    """In a forked child: the workers are the parent's; multiprocessing must not
+    count them as ours (its exit hook would SIGTERM every daemonic child it knows)."""
+    import multiprocessing.process as mp_process
+
+    children = getattr(mp_process, "_children", None)
+    if not isinstance(children, set):  # pragma: no cover - a future CPython
+        return
+    for pool in list(_live_pools):
+        for slot in list(pool._state.slots):
+            children.discard(slot.process)
 
 
 def _stop_all_pools() -> None:
