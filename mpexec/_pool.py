@@ -758,13 +758,21 @@ def _manage(state: _State, pool_ref: weakref.ref[WorkerPool], timeout: float | N
     is collected (its finalizer then stops everything, this thread included).
     """
     state.manager_ident = threading.get_ident()
-    watcher = _Watcher(state)
     try:
+        watcher = _Watcher(state)
         while _manage_once(state, pool_ref, timeout, watcher):
             pass
-    except (shm.SharedMemoryError, ValueError):
-        if not state.closed:  # rings closed under us only by shutdown
-            raise
+    except BaseException as exc:
+        if state.closed and isinstance(exc, (shm.SharedMemoryError, ValueError)):
+            return  # rings closed under us by shutdown
+        # Nothing else would ever complete a future: break the pool, loudly.
+        err = BrokenPoolError(
+            f"the pool's manager thread failed ({type(exc).__name__}: {exc}); the pool "
+            "can run nothing more. This is a bug in mpexec: please report it with the "
+            "traceback (the __cause__)"
+        )
+        err.__cause__ = exc  # with its traceback: where the manager failed
+        _break(state, err)
 
 
 class _Watcher:
