@@ -298,10 +298,14 @@ import mpexec
 def square(x):
     return x * x
 
-in_result, stop = threading.Event(), threading.Event()
+stop = threading.Event()
+armed = [False]  # set only inside the try below; a plain list: no lock to interrupt
 
 def on_sigint(signum, frame):
-    if in_result.is_set():
+    # Disarm before raising: one KeyboardInterrupt per arming, and only where
+    # the loop's try catches it (never in its except clause, never outside).
+    if armed[0]:
+        armed[0] = False
         raise KeyboardInterrupt
 
 def interrupter():
@@ -317,13 +321,13 @@ if __name__ == "__main__":
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
             future = pool.submit(square, calls)
-            in_result.set()
             try:
-                assert future.result(30) == calls * calls
+                armed[0] = True
+                value = future.result(30)
+                armed[0] = False
+                assert value == calls * calls
             except KeyboardInterrupt:
                 interrupted += 1
-            finally:
-                in_result.clear()
             calls += 1
         stop.set()
         sender.join(30)
@@ -352,6 +356,62 @@ def test_ctrl_c_in_result_leaves_the_pool_working() -> None:
     interrupted, calls = map(int, proc.stdout.split())
     assert interrupted > 0, "no interrupt landed in result(): the test tested nothing"
     assert calls > interrupted
+
+
+_CHILD_SECOND_CTRL_C = """
+import os, signal, sys, time
+import mpexec
+from mpexec import _pool
+
+where = sys.argv[1]
+real = getattr(_pool, where)
+sent = []
+
+def second_ctrl_c(*args, **kwargs):
+    # The second Ctrl-C lands in the middle of the interrupted shutdown.
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the KeyboardInterrupt is raised in here
+    return real(*args, **kwargs)
+
+setattr(_pool, where, second_ctrl_c)
+with mpexec.WorkerPool(2) as pool:
+    running = [pool.submit(time.sleep, 30) for _ in range(2)]
+    queued = [pool.submit(time.sleep, 30) for _ in range(4)]
+    print(os.getpid(), *pool.pids, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C
+    time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("where", ["_stop_processes", "_descendants"])
+def test_a_second_ctrl_c_during_an_interrupted_shutdown_ends_bounded(
+    where: str, killed: list[int]
+) -> None:
+    # Ctrl-C stops a pool at once; a second one, impatient, lands inside that
+    # stop: the process must still end promptly, leaving no worker and no
+    # named segment (posix backend: what a lost cleanup would leave behind).
+    with _one_posix_child_at_a_time():
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD_SECOND_CTRL_C, where],
+            capture_output=True,
+            text=True,
+            timeout=2 * T,
+            check=False,
+            env={**os.environ, "SHM_BACKEND": "posix"},
+        )
+        elapsed = time.monotonic() - t0
+        pids = [int(p) for p in proc.stdout.split()]
+        assert len(pids) == 3, proc.stdout + proc.stderr
+        killed.extend(pids)  # stopped by SIGTERM: their names are checked below first
+        assert proc.returncode in (-signal.SIGINT, 130, 1), proc.stderr
+        assert "in second_ctrl_c" in proc.stderr, "the second Ctrl-C never landed"
+        assert elapsed < 20, f"an interrupted shutdown took {elapsed:.1f} s"
+        wait_until(lambda: all(_gone(p) for p in pids[1:]), 10, "the workers to exit")
+        left = {n for n in _mpx_names() if any(f"-{p}-" in n for p in pids)}
+        assert not left, f"named segments left behind: {sorted(left)}"
 
 
 def test_callbacks_never_run_in_a_waiting_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
