@@ -118,6 +118,10 @@ def _crash(kind: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "sigsegv":
         os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "sigbus":
+        os.kill(os.getpid(), signal.SIGBUS)
+    elif kind == "sigabrt":
+        os.abort()
     else:
         os._exit(5)
     time.sleep(T)  # a signal may take a moment to land; never return normally
@@ -1045,6 +1049,8 @@ def test_sys_exit_in_function_is_reported_and_pool_survives() -> None:
 CRASHES = [
     pytest.param("sigkill", -9, "SIGKILL", id="sigkill"),
     pytest.param("sigsegv", -11, "SIGSEGV", id="sigsegv"),
+    pytest.param("sigbus", -signal.SIGBUS, "SIGBUS", id="sigbus"),
+    pytest.param("sigabrt", -signal.SIGABRT, "SIGABRT", id="sigabrt"),
     pytest.param("exit5", 5, "exited with code 5", id="exit5"),
 ]
 
@@ -1139,6 +1145,35 @@ def test_crash_with_restart(
         assert stats.restarts == 1
         assert stats.failed == 1
         assert "running" in repr(pool)
+
+
+def _allocate_under_rlimit_as(nbytes: int) -> int:
+    """Allocate ``nbytes`` with the address space capped well below that (RLIMIT_AS)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = psutil.Process().memory_info().vms + (256 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        return int(np.ones(nbytes, np.uint8).sum())
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_memory_error_under_rlimit_as_is_typed_and_the_pool_survives(restart: bool) -> None:
+    with WorkerPool(1, restart=restart) as pool:
+        pid = pool.submit(_pid).result(T)
+        t0 = time.monotonic()
+        fut = pool.submit(_allocate_under_rlimit_as, 8 << 30)
+        with pytest.raises(MemoryError) as info:
+            fut.result(T)
+        assert time.monotonic() - t0 < 5
+        assert isinstance(info.value.__cause__, mpexec.RemoteTraceback)
+        assert "_allocate_under_rlimit_as" in info.value.__cause__.tb
+        assert pool.submit(_allocate_under_rlimit_as, 1 << 20).result(T) == 1 << 20
+        assert pool.submit(_pid).result(T) == pid, "a MemoryError must not cost the worker"
+        assert pool.stats().restarts == 0
 
 
 def test_crash_with_restart_reruns_queued_calls(killed: list[int]) -> None:
