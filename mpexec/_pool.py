@@ -64,16 +64,17 @@ from ._errors import (
     WorkerCrashedError,
     signal_name,
 )
-from ._worker import CALL, FAILED, FORGET, FUNC, HEADER, HELLO, OK
+from ._worker import CALL, CANCEL, FAILED, FORGET, FUNC, HEADER, HELLO, OK, SKIPPED, VERDICT
 
 T = TypeVar("T")
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
-# A task takes up to three records (forget, function, call): 24 in flight. A busy
-# worker gives freed slots back only every half ring, so it may sit on up to
-# half of them: the task ring needs 24 + 31 < 64. The manager drains the done
-# ring to empty (which returns every slot), and a worker sends one record a task.
-_TASK_RING = 64
+# A task takes up to five records (forget, function, call; cancel and verdict):
+# 40 in flight. A busy worker gives freed slots back only every half ring, so it
+# may sit on up to half of them: the task ring needs 40 + 47 < 96. The manager
+# drains the done ring to empty (which returns every slot), and a worker sends
+# one record a task.
+_TASK_RING = 96
 _DONE_RING = 3 * _IN_FLIGHT
 _FN_CACHE = 1024  # functions kept (strongly) with their ids; older ones are forgotten
 _STOP_GRACE = 5.0  # seconds a worker gets to exit after its ring is closed
@@ -106,6 +107,8 @@ class PoolStats:
 class _Task:
     __slots__ = ("args", "fn", "future", "kwargs", "sent", "started", "task_id", "worker")
 
+    future: _PoolFuture[Any]
+
     def __init__(
         self,
         task_id: int,
@@ -126,6 +129,7 @@ class _Task:
     def release(self) -> None:
         """Drop the call's function and arguments (kept only to rerun it elsewhere)."""
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        self.future._mp_slot = None
 
 
 class _PoolFuture(Future[T]):
@@ -142,6 +146,35 @@ class _PoolFuture(Future[T]):
     """
 
     _mp_state: _State | None = None
+    _mp_slot: _Slot | None = None  # the worker it was pushed to, until delivered
+    _mp_seq = 0  # its number among the calls pushed to that worker
+
+    def running(self) -> bool:
+        """True once a worker has started the call (not merely received it)."""
+        slot = self._mp_slot
+        if slot is None or self.done():
+            return super().running()
+        try:
+            return slot.done.progress() >= self._mp_seq
+        except (ValueError, TypeError):  # pragma: no cover - its rings released
+            return False
+
+    def cancel(self) -> bool:
+        """Cancel the call if no worker has started it; True if it will never run.
+
+        A call waiting in the pool is dropped; one already pushed to a
+        worker is skipped by that worker (see ``_worker``'s cancellation).
+        """
+        state = self._mp_state
+        if state is None:
+            return _cancel_now(self)
+        if state.pid != os.getpid():
+            return False  # a forked child: the call is the parent's
+        with state.lock:
+            slot = self._mp_slot
+            if slot is None:
+                return _cancel_now(self)
+            return _cancel_pushed(slot, self)
 
     def result(self, timeout: float | None = None) -> T:
         return super().result(self._poll(timeout))
@@ -187,7 +220,10 @@ class _Slot:
         self.queue: collections.deque[_Task] = collections.deque()
         self.fns: set[int] = set()
         self.forget: list[int] = []
+        self.calls = 0  # CALL records pushed (the worker numbers them the same way)
         self.ready = False
+        # While a replacement starts (the manager reads its hello, never waits for it).
+        self.start_deadline: float | None = None
 
     def close_rings(self) -> None:
         for ring in (self.tasks, self.done, self.result_releases):
@@ -315,46 +351,48 @@ class WorkerPool(Executor):
     # ------------------------------------------------------------ workers
     def _start_workers(self, indices: Iterable[int], generation: int) -> None:
         """Start workers in parallel, then wait for each to say hello."""
-        state, arena = self._state, self._arena
-        assert arena is not None
-        started: list[_Slot] = []
-        for index in indices:
-            slot = _Slot(index, generation)
-            slot.arg_releases = arena.link()
-            boot = _worker.WorkerBoot(
-                index=index,
-                generation=generation,
-                tasks=slot.tasks,
-                done=slot.done,
-                arg_releases=slot.arg_releases,
-                result_releases=slot.result_releases,
-                lifeline=self._lifeline,
-                main_arena_id=arena.id,
-                main_pid=os.getpid(),
-                seed_entropy=self._seed,
-                init=self._init,
-                segment_size=self._worker_arena_size,
-                inline_max=self._inline_max,
-            )
-            slot.process = self._ctx.Process(
-                target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
-            )
-            try:
-                slot.process.start()
-            except BaseException:
-                slot.close_rings()
-                arena.reclaim(slot.arg_releases)
-                raise
-            slot.pid = slot.process.pid
-            with state.lock:
-                if index < len(state.slots):
-                    state.slots[index] = slot
-                else:
-                    state.slots.append(slot)
-            started.append(slot)
+        started = [self._launch(index, generation) for index in indices]
         deadline = time.monotonic() + self._start_timeout
         for slot in started:
             self._await_hello(slot, deadline)
+
+    def _launch(self, index: int, generation: int) -> _Slot:
+        """Start worker ``index`` (it is ready once its hello is read)."""
+        state, arena = self._state, self._arena
+        assert arena is not None
+        slot = _Slot(index, generation)
+        slot.arg_releases = arena.link()
+        boot = _worker.WorkerBoot(
+            index=index,
+            generation=generation,
+            tasks=slot.tasks,
+            done=slot.done,
+            arg_releases=slot.arg_releases,
+            result_releases=slot.result_releases,
+            lifeline=self._lifeline,
+            main_arena_id=arena.id,
+            main_pid=os.getpid(),
+            seed_entropy=self._seed,
+            init=self._init,
+            segment_size=self._worker_arena_size,
+            inline_max=self._inline_max,
+        )
+        slot.process = self._ctx.Process(
+            target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
+        )
+        try:
+            slot.process.start()
+        except BaseException:
+            slot.close_rings()
+            arena.reclaim(slot.arg_releases)
+            raise
+        slot.pid = slot.process.pid
+        with state.lock:
+            if index < len(state.slots):
+                state.slots[index] = slot
+            else:
+                state.slots.append(slot)
+        return slot
 
     def _await_hello(self, slot: _Slot, deadline: float) -> None:
         try:
@@ -365,24 +403,8 @@ class WorkerPool(Executor):
             ) from None
         except shm.SharedMemoryError:
             slot.process.join(1)
-            raise BrokenPoolError(
-                f"worker {slot.index} (pid {slot.pid}) died while starting "
-                f"({_describe_exit(slot.process.exitcode)})"
-            ) from None
-        kind, flags, _, _ = HEADER.unpack_from(rec)
-        body = _worker.body_of(rec, flags)
-        if kind == FAILED:
-            exc, tb = pickle.loads(body)
-            err = BrokenPoolError(
-                f"worker {slot.index} (pid {slot.pid}) failed to start: {type(exc).__name__}: {exc}"
-            )
-            exc.__cause__ = RemoteTraceback(tb)
-            raise err from exc
-        if kind != HELLO:  # pragma: no cover - protocol error
-            raise BrokenPoolError(f"worker {slot.index} sent record kind {kind} first")
-        slot.pid, slot.arena_id = pickle.loads(body)
-        shm.set_release_route(slot.arena_id, slot.result_releases)
-        slot.ready = True
+            raise _died_starting(slot) from None
+        _hello(slot, rec)
 
     # ------------------------------------------------------------ the executor
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -411,6 +433,7 @@ class WorkerPool(Executor):
         with state.lock:
             self._check_usable()
             task = _Task(next(state.next_task_id), fn, args, kwargs, worker)
+            task.future._mp_state = state
             slot = self._pick_slot(task)
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
@@ -495,15 +518,14 @@ class WorkerPool(Executor):
             enc.refs.undo()
             raise
         slot.fns.add(fn_id)
+        slot.calls += 1
+        task.future._mp_slot, task.future._mp_seq = slot, slot.calls
         state.bytes_shared += enc.bytes_shared
         state.bytes_copied += enc.bytes_copied
         task.sent = time.perf_counter()
         if not slot.queue:
             task.started = time.monotonic()
-        task.future._mp_state = state
         slot.queue.append(task)
-        if not task.future.running():  # a call rerun after a crash already is
-            task.future.set_running_or_notify_cancel()
         if self.timeout is not None:
             state.poke()  # the manager sleeps until the earliest deadline
 
@@ -657,6 +679,32 @@ class WorkerPool(Executor):
         return f"<WorkerPool {status} workers={self.num_workers} submitted={state.submitted}>"
 
 
+def _hello(slot: _Slot, rec: bytes) -> None:
+    """Read a worker's first record: it is ready, or it failed to start (raised)."""
+    kind, flags, _, _ = HEADER.unpack_from(rec)
+    body = _worker.body_of(rec, flags)
+    if kind == FAILED:
+        exc, tb = pickle.loads(body)
+        err = BrokenPoolError(
+            f"worker {slot.index} (pid {slot.pid}) failed to start: {type(exc).__name__}: {exc}"
+        )
+        exc.__cause__ = RemoteTraceback(tb)
+        raise err from exc
+    if kind != HELLO:  # pragma: no cover - protocol error
+        raise BrokenPoolError(f"worker {slot.index} sent record kind {kind} first")
+    slot.pid, slot.arena_id = pickle.loads(body)
+    shm.set_release_route(slot.arena_id, slot.result_releases)
+    slot.start_deadline = None
+    slot.ready = True
+
+
+def _died_starting(slot: _Slot) -> BrokenPoolError:
+    return BrokenPoolError(
+        f"worker {slot.index} (pid {slot.pid}) died while starting "
+        f"({_describe_exit(slot.process.exitcode)})"
+    )
+
+
 def _forget_everywhere(state: _State, fn_id: int) -> None:
     """Workers that cached function ``fn_id`` drop it with their next task."""
     for slot in state.slots:
@@ -784,17 +832,17 @@ class _Watcher:
 
     def __init__(self, state: _State) -> None:
         self.state = state
-        self.key: tuple[tuple[int, bool], ...] = ()
+        self.key: tuple[tuple[int, bool, bool], ...] = ()
         self.poller = select.poll()
         self.by_fd: dict[int, tuple[_Slot | None, str]] = {}
 
     def wait(self, slots: list[_Slot], timeout: float | None) -> list[tuple[_Slot | None, str]]:
-        key = tuple((id(s), s.ready) for s in slots)
+        key = tuple((id(s), s.ready, s.start_deadline is not None) for s in slots)
         if key != self.key:
             self.poller = select.poll()
             self.by_fd = {self.state.wake.fileno(): (None, "wake")}
             for slot in slots:
-                if slot.ready:
+                if slot.ready or slot.start_deadline is not None:
                     self.by_fd[slot.done.fileno()] = (slot, "done")
                     self.by_fd[slot.process.sentinel] = (slot, "died")
             for fd in self.by_fd:
@@ -819,6 +867,8 @@ def _manage_once(
         if slot is None:
             with contextlib.suppress(shm.RingTimeoutError):
                 state.wake.pop_many(timeout=0)
+        elif slot.start_deadline is not None:
+            _started(state, slot, died=what == "died")
         elif what == "done":
             _deliver(state, slot)
         else:
@@ -826,6 +876,10 @@ def _manage_once(
     for slot in died:
         if slot.ready:
             _worker_lost(state, slot, timeout, pool_ref, died=True)
+    for slot in slots:
+        if slot.start_deadline is not None and time.monotonic() > slot.start_deadline:
+            _break(state, BrokenPoolError(f"worker {slot.index} (pid {slot.pid}) did not start"))
+            slot.start_deadline = None
     if timeout is not None:
         for slot in slots:
             if slot.ready and _timed_out(slot, timeout):
@@ -837,12 +891,28 @@ def _manage_once(
 
 
 def _next_deadline(slots: list[_Slot], timeout: float | None) -> float | None:
-    if timeout is None:
+    ends = [s.start_deadline for s in slots if s.start_deadline is not None]
+    if timeout is not None:
+        ends += [s.queue[0].started + timeout for s in slots if s.ready and s.queue]
+    if not ends:
         return None
-    starts = [s.queue[0].started for s in slots if s.ready and s.queue]
-    if not starts:
-        return None
-    return max(0.0, min(starts) + timeout - time.monotonic()) + 0.001
+    return max(0.0, min(ends) - time.monotonic()) + 0.001
+
+
+def _started(state: _State, slot: _Slot, died: bool) -> None:
+    """A replacement worker said hello (it is ready now), failed, or died starting."""
+    try:
+        rec = slot.done.try_pop()
+        if rec is None and not died:
+            return
+        if rec is None:
+            slot.process.join(1)
+            raise _died_starting(slot)
+        with state.lock:
+            _hello(slot, rec)
+    except (BrokenPoolError, shm.SharedMemoryError) as exc:
+        slot.start_deadline = None
+        _break(state, exc if isinstance(exc, BrokenPoolError) else _died_starting(slot))
 
 
 def _timed_out(slot: _Slot, timeout: float | None) -> bool:
@@ -863,19 +933,25 @@ def _deliver(state: _State, slot: _Slot) -> None:
         if rec is None:
             return
         kind, flags, _, task_id = HEADER.unpack_from(rec)
-        ok, outcome = _outcome(rec, kind, flags, state.shared_results)
+        skipped = kind == SKIPPED
+        ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, state.shared_results)
         with state.lock:
             if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
                 raise AssertionError(f"completion for task {task_id} out of order")
             task = slot.queue.popleft()
             if slot.queue:
                 slot.queue[0].started = time.monotonic()
-            if ok:
+            if skipped:
+                pass
+            elif ok:
                 state.completed += 1
             else:
                 state.failed += 1
-        state.latency = time.perf_counter() - task.sent
         task.release()
+        if skipped:
+            _cancel_now(task.future)  # cancelled already: cancel() said so
+            continue
+        state.latency = time.perf_counter() - task.sent
         if ok:
             _settle(task.future, result=outcome)
         else:
@@ -897,6 +973,39 @@ def _outcome(rec: bytes, kind: int, flags: int, shared_ok: bool) -> tuple[bool, 
         )
         err.__cause__ = exc
         return False, err
+
+
+def _cancel_now(future: Future[Any]) -> bool:
+    """Cancel a call no worker will run, and tell its waiters (``wait()``) at once."""
+    with future._condition:
+        if not Future.cancel(future):
+            return False
+        if future._state == "CANCELLED":
+            future.set_running_or_notify_cancel()
+        return True
+
+
+def _cancel_pushed(slot: _Slot, future: _PoolFuture[Any]) -> bool:
+    """Cancel a call pushed to ``slot``'s worker unless it started (state lock held).
+
+    The handshake of ``_worker``'s cancellation: CANCEL, read the worker's
+    progress, VERDICT. The worker, which waits for the verdict once it has
+    seen CANCEL, then skips the call exactly when this returns True.
+    """
+    if future.done():
+        return future.cancelled()
+    seq = future._mp_seq
+    if not slot.ready or slot.done.progress() >= seq:
+        return False  # running, or its worker is being replaced: it decides
+    watch = [slot.process]
+    try:
+        slot.tasks.push(_worker.record(CANCEL, b"", seq), timeout=_STOP_GRACE, watch=watch)
+        started = slot.done.progress() >= seq
+        verdict = b"\x00" if started else b"\x01"
+        slot.tasks.push(_worker.record(VERDICT, verdict, seq), timeout=_STOP_GRACE, watch=watch)
+    except (shm.SharedMemoryError, ValueError):
+        return False  # the worker died or the pool is stopping: the manager fails it
+    return not started and _cancel_now(future)
 
 
 def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
@@ -925,6 +1034,7 @@ def _worker_lost(
     proc.join(5)
     with contextlib.suppress(shm.SharedMemoryError):
         _deliver(state, slot)  # what it finished before dying still counts
+    progress = slot.done.progress()  # how many of its calls it had started
     with state.lock:
         slot.ready = False
         tasks = list(slot.queue)
@@ -934,6 +1044,8 @@ def _worker_lost(
     if pool is not None and pool._arena is not None and slot.arg_releases is not None:
         pool._arena.reclaim(slot.arg_releases)
     slot.close_rings()
+    # Calls run in order: only the first undelivered one can have started.
+    running = tasks[0] if tasks and (overran or tasks[0].future._mp_seq <= progress) else None
     error: BaseException
     if state.stopping:
         error = PoolClosedError("the pool was shut down before this call finished")
@@ -943,28 +1055,35 @@ def _worker_lost(
             f"(pid {slot.pid}) was killed and replaced"
         )
     else:
-        error = _crash_error(slot, proc.exitcode)
+        error = _crash_error(slot, proc.exitcode, running is not None)
     restart = not state.stopping and pool is not None and (overran or pool.restart)
     if not restart and not state.stopping:
         # Broken before any future fails: a caller woken by the failure must
         # find the pool broken (as concurrent.futures does).
         _break(state, error if isinstance(error, BrokenPoolError) else _as_broken(error), tasks)
         return
-    # The first call was running; the others never started: with a restart, rerun them.
-    for i, task in enumerate(tasks):
-        if i and restart:
-            with state.lock:
-                state.pending.appendleft(task)
-        else:
+    # The running call fails; the others never started: with a restart, rerun them.
+    rerun = []
+    for task in tasks:
+        if task is running or not restart:
             with state.lock:
                 state.failed += 1
             task.release()
             _settle(task.future, exc=error)
+        elif task.future.cancelled():
+            task.release()
+        else:
+            task.future._mp_slot = None
+            rerun.append(task)
+    with state.lock:
+        state.pending.extendleft(reversed(rerun))  # first in line, in their order
     if state.stopping:
         return
     if restart and pool is not None:
         try:
-            pool._start_workers([slot.index], slot.generation + 1)
+            # Not waiting for its hello here: the manager reads it with the results.
+            new = pool._launch(slot.index, slot.generation + 1)
+            new.start_deadline = time.monotonic() + pool._start_timeout
         except BaseException as exc:
             _break(state, exc if isinstance(exc, BrokenPoolError) else _as_broken(exc))
         else:
@@ -1007,6 +1126,7 @@ def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
     while state.pending:
         task = state.pending.popleft()
         if task.future.cancelled():
+            task.release()
             continue
         slot = None if task.worker in blocked else pool._pick_slot(task)
         if slot is None:
@@ -1022,11 +1142,11 @@ def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
     state.pending = kept
 
 
-def _crash_error(slot: _Slot, exitcode: int | None) -> WorkerCrashedError:
+def _crash_error(slot: _Slot, exitcode: int | None, running: bool) -> WorkerCrashedError:
     cause = _likely_cause(exitcode)
+    doing = "while running a call" if running else "while idle (it had started no call)"
     return WorkerCrashedError(
-        f"worker {slot.index} (pid {slot.pid}) died while running a call: "
-        f"{_describe_exit(exitcode)}. {cause}",
+        f"worker {slot.index} (pid {slot.pid}) died {doing}: {_describe_exit(exitcode)}. {cause}",
         pid=slot.pid,
         exitcode=exitcode,
         cause=cause,
@@ -1109,8 +1229,13 @@ def _shutdown(
         state.stopping = True
         if cancel or not wait:
             for task in state.pending:
-                task.future.cancel()
+                _cancel_now(task.future)
             state.pending.clear()
+            # And those pushed to a worker that has not started them: it skips them.
+            for slot in state.slots:
+                for task in list(slot.queue):
+                    if slot.ready:
+                        _cancel_pushed(slot, task.future)
         state.poke()
     me = threading.current_thread()
     if manager is not None and wait and manager is not me:
