@@ -130,6 +130,7 @@ class _Task:
         """Drop the call's function and arguments (kept only to rerun it elsewhere)."""
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
         self.future._mp_slot = None
+        self.future._mp_state = None  # settled: it needs the pool no more
 
 
 class _PoolFuture(Future[T]):
@@ -235,6 +236,7 @@ class _State:
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # the process that owns it; a forked child does not
+        self.last_pids: list[int] = []  # the workers' pids, kept after shutdown
         self.lock = threading.RLock()
         self.slots: list[_Slot] = []
         self.pending: collections.deque[_Task] = collections.deque()
@@ -243,7 +245,8 @@ class _State:
         self.stopping = False  # the manager returns once nothing is queued
         self.stopped = False  # workers gone, rings closed
         self.stop_lock = threading.Lock()  # held by the one caller that stops them
-        self.wake = shm.Ring(4, 1)  # the manager waits on it with the done rings
+        # The manager waits on it with the done rings; None once the pool stopped.
+        self.wake: shm.Ring | None = shm.Ring(4, 1)
         self.fn_ids: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self.next_fn_id = itertools.count(1)
         self.next_task_id = itertools.count(1)
@@ -261,7 +264,8 @@ class _State:
         # Under the lock: the wake-up ring has one producer end, and any
         # thread may poke.
         with self.lock, contextlib.suppress(shm.SharedMemoryError, ValueError):
-            self.wake.try_push(b"!")
+            if self.wake is not None:
+                self.wake.try_push(b"!")
 
 
 class WorkerPool(Executor):
@@ -472,6 +476,10 @@ class WorkerPool(Executor):
         if self._state.pid != os.getpid() and not self._inline:
             raise forked_error(self._state.pid, "this WorkerPool")
 
+    def _check_open(self) -> None:
+        if self._state.closed and not self._inline:
+            raise PoolClosedError("this pool was shut down: its shared memory is released")
+
     def _check_usable(self) -> None:
         state = self._state
         if state.broken is not None:
@@ -598,6 +606,7 @@ class WorkerPool(Executor):
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
         """A new array in the pool's shared memory: it reaches workers without a copy."""
         self._check_not_forked()
+        self._check_open()
         if self._arena is None:
             return np.empty(shape, dtype)
         return self._arena.empty(shape, dtype)
@@ -605,6 +614,7 @@ class WorkerPool(Executor):
     def put(self, array: Any) -> Any:
         """A copy of ``array`` in the pool's shared memory, to pass to many calls."""
         self._check_not_forked()
+        self._check_open()
         if self._arena is None:
             return np.array(array, copy=True)
         return self._arena.put(array)
@@ -630,10 +640,10 @@ class WorkerPool(Executor):
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of the current workers."""
+        """Process ids of the current workers (after shutdown: of the last ones)."""
         self._check_not_forked()
         with self._state.lock:
-            return [s.pid for s in self._state.slots]
+            return [s.pid for s in self._state.slots] or list(self._state.last_pids)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop the pool; idempotent.
@@ -659,6 +669,9 @@ class WorkerPool(Executor):
         _shutdown(self._state, self._arena, self._lifeline, self._manager, wait, cancel_futures)
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self._state.stopped:
+            # Unmapped as soon as nothing made from it is held (pool.empty() arrays are).
+            self._arena = None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         # Ctrl-C: stop now (running calls are abandoned) rather than wait for the queue.
@@ -840,7 +853,10 @@ class _Watcher:
         key = tuple((id(s), s.ready, s.start_deadline is not None) for s in slots)
         if key != self.key:
             self.poller = select.poll()
-            self.by_fd = {self.state.wake.fileno(): (None, "wake")}
+            wake = self.state.wake
+            if wake is None:
+                raise ValueError("the pool stopped")  # its rings are closed: the manager ends
+            self.by_fd = {wake.fileno(): (None, "wake")}
             for slot in slots:
                 if slot.ready or slot.start_deadline is not None:
                     self.by_fd[slot.done.fileno()] = (slot, "done")
@@ -866,7 +882,8 @@ def _manage_once(
     for slot, what in ready:
         if slot is None:
             with contextlib.suppress(shm.RingTimeoutError):
-                state.wake.pop_many(timeout=0)
+                if state.wake is not None:
+                    state.wake.pop_many(timeout=0)
         elif slot.start_deadline is not None:
             _started(state, slot, died=what == "died")
         elif what == "done":
@@ -1284,10 +1301,18 @@ def _stop(
             slot.process.close()
         if slot.arg_releases is not None:
             slot.arg_releases.close()
-    state.wake.close()
+    with state.lock:
+        if state.wake is not None:
+            state.wake.close()
+            state.wake = None
     if arena is not None:
         arena.close()
     lifeline.close()
+    # Let go of the rings now, not when the pool is collected: their mappings
+    # go with the last reference (a delivered future holds none).
+    with state.lock:
+        state.last_pids = [s.pid for s in slots]
+        state.slots = []
 
 
 def _stop_processes(procs: list[Any], wait: bool) -> None:

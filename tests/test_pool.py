@@ -1489,6 +1489,7 @@ def test_shutdown_from_two_threads_at_once(no_leaks: None) -> None:
     pool = WorkerPool(2)
     pool.submit(os.getpid).result(T)
     hung = pool.submit(time.sleep, 60)
+    wait_until(hung.running, 10, "the hanging call to start")  # else it is cancelled
     state = pool._state
     waiter = threading.Thread(target=pool.shutdown, kwargs={"wait": True})
     waiter.start()
