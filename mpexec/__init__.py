@@ -19,6 +19,7 @@ from ._batch import Batch
 from ._codec import writable
 from ._errors import (
     BrokenPoolError,
+    ForkedPoolError,
     GpuError,
     GpuUnavailableError,
     InputMutatedError,
@@ -44,6 +45,7 @@ __all__ = [
     "BatchInfo",
     "BrokenPoolError",
     "DataNode",
+    "ForkedPoolError",
     "GpuError",
     "GpuUnavailableError",
     "InputMutatedError",

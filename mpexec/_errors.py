@@ -6,6 +6,7 @@
     ├── BrokenPoolError            (also concurrent.futures.BrokenExecutor)
     │   └── WorkerCrashedError     a worker died: pid, signal, likely cause
     ├── PoolClosedError            you shut the pool down, then used it
+    │   └── ForkedPoolError        a pool or pipeline inherited through os.fork()
     ├── MainModuleError            (also RuntimeError) a pool created while multiprocessing
     │                              re-ran a parent's main module: the guard is needed there
     ├── TaskTimeoutError           (also TimeoutError) a call ran past its limit
@@ -77,6 +78,14 @@ class MainModuleError(MpexecError, RuntimeError):
     """
 
 
+class ForkedPoolError(PoolClosedError):
+    """A pool (or pipeline) was used in a process forked from the one that made it.
+
+    Its workers, rings and memory belong to the parent; a child that touched
+    them would corrupt the parent's pool. Make a new pool in the child.
+    """
+
+
 class TaskTimeoutError(MpexecError, TimeoutError):
     """A call ran longer than the pool's ``timeout``; its worker was replaced."""
 
@@ -131,6 +140,7 @@ for _cls in (
     WorkerCrashedError,
     PoolClosedError,
     MainModuleError,
+    ForkedPoolError,
     TaskTimeoutError,
     SerializationError,
     OpOutputError,

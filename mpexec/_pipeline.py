@@ -26,7 +26,7 @@ from . import _codec
 from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError, SerializationError
 from ._graph import DataNode, Graph, Plan, defining
-from ._pool import WorkerPool, usable_cpus
+from ._pool import WorkerPool, forked_error, usable_cpus
 from ._scheduler import OpStats, PoolExecutor, Scheduler
 
 _PARAMS = (
@@ -200,6 +200,7 @@ class Pipeline:
     # ------------------------------------------------------------ building
     def build(self) -> None:
         """Plan the graph and start the workers (``with pipe:`` calls it)."""
+        self._check_not_forked()
         with self._lock:
             if self._closed:
                 raise PoolClosedError("this pipeline is closed")
@@ -252,6 +253,7 @@ class Pipeline:
         :meth:`reset`), and re-raises an op's exception for the iteration it
         broke (later iterations go on).
         """
+        self._check_not_forked()
         self.build()
         assert self._scheduler is not None
         result = self._scheduler.next_result()
@@ -286,7 +288,14 @@ class Pipeline:
         """Stop the workers and free what the pipeline holds; idempotent.
 
         Batches already returned stay valid for as long as they are held.
+        In a process forked from the pipeline's, it only marks this copy
+        closed: the workers are the parent's.
         """
+        if self._forked_from() is not None:
+            self._closed = True
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -305,6 +314,19 @@ class Pipeline:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _forked_from(self) -> int | None:
+        """The pid of the process that started this pipeline's pool, if not this one."""
+        pool = self._pool
+        if pool is None or pool._state.pid == os.getpid() or pool.num_workers == 0:
+            return None
+        return pool._state.pid
+
+    def _check_not_forked(self) -> None:
+        # Before any lock: another thread of the parent may have held one at the fork.
+        owner = self._forked_from()
+        if owner is not None:
+            raise forked_error(owner, "this pipeline")
 
     def stats(self) -> PipelineStats:
         """Per op: calls, time in the function and waiting, bytes; per worker: busy."""

@@ -56,6 +56,7 @@ from . import _codec, _launch, _worker
 from ._doctor import default_start_method
 from ._errors import (
     BrokenPoolError,
+    ForkedPoolError,
     PoolClosedError,
     RemoteTraceback,
     SerializationError,
@@ -63,16 +64,17 @@ from ._errors import (
     WorkerCrashedError,
     signal_name,
 )
-from ._worker import CALL, FAILED, FORGET, FUNC, HEADER, HELLO, OK
+from ._worker import CALL, CANCEL, FAILED, FORGET, FUNC, HEADER, HELLO, OK, SKIPPED, VERDICT
 
 T = TypeVar("T")
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
-# A task takes up to three records (forget, function, call): 24 in flight. A busy
-# worker gives freed slots back only every half ring, so it may sit on up to
-# half of them: the task ring needs 24 + 31 < 64. The manager drains the done
-# ring to empty (which returns every slot), and a worker sends one record a task.
-_TASK_RING = 64
+# A task takes up to five records (forget, function, call; cancel and verdict):
+# 40 in flight. A busy worker gives freed slots back only every half ring, so it
+# may sit on up to half of them: the task ring needs 40 + 47 < 96. The manager
+# drains the done ring to empty (which returns every slot), and a worker sends
+# one record a task.
+_TASK_RING = 96
 _DONE_RING = 3 * _IN_FLIGHT
 _FN_CACHE = 1024  # functions kept (strongly) with their ids; older ones are forgotten
 _STOP_GRACE = 5.0  # seconds a worker gets to exit after its ring is closed
@@ -105,6 +107,8 @@ class PoolStats:
 class _Task:
     __slots__ = ("args", "fn", "future", "kwargs", "sent", "started", "task_id", "worker")
 
+    future: _PoolFuture[Any]
+
     def __init__(
         self,
         task_id: int,
@@ -125,6 +129,8 @@ class _Task:
     def release(self) -> None:
         """Drop the call's function and arguments (kept only to rerun it elsewhere)."""
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        self.future._mp_slot = None
+        self.future._mp_state = None  # settled: it needs the pool no more
 
 
 class _PoolFuture(Future[T]):
@@ -141,6 +147,35 @@ class _PoolFuture(Future[T]):
     """
 
     _mp_state: _State | None = None
+    _mp_slot: _Slot | None = None  # the worker it was pushed to, until delivered
+    _mp_seq = 0  # its number among the calls pushed to that worker
+
+    def running(self) -> bool:
+        """True once a worker has started the call (not merely received it)."""
+        slot = self._mp_slot
+        if slot is None or self.done():
+            return super().running()
+        try:
+            return slot.done.progress() >= self._mp_seq
+        except (ValueError, TypeError):  # pragma: no cover - its rings released
+            return False
+
+    def cancel(self) -> bool:
+        """Cancel the call if no worker has started it; True if it will never run.
+
+        A call waiting in the pool is dropped; one already pushed to a
+        worker is skipped by that worker (see ``_worker``'s cancellation).
+        """
+        state = self._mp_state
+        if state is None:
+            return _cancel_now(self)
+        if state.pid != os.getpid():
+            return False  # a forked child: the call is the parent's
+        with state.lock:
+            slot = self._mp_slot
+            if slot is None:
+                return _cancel_now(self)
+            return _cancel_pushed(slot, self)
 
     def result(self, timeout: float | None = None) -> T:
         return super().result(self._poll(timeout))
@@ -151,6 +186,9 @@ class _PoolFuture(Future[T]):
     def _poll(self, timeout: float | None) -> float | None:
         """Poll for up to the pool's budget; the caller's ``timeout`` left over."""
         state = self._mp_state
+        if state is not None and state.pid != os.getpid() and not self.done():
+            # No manager thread here will ever complete it: refuse, never hang.
+            raise forked_error(state.pid, "a Future of a WorkerPool")
         if (
             state is None
             or state.latency > _POLL_SECONDS
@@ -183,7 +221,10 @@ class _Slot:
         self.queue: collections.deque[_Task] = collections.deque()
         self.fns: set[int] = set()
         self.forget: list[int] = []
+        self.calls = 0  # CALL records pushed (the worker numbers them the same way)
         self.ready = False
+        # While a replacement starts (the manager reads its hello, never waits for it).
+        self.start_deadline: float | None = None
 
     def close_rings(self) -> None:
         for ring in (self.tasks, self.done, self.result_releases):
@@ -194,6 +235,8 @@ class _State:
     """Everything the pool and its manager thread share (the manager holds only this)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # the process that owns it; a forked child does not
+        self.last_pids: list[int] = []  # the workers' pids, kept after shutdown
         self.lock = threading.RLock()
         self.slots: list[_Slot] = []
         self.pending: collections.deque[_Task] = collections.deque()
@@ -202,7 +245,8 @@ class _State:
         self.stopping = False  # the manager returns once nothing is queued
         self.stopped = False  # workers gone, rings closed
         self.stop_lock = threading.Lock()  # held by the one caller that stops them
-        self.wake = shm.Ring(4, 1)  # the manager waits on it with the done rings
+        # The manager waits on it with the done rings; None once the pool stopped.
+        self.wake: shm.Ring | None = shm.Ring(4, 1)
         self.fn_ids: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self.next_fn_id = itertools.count(1)
         self.next_task_id = itertools.count(1)
@@ -220,7 +264,8 @@ class _State:
         # Under the lock: the wake-up ring has one producer end, and any
         # thread may poke.
         with self.lock, contextlib.suppress(shm.SharedMemoryError, ValueError):
-            self.wake.try_push(b"!")
+            if self.wake is not None:
+                self.wake.try_push(b"!")
 
 
 class WorkerPool(Executor):
@@ -310,46 +355,48 @@ class WorkerPool(Executor):
     # ------------------------------------------------------------ workers
     def _start_workers(self, indices: Iterable[int], generation: int) -> None:
         """Start workers in parallel, then wait for each to say hello."""
-        state, arena = self._state, self._arena
-        assert arena is not None
-        started: list[_Slot] = []
-        for index in indices:
-            slot = _Slot(index, generation)
-            slot.arg_releases = arena.link()
-            boot = _worker.WorkerBoot(
-                index=index,
-                generation=generation,
-                tasks=slot.tasks,
-                done=slot.done,
-                arg_releases=slot.arg_releases,
-                result_releases=slot.result_releases,
-                lifeline=self._lifeline,
-                main_arena_id=arena.id,
-                main_pid=os.getpid(),
-                seed_entropy=self._seed,
-                init=self._init,
-                segment_size=self._worker_arena_size,
-                inline_max=self._inline_max,
-            )
-            slot.process = self._ctx.Process(
-                target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
-            )
-            try:
-                slot.process.start()
-            except BaseException:
-                slot.close_rings()
-                arena.reclaim(slot.arg_releases)
-                raise
-            slot.pid = slot.process.pid
-            with state.lock:
-                if index < len(state.slots):
-                    state.slots[index] = slot
-                else:
-                    state.slots.append(slot)
-            started.append(slot)
+        started = [self._launch(index, generation) for index in indices]
         deadline = time.monotonic() + self._start_timeout
         for slot in started:
             self._await_hello(slot, deadline)
+
+    def _launch(self, index: int, generation: int) -> _Slot:
+        """Start worker ``index`` (it is ready once its hello is read)."""
+        state, arena = self._state, self._arena
+        assert arena is not None
+        slot = _Slot(index, generation)
+        slot.arg_releases = arena.link()
+        boot = _worker.WorkerBoot(
+            index=index,
+            generation=generation,
+            tasks=slot.tasks,
+            done=slot.done,
+            arg_releases=slot.arg_releases,
+            result_releases=slot.result_releases,
+            lifeline=self._lifeline,
+            main_arena_id=arena.id,
+            main_pid=os.getpid(),
+            seed_entropy=self._seed,
+            init=self._init,
+            segment_size=self._worker_arena_size,
+            inline_max=self._inline_max,
+        )
+        slot.process = self._ctx.Process(
+            target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
+        )
+        try:
+            slot.process.start()
+        except BaseException:
+            slot.close_rings()
+            arena.reclaim(slot.arg_releases)
+            raise
+        slot.pid = slot.process.pid
+        with state.lock:
+            if index < len(state.slots):
+                state.slots[index] = slot
+            else:
+                state.slots.append(slot)
+        return slot
 
     def _await_hello(self, slot: _Slot, deadline: float) -> None:
         try:
@@ -360,28 +407,9 @@ class WorkerPool(Executor):
             ) from None
         except shm.SharedMemoryError:
             slot.process.join(1)
-            err = _launch.start_failure(
-                f"worker {slot.index} (pid {slot.pid})",
-                slot.process,
-                _describe_exit(slot.process.exitcode),
-            )
+            err = _died_starting(slot)
             raise err from err.__cause__
-        kind, flags, _, _ = HEADER.unpack_from(rec)
-        body = _worker.body_of(rec, flags)
-        if kind == FAILED:
-            exc, tb = pickle.loads(body)
-            err = BrokenPoolError(
-                f"worker {slot.index} (pid {slot.pid}) failed to start: "
-                f"{type(exc).__name__}: {exc} (the worker's traceback follows)"
-            )
-            exc.__cause__ = RemoteTraceback(tb)
-            raise err from exc
-        if kind != HELLO:  # pragma: no cover - protocol error
-            raise BrokenPoolError(f"worker {slot.index} sent record kind {kind} first")
-        slot.pid, slot.arena_id = pickle.loads(body)
-        _launch.started(slot.process)
-        shm.set_release_route(slot.arena_id, slot.result_releases)
-        slot.ready = True
+        _hello(slot, rec)
 
     # ------------------------------------------------------------ the executor
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -404,11 +432,13 @@ class WorkerPool(Executor):
         if not callable(fn):
             raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
         state = self._state
+        self._check_not_forked()
         if self._inline:
             return self._run_inline(fn, args, kwargs)
         with state.lock:
             self._check_usable()
             task = _Task(next(state.next_task_id), fn, args, kwargs, worker)
+            task.future._mp_state = state
             slot = self._pick_slot(task)
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
@@ -440,6 +470,16 @@ class WorkerPool(Executor):
         callers are promised arrays of their own.
         """
         self._state.shared_results = True
+
+    def _check_not_forked(self) -> None:
+        """Raise ForkedPoolError in a process forked from the pool's (before any lock:
+        another thread of the parent may have held one at the fork)."""
+        if self._state.pid != os.getpid() and not self._inline:
+            raise forked_error(self._state.pid, "this WorkerPool")
+
+    def _check_open(self) -> None:
+        if self._state.closed and not self._inline:
+            raise PoolClosedError("this pool was shut down: its shared memory is released")
 
     def _check_usable(self) -> None:
         state = self._state
@@ -487,15 +527,14 @@ class WorkerPool(Executor):
             enc.refs.undo()
             raise
         slot.fns.add(fn_id)
+        slot.calls += 1
+        task.future._mp_slot, task.future._mp_seq = slot, slot.calls
         state.bytes_shared += enc.bytes_shared
         state.bytes_copied += enc.bytes_copied
         task.sent = time.perf_counter()
         if not slot.queue:
             task.started = time.monotonic()
-        task.future._mp_state = state
         slot.queue.append(task)
-        if not task.future.running():  # a call rerun after a crash already is
-            task.future.set_running_or_notify_cancel()
         if self.timeout is not None:
             state.poke()  # the manager sleeps until the earliest deadline
 
@@ -552,6 +591,7 @@ class WorkerPool(Executor):
         """
         if type(chunksize) is not int or chunksize < 1:
             raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+        self._check_not_forked()
         limit = max(1, prefetch or 2 * max(1, self.num_workers))
         deadline = None if timeout is None else time.monotonic() + timeout
         calls = zip(*iterables, strict=False)
@@ -566,18 +606,23 @@ class WorkerPool(Executor):
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
         """A new array in the pool's shared memory: it reaches workers without a copy."""
+        self._check_not_forked()
+        self._check_open()
         if self._arena is None:
             return np.empty(shape, dtype)
         return self._arena.empty(shape, dtype)
 
     def put(self, array: Any) -> Any:
         """A copy of ``array`` in the pool's shared memory, to pass to many calls."""
+        self._check_not_forked()
+        self._check_open()
         if self._arena is None:
             return np.array(array, copy=True)
         return self._arena.put(array)
 
     def stats(self) -> PoolStats:
         """Counters and the arena's occupancy (a snapshot)."""
+        self._check_not_forked()
         state = self._state
         arena = self._arena.stats() if self._arena is not None else None
         with state.lock:
@@ -596,9 +641,10 @@ class WorkerPool(Executor):
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of the current workers."""
+        """Process ids of the current workers (after shutdown: of the last ones)."""
+        self._check_not_forked()
         with self._state.lock:
-            return [s.pid for s in self._state.slots]
+            return [s.pid for s in self._state.slots] or list(self._state.last_pids)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop the pool; idempotent.
@@ -609,7 +655,14 @@ class WorkerPool(Executor):
         bounded time (closed ring, timed join, SIGTERM, SIGKILL). Without
         ``wait``, queued calls are cancelled and running ones abandoned (their
         futures fail with :class:`PoolClosedError`). Safe from several threads.
+
+        In a process forked from the pool's, it does nothing: the workers
+        are the parent's, which goes on using them.
         """
+        if self._state.pid != os.getpid():
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            return
         if self._inline:
             self._state.closed = True
             return
@@ -617,6 +670,9 @@ class WorkerPool(Executor):
         _shutdown(self._state, self._arena, self._lifeline, self._manager, wait, cancel_futures)
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self._state.stopped:
+            # Unmapped as soon as nothing made from it is held (pool.empty() arrays are).
+            self._arena = None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         # Ctrl-C: stop now (running calls are abandoned) rather than wait for the queue.
@@ -625,8 +681,46 @@ class WorkerPool(Executor):
 
     def __repr__(self) -> str:
         state = self._state
-        status = "broken" if state.broken else "closed" if state.closed else "running"
+        status = (
+            "inherited through fork"
+            if state.pid != os.getpid()
+            else "broken"
+            if state.broken
+            else "closed"
+            if state.closed
+            else "running"
+        )
         return f"<WorkerPool {status} workers={self.num_workers} submitted={state.submitted}>"
+
+
+def _hello(slot: _Slot, rec: bytes) -> None:
+    """Read a worker's first record: it is ready, or it failed to start (raised)."""
+    kind, flags, _, _ = HEADER.unpack_from(rec)
+    body = _worker.body_of(rec, flags)
+    if kind == FAILED:
+        exc, tb = pickle.loads(body)
+        err = BrokenPoolError(
+            f"worker {slot.index} (pid {slot.pid}) failed to start: "
+            f"{type(exc).__name__}: {exc} (the worker's traceback follows)"
+        )
+        exc.__cause__ = RemoteTraceback(tb)
+        raise err from exc
+    if kind != HELLO:  # pragma: no cover - protocol error
+        raise BrokenPoolError(f"worker {slot.index} sent record kind {kind} first")
+    slot.pid, slot.arena_id = pickle.loads(body)
+    _launch.started(slot.process)
+    shm.set_release_route(slot.arena_id, slot.result_releases)
+    slot.start_deadline = None
+    slot.ready = True
+
+
+def _died_starting(slot: _Slot) -> BrokenPoolError:
+    """A worker died before its hello: with its start-up traceback as the cause."""
+    return _launch.start_failure(
+        f"worker {slot.index} (pid {slot.pid})",
+        slot.process,
+        _describe_exit(slot.process.exitcode),
+    )
 
 
 def _forget_everywhere(state: _State, fn_id: int) -> None:
@@ -730,13 +824,21 @@ def _manage(state: _State, pool_ref: weakref.ref[WorkerPool], timeout: float | N
     is collected (its finalizer then stops everything, this thread included).
     """
     state.manager_ident = threading.get_ident()
-    watcher = _Watcher(state)
     try:
+        watcher = _Watcher(state)
         while _manage_once(state, pool_ref, timeout, watcher):
             pass
-    except (shm.SharedMemoryError, ValueError):
-        if not state.closed:  # rings closed under us only by shutdown
-            raise
+    except BaseException as exc:
+        if state.closed and isinstance(exc, (shm.SharedMemoryError, ValueError)):
+            return  # rings closed under us by shutdown
+        # Nothing else would ever complete a future: break the pool, loudly.
+        err = BrokenPoolError(
+            f"the pool's manager thread failed ({type(exc).__name__}: {exc}); the pool "
+            "can run nothing more. This is a bug in mpexec: please report it with the "
+            "traceback (the __cause__)"
+        )
+        err.__cause__ = exc  # with its traceback: where the manager failed
+        _break(state, err)
 
 
 class _Watcher:
@@ -748,17 +850,20 @@ class _Watcher:
 
     def __init__(self, state: _State) -> None:
         self.state = state
-        self.key: tuple[tuple[int, bool], ...] = ()
+        self.key: tuple[tuple[int, bool, bool], ...] = ()
         self.poller = select.poll()
         self.by_fd: dict[int, tuple[_Slot | None, str]] = {}
 
     def wait(self, slots: list[_Slot], timeout: float | None) -> list[tuple[_Slot | None, str]]:
-        key = tuple((id(s), s.ready) for s in slots)
+        key = tuple((id(s), s.ready, s.start_deadline is not None) for s in slots)
         if key != self.key:
             self.poller = select.poll()
-            self.by_fd = {self.state.wake.fileno(): (None, "wake")}
+            wake = self.state.wake
+            if wake is None:
+                raise ValueError("the pool stopped")  # its rings are closed: the manager ends
+            self.by_fd = {wake.fileno(): (None, "wake")}
             for slot in slots:
-                if slot.ready:
+                if slot.ready or slot.start_deadline is not None:
                     self.by_fd[slot.done.fileno()] = (slot, "done")
                     self.by_fd[slot.process.sentinel] = (slot, "died")
             for fd in self.by_fd:
@@ -782,7 +887,10 @@ def _manage_once(
     for slot, what in ready:
         if slot is None:
             with contextlib.suppress(shm.RingTimeoutError):
-                state.wake.pop_many(timeout=0)
+                if state.wake is not None:
+                    state.wake.pop_many(timeout=0)
+        elif slot.start_deadline is not None:
+            _started(state, slot, died=what == "died")
         elif what == "done":
             _deliver(state, slot)
         else:
@@ -790,6 +898,10 @@ def _manage_once(
     for slot in died:
         if slot.ready:
             _worker_lost(state, slot, timeout, pool_ref, died=True)
+    for slot in slots:
+        if slot.start_deadline is not None and time.monotonic() > slot.start_deadline:
+            _break(state, BrokenPoolError(f"worker {slot.index} (pid {slot.pid}) did not start"))
+            slot.start_deadline = None
     if timeout is not None:
         for slot in slots:
             if slot.ready and _timed_out(slot, timeout):
@@ -801,12 +913,28 @@ def _manage_once(
 
 
 def _next_deadline(slots: list[_Slot], timeout: float | None) -> float | None:
-    if timeout is None:
+    ends = [s.start_deadline for s in slots if s.start_deadline is not None]
+    if timeout is not None:
+        ends += [s.queue[0].started + timeout for s in slots if s.ready and s.queue]
+    if not ends:
         return None
-    starts = [s.queue[0].started for s in slots if s.ready and s.queue]
-    if not starts:
-        return None
-    return max(0.0, min(starts) + timeout - time.monotonic()) + 0.001
+    return max(0.0, min(ends) - time.monotonic()) + 0.001
+
+
+def _started(state: _State, slot: _Slot, died: bool) -> None:
+    """A replacement worker said hello (it is ready now), failed, or died starting."""
+    try:
+        rec = slot.done.try_pop()
+        if rec is None and not died:
+            return
+        if rec is None:
+            slot.process.join(1)
+            raise _died_starting(slot)
+        with state.lock:
+            _hello(slot, rec)
+    except (BrokenPoolError, shm.SharedMemoryError) as exc:
+        slot.start_deadline = None
+        _break(state, exc if isinstance(exc, BrokenPoolError) else _died_starting(slot))
 
 
 def _timed_out(slot: _Slot, timeout: float | None) -> bool:
@@ -827,19 +955,25 @@ def _deliver(state: _State, slot: _Slot) -> None:
         if rec is None:
             return
         kind, flags, _, task_id = HEADER.unpack_from(rec)
-        ok, outcome = _outcome(rec, kind, flags, state.shared_results)
+        skipped = kind == SKIPPED
+        ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, state.shared_results)
         with state.lock:
             if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
                 raise AssertionError(f"completion for task {task_id} out of order")
             task = slot.queue.popleft()
             if slot.queue:
                 slot.queue[0].started = time.monotonic()
-            if ok:
+            if skipped:
+                pass
+            elif ok:
                 state.completed += 1
             else:
                 state.failed += 1
-        state.latency = time.perf_counter() - task.sent
         task.release()
+        if skipped:
+            _cancel_now(task.future)  # cancelled already: cancel() said so
+            continue
+        state.latency = time.perf_counter() - task.sent
         if ok:
             _settle(task.future, result=outcome)
         else:
@@ -861,6 +995,39 @@ def _outcome(rec: bytes, kind: int, flags: int, shared_ok: bool) -> tuple[bool, 
         )
         err.__cause__ = exc
         return False, err
+
+
+def _cancel_now(future: Future[Any]) -> bool:
+    """Cancel a call no worker will run, and tell its waiters (``wait()``) at once."""
+    with future._condition:
+        if not Future.cancel(future):
+            return False
+        if future._state == "CANCELLED":
+            future.set_running_or_notify_cancel()
+        return True
+
+
+def _cancel_pushed(slot: _Slot, future: _PoolFuture[Any]) -> bool:
+    """Cancel a call pushed to ``slot``'s worker unless it started (state lock held).
+
+    The handshake of ``_worker``'s cancellation: CANCEL, read the worker's
+    progress, VERDICT. The worker, which waits for the verdict once it has
+    seen CANCEL, then skips the call exactly when this returns True.
+    """
+    if future.done():
+        return future.cancelled()
+    seq = future._mp_seq
+    if not slot.ready or slot.done.progress() >= seq:
+        return False  # running, or its worker is being replaced: it decides
+    watch = [slot.process]
+    try:
+        slot.tasks.push(_worker.record(CANCEL, b"", seq), timeout=_STOP_GRACE, watch=watch)
+        started = slot.done.progress() >= seq
+        verdict = b"\x00" if started else b"\x01"
+        slot.tasks.push(_worker.record(VERDICT, verdict, seq), timeout=_STOP_GRACE, watch=watch)
+    except (shm.SharedMemoryError, ValueError):
+        return False  # the worker died or the pool is stopping: the manager fails it
+    return not started and _cancel_now(future)
 
 
 def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
@@ -889,6 +1056,7 @@ def _worker_lost(
     proc.join(5)
     with contextlib.suppress(shm.SharedMemoryError):
         _deliver(state, slot)  # what it finished before dying still counts
+    progress = slot.done.progress()  # how many of its calls it had started
     with state.lock:
         slot.ready = False
         tasks = list(slot.queue)
@@ -898,6 +1066,8 @@ def _worker_lost(
     if pool is not None and pool._arena is not None and slot.arg_releases is not None:
         pool._arena.reclaim(slot.arg_releases)
     slot.close_rings()
+    # Calls run in order: only the first undelivered one can have started.
+    running = tasks[0] if tasks and (overran or tasks[0].future._mp_seq <= progress) else None
     error: BaseException
     if state.stopping:
         error = PoolClosedError("the pool was shut down before this call finished")
@@ -907,28 +1077,35 @@ def _worker_lost(
             f"(pid {slot.pid}) was killed and replaced"
         )
     else:
-        error = _crash_error(slot, proc.exitcode)
+        error = _crash_error(slot, proc.exitcode, running is not None)
     restart = not state.stopping and pool is not None and (overran or pool.restart)
     if not restart and not state.stopping:
         # Broken before any future fails: a caller woken by the failure must
         # find the pool broken (as concurrent.futures does).
         _break(state, error if isinstance(error, BrokenPoolError) else _as_broken(error), tasks)
         return
-    # The first call was running; the others never started: with a restart, rerun them.
-    for i, task in enumerate(tasks):
-        if i and restart:
-            with state.lock:
-                state.pending.appendleft(task)
-        else:
+    # The running call fails; the others never started: with a restart, rerun them.
+    rerun = []
+    for task in tasks:
+        if task is running or not restart:
             with state.lock:
                 state.failed += 1
             task.release()
             _settle(task.future, exc=error)
+        elif task.future.cancelled():
+            task.release()
+        else:
+            task.future._mp_slot = None
+            rerun.append(task)
+    with state.lock:
+        state.pending.extendleft(reversed(rerun))  # first in line, in their order
     if state.stopping:
         return
     if restart and pool is not None:
         try:
-            pool._start_workers([slot.index], slot.generation + 1)
+            # Not waiting for its hello here: the manager reads it with the results.
+            new = pool._launch(slot.index, slot.generation + 1)
+            new.start_deadline = time.monotonic() + pool._start_timeout
         except BaseException as exc:
             _break(state, exc if isinstance(exc, BrokenPoolError) else _as_broken(exc))
         else:
@@ -971,6 +1148,7 @@ def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
     while state.pending:
         task = state.pending.popleft()
         if task.future.cancelled():
+            task.release()
             continue
         slot = None if task.worker in blocked else pool._pick_slot(task)
         if slot is None:
@@ -986,11 +1164,11 @@ def _dispatch_pending(state: _State, pool_ref: weakref.ref[WorkerPool]) -> None:
     state.pending = kept
 
 
-def _crash_error(slot: _Slot, exitcode: int | None) -> WorkerCrashedError:
+def _crash_error(slot: _Slot, exitcode: int | None, running: bool) -> WorkerCrashedError:
     cause = _likely_cause(exitcode)
+    doing = "while running a call" if running else "while idle (it had started no call)"
     return WorkerCrashedError(
-        f"worker {slot.index} (pid {slot.pid}) died while running a call: "
-        f"{_describe_exit(exitcode)}. {cause}",
+        f"worker {slot.index} (pid {slot.pid}) died {doing}: {_describe_exit(exitcode)}. {cause}",
         pid=slot.pid,
         exitcode=exitcode,
         cause=cause,
@@ -1064,6 +1242,8 @@ def _shutdown(
     cancel: bool,
 ) -> None:
     """Stop a pool: let queued calls finish (``wait``), then stop every worker."""
+    if state.pid != os.getpid():
+        return  # a forked child's exit: the workers and memory are the parent's
     with state.lock:
         if state.closed and state.stopped:
             return
@@ -1071,8 +1251,13 @@ def _shutdown(
         state.stopping = True
         if cancel or not wait:
             for task in state.pending:
-                task.future.cancel()
+                _cancel_now(task.future)
             state.pending.clear()
+            # And those pushed to a worker that has not started them: it skips them.
+            for slot in state.slots:
+                for task in list(slot.queue):
+                    if slot.ready:
+                        _cancel_pushed(slot, task.future)
         state.poke()
     me = threading.current_thread()
     if manager is not None and wait and manager is not me:
@@ -1121,10 +1306,18 @@ def _stop(
             slot.process.close()
         if slot.arg_releases is not None:
             slot.arg_releases.close()
-    state.wake.close()
+    with state.lock:
+        if state.wake is not None:
+            state.wake.close()
+            state.wake = None
     if arena is not None:
         arena.close()
     lifeline.close()
+    # Let go of the rings now, not when the pool is collected: their mappings
+    # go with the last reference (a delivered future holds none).
+    with state.lock:
+        state.last_pids = [s.pid for s in slots]
+        state.slots = []
 
 
 def _stop_processes(procs: list[Any], wait: bool) -> None:
@@ -1166,8 +1359,34 @@ def _register_exit_hook() -> None:
     global _exit_hook_registered, _OOM_BASELINE
     if not _exit_hook_registered:
         atexit.register(_stop_all_pools)
+        os.register_at_fork(after_in_child=_disown_workers)
         _OOM_BASELINE = _oom_kills()
         _exit_hook_registered = True
+
+
+def forked_error(owner_pid: int, what: str) -> ForkedPoolError:
+    """The error for using, in a forked child, ``what`` made by process ``owner_pid``."""
+    return ForkedPoolError(
+        f"{what} belongs to process {owner_pid}; this process ({os.getpid()}) inherited "
+        "it through os.fork() and cannot use it: its workers, rings and shared memory "
+        "are the parent's, which goes on using them. Make a new WorkerPool (or "
+        "pipeline) in the child, or start children with the 'spawn' or 'forkserver' "
+        "method (a prefork server: create the pool after the fork, e.g. in gunicorn's "
+        "post_fork hook)"
+    )
+
+
+def _disown_workers() -> None:
+    """In a forked child: the workers are the parent's; multiprocessing must not
+    count them as ours (its exit hook would SIGTERM every daemonic child it knows)."""
+    import multiprocessing.process as mp_process
+
+    children = getattr(mp_process, "_children", None)
+    if not isinstance(children, set):  # pragma: no cover - a future CPython
+        return
+    for pool in list(_live_pools):
+        for slot in list(pool._state.slots):
+            children.discard(slot.process)
 
 
 def _stop_all_pools() -> None:

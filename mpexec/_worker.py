@@ -4,13 +4,24 @@ Records (one ring slot each) start with a 16-byte header::
 
     kind u8 | flags u8 | pad u16 | fn_id u32 | task_id u64 | body ...
 
-main -> worker (task ring):   FUNC   body = a cloudpickled function for fn_id
-                              CALL   body = encoded (args, kwargs) for fn_id
-                              FORGET body = fn ids (u32) to drop from the cache
-worker -> main (done ring):   HELLO  body = pickled (pid, arena id)
-                              FAILED body = pickled start failure
-                              OK     body = encoded result
-                              ERROR  body = pickled (exception, traceback text)
+main -> worker (task ring):   FUNC    body = a cloudpickled function for fn_id
+                              CALL    body = encoded (args, kwargs) for fn_id
+                              FORGET  body = fn ids (u32) to drop from the cache
+                              CANCEL  task_id = the call's number n (see below)
+                              VERDICT task_id = n, body = 1 byte: 1 cancel, 0 run
+worker -> main (done ring):   HELLO   body = pickled (pid, arena id)
+                              FAILED  body = pickled start failure
+                              OK      body = encoded result
+                              ERROR   body = pickled (exception, traceback text)
+                              SKIPPED the call was cancelled before it started
+
+Cancellation: calls are numbered 1, 2, ... in the order their CALL records
+enter a worker's ring. Before the n-th call, the worker publishes n as its
+done ring's progress, then looks at its task ring. The pool, to cancel call
+n, pushes CANCEL n, reads the progress, and pushes its VERDICT: cancel if the
+worker had not reached n. A worker that finds CANCEL n before starting call n
+waits for the verdict: so the pool's ``cancel()`` answer and the worker's
+skipping always agree (``Ring.publish_progress`` says when the handshake holds).
 
 A body too large for a slot is *spilled*: put into the sender's arena as bytes,
 and the record carries that array's packed descriptor (flag ``SPILLED``).
@@ -18,6 +29,7 @@ and the record carries that array's packed descriptor (flag ``SPILLED``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
@@ -41,8 +53,8 @@ from . import _codec
 from ._errors import SerializationError
 
 HEADER = struct.Struct("<BBxxIQ")
-FUNC, CALL, FORGET = 1, 2, 3
-HELLO, FAILED, OK, ERROR = 10, 11, 12, 13
+FUNC, CALL, FORGET, CANCEL, VERDICT = 1, 2, 3, 4, 5
+HELLO, FAILED, OK, ERROR, SKIPPED = 10, 11, 12, 13, 14
 SPILLED = 1
 
 #: Ring record size: a call with arrays up to the inline limit (16 KiB) fits in
@@ -151,19 +163,64 @@ class _Worker:
         self.arena = arena
         self.fns: dict[int, Any] = {}  # fn id -> function, or the exception loading it
         self.peer = boot.result_releases
+        self.backlog: collections.deque[bytes] = collections.deque()  # records to handle
+        self.calls = 0  # CALL records started (or skipped) so far
+        self.cancels: set[int] = set()  # numbers of the calls the pool asks to cancel
+        self.verdicts: dict[int, bool] = {}  # call number -> cancel it
+        self.closed = False  # the task ring's end marker was seen
 
     def serve(self) -> None:
-        tasks, watch = self.boot.tasks, [self.boot.lifeline]
+        tasks = self.boot.tasks
         while True:
-            if not _spin_until(tasks.may_have_records, SPIN_SECONDS):
-                self.idle()
-            try:
-                batch = tasks.pop_many(timeout=None, watch=watch)
-            except shm.RingClosedError:  # the pool closed our ring, or died
-                return
-            for rec in batch:
-                self.handle(rec)
+            if not self.backlog:
+                if self.closed:
+                    return
+                if not _spin_until(tasks.may_have_records, SPIN_SECONDS):
+                    self.idle()
+                self.take(None)
+            while self.backlog:
+                self.handle(self.backlog.popleft())
             shm.flush_releases()
+
+    def take(self, timeout: float | None) -> None:
+        """Pop what the task ring holds (waiting up to ``timeout``) into the backlog."""
+        if self.closed:
+            return
+        try:
+            batch = self.boot.tasks.pop_many(timeout=timeout, watch=[self.boot.lifeline])
+        except shm.RingTimeoutError:
+            return
+        except shm.RingClosedError:  # the pool closed our ring, or died
+            self.closed = True
+            return
+        for rec in batch:
+            kind = rec[0]
+            if kind in (CANCEL, VERDICT):
+                _, _, _, n = HEADER.unpack_from(rec)
+                if n < self.calls:
+                    continue  # about a call already decided: it was running
+                if kind == CANCEL:
+                    self.cancels.add(n)
+                else:
+                    self.verdicts[n] = rec[HEADER.size] == 1
+            else:
+                self.backlog.append(rec)
+
+    def cancelled(self) -> bool:
+        """Start the next call, or learn that the pool cancelled it (see the module doc)."""
+        self.calls += 1
+        n = self.calls
+        if self.cancels or self.verdicts:  # left from the call before: it ran
+            self.cancels.discard(n - 1)
+            self.verdicts.pop(n - 1, None)
+        self.boot.done.publish_progress(n)
+        self.take(0)
+        if n not in self.cancels:
+            return False
+        while n not in self.verdicts and not self.closed:
+            self.take(None)  # the pool pushes it right after CANCEL
+        self.cancels.discard(n)
+        return self.verdicts.pop(n, True)
 
     def idle(self) -> None:
         """Wait for a task; meanwhile give back what the pool lets go of.
@@ -184,6 +241,13 @@ class _Worker:
     def handle(self, rec: bytes) -> None:
         kind, flags, fn_id, task_id = HEADER.unpack_from(rec)
         if kind == CALL:
+            if self.cancelled():
+                # Open and drop the arguments: the pool's memory they hold goes back.
+                with contextlib.suppress(Exception):
+                    _codec.decode(body_of(rec, flags))
+                done, watch = self.boot.done, [self.boot.lifeline]
+                done.push(record(SKIPPED, b"", task_id), timeout=None, watch=watch)
+                return
             self.call(task_id, fn_id, body_of(rec, flags))
         elif kind == FUNC:
             try:

@@ -9,6 +9,7 @@ readable (end of file). A child can wait on it together with its rings in one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import weakref
@@ -25,6 +26,11 @@ class Lifeline:
         self._r, self._w = os.pipe()  # both close-on-exec: no stray holder of the write end
         self._fds = [self._r, self._w]
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        global _fork_hook
+        if not _fork_hook:  # registered on first use: no work at import
+            os.register_at_fork(after_in_child=_drop_write_ends)
+            _fork_hook = True
+        _parents.add(self)
 
     def fileno(self) -> int:
         """Readable once the parent is gone (in a child), never before."""
@@ -44,6 +50,26 @@ class Lifeline:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_lifeline, (fd_for_child(self._r, "a Lifeline"),))
+
+
+def _drop_write_ends() -> None:
+    """In a forked child: close the inherited write ends.
+
+    Only the process that made a lifeline may hold its write end: a forked
+    child holding it would keep the children alive after the parent died.
+    """
+    for life in list(_parents):
+        if life._w >= 0:
+            with contextlib.suppress(OSError):
+                os.close(life._w)
+            with contextlib.suppress(ValueError):
+                life._fds.remove(life._w)
+            life._w = -1
+    _parents.clear()
+
+
+_parents: weakref.WeakSet[Lifeline] = weakref.WeakSet()
+_fork_hook = False
 
 
 def _rebuild_lifeline(token: Any) -> Lifeline:

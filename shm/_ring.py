@@ -12,6 +12,7 @@ never write the same cache line)::
     128  tail    records popped so far                 (consumer writes)
     192  flags   producer_closed, consumer_closed      (each side its own byte)
     256  peak, producer_waits, consumer_waits          (statistics only)
+         progress                                      (producer writes, read racily)
     320  slots   (capacity + 1) x slot_stride; a slot is [u32 length][payload]
 
 The slot beyond ``capacity`` is never covered by a space credit, so when the
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import select
 import struct
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -68,6 +70,8 @@ _MAGIC = 0x6D70_7872_696E_6731  # "mpxring1"
 _HEAD, _TAIL, _FLAGS, _STATS, _SLOTS = 64, 128, 192, 256, 320
 _PRODUCER_CLOSED, _CONSUMER_CLOSED = _FLAGS, _FLAGS + 1
 _PEAK, _PRODUCER_WAITS, _CONSUMER_WAITS = _STATS, _STATS + 8, _STATS + 16
+_PROGRESS = _STATS + 24
+_FENCE = threading.Lock()
 _EOF = 0xFFFF_FFFF  # slot length that marks "the producer closed the ring"
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -419,6 +423,25 @@ class Ring:
 
     def _bump(self, field: int) -> None:
         _U64.pack_into(self._buf, field, _U64.unpack_from(self._buf, field)[0] + 1)
+
+    def publish_progress(self, value: int) -> None:
+        """Publish a number for the consumer to read with :meth:`progress`.
+
+        Meant for "how far the producer got" (say, the calls a worker has
+        started). The store is followed by a full memory barrier (a lock's
+        atomic read-modify-write), so that a load made after this call cannot
+        be ordered before the store: a Dekker-style handshake, this store then
+        a look at the ring, against the peer's push then ``progress()``, has
+        at least one side see the other on x86. Weakly ordered CPUs give no
+        such guarantee from Python (see the publication protocol above).
+        """
+        _U64.pack_into(self._buf, _PROGRESS, value)
+        if _FENCE.acquire(blocking=False):  # the attempt itself is the barrier; never waits
+            _FENCE.release()
+
+    def progress(self) -> int:
+        """The number the producer last published (0 before any); read racily."""
+        return int(_U64.unpack_from(self._buf, _PROGRESS)[0])
 
     def close_producer(self) -> None:
         """Tell the consumer that no record will follow those already pushed.

@@ -280,6 +280,7 @@ class _Importer:
         self.owners: dict[int, set[int]] = {}
         self.deferred = _Deferred()
         self.dropped = 0  # releases for arenas with no route (their owner is gone)
+        self.pid = os.getpid()
 
     def segment(self, handle: SegmentHandle, readonly: bool) -> Segment:
         key = (handle.owner_pid, handle.inode, readonly)
@@ -300,6 +301,10 @@ class _Importer:
 
     def released(self, arena_id: int, alloc_id: int) -> None:
         """Finalizer of an imported view: never blocks, never raises."""
+        if self.pid != os.getpid():
+            # A view inherited through fork: the route rings are the parent's
+            # (one producer each); the parent releases its own views.
+            return
         self.deferred.items.append((arena_id, alloc_id, 1))
         self.flush()
 

@@ -118,6 +118,10 @@ def _crash(kind: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "sigsegv":
         os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "sigbus":
+        os.kill(os.getpid(), signal.SIGBUS)
+    elif kind == "sigabrt":
+        os.abort()
     else:
         os._exit(5)
     time.sleep(T)  # a signal may take a moment to land; never return normally
@@ -298,10 +302,14 @@ import mpexec
 def square(x):
     return x * x
 
-in_result, stop = threading.Event(), threading.Event()
+stop = threading.Event()
+armed = [False]  # set only inside the try below; a plain list: no lock to interrupt
 
 def on_sigint(signum, frame):
-    if in_result.is_set():
+    # Disarm before raising: one KeyboardInterrupt per arming, and only where
+    # the loop's try catches it (never in its except clause, never outside).
+    if armed[0]:
+        armed[0] = False
         raise KeyboardInterrupt
 
 def interrupter():
@@ -317,13 +325,13 @@ if __name__ == "__main__":
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
             future = pool.submit(square, calls)
-            in_result.set()
             try:
-                assert future.result(30) == calls * calls
+                armed[0] = True
+                value = future.result(30)
+                armed[0] = False
+                assert value == calls * calls
             except KeyboardInterrupt:
                 interrupted += 1
-            finally:
-                in_result.clear()
             calls += 1
         stop.set()
         sender.join(30)
@@ -352,6 +360,62 @@ def test_ctrl_c_in_result_leaves_the_pool_working() -> None:
     interrupted, calls = map(int, proc.stdout.split())
     assert interrupted > 0, "no interrupt landed in result(): the test tested nothing"
     assert calls > interrupted
+
+
+_CHILD_SECOND_CTRL_C = """
+import os, signal, sys, time
+import mpexec
+from mpexec import _pool
+
+where = sys.argv[1]
+real = getattr(_pool, where)
+sent = []
+
+def second_ctrl_c(*args, **kwargs):
+    # The second Ctrl-C lands in the middle of the interrupted shutdown.
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the KeyboardInterrupt is raised in here
+    return real(*args, **kwargs)
+
+setattr(_pool, where, second_ctrl_c)
+with mpexec.WorkerPool(2) as pool:
+    running = [pool.submit(time.sleep, 30) for _ in range(2)]
+    queued = [pool.submit(time.sleep, 30) for _ in range(4)]
+    print(os.getpid(), *pool.pids, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C
+    time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("where", ["_stop_processes", "_descendants"])
+def test_a_second_ctrl_c_during_an_interrupted_shutdown_ends_bounded(
+    where: str, killed: list[int]
+) -> None:
+    # Ctrl-C stops a pool at once; a second one, impatient, lands inside that
+    # stop: the process must still end promptly, leaving no worker and no
+    # named segment (posix backend: what a lost cleanup would leave behind).
+    with _one_posix_child_at_a_time():
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD_SECOND_CTRL_C, where],
+            capture_output=True,
+            text=True,
+            timeout=2 * T,
+            check=False,
+            env={**os.environ, "SHM_BACKEND": "posix"},
+        )
+        elapsed = time.monotonic() - t0
+        pids = [int(p) for p in proc.stdout.split()]
+        assert len(pids) == 3, proc.stdout + proc.stderr
+        killed.extend(pids)  # stopped by SIGTERM: their names are checked below first
+        assert proc.returncode in (-signal.SIGINT, 130, 1), proc.stderr
+        assert "in second_ctrl_c" in proc.stderr, "the second Ctrl-C never landed"
+        assert elapsed < 20, f"an interrupted shutdown took {elapsed:.1f} s"
+        wait_until(lambda: all(_gone(p) for p in pids[1:]), 10, "the workers to exit")
+        left = {n for n in _mpx_names() if any(f"-{p}-" in n for p in pids)}
+        assert not left, f"named segments left behind: {sorted(left)}"
 
 
 def test_callbacks_never_run_in_a_waiting_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -985,6 +1049,8 @@ def test_sys_exit_in_function_is_reported_and_pool_survives() -> None:
 CRASHES = [
     pytest.param("sigkill", -9, "SIGKILL", id="sigkill"),
     pytest.param("sigsegv", -11, "SIGSEGV", id="sigsegv"),
+    pytest.param("sigbus", -signal.SIGBUS, "SIGBUS", id="sigbus"),
+    pytest.param("sigabrt", -signal.SIGABRT, "SIGABRT", id="sigabrt"),
     pytest.param("exit5", 5, "exited with code 5", id="exit5"),
 ]
 
@@ -1079,6 +1145,35 @@ def test_crash_with_restart(
         assert stats.restarts == 1
         assert stats.failed == 1
         assert "running" in repr(pool)
+
+
+def _allocate_under_rlimit_as(nbytes: int) -> int:
+    """Allocate ``nbytes`` with the address space capped well below that (RLIMIT_AS)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = psutil.Process().memory_info().vms + (256 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        return int(np.ones(nbytes, np.uint8).sum())
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_memory_error_under_rlimit_as_is_typed_and_the_pool_survives(restart: bool) -> None:
+    with WorkerPool(1, restart=restart) as pool:
+        pid = pool.submit(_pid).result(T)
+        t0 = time.monotonic()
+        fut = pool.submit(_allocate_under_rlimit_as, 8 << 30)
+        with pytest.raises(MemoryError) as info:
+            fut.result(T)
+        assert time.monotonic() - t0 < 5
+        assert isinstance(info.value.__cause__, mpexec.RemoteTraceback)
+        assert "_allocate_under_rlimit_as" in info.value.__cause__.tb
+        assert pool.submit(_allocate_under_rlimit_as, 1 << 20).result(T) == 1 << 20
+        assert pool.submit(_pid).result(T) == pid, "a MemoryError must not cost the worker"
+        assert pool.stats().restarts == 0
 
 
 def test_crash_with_restart_reruns_queued_calls(killed: list[int]) -> None:
@@ -1394,6 +1489,7 @@ def test_shutdown_from_two_threads_at_once(no_leaks: None) -> None:
     pool = WorkerPool(2)
     pool.submit(os.getpid).result(T)
     hung = pool.submit(time.sleep, 60)
+    wait_until(hung.running, 10, "the hanging call to start")  # else it is cancelled
     state = pool._state
     waiter = threading.Thread(target=pool.shutdown, kwargs={"wait": True})
     waiter.start()

@@ -1,0 +1,137 @@
+"""os.fork() with a live pool or pipeline: the child is refused, the parent unaffected.
+
+Each scenario runs in a fresh interpreter (a forked pytest process would run
+pytest's own exit paths): it makes a pool, forks, lets the child do one thing,
+and then proves that the parent's pool still works, workers and memory intact.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import shm_names
+
+T = 60
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+_SCRIPT = """
+import gc, os, sys, time
+import numpy as np
+import mpexec
+from mpexec import WorkerPool
+
+def twice(a):
+    return a * 2
+
+def slow(seconds):
+    time.sleep(seconds)
+    return seconds
+
+def child(scenario, pool, held, pending):
+    # What the child does with what it inherited; its exit status says whether
+    # each use was refused as it must be (3: not refused).
+    if scenario == "exit":
+        sys.exit(0)  # atexit hooks and finalizers run
+    if scenario == "submit":
+        try:
+            pool.submit(twice, 1)
+        except mpexec.ForkedPoolError as exc:
+            assert "os.fork()" in str(exc) and str(os.getppid()) in str(exc), exc
+        else:
+            sys.exit(3)
+        for use in (lambda: pool.map(twice, [1]), lambda: pool.put(np.ones(3)), pool.stats):
+            try:
+                use()
+            except mpexec.ForkedPoolError:
+                pass
+            else:
+                sys.exit(3)
+        assert "fork" in repr(pool)
+        sys.exit(0)
+    if scenario == "shutdown":
+        pool.shutdown()  # does nothing to the parent's workers
+        pool.shutdown(wait=False, cancel_futures=True)
+        sys.exit(0)
+    if scenario == "result":
+        try:
+            pending.result(5)  # no manager here: refused, never a hang
+        except mpexec.ForkedPoolError:
+            sys.exit(0)
+        sys.exit(3)
+    if scenario == "drop":
+        assert held.sum() == 2 * 4096
+        del held, pool, pending
+        gc.collect()  # the views' finalizers must not release the parent's memory
+        sys.exit(0)
+    if scenario == "pipeline":
+        try:
+            PIPE.run()
+        except mpexec.ForkedPoolError as exc:
+            assert "pipeline" in str(exc), exc
+        else:
+            sys.exit(3)
+        PIPE.close()
+        sys.exit(0)
+    sys.exit(4)
+
+if __name__ == "__main__":
+    scenario = sys.argv[1]
+    if scenario == "pipeline":
+        from mpexec import fn
+        @mpexec.pipeline_def(batch_size=2, num_workers=1, seed=1)
+        def define():
+            x = fn.external_source(source=lambda info: np.full(3, info.idx_in_epoch), batch=False)
+            return fn.python_function(x, function=twice)
+        PIPE = define()
+        PIPE.build()
+        PIPE.run()
+        pool = PIPE._pool
+    else:
+        pool = WorkerPool(2)
+    pids = list(pool.pids)
+    big = np.ones(1 << 20)  # through the pool's arena (well above the inline limit)
+    held = pool.submit(twice, np.ones(4096)).result(T := 30)
+    pending = pool.submit(slow, 0.5)
+    pid = os.fork()
+    if pid == 0:
+        child(scenario, pool, held, pending)  # always ends in SystemExit: a real exit
+        os._exit(5)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"child exit {os.waitstatus_to_exitcode(status)}"
+    # The parent: same workers, alive; calls, arena arrays and held results fine.
+    assert pending.result(T) == 0.5
+    assert held.sum() == 2 * 4096
+    assert pool.pids == pids, (pool.pids, pids)
+    for _ in range(20):
+        assert pool.submit(twice, big).result(T).sum() == 2 * big.size
+    assert pool.submit(twice, pool.put(np.ones(10))).result(T).sum() == 20
+    if scenario == "pipeline":
+        assert len(PIPE.run()[0]) == 2
+        PIPE.close()
+    else:
+        pool.shutdown()
+    print("ok", *pids)
+"""
+
+
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
+@pytest.mark.parametrize("scenario", ["exit", "submit", "shutdown", "result", "drop", "pipeline"])
+def test_forked_child_leaves_the_parents_pool_working(scenario: str, backend: str) -> None:
+    before = shm_names()
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, scenario],
+        capture_output=True,
+        text=True,
+        timeout=T,
+        check=False,
+        env={**os.environ, "SHM_BACKEND": backend},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok"), proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert shm_names() - before == set()

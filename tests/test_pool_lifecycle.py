@@ -1,0 +1,208 @@
+"""The pool's lifecycle: its manager thread failing, cancellation, idle deaths, restarts."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from concurrent.futures import wait as wait_futures
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpexec
+from mpexec import WorkerPool
+from tests.conftest import wait_until
+
+T = 30  # every .result() in this file is bounded by this
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def _sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def test_a_failing_manager_thread_breaks_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpexec import _pool
+
+    real = _pool._deliver
+
+    def failing_deliver(*args: Any) -> None:
+        raise RuntimeError("injected manager failure")
+
+    with WorkerPool(1) as pool:
+        assert pool.submit(_square, 3).result(T) == 9
+        queued = [pool.submit(_sleep, 0.2) for _ in range(3)]
+        monkeypatch.setattr(_pool, "_deliver", failing_deliver)
+        t0 = time.monotonic()
+        for fut in queued:
+            with pytest.raises(mpexec.BrokenPoolError, match="manager thread failed") as info:
+                fut.result(T)
+            cause = info.value.__cause__
+            assert isinstance(cause, RuntimeError)
+            assert "injected manager failure" in str(cause)
+            tb = "".join(traceback.format_tb(cause.__traceback__))
+            assert "failing_deliver" in tb
+            assert "_manage_once" in tb
+        assert time.monotonic() - t0 < 5, "pending calls must fail promptly"
+        with pytest.raises(mpexec.BrokenPoolError, match="manager thread failed"):
+            pool.submit(_square, 2)
+        assert "broken" in repr(pool)
+        monkeypatch.setattr(_pool, "_deliver", real)
+
+
+# ---------------------------------------------------------------- cancellation
+def _mark_and_sleep(path: str, seconds: float) -> float:
+    """Leave a mark that the call ran, then take ``seconds``."""
+    with open(path, "w"):
+        pass
+    time.sleep(seconds)
+    return seconds
+
+
+def test_only_started_calls_are_running_and_the_rest_cancel(tmp_path: Path) -> None:
+    with WorkerPool(1) as pool:
+        paths = [str(tmp_path / str(i)) for i in range(6)]
+        futures = [pool.submit(_mark_and_sleep, p, 0.5) for p in paths]  # all pushed to it
+        wait_until(futures[0].running, 10, "the first call to start")
+        assert [f.running() for f in futures[1:]] == [False] * 5
+        assert not futures[0].cancel(), "a started call cannot be cancelled"
+        assert all(f.cancel() for f in futures[2:])
+        assert futures[1].result(T) == 0.5
+        assert futures[0].result(T) == 0.5
+        _, not_done = wait_futures(futures, T)
+        assert not not_done
+        assert all(f.cancelled() for f in futures[2:])
+        assert pool.submit(_square, 4).result(T) == 16  # the worker skipped them at once
+        assert [os.path.exists(p) for p in paths] == [True, True] + [False] * 4
+        stats = pool.stats()
+        assert (stats.completed, stats.failed, stats.pending) == (3, 0, 0)
+
+
+def test_cancel_and_the_workers_skipping_always_agree(tmp_path: Path) -> None:
+    # cancel() racing the worker's start, call after call: True exactly when
+    # the call never ran (its mark is missing), never both or neither.
+    with WorkerPool(2) as pool:
+        futures, cancelled = [], []
+        for i in range(300):
+            path = str(tmp_path / str(i))
+            futures.append((pool.submit(_mark_and_sleep, path, 0.001 * (i % 3)), path))
+            if i % 2:
+                cancelled.append(futures[-2][0].cancel() if i % 4 == 1 else futures[-1][0].cancel())
+        _, not_done = wait_futures([f for f, _ in futures], T)
+        assert not not_done
+        for fut, path in futures:
+            assert fut.cancelled() != os.path.exists(path), path
+        assert any(cancelled)
+
+
+def _scenario(executor: Any, exact_running: bool) -> tuple[int, float]:
+    """The issue's scenario, scaled down: 12 calls of 0.3 s on 2 workers, then
+    shutdown(cancel_futures=True). How many were cancelled, and how long it took."""
+    futures = [executor.submit(time.sleep, 0.3) for _ in range(12)]
+    deadline = time.monotonic() + T
+    while sum(f.running() for f in futures) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    running = sum(f.running() for f in futures)
+    if exact_running:  # ProcessPoolExecutor counts a call queued for a worker as running
+        assert running <= 2, f"{running} calls report running() on 2 workers"
+    t0 = time.monotonic()
+    executor.shutdown(wait=True, cancel_futures=True)
+    elapsed = time.monotonic() - t0
+    # Not wait(): ProcessPoolExecutor never notifies waiters of what shutdown cancels.
+    assert all(f.done() for f in futures)
+    return sum(f.cancelled() for f in futures), elapsed
+
+
+def test_shutdown_cancel_futures_cancels_every_call_not_started() -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    ours, ours_s = _scenario(WorkerPool(2), exact_running=True)
+    ppe = ProcessPoolExecutor(2, mp_context=mp.get_context("spawn"))
+    theirs, theirs_s = _scenario(ppe, exact_running=False)
+    assert ours >= 9, f"only {ours} of the 10 calls not started were cancelled"
+    assert ours >= theirs, f"ProcessPoolExecutor cancelled {theirs}, we {ours}"
+    assert ours_s < 3 * 0.3, f"shutdown took {ours_s:.2f} s (ProcessPoolExecutor {theirs_s:.2f} s)"
+
+
+# ---------------------------------------------------------------- deaths and restarts
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_worker_killed_while_idle_is_reported_as_idle(restart: bool) -> None:
+    with WorkerPool(1, restart=restart) as pool:
+        pid = pool.submit(os.getpid).result(T)
+        os.kill(pid, signal.SIGKILL)
+        if not restart:
+            wait_until(lambda: "broken" in repr(pool), 10, "the pool to break")
+            with pytest.raises(mpexec.WorkerCrashedError, match="died while idle") as info:
+                pool.submit(_square, 2)
+            assert "running a call" not in str(info.value)
+            assert info.value.pid == pid
+            assert info.value.signal_name == "SIGKILL"
+            return
+        new = pool.submit(os.getpid).result(T)
+        assert new != pid
+        assert pool.stats().restarts == 1
+        assert pool.stats().failed == 0, "no call was running: none may fail"
+
+
+def _slow_start(flag: str) -> None:
+    if os.path.exists(flag):  # only replacements: the flag is made after the pool starts
+        time.sleep(3)
+
+
+def test_a_restart_does_not_hold_up_other_workers_results(tmp_path: Path) -> None:
+    flag = str(tmp_path / "slow")
+    with WorkerPool(2, restart=True, worker_init=_slow_start, worker_init_args=(flag,)) as pool:
+        pids = pool.pids
+        assert sorted(pool.map(lambda _: os.getpid(), range(8), timeout=T)) != []
+        open(flag, "w").close()
+        os.kill(pids[0], signal.SIGKILL)
+        wait_until(lambda: pool.stats().restarts == 1, 10, "the restart to begin")
+        # The replacement takes 3 s to start; worker 1's results come meanwhile.
+        t0 = time.monotonic()
+        for i in range(20):
+            assert pool._submit(_square, (i,), {}, 1).result(T) == i * i
+        assert time.monotonic() - t0 < 2, "results waited for the replacement's start"
+        assert pool._submit(os.getpid, (), {}, 0).result(T) not in pids
+        assert pool.stats().restarts == 1
+
+
+# ---------------------------------------------------------------- shutdown releases
+def _mapped_segments(owner: int | None = None) -> int:
+    """Shared-memory mappings of mpexec here (of segments made by ``owner`` only)."""
+    with open("/proc/self/maps") as f:
+        lines = [line for line in f if "mpx" in line]
+    if owner is None:
+        return len(lines)
+    # memfd: "/memfd:mpx-ring-PID (deleted)"; posix: "/dev/shm/mpx-ring-PID-HEX"
+    return sum(1 for line in lines if f"-{owner} " in line or f"-{owner}-" in line)
+
+
+def test_shutdown_releases_fds_and_mappings_at_once() -> None:
+    big = np.ones(16 << 20, np.uint8)
+    before, before_fds = _mapped_segments(), len(os.listdir("/proc/self/fd"))
+    pool = WorkerPool(2)
+    assert pool.submit(np.sum, big).result(T) == big.size  # the arena grows for it
+    held = pool.submit(np.ones, 1 << 20).result(T)  # a result: the caller's to keep
+    assert _mapped_segments(os.getpid()) > 0
+    pool.shutdown()
+    # No gc.collect(): released by shutdown itself, not by collecting the pool.
+    assert _mapped_segments(os.getpid()) == 0, "the pool's rings or arena are still mapped"
+    assert _mapped_segments() <= before + 1, "more than the held result's memory is mapped"
+    assert len(os.listdir("/proc/self/fd")) <= before_fds + 2  # the forkserver's socket
+    assert held.sum() == 1 << 20
+    del held
+    assert _mapped_segments() <= before
+    with pytest.raises(mpexec.PoolClosedError):
+        pool.put(np.ones(3))
+    assert len(pool.pids) == 2
