@@ -618,7 +618,7 @@ class Pipeline:
             own = []
             for a in col:
                 if self.num_workers and pool is not None and not a.dtype.hasobject and a.nbytes:
-                    c = pool.put(a)
+                    c = pool._copy_in(a)
                     s.bytes_copied += a.nbytes
                 else:
                     c = np.array(a, copy=True)

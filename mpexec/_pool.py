@@ -561,15 +561,27 @@ class WorkerPool(Executor):
         return _flatten(_map_results(self, run, chunks, limit, deadline, ordered))
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
-        """A new array in the pool's shared memory: it reaches workers without a copy."""
+        """A new array in the pool's shared memory: it reaches workers without a copy.
+
+        It has its memory pages to itself (see ``docs/in-place-mutation.md``), so
+        passed :func:`writable` a worker can write it and nothing else of ours.
+        """
         if self._arena is None:
             return np.empty(shape, dtype)
-        return self._arena.empty(shape, dtype)
+        return self._arena.empty(shape, dtype, whole_pages=True)
 
     def put(self, array: Any) -> Any:
-        """A copy of ``array`` in the pool's shared memory, to pass to many calls."""
+        """A copy of ``array`` in the pool's shared memory, to pass to many calls.
+
+        Its pages are its own, as for :meth:`empty`.
+        """
         if self._arena is None:
             return np.array(array, copy=True)
+        return self._arena.put(array, whole_pages=True)
+
+    def _copy_in(self, array: np.ndarray[Any, Any]) -> Any:
+        """:meth:`put` packed with others (no pages of its own), never passed writable."""
+        assert self._arena is not None
         return self._arena.put(array)
 
     def stats(self) -> PoolStats:

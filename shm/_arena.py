@@ -51,7 +51,7 @@ from ._allocator import FreeList
 from ._errors import ArenaFullError, SharedMemoryError
 from ._platform import ALIGNMENT, PAGE_SIZE
 from ._ring import Ring, RingStats
-from ._segment import Segment, SegmentHandle, format_bytes
+from ._segment import Segment, SegmentHandle, format_bytes, reachable
 from ._views import (
     RELEASE,
     Anchor,
@@ -63,6 +63,29 @@ from ._views import (
 )
 
 _MiB = 1 << 20
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _compact(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], tuple[int, ...] | None]:
+    """The part of ``arr`` to copy, and the strides that rebuild ``arr`` over its copy.
+
+    An array with broadcast axes (stride 0 over more than one element:
+    ``np.broadcast_to``) holds far fewer bytes than it shows; those axes are
+    taken once. ``None``: copy all of it.
+    """
+    broadcast = [st == 0 and n > 1 for n, st in zip(arr.shape, arr.strides, strict=True)]
+    if arr.size == 0 or not any(broadcast):
+        return arr, None
+    core = arr[tuple(0 if b else slice(None) for b in broadcast)]
+    dense, step = [], arr.itemsize
+    for n in reversed(core.shape):
+        dense.append(step)
+        step *= n
+    it = reversed(dense)
+    return core, tuple(0 if b else next(it) for b in broadcast)
 
 
 @dataclass(frozen=True)
@@ -83,6 +106,8 @@ class ArenaStats:
     exported: int
     releases_received: int
     links: tuple[RingStats, ...] = ()
+    #: Bytes :meth:`Arena.share` copied in (arrays from outside, or whose owner is gone).
+    bytes_copied: int = 0
 
     def __str__(self) -> str:
         return (
@@ -179,6 +204,7 @@ class Arena:
         self._peak = 0
         self._exported = 0
         self._releases = 0
+        self.bytes_copied = 0  # by share(): a statistic, read without the lock
         self._links: list[Ring] = []
         self._owed: dict[int, dict[int, int]] = {}  # id(link) -> alloc id -> refs
         self._closed = False
@@ -187,9 +213,18 @@ class Arena:
 
     # ------------------------------------------------------------- allocating
     def empty(
-        self, shape: int | tuple[int, ...], dtype: DTypeLike = np.float64, tag: str = ""
+        self,
+        shape: int | tuple[int, ...],
+        dtype: DTypeLike = np.float64,
+        tag: str = "",
+        whole_pages: bool = False,
     ) -> np.ndarray[Any, Any]:
-        """A new, writable, uninitialised C-contiguous array in this arena."""
+        """A new, writable, uninitialised C-contiguous array in this arena.
+
+        ``whole_pages``: the array starts on a page boundary and no other
+        allocation shares its pages, so a peer that opens it writable (which
+        maps just the pages it spans) can reach nothing else through them.
+        """
         dt = np.dtype(dtype)
         shp = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if dt.hasobject:
@@ -199,14 +234,22 @@ class Arena:
         nbytes = math.prod(shp) * dt.itemsize  # np.prod costs 30x more, on every allocation
         if nbytes == 0:
             return np.empty(shp, dt)
-        alloc = self._allocate(nbytes, tag)
-        return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
+        if not whole_pages:
+            alloc = self._allocate(nbytes, tag)
+            return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
+        # Enough for whole pages from the first page boundary of the block on.
+        alloc = self._allocate(_round_up(nbytes, PAGE_SIZE) + PAGE_SIZE - ALIGNMENT, tag)
+        start = -alloc.offset % PAGE_SIZE
+        return self._view(alloc, dt, shp, None, start, writable=True, take_export=False)
 
-    def put(self, array: Any, tag: str = "") -> np.ndarray[Any, Any]:
-        """Copy ``array`` into this arena once; returns the (writable) copy."""
+    def put(self, array: Any, tag: str = "", whole_pages: bool = False) -> np.ndarray[Any, Any]:
+        """Copy ``array`` into this arena once; returns the (writable) copy.
+
+        ``whole_pages`` as for :meth:`empty`.
+        """
         src = np.asarray(array)
         check_shareable(src)
-        out = self.empty(src.shape, src.dtype, tag)
+        out = self.empty(src.shape, src.dtype, tag, whole_pages)
         if out.size:
             np.copyto(out, src, casting="no")
         return out
@@ -218,8 +261,9 @@ class Arena:
         is described in place; a view of another arena's memory, such as one
         imported with :func:`open_array`, is *forwarded* in place through a
         proxy (see the module's docstring); anything else is copied in once
-        first. The descriptor carries one reference to the memory, and is
-        ``readonly`` if the array is not writable. Naming the ``peer`` (its
+        first, and so is a view of memory no other process can map any more
+        (its owner exited or closed it). The descriptor carries one reference
+        to the memory, and is ``readonly`` if the array is not writable. Naming the ``peer`` (its
         ring from :meth:`link`) that will open it lets :meth:`reclaim` take
         the reference back if that peer dies holding it.
         """
@@ -231,6 +275,11 @@ class Arena:
             )
         anchor = find_anchor(arr)
         if anchor is None or not self._in_place(anchor):
+            return self._share_copy(arr, tag, peer)
+        if anchor.arena_id != self.id and not reachable(anchor.keep.handle):
+            # Its owner exited or closed it (a result kept after its worker
+            # was replaced): only our mapping still reaches the bytes, so the
+            # peer gets a copy of what the view holds now.
             return self._share_copy(arr, tag, peer)
         readonly = anchor.readonly or not arr.flags.writeable
         start = arr.__array_interface__["data"][0] - anchor.address
@@ -250,18 +299,23 @@ class Arena:
         """``share`` of memory from outside: a copy only the descriptor references.
 
         No local view of it is made (the anchor, finalizer and release that
-        ``put`` would add cost more than copying a few KiB).
+        ``put`` would add cost more than copying a few KiB). Only what is real
+        is copied: a broadcast axis (stride 0) keeps its stride over one copy
+        of its data, and such a view is shared read-only, as NumPy makes it.
         """
         with self._lock:
             self._check_open()
             self._owed_by(peer)  # a bad peer fails before anything is allocated
-        alloc = self._allocate(arr.nbytes, tag)
+        core, strides = _compact(arr)
+        alloc = self._allocate(core.nbytes, tag)
         assert alloc.seg is not None
         try:
             copy: np.ndarray[Any, Any] = np.ndarray(
-                arr.shape, arr.dtype, buffer=alloc.seg.rw.buf, offset=alloc.offset
+                core.shape, core.dtype, buffer=alloc.seg.rw.buf, offset=alloc.offset
             )
-            np.copyto(copy, arr, casting="no")
+            np.copyto(copy, core, casting="no")
+            if strides is not None:
+                copy = np.ndarray(arr.shape, arr.dtype, alloc.seg.rw.buf, alloc.offset, strides)
         except BaseException:
             with self._lock:
                 self._maybe_free(alloc)
@@ -272,7 +326,8 @@ class Arena:
             except ValueError:
                 self._maybe_free(alloc)
                 raise
-            return self._export(alloc, owed, copy, 0, readonly=False)
+            self.bytes_copied += core.nbytes
+            return self._export(alloc, owed, copy, 0, readonly=strides is not None)
 
     def _export(
         self,
@@ -322,7 +377,7 @@ class Arena:
         if alloc is None:
             self._check_open()  # a closed arena gets no releases back: it would hold forever
             mapping: Segment = anchor.keep
-            offset = anchor.address - mapping.address
+            offset = anchor.address - mapping.address + mapping.offset
             alloc = _Alloc(
                 self._next_id, None, mapping.handle, offset, anchor.nbytes, tag, source=anchor
             )
@@ -454,7 +509,12 @@ class Arena:
                 seg.ro = Segment.attach(seg.rw.handle, readonly=True)
             mapping = seg.ro
         anchor = Anchor(
-            mapping.address + alloc.offset, alloc.size, not writable, mapping, self.id, alloc.id
+            mapping.address + alloc.offset - mapping.offset,
+            alloc.size,
+            not writable,
+            mapping,
+            self.id,
+            alloc.id,
         )
         with self._lock:
             alloc.local += 1
@@ -593,6 +653,7 @@ class Arena:
                 exported=self._exported,
                 releases_received=self._releases,
                 links=tuple(r.stats() for r in self._links),
+                bytes_copied=self.bytes_copied,
             )
 
     def _check_open(self) -> None:

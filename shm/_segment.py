@@ -33,6 +33,7 @@ import os
 import re
 import secrets
 import stat
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,17 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def map_fd(fd: int, length: int, access: int = mmap.ACCESS_WRITE, offset: int = 0) -> mmap.mmap:
+    """Map ``length`` bytes of ``fd`` from ``offset`` (a multiple of the page size).
+
+    From Python 3.13 on the mapping keeps no duplicate of ``fd``: each one would
+    cost an open file, and a pool holds many mappings (see ``RLIMIT_NOFILE``).
+    """
+    if sys.version_info >= (3, 13):
+        return mmap.mmap(fd, length, access=access, offset=offset, trackfd=False)
+    return mmap.mmap(fd, length, access=access, offset=offset)
 
 
 def buffer_address(buf: Any) -> int:
@@ -196,11 +208,18 @@ class Segment:
     owner: bool
 
     def __init__(
-        self, buf: mmap.mmap, handle: SegmentHandle, owner: bool, fd: int, readonly: bool
+        self,
+        buf: mmap.mmap,
+        handle: SegmentHandle,
+        owner: bool,
+        fd: int,
+        readonly: bool,
+        offset: int = 0,
     ) -> None:
         self.buf = buf
         self.handle = handle
-        self.size = handle.size
+        self.offset = offset  # where in the segment the mapping starts
+        self.size = len(buf)
         self.owner = owner
         self.readonly = readonly
         self.address = buffer_address(buf)
@@ -235,7 +254,7 @@ class Segment:
             fd = _shm_module().shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
             _reserve(fd, size, backend)
-            buf = mmap.mmap(fd, size)
+            buf = map_fd(fd, size)
             inode = os.fstat(fd).st_ino
         except BaseException:
             _release(os.getpid(), fd, [name] if name else [])
@@ -244,8 +263,17 @@ class Segment:
         return cls(buf, handle, True, fd, False)
 
     @classmethod
-    def attach(cls, handle: SegmentHandle, readonly: bool = False) -> Segment:
-        """Map a segment created by another process (or this one) from its handle."""
+    def attach(
+        cls, handle: SegmentHandle, readonly: bool = False, start: int = 0, length: int = 0
+    ) -> Segment:
+        """Map a segment created by another process (or this one) from its handle.
+
+        ``start`` (a multiple of the page size) and ``length`` map only that
+        part of it; by default the whole segment is mapped.
+        """
+        if start % PAGE_SIZE or start < 0 or length < 0 or start + length > handle.size:
+            raise ValueError(f"cannot map [{start}, +{length}) of a {handle.size}-byte segment")
+        length = length or handle.size - start
         flags = os.O_RDONLY if readonly else os.O_RDWR
         try:
             if handle.backend == "memfd":
@@ -270,10 +298,10 @@ class Segment:
                     "closed it (the fd now names something else)"
                 )
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
-            buf = mmap.mmap(fd, handle.size, access=access)
+            buf = map_fd(fd, length, access, start)
         finally:
             os.close(fd)  # the mapping keeps the memory alive on its own
-        return cls(buf, handle, False, -1, readonly)
+        return cls(buf, handle, False, -1, readonly, start)
 
     # Handing a whole segment to a child at start: pass the fd, not a name.
     def __reduce__(self) -> tuple[Any, ...]:
@@ -306,7 +334,26 @@ class Segment:
         )
 
 
+def reachable(handle: SegmentHandle) -> bool:
+    """Whether another process can still map the segment ``handle`` names.
+
+    False once its owner has exited or closed it (a result kept after its
+    worker was replaced): only mappings made before then still reach it.
+    Costs one ``stat``; the owner may still go away right after.
+    """
+    if handle.backend == "memfd":
+        path = f"/proc/{handle.owner_pid}/fd/{handle.fd}"
+    elif os.path.isdir(_DEV_SHM):
+        path = os.path.join(_DEV_SHM, handle.name.lstrip("/"))
+    else:  # no /dev/shm to look in (macOS): the name goes when its owner does
+        return _pid_alive(handle.owner_pid)
+    try:
+        return os.stat(path).st_ino == handle.inode
+    except OSError:
+        return False
+
+
 def _rebuild_segment(token: Any, handle: SegmentHandle) -> Segment:
     fd = fd_in_child(token)
-    buf = mmap.mmap(fd, handle.size)
+    buf = map_fd(fd, handle.size)
     return Segment(buf, handle, False, fd, False)

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import AttachError, RingClosedError
+from ._platform import PAGE_SIZE
 from ._ring import Ring
 from ._segment import Segment, SegmentHandle
 
@@ -356,11 +357,19 @@ def flush_releases() -> None:
 local_arenas: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
-def open_array(desc: ArrayDescriptor, writable: bool = False) -> np.ndarray[Any, Any]:
+def open_array(
+    desc: ArrayDescriptor, writable: bool = False, alone: bool = False
+) -> np.ndarray[Any, Any]:
     """Open a descriptor as a zero-copy ndarray (read-only unless ``writable``).
 
     Takes over the reference the descriptor carries: open each descriptor once.
     A ``readonly`` descriptor gives a read-only view even if ``writable``.
+
+    Memory of another process is mapped read-only, a segment once for all
+    its views. A writable view shares one read-write mapping of its segment
+    with other writable views, or, ``alone``, gets a mapping of its own of
+    just the pages it spans, unmapped when it goes: code that writes past the
+    array then reaches nothing but those pages (or faults).
     """
     writable = writable and not desc.readonly
     if desc.segment is None:  # no bytes: nothing was allocated
@@ -383,9 +392,42 @@ def open_array(desc: ArrayDescriptor, writable: bool = False) -> np.ndarray[Any,
         )
     imp.flush()
     imp.owners.setdefault(desc.arena_id, set()).add(desc.segment.owner_pid)
-    seg = imp.segment(desc.segment, readonly=not writable)
+    if writable and alone:
+        # Never cached: no later view is built on this mapping.
+        lo, hi = byte_extent(desc)
+        first = (desc.offset + lo) // PAGE_SIZE * PAGE_SIZE
+        end = min(-(-(desc.offset + hi) // PAGE_SIZE) * PAGE_SIZE, desc.segment.size)
+        seg = Segment.attach(desc.segment, readonly=False, start=first, length=end - first)
+    else:
+        seg = imp.segment(desc.segment, readonly=not writable)
     anchor = Anchor(
-        seg.address + desc.offset, desc.nbytes, not writable, seg, desc.arena_id, desc.alloc_id
+        seg.address + desc.offset - seg.offset,
+        desc.nbytes,
+        not writable,
+        seg,
+        desc.arena_id,
+        desc.alloc_id,
     )
     weakref.finalize(anchor, imp.released, desc.arena_id, desc.alloc_id)
     return build_view(anchor, desc.dtype, desc.shape, desc.strides, desc.start)
+
+
+def byte_extent(desc: ArrayDescriptor) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes of its allocation that a descriptor's array touches."""
+    lo = hi = desc.start
+    for n, step in zip(desc.shape, desc.strides or _c_strides(desc), strict=True):
+        if n == 0:
+            return desc.start, desc.start
+        if step < 0:
+            lo += (n - 1) * step
+        else:
+            hi += (n - 1) * step
+    return lo, hi + desc.dtype.itemsize
+
+
+def _c_strides(desc: ArrayDescriptor) -> tuple[int, ...]:
+    strides, step = [], desc.dtype.itemsize
+    for n in reversed(desc.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
