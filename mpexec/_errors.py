@@ -9,6 +9,7 @@
     ├── TaskTimeoutError           (also TimeoutError) a call ran past its limit
     ├── SerializationError         a function, argument or result cannot be pickled
     ├── OpOutputError              (also ValueError) an op returned what it may not
+    ├── ResourceLimitError         (also OSError) a limit of this process is too low
     └── InputMutatedError          (also RuntimeError) debug mode: a function wrote to an input
 
 "Something outside broke it" (:class:`BrokenPoolError`) is kept apart from "you
@@ -80,6 +81,14 @@ class InputMutatedError(MpexecError, RuntimeError):
     """``debug=True`` found an input whose bytes a function changed in place."""
 
 
+class ResourceLimitError(MpexecError, OSError):
+    """A limit of this process (open files) is too low for what was asked.
+
+    Raised before anything starts; ``errno`` is the one the limit would have
+    caused (``EMFILE``), and the message names the limit and how to raise it.
+    """
+
+
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a worker, as text (``__cause__``)."""
 
@@ -108,6 +117,7 @@ for _cls in (
     SerializationError,
     OpOutputError,
     InputMutatedError,
+    ResourceLimitError,
     RemoteTraceback,
 ):
     _cls.__module__ = "mpexec"

@@ -63,6 +63,7 @@ from ._errors import (
     WorkerCrashedError,
     signal_name,
 )
+from ._limits import ensure_open_files
 from ._worker import CALL, FAILED, FORGET, FUNC, HEADER, HELLO, OK
 
 T = TypeVar("T")
@@ -287,6 +288,7 @@ class WorkerPool(Executor):
         if self._inline:
             return
         self._ctx = _context(start_method)
+        ensure_open_files(num_workers)  # before anything starts: fail at once, or fit
         self._arena = shm.Arena(arena_size, arena_capacity, name="pool")
         self._lifeline = shm.Lifeline()
         _register_exit_hook()
@@ -341,6 +343,8 @@ class WorkerPool(Executor):
                 arena.reclaim(slot.arg_releases)
                 raise
             slot.pid = slot.process.pid
+            for ring in (slot.tasks, slot.done, slot.result_releases, slot.arg_releases):
+                ring.handed_over()  # the worker has its fds: ours would only count
             with state.lock:
                 if index < len(state.slots):
                     state.slots[index] = slot

@@ -355,5 +355,8 @@ def reachable(handle: SegmentHandle) -> bool:
 
 def _rebuild_segment(token: Any, handle: SegmentHandle) -> Segment:
     fd = fd_in_child(token)
-    buf = map_fd(fd, handle.size)
-    return Segment(buf, handle, False, fd, False)
+    try:
+        buf = map_fd(fd, handle.size)
+    finally:
+        os.close(fd)  # the mapping is all the child needs
+    return Segment(buf, handle, False, -1, False)
