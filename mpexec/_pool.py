@@ -289,7 +289,9 @@ class WorkerPool(Executor):
             return
         self._ctx = _context(start_method)
         ensure_open_files(num_workers)  # before anything starts: fail at once, or fit
-        self._arena = shm.Arena(arena_size, arena_capacity, name="pool")
+        # Sealed: workers cannot write the pool's memory, even by reopening its
+        # fds, but for buffers made to be written (pool.empty, pool.put).
+        self._arena = shm.Arena(arena_size, arena_capacity, name="pool", sealed=True)
         self._lifeline = shm.Lifeline()
         _register_exit_hook()
         try:
@@ -572,7 +574,7 @@ class WorkerPool(Executor):
         """
         if self._arena is None:
             return np.empty(shape, dtype)
-        return self._arena.empty(shape, dtype, whole_pages=True)
+        return self._arena.empty(shape, dtype, peer_writable=True)
 
     def put(self, array: Any) -> Any:
         """A copy of ``array`` in the pool's shared memory, to pass to many calls.
@@ -581,7 +583,7 @@ class WorkerPool(Executor):
         """
         if self._arena is None:
             return np.array(array, copy=True)
-        return self._arena.put(array, whole_pages=True)
+        return self._arena.put(array, peer_writable=True)
 
     def _copy_in(self, array: np.ndarray[Any, Any]) -> Any:
         """:meth:`put` packed with others (no pages of its own), never passed writable."""

@@ -150,10 +150,11 @@ class _Alloc:
 
 
 class _Seg:
-    __slots__ = ("free", "live", "ro", "rw")
+    __slots__ = ("free", "live", "open", "ro", "rw")
 
-    def __init__(self, segment: Segment) -> None:
+    def __init__(self, segment: Segment, open_to_peers: bool) -> None:
         self.rw = segment
+        self.open = open_to_peers  # peers may map it writable (not sealed)
         self.ro: Segment | None = None
         self.free = FreeList(segment.size, ALIGNMENT)
         self.live = 0
@@ -170,6 +171,9 @@ class Arena:
 
     ``segment_size`` is reserved at once and is the unit of growth;
     ``capacity`` caps the total reserved (default: half the machine's memory).
+    ``sealed``: no other process can write this arena's memory, however it
+    maps it (see :meth:`Segment.create`), but for allocations made
+    ``peer_writable``, which get segments of their own.
     Close it with :meth:`close` (or a ``with`` block); arrays handed out stay
     valid after that for as long as they are referenced.
     """
@@ -180,6 +184,7 @@ class Arena:
         capacity: int | None = None,
         backend: str | None = None,
         name: str = "arena",
+        sealed: bool = False,
     ) -> None:
         if segment_size <= 0:
             raise ValueError(f"segment_size must be positive, not {segment_size}")
@@ -193,6 +198,7 @@ class Arena:
                 f"of {format_bytes(self.capacity)}"
             )
         self.backend = backend
+        self.sealed = sealed
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
@@ -208,7 +214,8 @@ class Arena:
         self._links: list[Ring] = []
         self._owed: dict[int, dict[int, int]] = {}  # id(link) -> alloc id -> refs
         self._closed = False
-        self._segs.append(_Seg(Segment.create(segment_size, backend, tag="mpx-arena")))
+        first = Segment.create(segment_size, backend, tag="mpx-arena", sealed=sealed)
+        self._segs.append(_Seg(first, open_to_peers=not sealed))
         local_arenas[self.id] = self
 
     # ------------------------------------------------------------- allocating
@@ -217,13 +224,15 @@ class Arena:
         shape: int | tuple[int, ...],
         dtype: DTypeLike = np.float64,
         tag: str = "",
-        whole_pages: bool = False,
+        peer_writable: bool = False,
     ) -> np.ndarray[Any, Any]:
         """A new, writable, uninitialised C-contiguous array in this arena.
 
-        ``whole_pages``: the array starts on a page boundary and no other
-        allocation shares its pages, so a peer that opens it writable (which
-        maps just the pages it spans) can reach nothing else through them.
+        ``peer_writable``: other processes may open it writable. It starts on
+        a page boundary and no other allocation shares its pages, so a peer
+        that opens it ``alone`` (mapping just the pages it spans) can reach
+        nothing else through them; in a ``sealed`` arena it lives in a segment
+        left open to writing.
         """
         dt = np.dtype(dtype)
         shp = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
@@ -234,22 +243,23 @@ class Arena:
         nbytes = math.prod(shp) * dt.itemsize  # np.prod costs 30x more, on every allocation
         if nbytes == 0:
             return np.empty(shp, dt)
-        if not whole_pages:
+        if not peer_writable:
             alloc = self._allocate(nbytes, tag)
             return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
         # Enough for whole pages from the first page boundary of the block on.
-        alloc = self._allocate(_round_up(nbytes, PAGE_SIZE) + PAGE_SIZE - ALIGNMENT, tag)
+        span = _round_up(nbytes, PAGE_SIZE) + PAGE_SIZE - ALIGNMENT
+        alloc = self._allocate(span, tag, peer_writable=True)
         start = -alloc.offset % PAGE_SIZE
         return self._view(alloc, dt, shp, None, start, writable=True, take_export=False)
 
-    def put(self, array: Any, tag: str = "", whole_pages: bool = False) -> np.ndarray[Any, Any]:
+    def put(self, array: Any, tag: str = "", peer_writable: bool = False) -> np.ndarray[Any, Any]:
         """Copy ``array`` into this arena once; returns the (writable) copy.
 
-        ``whole_pages`` as for :meth:`empty`.
+        ``peer_writable`` as for :meth:`empty`.
         """
         src = np.asarray(array)
         check_shareable(src)
-        out = self.empty(src.shape, src.dtype, tag, whole_pages)
+        out = self.empty(src.shape, src.dtype, tag, peer_writable)
         if out.size:
             np.copyto(out, src, casting="no")
         return out
@@ -420,13 +430,14 @@ class Arena:
         anchor = find_anchor(np.asarray(array)) if isinstance(array, np.ndarray) else None
         return anchor is not None and anchor.arena_id == self.id and os.getpid() == self._pid
 
-    def _allocate(self, nbytes: int, tag: str) -> _Alloc:
+    def _allocate(self, nbytes: int, tag: str, peer_writable: bool = False) -> _Alloc:
+        opened = peer_writable or not self.sealed  # the kind of segment it goes in
         with self._lock:
             self._check_open()
-            found = self._fit(nbytes)
+            found = self._fit(nbytes, opened)
             if found is None:
                 self._collect_locked()
-                found = self._fit(nbytes) or self._grow(nbytes)
+                found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
             seg, offset = found
             size = seg.free.round(nbytes)
             alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
@@ -438,14 +449,16 @@ class Arena:
         self._drain_deferred()
         return alloc
 
-    def _fit(self, nbytes: int) -> tuple[_Seg, int] | None:
+    def _fit(self, nbytes: int, opened: bool) -> tuple[_Seg, int] | None:
         for seg in self._segs:
+            if seg.open != opened:
+                continue
             offset = seg.free.allocate(nbytes)
             if offset is not None:
                 return seg, offset
         return None
 
-    def _grow(self, nbytes: int) -> tuple[_Seg, int]:
+    def _grow(self, nbytes: int, opened: bool) -> tuple[_Seg, int]:
         reserved = sum(s.rw.size for s in self._segs)
         need = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
         # Grow by a segment_size where the cap allows, by just enough near the cap.
@@ -459,7 +472,8 @@ class Arena:
             size = max(need, min(self.segment_size, self.capacity - reserved))
         if reserved + size > self.capacity:
             raise ArenaFullError(self._full_message(nbytes, reserved))
-        seg = _Seg(Segment.create(size, self.backend, tag="mpx-arena"))
+        created = Segment.create(size, self.backend, tag="mpx-arena", sealed=not opened)
+        seg = _Seg(created, open_to_peers=opened)
         self._segs.append(seg)
         offset = seg.free.allocate(nbytes)
         assert offset is not None

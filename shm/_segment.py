@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -222,6 +223,7 @@ class Segment:
         self.size = len(buf)
         self.owner = owner
         self.readonly = readonly
+        self.sealed = False  # see create()
         self.address = buffer_address(buf)
         self._fd = fd
         self._names = [handle.name] if owner and handle.name else []
@@ -232,8 +234,17 @@ class Segment:
             self._finalizer = weakref.finalize(self, _close_fd, fd)
 
     @classmethod
-    def create(cls, size: int, backend: str | None = None, tag: str = "mpx") -> Segment:
-        """Reserve a new segment of at least ``size`` bytes (rounded up to a page)."""
+    def create(
+        cls, size: int, backend: str | None = None, tag: str = "mpx", sealed: bool = False
+    ) -> Segment:
+        """Reserve a new segment of at least ``size`` bytes (rounded up to a page).
+
+        ``sealed``: no process but this one, through the mapping made here, can
+        ever write it (memfd's ``F_SEAL_FUTURE_WRITE``, Linux 5.1+): others
+        can map it read-only and nothing more, even by reopening its fd
+        read-write. Where seals do not exist (the posix backend, older
+        kernels) it is not sealed; :attr:`sealed` says which.
+        """
         if size <= 0:
             raise ValueError(f"segment size must be positive, not {size}")
         if not re.fullmatch(r"mpx(?:-[a-z]+)?", tag):
@@ -244,7 +255,8 @@ class Segment:
         size = _round_up(size, PAGE_SIZE)
         name = ""
         if backend == "memfd":
-            fd = os.memfd_create(f"{tag}-{os.getpid()}", os.MFD_CLOEXEC)
+            flags = os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0)
+            fd = os.memfd_create(f"{tag}-{os.getpid()}", flags)
         else:
             global _reaped_in
             if _reaped_in != os.getpid():
@@ -256,11 +268,15 @@ class Segment:
             _reserve(fd, size, backend)
             buf = map_fd(fd, size)
             inode = os.fstat(fd).st_ino
+            # After our own writable mapping exists: that one stays writable.
+            done = sealed and backend == "memfd" and _seal_future_writes(fd)
         except BaseException:
             _release(os.getpid(), fd, [name] if name else [])
             raise
         handle = SegmentHandle(backend, os.getpid(), fd, inode, name, size)
-        return cls(buf, handle, True, fd, False)
+        seg = cls(buf, handle, True, fd, False)
+        seg.sealed = done
+        return seg
 
     @classmethod
     def attach(
@@ -332,6 +348,23 @@ class Segment:
             f"<Segment {self.handle.backend} {format_bytes(self.size)} "
             f"pid={self.handle.owner_pid} {role}{' closed' if self.closed else ''}>"
         )
+
+
+#: ``F_SEAL_FUTURE_WRITE`` (Linux 5.1), which the fcntl module may not name.
+_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
+def _seal_future_writes(fd: int) -> bool:
+    """Forbid every later write and writable mapping of ``fd``; False if unsupported."""
+    if not hasattr(fcntl, "F_ADD_SEALS"):  # not Linux
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EPERM):  # a kernel without this seal
+            return False
+        raise
+    return True
 
 
 def reachable(handle: SegmentHandle) -> bool:

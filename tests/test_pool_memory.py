@@ -249,3 +249,84 @@ def test_a_broadcast_result_arrives_as_a_broadcast() -> None:
         assert r.strides == (0, 8)
         assert not r.flags.writeable  # as NumPy's broadcast_to gives it
         assert np.array_equal(r[-1], np.arange(4.0))
+
+
+# ---------------------------------------------------------------- reopening the fds (17.5)
+def _try_writes(path: str, offset: int) -> list[str]:
+    """Open ``path`` read-write, then try to write it and to map it writable."""
+    import mmap
+
+    outcomes = []
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        return [f"open: {type(exc).__name__}"]
+    try:
+        try:
+            os.pwrite(fd, b"\xff" * 8, offset)
+            outcomes.append("pwrite: wrote")
+        except OSError as exc:
+            outcomes.append(f"pwrite: {type(exc).__name__}")
+        try:
+            m = mmap.mmap(fd, offset + PAGE, access=mmap.ACCESS_WRITE)
+            m[offset : offset + 8] = b"\xff" * 8
+            m.close()
+            outcomes.append("mmap: wrote")
+        except OSError as exc:
+            outcomes.append(f"mmap: {type(exc).__name__}")
+    finally:
+        os.close(fd)
+    return outcomes
+
+
+def _reopen_and_write(x: np.ndarray[Any, Any]) -> list[str]:
+    # What a determined function can do: reopen the caller's memory by its fd.
+    from shm._views import find_anchor
+
+    anchor = find_anchor(x)
+    assert anchor is not None
+    handle = anchor.keep.handle
+    offset = anchor.address - anchor.keep.address + anchor.keep.offset
+    return _try_writes(f"/proc/{handle.owner_pid}/fd/{handle.fd}", offset // PAGE * PAGE)
+
+
+def _inherited_and_write(owner: int) -> list[str]:
+    # Under the fork start method a worker holds copies of the caller's fds.
+    outcomes = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:mpx-arena-{owner}"):
+            outcomes += _try_writes(f"/proc/self/fd/{name}", 0)
+    return outcomes
+
+
+@pytest.mark.skipif(
+    shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
+)
+def test_arguments_cannot_be_written_even_by_reopening_their_fd() -> None:
+    original = np.arange(BIG // 8, dtype=np.float64)
+    with WorkerPool(1) as pool:
+        # Sent from private memory: copied into the pool's sealed segments.
+        assert pool.submit(_reopen_and_write, original).result(T) == [
+            "pwrite: PermissionError",
+            "mmap: PermissionError",
+        ]
+        # pool.put() buffers may be passed writable(): their segments stay open.
+        x = pool.put(original)
+        assert pool.submit(_reopen_and_write, x).result(T) == ["pwrite: wrote", "mmap: wrote"]
+        assert (x.view(np.uint8)[:8] == 0xFF).all()
+
+
+@pytest.mark.skipif(
+    shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
+)
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_fds_a_forked_worker_inherits_cannot_write_the_arguments() -> None:
+    with WorkerPool(1, start_method="fork") as pool:
+        assert pool.submit(_total, np.ones(BIG)).result(T) == BIG  # something was shared
+        outcomes = pool.submit(_inherited_and_write, os.getpid()).result(T)
+    assert outcomes
+    assert set(outcomes) == {"pwrite: PermissionError", "mmap: PermissionError"}
