@@ -51,7 +51,7 @@ from ._allocator import FreeList
 from ._errors import ArenaFullError, SharedMemoryError
 from ._platform import ALIGNMENT, PAGE_SIZE
 from ._ring import Ring, RingStats
-from ._segment import Segment, SegmentHandle, format_bytes, reachable
+from ._segment import Segment, SegmentHandle, format_bytes
 from ._views import (
     RELEASE,
     Anchor,
@@ -60,6 +60,7 @@ from ._views import (
     check_shareable,
     find_anchor,
     local_arenas,
+    owner_gone,
 )
 
 _MiB = 1 << 20
@@ -286,7 +287,7 @@ class Arena:
         anchor = find_anchor(arr)
         if anchor is None or not self._in_place(anchor):
             return self._share_copy(arr, tag, peer)
-        if anchor.arena_id != self.id and not reachable(anchor.keep.handle):
+        if anchor.arena_id != self.id and owner_gone(anchor.keep.handle):
             # Its owner exited or closed it (a result kept after its worker
             # was replaced): only our mapping still reaches the bytes, so the
             # peer gets a copy of what the view holds now.

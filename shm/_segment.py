@@ -372,8 +372,14 @@ def reachable(handle: SegmentHandle) -> bool:
 
     False once its owner has exited or closed it (a result kept after its
     worker was replaced): only mappings made before then still reach it.
-    Costs one ``stat``; the owner may still go away right after.
+    Costs one ``stat`` (tens of microseconds through ``/proc``); the owner
+    may still go away right after.
     """
+    if handle.backend == "memfd" and handle.owner_pid == os.getpid():
+        try:
+            return os.fstat(handle.fd).st_ino == handle.inode
+        except OSError:
+            return False
     if handle.backend == "memfd":
         path = f"/proc/{handle.owner_pid}/fd/{handle.fd}"
     elif os.path.isdir(_DEV_SHM):

@@ -47,7 +47,7 @@ import numpy as np
 from ._errors import AttachError, RingClosedError
 from ._platform import PAGE_SIZE
 from ._ring import Ring
-from ._segment import Segment, SegmentHandle
+from ._segment import Segment, SegmentHandle, reachable
 
 #: A release record: arena id, allocation id, references returned.
 RELEASE = struct.Struct("<QQI")
@@ -267,6 +267,8 @@ class _Importer:
         self.owners: dict[int, set[int]] = {}
         self.deferred = _Deferred()
         self.dropped = 0  # releases for arenas with no route (their owner is gone)
+        # Owners of arenas whose route was removed: gone, or done with us.
+        self.retired: set[int] = set()
 
     def segment(self, handle: SegmentHandle, readonly: bool) -> Segment:
         key = (handle.owner_pid, handle.inode, readonly)
@@ -341,11 +343,25 @@ def set_release_route(arena_id: int, ring: Ring | None) -> None:
         imp.routes.pop(arena_id, None)
         # Its owner is done with us: keep none of its segments mapped for reuse.
         owners = imp.owners.pop(arena_id, set())
+        imp.retired |= owners
         for seg in [s for s in imp.recent if s.handle.owner_pid in owners]:
             imp.recent.remove(seg)
     else:
         imp.routes[arena_id] = ring
         imp.flush()
+
+
+def owner_gone(handle: SegmentHandle) -> bool:
+    """Whether no other process can map ``handle``'s segment any more; cheap.
+
+    For our own segments: their fd is closed. For another process's: the
+    release route of an arena we opened its memory through was removed
+    (:func:`set_release_route` with ``None``), which a peer does once that
+    owner is gone. Between the owner's death and that, this says it is not.
+    """
+    if handle.owner_pid == os.getpid():
+        return not reachable(handle)
+    return handle.owner_pid in importer().retired
 
 
 def flush_releases() -> None:
@@ -392,6 +408,7 @@ def open_array(
         )
     imp.flush()
     imp.owners.setdefault(desc.arena_id, set()).add(desc.segment.owner_pid)
+    imp.retired.discard(desc.segment.owner_pid)  # alive: a recycled pid, say
     if writable and alone:
         # Never cached: no later view is built on this mapping.
         lo, hi = byte_extent(desc)
