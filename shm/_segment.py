@@ -62,15 +62,26 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def map_fd(fd: int, length: int, access: int = mmap.ACCESS_WRITE, offset: int = 0) -> mmap.mmap:
+def map_fd(
+    fd: int,
+    length: int,
+    access: int = mmap.ACCESS_WRITE,
+    offset: int = 0,
+    populate: bool = False,
+) -> mmap.mmap:
     """Map ``length`` bytes of ``fd`` from ``offset`` (a multiple of the page size).
 
     From Python 3.13 on the mapping keeps no duplicate of ``fd``: each one would
     cost an open file, and a pool holds many mappings (see ``RLIMIT_NOFILE``).
+    ``populate`` (a shared read-write mapping, Linux) fills its page tables at
+    once: for a short-lived mapping that is about to be written, 2-3x cheaper
+    than a page fault at the first touch of each page.
     """
-    if sys.version_info >= (3, 13):
-        return mmap.mmap(fd, length, access=access, offset=offset, trackfd=False)
-    return mmap.mmap(fd, length, access=access, offset=offset)
+    kw: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+    if populate and access == mmap.ACCESS_WRITE and hasattr(mmap, "MAP_POPULATE"):
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+        return mmap.mmap(fd, length, flags=flags, offset=offset, **kw)
+    return mmap.mmap(fd, length, access=access, offset=offset, **kw)
 
 
 def buffer_address(buf: Any) -> int:
@@ -280,12 +291,18 @@ class Segment:
 
     @classmethod
     def attach(
-        cls, handle: SegmentHandle, readonly: bool = False, start: int = 0, length: int = 0
+        cls,
+        handle: SegmentHandle,
+        readonly: bool = False,
+        start: int = 0,
+        length: int = 0,
+        populate: bool = False,
     ) -> Segment:
         """Map a segment created by another process (or this one) from its handle.
 
         ``start`` (a multiple of the page size) and ``length`` map only that
-        part of it; by default the whole segment is mapped.
+        part of it; by default the whole segment is mapped. ``populate``: see
+        :func:`map_fd`.
         """
         if start % PAGE_SIZE or start < 0 or length < 0 or start + length > handle.size:
             raise ValueError(f"cannot map [{start}, +{length}) of a {handle.size}-byte segment")
@@ -314,7 +331,7 @@ class Segment:
                     "closed it (the fd now names something else)"
                 )
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
-            buf = map_fd(fd, length, access, start)
+            buf = map_fd(fd, length, access, start, populate)
         finally:
             os.close(fd)  # the mapping keeps the memory alive on its own
         return cls(buf, handle, False, -1, readonly, start)

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import math
+import mmap
 import os
 import pickle
 import struct
@@ -269,6 +271,12 @@ class _Importer:
         self.dropped = 0  # releases for arenas with no route (their owner is gone)
         # Owners of arenas whose route was removed: gone, or done with us.
         self.retired: set[int] = set()
+        # Writable mappings opened ``alone`` whose views are gone, kept for the
+        # next open of the same pages (a buffer written call after call) but
+        # made inaccessible (PROT_NONE) meanwhile: see alone().
+        self.parked: collections.OrderedDict[tuple[int, int, int, int], Segment] = (
+            collections.OrderedDict()
+        )
 
     def segment(self, handle: SegmentHandle, readonly: bool) -> Segment:
         key = (handle.owner_pid, handle.inode, readonly)
@@ -286,6 +294,28 @@ class _Importer:
         if not recent or recent[-1] is not seg:
             recent.append(seg)
         return seg
+
+    def alone(self, handle: SegmentHandle, start: int, length: int) -> Segment:
+        """A read-write mapping of just ``[start, start + length)`` of a segment.
+
+        Used by one set of views only. When they are gone it is parked: made
+        inaccessible, so that no stray write can reach it, and kept for the
+        next open of the same pages, which makes it writable again instead of
+        mapping anew (a new mapping would fault in every page again: for a
+        buffer written call after call, most of a call's cost).
+        """
+        key = (handle.owner_pid, handle.inode, start, length)
+        seg = self.parked.pop(key, None)  # one atomic step: a mapping has one user
+        if seg is None or not _protect(seg, mmap.PROT_READ | mmap.PROT_WRITE):
+            seg = Segment.attach(handle, False, start, length)
+        return seg
+
+    def park(self, key: tuple[int, int, int, int], seg: Segment) -> None:
+        """Finalizer of the views of an ``alone`` mapping: never blocks, never raises."""
+        if key[0] not in self.retired and _protect(seg, _PROT_NONE):
+            self.parked[key] = seg
+            while len(self.parked) > KEEP_MAPPED:
+                self.parked.popitem(last=False)  # unmapped with its Segment
 
     def released(self, arena_id: int, alloc_id: int) -> None:
         """Finalizer of an imported view: never blocks, never raises."""
@@ -346,6 +376,8 @@ def set_release_route(arena_id: int, ring: Ring | None) -> None:
         imp.retired |= owners
         for seg in [s for s in imp.recent if s.handle.owner_pid in owners]:
             imp.recent.remove(seg)
+        for key in [k for k in imp.parked if k[0] in owners]:
+            del imp.parked[key]
     else:
         imp.routes[arena_id] = ring
         imp.flush()
@@ -384,8 +416,9 @@ def open_array(
     Memory of another process is mapped read-only, a segment once for all
     its views. A writable view shares one read-write mapping of its segment
     with other writable views, or, ``alone``, gets a mapping of its own of
-    just the pages it spans, unmapped when it goes: code that writes past the
-    array then reaches nothing but those pages (or faults).
+    just the pages it spans, inaccessible once it goes (see
+    ``_Importer.alone``): code that writes past the array then reaches
+    nothing but those pages (or faults).
     """
     writable = writable and not desc.readonly
     if desc.segment is None:  # no bytes: nothing was allocated
@@ -410,11 +443,10 @@ def open_array(
     imp.owners.setdefault(desc.arena_id, set()).add(desc.segment.owner_pid)
     imp.retired.discard(desc.segment.owner_pid)  # alive: a recycled pid, say
     if writable and alone:
-        # Never cached: no later view is built on this mapping.
         lo, hi = byte_extent(desc)
         first = (desc.offset + lo) // PAGE_SIZE * PAGE_SIZE
         end = min(-(-(desc.offset + hi) // PAGE_SIZE) * PAGE_SIZE, desc.segment.size)
-        seg = Segment.attach(desc.segment, readonly=False, start=first, length=end - first)
+        seg = imp.alone(desc.segment, first, end - first)
     else:
         seg = imp.segment(desc.segment, readonly=not writable)
     anchor = Anchor(
@@ -425,8 +457,28 @@ def open_array(
         desc.arena_id,
         desc.alloc_id,
     )
+    if writable and alone:
+        key = (desc.segment.owner_pid, desc.segment.inode, seg.offset, seg.size)
+        weakref.finalize(anchor, imp.park, key, seg)
     weakref.finalize(anchor, imp.released, desc.arena_id, desc.alloc_id)
     return build_view(anchor, desc.dtype, desc.shape, desc.strides, desc.start)
+
+
+_PROT_NONE = 0
+_mprotect: Any = None
+
+
+def _protect(seg: Segment, prot: int) -> bool:
+    """Set the access of a whole mapping (``mprotect``); False where it cannot."""
+    global _mprotect
+    if _mprotect is None:
+        fn: Any = False
+        with contextlib.suppress(OSError, AttributeError):  # no libc mprotect: False
+            fn = ctypes.CDLL(None, use_errno=True).mprotect
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            fn.restype = ctypes.c_int
+        _mprotect = fn
+    return bool(_mprotect) and _mprotect(seg.address, seg.size, prot) == 0
 
 
 def byte_extent(desc: ArrayDescriptor) -> tuple[int, int]:

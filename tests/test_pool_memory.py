@@ -137,10 +137,17 @@ def test_a_writable_argument_is_mapped_alone_and_only_while_the_call_runs() -> N
         assert writable == [(lo, hi, "rw-s")]
         # The read-only input lies in a read-only mapping.
         assert [m[2] for m in maps if m[0] <= x_at < m[1]] == ["r--s"]
-        # A later call's inputs never see a writable mapping: it is gone.
+        # Between calls nothing of the caller's is writable: the mapping of
+        # ``out`` is parked, inaccessible, for the next call that writes it.
         maps, x_at = pool.submit(_read_and_map, x, os.getpid()).result(T)
         assert [m for m in maps if "w" in m[2]] == []
         assert [m[2] for m in maps if m[0] <= x_at < m[1]] == ["r--s"]
+        assert [m for m in maps if m[0] <= out_at < m[1]] == [(lo, hi, "---s")]
+        # ... and the same pages written again reuse it, writable for that call only.
+        out[...] = 0
+        maps, again, _ = pool.submit(_fill_and_map, x, mpexec.writable(out), os.getpid()).result(T)
+        assert (again, (out == 7).all()) == (out_at, True)
+        assert [m for m in maps if "w" in m[2]] == [(lo, hi, "rw-s")]
 
 
 def test_pool_buffers_have_their_pages_to_themselves() -> None:
