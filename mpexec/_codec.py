@@ -177,9 +177,11 @@ class _Refs(pickle.Pickler):
             obj.nbytes > self.inline_max or (obj.nbytes > VIEW_INLINE_MAX and arena.owns(obj))
         ):
             # Views of other processes' arenas are forwarded, not copied.
-            if not shm.in_shared_memory(obj):
-                self.bytes_copied += obj.nbytes
+            copied = arena.bytes_copied
             desc = arena.share(obj, peer=self.peer)
+            # What share() copied: a broadcast's real bytes; an imported view
+            # whose owner is gone is copied too.
+            self.bytes_copied += arena.bytes_copied - copied
             self.shared.append(desc)
             self.bytes_shared += obj.nbytes
             return desc.pack() + _SHARED_TAG
@@ -245,13 +247,20 @@ def _load_ref(writable: bool, shared_ok: bool, pid: bytes) -> Any:
         return _load_class(pid)
     desc = shm.ArrayDescriptor.unpack(memoryview(pid)[:-1])
     if kind == _WRITABLE:
-        return shm.open_array(desc, writable=True)
+        # Mapped alone: a stray write reaches only this array's pages (which
+        # pool.empty()/put() give it to itself), never an input's.
+        return shm.open_array(desc, writable=True, alone=True)
     arr = shm.open_array(desc, writable=writable)
-    if desc.readonly and writable and not shared_ok:
+    if desc.readonly and writable and not shared_ok and not _broadcast(desc):
         # A view of memory others read (a function returned its input):
-        # the caller was promised an array of its own.
+        # the caller was promised an array of its own. (A broadcast view is
+        # read-only in NumPy too: copying would only materialise it.)
         return arr.copy()
     return arr
+
+
+def _broadcast(desc: shm.ArrayDescriptor) -> bool:
+    return any(st == 0 and n > 1 for n, st in zip(desc.shape, desc.strides, strict=False))
 
 
 def _unpickler(writable: bool, shared_ok: bool) -> type[pickle.Unpickler]:
@@ -320,7 +329,10 @@ def encode(
         data = buf.getvalue()
         # Anything else pickle names in __main__ (its classes went by reference).
         by_value = refs.names_main or data.count(_MAIN_BYTES) > refs.main_in_refs
-    except SerializationError:  # ours, naming the problem already
+    except (SerializationError, MemoryError, shm.SharedMemoryError):
+        # Ours, naming the problem already, or shared memory that ran out or
+        # broke while an array was shared (shm.ReservationError is a
+        # MemoryError): not a pickling problem, so no fallback and no disguise.
         refs.undo()
         raise
     except Exception:

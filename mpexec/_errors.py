@@ -14,6 +14,7 @@
     ├── OpOutputError              (also ValueError) an op returned what it may not
     ├── GpuUnavailableError        (also RuntimeError) device='gpu' without CuPy, driver or device
     ├── GpuError                   (also RuntimeError) the GPU stage itself failed (copy, close)
+    ├── ResourceLimitError         (also OSError) a limit of this process is too low
     └── InputMutatedError          (also RuntimeError) debug mode: a function wrote to an input
 
 "Something outside broke it" (:class:`BrokenPoolError`) is kept apart from "you
@@ -115,6 +116,14 @@ class InputMutatedError(MpexecError, RuntimeError):
     """``debug=True`` found an input whose bytes a function changed in place."""
 
 
+class ResourceLimitError(MpexecError, OSError):
+    """A limit of this process (open files) is too low for what was asked.
+
+    Raised before anything starts; ``errno`` is the one the limit would have
+    caused (``EMFILE``), and the message names the limit and how to raise it.
+    """
+
+
 class RemoteTraceback(Exception):
     """The traceback of an exception raised in a worker, as text (``__cause__``)."""
 
@@ -147,6 +156,7 @@ for _cls in (
     InputMutatedError,
     GpuUnavailableError,
     GpuError,
+    ResourceLimitError,
     RemoteTraceback,
 ):
     _cls.__module__ = "mpexec"

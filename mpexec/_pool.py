@@ -64,6 +64,7 @@ from ._errors import (
     WorkerCrashedError,
     signal_name,
 )
+from ._limits import ensure_open_files
 from ._worker import CALL, CANCEL, FAILED, FORGET, FUNC, HEADER, HELLO, OK, SKIPPED, VERDICT
 
 T = TypeVar("T")
@@ -332,7 +333,10 @@ class WorkerPool(Executor):
         if self._inline:
             return
         self._ctx = _context(start_method)
-        self._arena = shm.Arena(arena_size, arena_capacity, name="pool")
+        ensure_open_files(num_workers)  # before anything starts: fail at once, or fit
+        # Sealed: workers cannot write the pool's memory, even by reopening its
+        # fds, but for buffers made to be written (pool.empty, pool.put).
+        self._arena = shm.Arena(arena_size, arena_capacity, name="pool", sealed=True)
         self._lifeline = shm.Lifeline()
         _register_exit_hook()
         try:
@@ -391,6 +395,8 @@ class WorkerPool(Executor):
             arena.reclaim(slot.arg_releases)
             raise
         slot.pid = slot.process.pid
+        for ring in (slot.tasks, slot.done, slot.result_releases, slot.arg_releases):
+            ring.handed_over()  # the worker has its fds: ours would only count
         with state.lock:
             if index < len(state.slots):
                 state.slots[index] = slot
@@ -605,19 +611,31 @@ class WorkerPool(Executor):
         return _flatten(_map_results(self, run, chunks, limit, deadline, ordered))
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
-        """A new array in the pool's shared memory: it reaches workers without a copy."""
+        """A new array in the pool's shared memory: it reaches workers without a copy.
+
+        It has its memory pages to itself (see ``docs/in-place-mutation.md``), so
+        passed :func:`writable` a worker can write it and nothing else of ours.
+        """
         self._check_not_forked()
         self._check_open()
         if self._arena is None:
             return np.empty(shape, dtype)
-        return self._arena.empty(shape, dtype)
+        return self._arena.empty(shape, dtype, peer_writable=True)
 
     def put(self, array: Any) -> Any:
-        """A copy of ``array`` in the pool's shared memory, to pass to many calls."""
+        """A copy of ``array`` in the pool's shared memory, to pass to many calls.
+
+        Its pages are its own, as for :meth:`empty`.
+        """
         self._check_not_forked()
         self._check_open()
         if self._arena is None:
             return np.array(array, copy=True)
+        return self._arena.put(array, peer_writable=True)
+
+    def _copy_in(self, array: np.ndarray[Any, Any]) -> Any:
+        """:meth:`put` packed with others (no pages of its own), never passed writable."""
+        assert self._arena is not None
         return self._arena.put(array)
 
     def stats(self) -> PoolStats:

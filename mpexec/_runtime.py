@@ -294,7 +294,18 @@ class OpRunner:
         if n == 0:
             return ()
         if n == 1:
-            return (out,)
+            if self.kind != "sample" or not isinstance(out, (tuple, list)):
+                return (out,)
+            # DALI's rule: a tuple or list returned is the op's outputs, never
+            # one array to stack (which would hide a num_outputs mistake).
+            if len(out) != 1:
+                raise OpOutputError(
+                    f"op '{self.name}' has num_outputs=1, but its function returned a "
+                    f"{type(out).__name__} of {len(out)} values: a tuple or list is read as "
+                    f"the op's outputs. Return one array (np.stack(...) to combine them), "
+                    f"or declare num_outputs={len(out)}"
+                )
+            return (out[0],)
         if not isinstance(out, (tuple, list)):
             raise OpOutputError(
                 f"op '{self.name}' has num_outputs={n}, so its function must return a "

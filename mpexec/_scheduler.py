@@ -162,7 +162,9 @@ class PoolExecutor:
         return self.pool._submit(unit.runner, (unit.chunk, *unit.inputs), kwargs, unit.worker)
 
     def share(self, array: Any) -> Any:
-        return self.pool.put(array)
+        # Packed with others: a source's arrays are never passed writable, so they
+        # need no pages of their own (as pool.put's buffers have).
+        return self.pool._copy_in(array)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         return self.pool.empty(shape, dtype)

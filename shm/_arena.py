@@ -60,9 +60,33 @@ from ._views import (
     check_shareable,
     find_anchor,
     local_arenas,
+    owner_gone,
 )
 
 _MiB = 1 << 20
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _compact(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], tuple[int, ...] | None]:
+    """The part of ``arr`` to copy, and the strides that rebuild ``arr`` over its copy.
+
+    An array with broadcast axes (stride 0 over more than one element:
+    ``np.broadcast_to``) holds far fewer bytes than it shows; those axes are
+    taken once. ``None``: copy all of it.
+    """
+    broadcast = [st == 0 and n > 1 for n, st in zip(arr.shape, arr.strides, strict=True)]
+    if arr.size == 0 or not any(broadcast):
+        return arr, None
+    core = arr[tuple(0 if b else slice(None) for b in broadcast)]
+    dense, step = [], arr.itemsize
+    for n in reversed(core.shape):
+        dense.append(step)
+        step *= n
+    it = reversed(dense)
+    return core, tuple(0 if b else next(it) for b in broadcast)
 
 
 @dataclass(frozen=True)
@@ -83,6 +107,8 @@ class ArenaStats:
     exported: int
     releases_received: int
     links: tuple[RingStats, ...] = ()
+    #: Bytes :meth:`Arena.share` copied in (arrays from outside, or whose owner is gone).
+    bytes_copied: int = 0
 
     def __str__(self) -> str:
         return (
@@ -125,10 +151,11 @@ class _Alloc:
 
 
 class _Seg:
-    __slots__ = ("free", "live", "ro", "rw")
+    __slots__ = ("free", "live", "open", "ro", "rw")
 
-    def __init__(self, segment: Segment) -> None:
+    def __init__(self, segment: Segment, open_to_peers: bool) -> None:
         self.rw = segment
+        self.open = open_to_peers  # peers may map it writable (not sealed)
         self.ro: Segment | None = None
         self.free = FreeList(segment.size, ALIGNMENT)
         self.live = 0
@@ -145,6 +172,9 @@ class Arena:
 
     ``segment_size`` is reserved at once and is the unit of growth;
     ``capacity`` caps the total reserved (default: half the machine's memory).
+    ``sealed``: no other process can write this arena's memory, however it
+    maps it (see :meth:`Segment.create`), but for allocations made
+    ``peer_writable``, which get segments of their own.
     Close it with :meth:`close` (or a ``with`` block); arrays handed out stay
     valid after that for as long as they are referenced.
     """
@@ -155,6 +185,7 @@ class Arena:
         capacity: int | None = None,
         backend: str | None = None,
         name: str = "arena",
+        sealed: bool = False,
     ) -> None:
         if segment_size <= 0:
             raise ValueError(f"segment_size must be positive, not {segment_size}")
@@ -168,6 +199,7 @@ class Arena:
                 f"of {format_bytes(self.capacity)}"
             )
         self.backend = backend
+        self.sealed = sealed
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
@@ -179,17 +211,30 @@ class Arena:
         self._peak = 0
         self._exported = 0
         self._releases = 0
+        self.bytes_copied = 0  # by share(): a statistic, read without the lock
         self._links: list[Ring] = []
         self._owed: dict[int, dict[int, int]] = {}  # id(link) -> alloc id -> refs
         self._closed = False
-        self._segs.append(_Seg(Segment.create(segment_size, backend, tag="mpx-arena")))
+        first = Segment.create(segment_size, backend, tag="mpx-arena", sealed=sealed)
+        self._segs.append(_Seg(first, open_to_peers=not sealed))
         local_arenas[self.id] = self
 
     # ------------------------------------------------------------- allocating
     def empty(
-        self, shape: int | tuple[int, ...], dtype: DTypeLike = np.float64, tag: str = ""
+        self,
+        shape: int | tuple[int, ...],
+        dtype: DTypeLike = np.float64,
+        tag: str = "",
+        peer_writable: bool = False,
     ) -> np.ndarray[Any, Any]:
-        """A new, writable, uninitialised C-contiguous array in this arena."""
+        """A new, writable, uninitialised C-contiguous array in this arena.
+
+        ``peer_writable``: other processes may open it writable. It starts on
+        a page boundary and no other allocation shares its pages, so a peer
+        that opens it ``alone`` (mapping just the pages it spans) can reach
+        nothing else through them; in a ``sealed`` arena it lives in a segment
+        left open to writing.
+        """
         dt = np.dtype(dtype)
         shp = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if dt.hasobject:
@@ -199,14 +244,23 @@ class Arena:
         nbytes = math.prod(shp) * dt.itemsize  # np.prod costs 30x more, on every allocation
         if nbytes == 0:
             return np.empty(shp, dt)
-        alloc = self._allocate(nbytes, tag)
-        return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
+        if not peer_writable:
+            alloc = self._allocate(nbytes, tag)
+            return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
+        # Enough for whole pages from the first page boundary of the block on.
+        span = _round_up(nbytes, PAGE_SIZE) + PAGE_SIZE - ALIGNMENT
+        alloc = self._allocate(span, tag, peer_writable=True)
+        start = -alloc.offset % PAGE_SIZE
+        return self._view(alloc, dt, shp, None, start, writable=True, take_export=False)
 
-    def put(self, array: Any, tag: str = "") -> np.ndarray[Any, Any]:
-        """Copy ``array`` into this arena once; returns the (writable) copy."""
+    def put(self, array: Any, tag: str = "", peer_writable: bool = False) -> np.ndarray[Any, Any]:
+        """Copy ``array`` into this arena once; returns the (writable) copy.
+
+        ``peer_writable`` as for :meth:`empty`.
+        """
         src = np.asarray(array)
         check_shareable(src)
-        out = self.empty(src.shape, src.dtype, tag)
+        out = self.empty(src.shape, src.dtype, tag, peer_writable)
         if out.size:
             np.copyto(out, src, casting="no")
         return out
@@ -218,8 +272,9 @@ class Arena:
         is described in place; a view of another arena's memory, such as one
         imported with :func:`open_array`, is *forwarded* in place through a
         proxy (see the module's docstring); anything else is copied in once
-        first. The descriptor carries one reference to the memory, and is
-        ``readonly`` if the array is not writable. Naming the ``peer`` (its
+        first, and so is a view of memory no other process can map any more
+        (its owner exited or closed it). The descriptor carries one reference
+        to the memory, and is ``readonly`` if the array is not writable. Naming the ``peer`` (its
         ring from :meth:`link`) that will open it lets :meth:`reclaim` take
         the reference back if that peer dies holding it.
         """
@@ -231,6 +286,11 @@ class Arena:
             )
         anchor = find_anchor(arr)
         if anchor is None or not self._in_place(anchor):
+            return self._share_copy(arr, tag, peer)
+        if anchor.arena_id != self.id and owner_gone(anchor.keep.handle):
+            # Its owner exited or closed it (a result kept after its worker
+            # was replaced): only our mapping still reaches the bytes, so the
+            # peer gets a copy of what the view holds now.
             return self._share_copy(arr, tag, peer)
         readonly = anchor.readonly or not arr.flags.writeable
         start = arr.__array_interface__["data"][0] - anchor.address
@@ -250,18 +310,23 @@ class Arena:
         """``share`` of memory from outside: a copy only the descriptor references.
 
         No local view of it is made (the anchor, finalizer and release that
-        ``put`` would add cost more than copying a few KiB).
+        ``put`` would add cost more than copying a few KiB). Only what is real
+        is copied: a broadcast axis (stride 0) keeps its stride over one copy
+        of its data, and such a view is shared read-only, as NumPy makes it.
         """
         with self._lock:
             self._check_open()
             self._owed_by(peer)  # a bad peer fails before anything is allocated
-        alloc = self._allocate(arr.nbytes, tag)
+        core, strides = _compact(arr)
+        alloc = self._allocate(core.nbytes, tag)
         assert alloc.seg is not None
         try:
             copy: np.ndarray[Any, Any] = np.ndarray(
-                arr.shape, arr.dtype, buffer=alloc.seg.rw.buf, offset=alloc.offset
+                core.shape, core.dtype, buffer=alloc.seg.rw.buf, offset=alloc.offset
             )
-            np.copyto(copy, arr, casting="no")
+            np.copyto(copy, core, casting="no")
+            if strides is not None:
+                copy = np.ndarray(arr.shape, arr.dtype, alloc.seg.rw.buf, alloc.offset, strides)
         except BaseException:
             with self._lock:
                 self._maybe_free(alloc)
@@ -272,7 +337,8 @@ class Arena:
             except ValueError:
                 self._maybe_free(alloc)
                 raise
-            return self._export(alloc, owed, copy, 0, readonly=False)
+            self.bytes_copied += core.nbytes
+            return self._export(alloc, owed, copy, 0, readonly=strides is not None)
 
     def _export(
         self,
@@ -322,7 +388,7 @@ class Arena:
         if alloc is None:
             self._check_open()  # a closed arena gets no releases back: it would hold forever
             mapping: Segment = anchor.keep
-            offset = anchor.address - mapping.address
+            offset = anchor.address - mapping.address + mapping.offset
             alloc = _Alloc(
                 self._next_id, None, mapping.handle, offset, anchor.nbytes, tag, source=anchor
             )
@@ -365,13 +431,14 @@ class Arena:
         anchor = find_anchor(np.asarray(array)) if isinstance(array, np.ndarray) else None
         return anchor is not None and anchor.arena_id == self.id and os.getpid() == self._pid
 
-    def _allocate(self, nbytes: int, tag: str) -> _Alloc:
+    def _allocate(self, nbytes: int, tag: str, peer_writable: bool = False) -> _Alloc:
+        opened = peer_writable or not self.sealed  # the kind of segment it goes in
         with self._lock:
             self._check_open()
-            found = self._fit(nbytes)
+            found = self._fit(nbytes, opened)
             if found is None:
                 self._collect_locked()
-                found = self._fit(nbytes) or self._grow(nbytes)
+                found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
             seg, offset = found
             size = seg.free.round(nbytes)
             alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
@@ -383,14 +450,16 @@ class Arena:
         self._drain_deferred()
         return alloc
 
-    def _fit(self, nbytes: int) -> tuple[_Seg, int] | None:
+    def _fit(self, nbytes: int, opened: bool) -> tuple[_Seg, int] | None:
         for seg in self._segs:
+            if seg.open != opened:
+                continue
             offset = seg.free.allocate(nbytes)
             if offset is not None:
                 return seg, offset
         return None
 
-    def _grow(self, nbytes: int) -> tuple[_Seg, int]:
+    def _grow(self, nbytes: int, opened: bool) -> tuple[_Seg, int]:
         reserved = sum(s.rw.size for s in self._segs)
         need = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
         # Grow by a segment_size where the cap allows, by just enough near the cap.
@@ -404,7 +473,8 @@ class Arena:
             size = max(need, min(self.segment_size, self.capacity - reserved))
         if reserved + size > self.capacity:
             raise ArenaFullError(self._full_message(nbytes, reserved))
-        seg = _Seg(Segment.create(size, self.backend, tag="mpx-arena"))
+        created = Segment.create(size, self.backend, tag="mpx-arena", sealed=not opened)
+        seg = _Seg(created, open_to_peers=opened)
         self._segs.append(seg)
         offset = seg.free.allocate(nbytes)
         assert offset is not None
@@ -454,7 +524,12 @@ class Arena:
                 seg.ro = Segment.attach(seg.rw.handle, readonly=True)
             mapping = seg.ro
         anchor = Anchor(
-            mapping.address + alloc.offset, alloc.size, not writable, mapping, self.id, alloc.id
+            mapping.address + alloc.offset - mapping.offset,
+            alloc.size,
+            not writable,
+            mapping,
+            self.id,
+            alloc.id,
         )
         with self._lock:
             alloc.local += 1
@@ -593,6 +668,7 @@ class Arena:
                 exported=self._exported,
                 releases_received=self._releases,
                 links=tuple(r.stats() for r in self._links),
+                bytes_copied=self.bytes_copied,
             )
 
     def _check_open(self) -> None:

@@ -38,11 +38,11 @@ class Lifeline:
 
     def parent_alive(self) -> bool:
         """False once the parent has exited (never blocks)."""
-        return not select.select([self._r], [], [], 0)[0]
+        return not _readable(self._r, 0)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the parent is gone (True) or ``timeout`` passes (False)."""
-        return bool(select.select([self._r], [], [], timeout)[0])
+        return _readable(self._r, timeout)
 
     def close(self) -> None:
         """Close this process's ends; idempotent. In the parent: children see it as death."""
@@ -70,6 +70,16 @@ def _drop_write_ends() -> None:
 
 _parents: weakref.WeakSet[Lifeline] = weakref.WeakSet()
 _fork_hook = False
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    # poll, not select: select() refuses fds past 1,023, which a process with
+    # a raised RLIMIT_NOFILE may well hand out.
+    if not hasattr(select, "poll"):  # pragma: no cover - Windows
+        return bool(select.select([fd], [], [], timeout)[0])
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
 
 
 def _rebuild_lifeline(token: Any) -> Lifeline:

@@ -465,6 +465,15 @@ class Ring:
         self._buf[_CONSUMER_CLOSED] = 1
         self._spaces.ring(1)  # wakes a producer waiting for space, to see the flag
 
+    def handed_over(self) -> None:
+        """Close the segment's fd: the other process has the ring now (it is started).
+
+        The mapping stays, and with it the ring; only the ring can no longer be
+        handed to another process. One open file fewer per ring, which counts
+        under ``RLIMIT_NOFILE`` with many peers.
+        """
+        self._seg.close()
+
     def close(self) -> None:
         """Release this process's fds for the ring; idempotent. The mapping stays.
 

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import re
 import secrets
 import stat
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +60,28 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def map_fd(
+    fd: int,
+    length: int,
+    access: int = mmap.ACCESS_WRITE,
+    offset: int = 0,
+    populate: bool = False,
+) -> mmap.mmap:
+    """Map ``length`` bytes of ``fd`` from ``offset`` (a multiple of the page size).
+
+    From Python 3.13 on the mapping keeps no duplicate of ``fd``: each one would
+    cost an open file, and a pool holds many mappings (see ``RLIMIT_NOFILE``).
+    ``populate`` (a shared read-write mapping, Linux) fills its page tables at
+    once: for a short-lived mapping that is about to be written, 2-3x cheaper
+    than a page fault at the first touch of each page.
+    """
+    kw: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+    if populate and access == mmap.ACCESS_WRITE and hasattr(mmap, "MAP_POPULATE"):
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+        return mmap.mmap(fd, length, flags=flags, offset=offset, **kw)
+    return mmap.mmap(fd, length, access=access, offset=offset, **kw)
 
 
 def buffer_address(buf: Any) -> int:
@@ -196,13 +220,21 @@ class Segment:
     owner: bool
 
     def __init__(
-        self, buf: mmap.mmap, handle: SegmentHandle, owner: bool, fd: int, readonly: bool
+        self,
+        buf: mmap.mmap,
+        handle: SegmentHandle,
+        owner: bool,
+        fd: int,
+        readonly: bool,
+        offset: int = 0,
     ) -> None:
         self.buf = buf
         self.handle = handle
-        self.size = handle.size
+        self.offset = offset  # where in the segment the mapping starts
+        self.size = len(buf)
         self.owner = owner
         self.readonly = readonly
+        self.sealed = False  # see create()
         self.address = buffer_address(buf)
         self._fd = fd
         self._names = [handle.name] if owner and handle.name else []
@@ -213,8 +245,17 @@ class Segment:
             self._finalizer = weakref.finalize(self, _close_fd, fd)
 
     @classmethod
-    def create(cls, size: int, backend: str | None = None, tag: str = "mpx") -> Segment:
-        """Reserve a new segment of at least ``size`` bytes (rounded up to a page)."""
+    def create(
+        cls, size: int, backend: str | None = None, tag: str = "mpx", sealed: bool = False
+    ) -> Segment:
+        """Reserve a new segment of at least ``size`` bytes (rounded up to a page).
+
+        ``sealed``: no process but this one, through the mapping made here, can
+        ever write it (memfd's ``F_SEAL_FUTURE_WRITE``, Linux 5.1+): others
+        can map it read-only and nothing more, even by reopening its fd
+        read-write. Where seals do not exist (the posix backend, older
+        kernels) it is not sealed; :attr:`sealed` says which.
+        """
         if size <= 0:
             raise ValueError(f"segment size must be positive, not {size}")
         if not re.fullmatch(r"mpx(?:-[a-z]+)?", tag):
@@ -225,7 +266,8 @@ class Segment:
         size = _round_up(size, PAGE_SIZE)
         name = ""
         if backend == "memfd":
-            fd = os.memfd_create(f"{tag}-{os.getpid()}", os.MFD_CLOEXEC)
+            flags = os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0)
+            fd = os.memfd_create(f"{tag}-{os.getpid()}", flags)
         else:
             global _reaped_in
             if _reaped_in != os.getpid():
@@ -235,17 +277,36 @@ class Segment:
             fd = _shm_module().shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
             _reserve(fd, size, backend)
-            buf = mmap.mmap(fd, size)
+            buf = map_fd(fd, size)
             inode = os.fstat(fd).st_ino
+            # After our own writable mapping exists: that one stays writable.
+            done = sealed and backend == "memfd" and _seal_future_writes(fd)
         except BaseException:
             _release(os.getpid(), fd, [name] if name else [])
             raise
         handle = SegmentHandle(backend, os.getpid(), fd, inode, name, size)
-        return cls(buf, handle, True, fd, False)
+        seg = cls(buf, handle, True, fd, False)
+        seg.sealed = done
+        return seg
 
     @classmethod
-    def attach(cls, handle: SegmentHandle, readonly: bool = False) -> Segment:
-        """Map a segment created by another process (or this one) from its handle."""
+    def attach(
+        cls,
+        handle: SegmentHandle,
+        readonly: bool = False,
+        start: int = 0,
+        length: int = 0,
+        populate: bool = False,
+    ) -> Segment:
+        """Map a segment created by another process (or this one) from its handle.
+
+        ``start`` (a multiple of the page size) and ``length`` map only that
+        part of it; by default the whole segment is mapped. ``populate``: see
+        :func:`map_fd`.
+        """
+        if start % PAGE_SIZE or start < 0 or length < 0 or start + length > handle.size:
+            raise ValueError(f"cannot map [{start}, +{length}) of a {handle.size}-byte segment")
+        length = length or handle.size - start
         flags = os.O_RDONLY if readonly else os.O_RDWR
         try:
             if handle.backend == "memfd":
@@ -270,10 +331,10 @@ class Segment:
                     "closed it (the fd now names something else)"
                 )
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
-            buf = mmap.mmap(fd, handle.size, access=access)
+            buf = map_fd(fd, length, access, start, populate)
         finally:
             os.close(fd)  # the mapping keeps the memory alive on its own
-        return cls(buf, handle, False, -1, readonly)
+        return cls(buf, handle, False, -1, readonly, start)
 
     # Handing a whole segment to a child at start: pass the fd, not a name.
     def __reduce__(self) -> tuple[Any, ...]:
@@ -306,7 +367,52 @@ class Segment:
         )
 
 
+#: ``F_SEAL_FUTURE_WRITE`` (Linux 5.1), which the fcntl module may not name.
+_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
+def _seal_future_writes(fd: int) -> bool:
+    """Forbid every later write and writable mapping of ``fd``; False if unsupported."""
+    if not hasattr(fcntl, "F_ADD_SEALS"):  # not Linux
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EPERM):  # a kernel without this seal
+            return False
+        raise
+    return True
+
+
+def reachable(handle: SegmentHandle) -> bool:
+    """Whether another process can still map the segment ``handle`` names.
+
+    False once its owner has exited or closed it (a result kept after its
+    worker was replaced): only mappings made before then still reach it.
+    Costs one ``stat`` (tens of microseconds through ``/proc``); the owner
+    may still go away right after.
+    """
+    if handle.backend == "memfd" and handle.owner_pid == os.getpid():
+        try:
+            return os.fstat(handle.fd).st_ino == handle.inode
+        except OSError:
+            return False
+    if handle.backend == "memfd":
+        path = f"/proc/{handle.owner_pid}/fd/{handle.fd}"
+    elif os.path.isdir(_DEV_SHM):
+        path = os.path.join(_DEV_SHM, handle.name.lstrip("/"))
+    else:  # no /dev/shm to look in (macOS): the name goes when its owner does
+        return _pid_alive(handle.owner_pid)
+    try:
+        return os.stat(path).st_ino == handle.inode
+    except OSError:
+        return False
+
+
 def _rebuild_segment(token: Any, handle: SegmentHandle) -> Segment:
     fd = fd_in_child(token)
-    buf = mmap.mmap(fd, handle.size)
-    return Segment(buf, handle, False, fd, False)
+    try:
+        buf = map_fd(fd, handle.size)
+    finally:
+        os.close(fd)  # the mapping is all the child needs
+    return Segment(buf, handle, False, -1, False)

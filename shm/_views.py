@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import math
+import mmap
 import os
 import pickle
 import struct
@@ -45,8 +47,9 @@ from typing import Any
 import numpy as np
 
 from ._errors import AttachError, RingClosedError
+from ._platform import PAGE_SIZE
 from ._ring import Ring
-from ._segment import Segment, SegmentHandle
+from ._segment import Segment, SegmentHandle, reachable
 
 #: A release record: arena id, allocation id, references returned.
 RELEASE = struct.Struct("<QQI")
@@ -281,6 +284,14 @@ class _Importer:
         self.deferred = _Deferred()
         self.dropped = 0  # releases for arenas with no route (their owner is gone)
         self.pid = os.getpid()
+        # Owners of arenas whose route was removed: gone, or done with us.
+        self.retired: set[int] = set()
+        # Writable mappings opened ``alone`` whose views are gone, kept for the
+        # next open of the same pages (a buffer written call after call) but
+        # made inaccessible (PROT_NONE) meanwhile: see alone().
+        self.parked: collections.OrderedDict[tuple[int, int, int, int], Segment] = (
+            collections.OrderedDict()
+        )
 
     def segment(self, handle: SegmentHandle, readonly: bool) -> Segment:
         key = (handle.owner_pid, handle.inode, readonly)
@@ -298,6 +309,28 @@ class _Importer:
         if not recent or recent[-1] is not seg:
             recent.append(seg)
         return seg
+
+    def alone(self, handle: SegmentHandle, start: int, length: int) -> Segment:
+        """A read-write mapping of just ``[start, start + length)`` of a segment.
+
+        Used by one set of views only. When they are gone it is parked: made
+        inaccessible, so that no stray write can reach it, and kept for the
+        next open of the same pages, which makes it writable again instead of
+        mapping anew (a new mapping would fault in every page again: for a
+        buffer written call after call, most of a call's cost).
+        """
+        key = (handle.owner_pid, handle.inode, start, length)
+        seg = self.parked.pop(key, None)  # one atomic step: a mapping has one user
+        if seg is None or not _protect(seg, mmap.PROT_READ | mmap.PROT_WRITE):
+            seg = Segment.attach(handle, False, start, length)
+        return seg
+
+    def park(self, key: tuple[int, int, int, int], seg: Segment) -> None:
+        """Finalizer of the views of an ``alone`` mapping: never blocks, never raises."""
+        if key[0] not in self.retired and _protect(seg, _PROT_NONE):
+            self.parked[key] = seg
+            while len(self.parked) > KEEP_MAPPED:
+                self.parked.popitem(last=False)  # unmapped with its Segment
 
     def released(self, arena_id: int, alloc_id: int) -> None:
         """Finalizer of an imported view: never blocks, never raises."""
@@ -359,11 +392,27 @@ def set_release_route(arena_id: int, ring: Ring | None) -> None:
         imp.routes.pop(arena_id, None)
         # Its owner is done with us: keep none of its segments mapped for reuse.
         owners = imp.owners.pop(arena_id, set())
+        imp.retired |= owners
         for seg in [s for s in imp.recent if s.handle.owner_pid in owners]:
             imp.recent.remove(seg)
+        for key in [k for k in imp.parked if k[0] in owners]:
+            del imp.parked[key]
     else:
         imp.routes[arena_id] = ring
         imp.flush()
+
+
+def owner_gone(handle: SegmentHandle) -> bool:
+    """Whether no other process can map ``handle``'s segment any more; cheap.
+
+    For our own segments: their fd is closed. For another process's: the
+    release route of an arena we opened its memory through was removed
+    (:func:`set_release_route` with ``None``), which a peer does once that
+    owner is gone. Between the owner's death and that, this says it is not.
+    """
+    if handle.owner_pid == os.getpid():
+        return not reachable(handle)
+    return handle.owner_pid in importer().retired
 
 
 def flush_releases() -> None:
@@ -375,11 +424,20 @@ def flush_releases() -> None:
 local_arenas: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
-def open_array(desc: ArrayDescriptor, writable: bool = False) -> np.ndarray[Any, Any]:
+def open_array(
+    desc: ArrayDescriptor, writable: bool = False, alone: bool = False
+) -> np.ndarray[Any, Any]:
     """Open a descriptor as a zero-copy ndarray (read-only unless ``writable``).
 
     Takes over the reference the descriptor carries: open each descriptor once.
     A ``readonly`` descriptor gives a read-only view even if ``writable``.
+
+    Memory of another process is mapped read-only, a segment once for all
+    its views. A writable view shares one read-write mapping of its segment
+    with other writable views, or, ``alone``, gets a mapping of its own of
+    just the pages it spans, inaccessible once it goes (see
+    ``_Importer.alone``): code that writes past the array then reaches
+    nothing but those pages (or faults).
     """
     writable = writable and not desc.readonly
     if desc.segment is None:  # no bytes: nothing was allocated
@@ -402,9 +460,62 @@ def open_array(desc: ArrayDescriptor, writable: bool = False) -> np.ndarray[Any,
         )
     imp.flush()
     imp.owners.setdefault(desc.arena_id, set()).add(desc.segment.owner_pid)
-    seg = imp.segment(desc.segment, readonly=not writable)
+    imp.retired.discard(desc.segment.owner_pid)  # alive: a recycled pid, say
+    if writable and alone:
+        lo, hi = byte_extent(desc)
+        first = (desc.offset + lo) // PAGE_SIZE * PAGE_SIZE
+        end = min(-(-(desc.offset + hi) // PAGE_SIZE) * PAGE_SIZE, desc.segment.size)
+        seg = imp.alone(desc.segment, first, end - first)
+    else:
+        seg = imp.segment(desc.segment, readonly=not writable)
     anchor = Anchor(
-        seg.address + desc.offset, desc.nbytes, not writable, seg, desc.arena_id, desc.alloc_id
+        seg.address + desc.offset - seg.offset,
+        desc.nbytes,
+        not writable,
+        seg,
+        desc.arena_id,
+        desc.alloc_id,
     )
+    if writable and alone:
+        key = (desc.segment.owner_pid, desc.segment.inode, seg.offset, seg.size)
+        weakref.finalize(anchor, imp.park, key, seg)
     weakref.finalize(anchor, imp.released, desc.arena_id, desc.alloc_id)
     return build_view(anchor, desc.dtype, desc.shape, desc.strides, desc.start)
+
+
+_PROT_NONE = 0
+_mprotect: Any = None
+
+
+def _protect(seg: Segment, prot: int) -> bool:
+    """Set the access of a whole mapping (``mprotect``); False where it cannot."""
+    global _mprotect
+    if _mprotect is None:
+        fn: Any = False
+        with contextlib.suppress(OSError, AttributeError):  # no libc mprotect: False
+            fn = ctypes.CDLL(None, use_errno=True).mprotect
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            fn.restype = ctypes.c_int
+        _mprotect = fn
+    return bool(_mprotect) and _mprotect(seg.address, seg.size, prot) == 0
+
+
+def byte_extent(desc: ArrayDescriptor) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes of its allocation that a descriptor's array touches."""
+    lo = hi = desc.start
+    for n, step in zip(desc.shape, desc.strides or _c_strides(desc), strict=True):
+        if n == 0:
+            return desc.start, desc.start
+        if step < 0:
+            lo += (n - 1) * step
+        else:
+            hi += (n - 1) * step
+    return lo, hi + desc.dtype.itemsize
+
+
+def _c_strides(desc: ArrayDescriptor) -> tuple[int, ...]:
+    strides, step = [], desc.dtype.itemsize
+    for n in reversed(desc.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))

@@ -428,3 +428,55 @@ def test_forwarding_between_arenas_copies_nothing(backend: str) -> None:
     assert owner.stats().allocations == 0
     owner.close()
     last.close()
+
+
+# ---------------------------------------------------------------- sealing, broadcasts, owners gone
+@pytest.mark.skipif(shm.platform_info().backend != "memfd", reason="seals are memfd's")
+def test_a_sealed_arena_is_writable_only_here_but_for_peer_writable_blocks() -> None:
+    with shm.Arena(1 * MiB, sealed=True) as arena:
+        kept = arena.empty(100, np.uint8)
+        kept[:] = 3  # the owner's own mapping stays writable
+        d1 = arena.share(kept)
+        assert d1.segment is not None
+        with pytest.raises(PermissionError):
+            shm.Segment.attach(d1.segment, readonly=False)
+        assert shm.Segment.attach(d1.segment, readonly=True).buf[d1.offset] == 3
+        buf = arena.empty(100, np.uint8, peer_writable=True)
+        assert buf.ctypes.data % shm.platform_info().page_size == 0
+        d2 = arena.share(buf)
+        assert d2.segment is not None
+        assert d2.segment.inode != d1.segment.inode
+        peer = shm.Segment.attach(d2.segment, readonly=False)  # not sealed: may be written
+        peer.buf[d2.offset + d2.start] = 1
+        assert buf[0] == 1
+        arena.unshare(d1)
+        arena.unshare(d2)
+
+
+def test_a_broadcast_is_shared_with_its_real_bytes_only(backend: str) -> None:
+    with shm.Arena(1 * MiB, backend=backend) as arena:
+        huge = np.broadcast_to(np.arange(3.0), (1 << 28, 4, 3))  # 24 GiB shown, 24 B real
+        desc = arena.share(huge)
+        assert desc.nbytes == 64  # one aligned block
+        assert arena.stats().bytes_copied == 24
+        assert desc.readonly  # as NumPy gives a broadcast
+        view = shm.open_array(desc)
+        assert view.shape == huge.shape
+        assert view.strides == (0, 0, 8)
+        assert np.array_equal(view[-1, -1], np.arange(3.0))
+
+
+def test_a_view_of_memory_nobody_can_map_any_more_is_copied(backend: str) -> None:
+    gone = shm.Arena(1 * MiB, backend=backend)
+    a = gone.put(np.arange(1000.0))
+    handle = gone.share(a).segment
+    assert handle is not None
+    assert shm._segment.reachable(handle)
+    gone.close()  # its fds are closed: no other process could map it now
+    assert not shm._segment.reachable(handle)
+    with shm.Arena(1 * MiB, backend=backend) as arena:
+        desc = arena.share(a[::2])
+        assert desc.segment is not None
+        assert desc.segment.inode != handle.inode
+        assert arena.stats().bytes_copied == a[::2].nbytes
+        assert np.array_equal(shm.open_array(desc), a[::2])

@@ -348,6 +348,38 @@ def test_wrong_number_of_outputs(
         assert isinstance(info.value, ValueError)
 
 
+def _pair_as_list(x: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
+    return [x, x + 1]
+
+
+def _one_in_a_list(x: np.ndarray[Any, Any]) -> list[np.ndarray[Any, Any]]:
+    return [x * 2]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_one_output_returned_as_a_list_of_two_is_an_error(num_workers: int) -> None:
+    # DALI reads a returned tuple or list as the op's outputs: two values for
+    # num_outputs=1 is a mistake to report, not an array to stack.
+    def graph() -> Any:
+        src = fn.external_source(source=ramp())
+        return fn.python_function(src, function=_pair_as_list, name="lister")
+
+    style = "with" if num_workers else "decorator"
+    pipe = make(style, graph, batch_size=4, num_workers=num_workers)
+    with pipe, pytest.raises(mpexec.OpOutputError) as info:
+        pipe.run()
+    _must_mention(info.value, "lister", "num_outputs=1", "list of 2", "num_outputs=2")
+
+
+def test_one_output_returned_in_a_list_of_one_is_that_output(style: str) -> None:
+    def graph() -> Any:
+        return fn.python_function(fn.external_source(source=ramp()), function=_one_in_a_list)
+
+    with make(style, graph, batch_size=4, num_workers=0) as pipe:
+        (out,) = pipe.run()
+        assert values(out) == [[0, 2 * j, 0] for j in range(4)]
+
+
 def test_num_outputs_zero_sink_runs(style: str) -> None:
     _SIDE_EFFECTS.clear()
 

@@ -1,0 +1,339 @@
+"""WorkerPool and shared memory at the edges: held results that outlive their
+worker, what a worker can write, running out of memory, broadcast arrays."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpexec
+import shm
+from mpexec import WorkerPool, fn
+from tests.conftest import wait_until
+
+T = 30  # every .result() in this file is bounded by this
+KiB = 1 << 10
+BIG = 64 * KiB  # above the 16 KiB inline limit: travels by descriptor
+PAGE = shm.platform_info().page_size
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+# ---------------------------------------------------------------- worker functions
+def _arange(n: int) -> np.ndarray[Any, Any]:
+    return np.arange(n, dtype=np.float64)
+
+
+def _total(a: np.ndarray[Any, Any]) -> float:
+    return float(a.sum())
+
+
+def _die() -> None:
+    os._exit(3)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _arena_maps(owner: int) -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of every mapping here of ``owner``'s arena segments."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if f"mpx-arena-{owner}" in line:
+                span, perms = line.split()[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                found.append((lo, hi, perms))
+    return found
+
+
+def _fill_and_map(
+    x: np.ndarray[Any, Any], out: np.ndarray[Any, Any], owner: int
+) -> tuple[list[tuple[int, int, str]], int, int]:
+    out[...] = 7
+    return _arena_maps(owner), out.ctypes.data, x.ctypes.data
+
+
+def _read_and_map(x: np.ndarray[Any, Any], owner: int) -> tuple[list[tuple[int, int, str]], int]:
+    return _arena_maps(owner), x.ctypes.data
+
+
+def _poke(x: np.ndarray[Any, Any]) -> None:
+    # What a buggy C extension does: write through a raw pointer, flags or not.
+    ctypes.memset(x.ctypes.data, 0xFF, 8)
+
+
+# ---------------------------------------------------------------- held results (issue 17.4)
+def _replace_worker(pool: WorkerPool) -> None:
+    """Make the pool's only worker die and wait until its replacement answers."""
+    old = pool.submit(_pid).result(T)
+    with pytest.raises(mpexec.WorkerCrashedError):
+        pool.submit(_die).result(T)
+    assert pool.submit(_pid).result(T) != old
+
+
+def test_held_result_still_travels_after_its_worker_was_replaced() -> None:
+    n = BIG // 8 * 4
+    with WorkerPool(1, restart=True) as pool:
+        r = pool.submit(_arange, n).result(T)
+        _replace_worker(pool)
+        # Its memory is mapped only here now: it must be sent all the same.
+        assert pool.submit(_total, r).result(T) == r.sum()
+        assert pool.submit(_total, r[::2]).result(T) == r[::2].sum()
+        assert pool.submit(_total, r[n // 2 :]).result(T) == r[n // 2 :].sum()
+        # A result is the caller's to change: what travels is what it holds now.
+        r[:] = 1.0
+        assert pool.submit(_total, r).result(T) == n
+        assert np.array_equal(pool.submit(np.negative, r).result(T), -r)
+
+
+def test_held_pipeline_sample_travels_after_the_pipeline_closed() -> None:
+    n = BIG // 8
+
+    def source(info: Any) -> np.ndarray[Any, Any]:
+        return np.full(n, info.idx_in_batch + 1, dtype=np.float64)
+
+    @mpexec.pipeline_def(batch_size=2, num_workers=1, seed=1)
+    def graph() -> Any:
+        return fn.python_function(fn.external_source(source=source, batch=False), function=_neg)
+
+    with graph() as pipe:
+        (batch,) = pipe.run()
+    held = batch[1]
+    assert not held.flags.writeable
+    with WorkerPool(1) as pool:
+        before = pool.stats()
+        for _ in range(2):
+            assert pool.submit(_total, held).result(T) == -2.0 * n
+            assert pool.submit(_total, held[::3]).result(T) == -2.0 * len(held[::3])
+        # Copied (only what each view holds), and given back once the worker is done.
+        copied = pool.stats().bytes_copied - before.bytes_copied
+        assert copied == 2 * (held.nbytes + held[::3].nbytes)
+        wait_until(lambda: pool.stats().arena.in_use == before.arena.in_use, T, "copies freed")
+
+
+def _neg(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return -x
+
+
+# ---------------------------------------------------------------- what a worker can write (17.5)
+def test_a_writable_argument_is_mapped_alone_and_only_while_the_call_runs() -> None:
+    with WorkerPool(1) as pool:
+        x = pool.put(np.arange(3 * PAGE // 8, dtype=np.float64))
+        out = pool.empty(2 * PAGE + 24, np.uint8)
+        call = pool.submit(_fill_and_map, x, mpexec.writable(out), os.getpid())
+        maps, out_at, x_at = call.result(T)
+        assert (out == 7).all()
+        writable = [m for m in maps if "w" in m[2]]
+        # One writable mapping: just the pages ``out`` spans, nothing before or after.
+        lo = out_at // PAGE * PAGE
+        hi = -(-(out_at + out.nbytes) // PAGE) * PAGE
+        assert writable == [(lo, hi, "rw-s")]
+        # The read-only input lies in a read-only mapping.
+        assert [m[2] for m in maps if m[0] <= x_at < m[1]] == ["r--s"]
+        # Between calls nothing of the caller's is writable: the mapping of
+        # ``out`` is parked, inaccessible, for the next call that writes it.
+        maps, x_at = pool.submit(_read_and_map, x, os.getpid()).result(T)
+        assert [m for m in maps if "w" in m[2]] == []
+        assert [m[2] for m in maps if m[0] <= x_at < m[1]] == ["r--s"]
+        assert [m for m in maps if m[0] <= out_at < m[1]] == [(lo, hi, "---s")]
+        # ... and the same pages written again reuse it, writable for that call only.
+        out[...] = 0
+        maps, again, _ = pool.submit(_fill_and_map, x, mpexec.writable(out), os.getpid()).result(T)
+        assert (again, (out == 7).all()) == (out_at, True)
+        assert [m for m in maps if "w" in m[2]] == [(lo, hi, "rw-s")]
+
+
+def test_pool_buffers_have_their_pages_to_themselves() -> None:
+    with WorkerPool(1) as pool:
+        arrays = [pool.empty(n, np.uint8) for n in (1, 100, PAGE, PAGE + 1)]
+        arrays += [pool.put(np.ones(n, np.uint8)) for n in (3, 5000)]
+        pages = []
+        for a in arrays:
+            assert a.ctypes.data % PAGE == 0
+            pages.append(range(a.ctypes.data // PAGE, -(-(a.ctypes.data + a.nbytes) // PAGE)))
+        for i, p in enumerate(pages):
+            for q in pages[i + 1 :]:
+                assert not set(p) & set(q)
+
+
+def test_a_raw_write_to_a_read_only_input_kills_the_worker_not_the_data() -> None:
+    with WorkerPool(1, restart=True) as pool:
+        x = pool.put(np.arange(BIG // 8, dtype=np.float64))
+        out = pool.empty(BIG // 8)
+        with pytest.raises(mpexec.WorkerCrashedError) as info:
+            pool.submit(_poke_both, x, mpexec.writable(out)).result(T)
+        assert info.value.exitcode == -signal.SIGSEGV
+        assert np.array_equal(x, np.arange(BIG // 8, dtype=np.float64))
+        # the writable one did take the write: it is the only memory a worker may change
+        with pytest.raises(mpexec.WorkerCrashedError):
+            pool.submit(_poke, x).result(T)
+        assert np.array_equal(x, np.arange(BIG // 8, dtype=np.float64))
+
+
+def _poke_both(x: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> None:
+    ctypes.memset(out.ctypes.data, 0, 8)
+    _poke(x)
+
+
+# ---------------------------------------------------------------- out of memory (17.7)
+def _big(n: int) -> np.ndarray[Any, Any]:
+    return np.ones(n, dtype=np.uint8)
+
+
+def test_an_arena_at_its_cap_is_a_reservation_error_not_a_pickling_one() -> None:
+    with WorkerPool(1, arena_size=1 << 20, arena_capacity=2 << 20) as pool:
+        with pytest.raises(shm.ReservationError) as info:
+            pool.submit(_total, np.ones(4 << 20, np.uint8))
+        assert isinstance(info.value, MemoryError)
+        assert not isinstance(info.value, mpexec.SerializationError)
+        assert "cap" in str(info.value)
+        # nothing was left behind: the pool works on
+        assert pool.submit(_total, np.ones(1000)).result(T) == 1000
+
+
+def test_memory_running_out_while_an_arena_grows_is_a_reservation_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with WorkerPool(1, arena_size=1 << 20) as pool:
+        # The machine has no memory left for a new segment.
+        monkeypatch.setattr("shm._segment.free_bytes", lambda backend: 1 << 20)
+        with pytest.raises(shm.ReservationError, match="cannot reserve"):
+            pool.submit(_total, np.ones(4 << 20, np.uint8))
+        monkeypatch.undo()
+        assert pool.submit(_total, np.ones(1000)).result(T) == 1000
+
+
+def test_a_worker_out_of_shared_memory_reports_a_reservation_error() -> None:
+    with WorkerPool(1, worker_arena_size=1 << 20) as pool:
+        fut = pool.submit(_big_in_small_worker)
+        with pytest.raises(shm.ReservationError):
+            fut.result(T)
+        assert pool.submit(_total, np.ones(10)).result(T) == 10
+
+
+def _big_in_small_worker() -> Any:
+    # The worker's arena must grow to send this result, and (as free_bytes
+    # reports it) the machine has no memory left for that; this worker stays so.
+    shm._segment.free_bytes = lambda backend: 1 << 20  # type: ignore[attr-defined]
+    return np.ones(8 << 20, np.uint8)
+
+
+# ---------------------------------------------------------------- broadcasts (17.7)
+def _describe(a: np.ndarray[Any, Any]) -> tuple[tuple[int, ...], tuple[int, ...], float, float]:
+    return a.shape, a.strides, float(a[0]), float(a[-1])
+
+
+def _broadcast(n: int) -> np.ndarray[Any, Any]:
+    return np.broadcast_to(np.arange(4.0), (n, 4))
+
+
+def test_a_broadcast_argument_sends_only_its_real_bytes() -> None:
+    huge = np.broadcast_to(np.float64(1), (1 << 30,))  # 8 GiB that hold 8 bytes
+    with WorkerPool(1) as pool:
+        before = pool.stats()
+        shape, strides, first, last = pool.submit(_describe, huge).result(T)
+        after = pool.stats()
+        assert shape == (1 << 30,)
+        assert strides == (0,)
+        assert (first, last) == (1.0, 1.0)
+        assert after.bytes_copied - before.bytes_copied <= 64
+        assert after.arena.peak - before.arena.peak <= 64
+        rows = np.broadcast_to(np.arange(3000.0), (5000, 3000))  # 120 MB showing, 24 KB real
+        assert pool.submit(_total, rows).result(T) == rows.sum()
+
+
+def test_a_broadcast_result_arrives_as_a_broadcast() -> None:
+    with WorkerPool(1) as pool:
+        r = pool.submit(_broadcast, 1 << 20).result(T)
+        assert r.shape == (1 << 20, 4)
+        assert r.strides == (0, 8)
+        assert not r.flags.writeable  # as NumPy's broadcast_to gives it
+        assert np.array_equal(r[-1], np.arange(4.0))
+
+
+# ---------------------------------------------------------------- reopening the fds (17.5)
+def _try_writes(path: str, offset: int) -> list[str]:
+    """Open ``path`` read-write, then try to write it and to map it writable."""
+    import mmap
+
+    outcomes = []
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        return [f"open: {type(exc).__name__}"]
+    try:
+        try:
+            os.pwrite(fd, b"\xff" * 8, offset)
+            outcomes.append("pwrite: wrote")
+        except OSError as exc:
+            outcomes.append(f"pwrite: {type(exc).__name__}")
+        try:
+            m = mmap.mmap(fd, offset + PAGE, access=mmap.ACCESS_WRITE)
+            m[offset : offset + 8] = b"\xff" * 8
+            m.close()
+            outcomes.append("mmap: wrote")
+        except OSError as exc:
+            outcomes.append(f"mmap: {type(exc).__name__}")
+    finally:
+        os.close(fd)
+    return outcomes
+
+
+def _reopen_and_write(x: np.ndarray[Any, Any]) -> list[str]:
+    # What a determined function can do: reopen the caller's memory by its fd.
+    from shm._views import find_anchor
+
+    anchor = find_anchor(x)
+    assert anchor is not None
+    handle = anchor.keep.handle
+    offset = anchor.address - anchor.keep.address + anchor.keep.offset
+    return _try_writes(f"/proc/{handle.owner_pid}/fd/{handle.fd}", offset // PAGE * PAGE)
+
+
+def _inherited_and_write(owner: int) -> list[str]:
+    # Under the fork start method a worker holds copies of the caller's fds.
+    outcomes = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:mpx-arena-{owner}"):
+            outcomes += _try_writes(f"/proc/self/fd/{name}", 0)
+    return outcomes
+
+
+@pytest.mark.skipif(
+    shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
+)
+def test_arguments_cannot_be_written_even_by_reopening_their_fd() -> None:
+    original = np.arange(BIG // 8, dtype=np.float64)
+    with WorkerPool(1) as pool:
+        # Sent from private memory: copied into the pool's sealed segments.
+        assert pool.submit(_reopen_and_write, original).result(T) == [
+            "pwrite: PermissionError",
+            "mmap: PermissionError",
+        ]
+        # pool.put() buffers may be passed writable(): their segments stay open.
+        x = pool.put(original)
+        assert pool.submit(_reopen_and_write, x).result(T) == ["pwrite: wrote", "mmap: wrote"]
+        assert (x.view(np.uint8)[:8] == 0xFF).all()
+
+
+@pytest.mark.skipif(
+    shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
+)
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_fds_a_forked_worker_inherits_cannot_write_the_arguments() -> None:
+    with WorkerPool(1, start_method="fork") as pool:
+        assert pool.submit(_total, np.ones(BIG)).result(T) == BIG  # something was shared
+        outcomes = pool.submit(_inherited_and_write, os.getpid()).result(T)
+    assert outcomes
+    assert set(outcomes) == {"pwrite: PermissionError", "mmap: PermissionError"}
