@@ -680,7 +680,7 @@ def _flatten(chunks: Generator[list[T], None, None]) -> Iterator[T]:
 
 
 def _map_results(
-    pool: WorkerPool,
+    pool: Executor,
     fn: Callable[..., T],
     calls: Iterator[tuple[Any, ...]],
     limit: int,
