@@ -217,9 +217,7 @@ class RayPool(Executor):
         **pool_kwargs: Any,
     ) -> None:
         if workers_per_node is not None and (
-            isinstance(workers_per_node, bool)
-            or not isinstance(workers_per_node, int)
-            or workers_per_node < 1
+            type(workers_per_node) is not int or workers_per_node < 1
         ):
             raise ValueError(f"workers_per_node must be an int >= 1, not {workers_per_node!r}")
         for bad in ("num_workers", "restart"):
@@ -261,7 +259,7 @@ class RayPool(Executor):
                 continue
             index = len(state.agents)
             name = f"mpexec-agent-{self._token}-{index}"
-            handle = agent_cls.options(  # type: ignore[attr-defined]
+            handle = agent_cls.options(
                 name=name,
                 namespace=_NAMESPACE,
                 num_cpus=0,
