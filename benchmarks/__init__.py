@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "shm": "benchmarks.shm_bench",
     "pool": "benchmarks.pool_bench",
     "peers": "benchmarks.peers_bench",
+    "ray": "benchmarks.ray_bench",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -1,0 +1,284 @@
+"""``mpexec.ray.RayPool`` against the local ``mpexec.WorkerPool``: what going through Ray costs.
+
+Both pools have two workers on this machine: the local pool's, and those of
+the one agent a ``RayPool`` starts on a local Ray instance of one node
+(``ray.init(num_cpus=2)``). Every figure is taken side by side in one run
+(the systems take turns, round after round, the one going first rotating),
+so that the ratios hold on a loaded machine where absolute times do not.
+
+round trip
+    ``echo(x)`` of 16 float64, one call at a time: submit, wait. Each call is
+    timed on its own; median and p90 per system. With it, the driver's CPU
+    time per call (``time.process_time`` of this process, every thread of it:
+    Ray's own threads included), which is what bounds a driver that feeds
+    many nodes.
+
+augment
+    Workload 1 of ``python -m benchmarks peers`` (a 256x256x3 image made from
+    its index, cropped, flipped, jittered and noised in Python, normalised
+    to 224x224x3 float32: ~600 KB out per image): ``map`` over N indices for
+    serial (here), the local pool and the RayPool, with ``chunksize`` 1 and
+    8. Images/s per round, and the driver's CPU time per image; every output
+    is compared with the serial one, image by image, in every round.
+
+The model of docs/ray.md (throughput against nodes; where the driver becomes
+the bottleneck) is computed from these figures and printed at the end.
+
+Run with ``python -m benchmarks ray`` (``--quick`` for a smoke test); needs
+Ray (``pip install mpexec[ray]``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from contextlib import ExitStack
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mpexec
+from benchmarks import _workloads as wl
+from benchmarks._common import RESULTS, cli, fmt_time, git_state, log, table, write
+
+WORKERS = 2
+RESULT_TIMEOUT = 120.0  # seconds any one result may take
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "median": statistics.median(ordered),
+        "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "min": ordered[0],
+        "max": ordered[-1],
+        "samples": len(ordered),
+    }
+
+
+def _rotations(systems: list[str], rounds: int) -> Iterator[list[str]]:
+    for r in range(rounds):
+        k = r % len(systems)
+        yield systems[k:] + systems[:k]
+
+
+def round_trip(pools: dict[str, Executor], rounds: int, calls: int) -> dict[str, Any]:
+    x = np.arange(16, dtype=np.float64)
+    times: dict[str, list[float]] = {name: [] for name in pools}
+    cpu: dict[str, list[float]] = {name: [] for name in pools}
+    for pool in pools.values():  # warm up: functions cached, connections made
+        for _ in range(20):
+            pool.submit(wl.echo, x).result(RESULT_TIMEOUT)
+    for order in _rotations(list(pools), rounds):
+        for name in order:
+            pool = pools[name]
+            c0 = time.process_time()
+            for _ in range(calls):
+                t0 = time.perf_counter_ns()
+                pool.submit(wl.echo, x).result(RESULT_TIMEOUT)
+                times[name].append((time.perf_counter_ns() - t0) / 1e3)
+            cpu[name].append((time.process_time() - c0) / calls * 1e6)
+    out = {name: {"us": _stats(times[name]), "driver_cpu_us": _stats(cpu[name])} for name in pools}
+    base = out["local pool"]["us"]["median"]
+    for row in out.values():
+        row["vs_local"] = row["us"]["median"] / base
+    return out
+
+
+def augment(
+    pools: dict[str, Executor], n: int, rounds: int, chunksizes: tuple[int, ...]
+) -> dict[str, Any]:
+    reference = [wl.digest(wl.process_sample(i)) for i in range(n)]
+    t0 = time.perf_counter()
+    for i in range(n):
+        wl.process_sample(i)
+    serial = n / (time.perf_counter() - t0)
+    runs: dict[str, Callable[[], list[Any]]] = {}
+    for name, pool in pools.items():
+        for cs in chunksizes:
+            runs[f"{name}, chunksize {cs}"] = lambda pool=pool, cs=cs: list(
+                pool.map(wl.process_sample, range(n), chunksize=cs, timeout=RESULT_TIMEOUT)
+            )
+    rates: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    identical = dict.fromkeys(runs, True)
+    for run in runs.values():  # warm up
+        run()
+    for order in _rotations(list(runs), rounds):
+        for key in order:
+            c0, t0 = time.process_time(), time.perf_counter()
+            images = runs[key]()
+            rates[key].append(n / (time.perf_counter() - t0))
+            cpu[key].append((time.process_time() - c0) / n * 1e6)
+            identical[key] &= [wl.digest(a) for a in images] == reference
+    out: dict[str, Any] = {"serial_images_per_s": serial, "images": n, "by_system": {}}
+    for key in runs:
+        st = _stats(rates[key])
+        out["by_system"][key] = {
+            "images_per_s": st,
+            "vs_serial": st["median"] / serial,
+            "driver_cpu_us_per_image": _stats(cpu[key]),
+            "identical": identical[key],
+        }
+    return out
+
+
+def model(rt: dict[str, Any], aug: dict[str, Any]) -> dict[str, Any]:
+    """Throughput against nodes from the measured figures (docs/ray.md explains it)."""
+    best = max(
+        (k for k in aug["by_system"] if k.startswith("RayPool")),
+        key=lambda k: aug["by_system"][k]["images_per_s"]["median"],
+    )
+    node_rate = aug["by_system"][best]["images_per_s"]["median"]  # one node of 2 workers
+    driver_us = aug["by_system"][best]["driver_cpu_us_per_image"]["median"]
+    driver_limit = 1e6 / driver_us  # images/s one driver core can dispatch and collect
+    nodes = driver_limit / node_rate
+    per_core = node_rate / WORKERS
+    return {
+        "system": best,
+        "node_images_per_s": node_rate,
+        "per_worker_images_per_s": per_core,
+        "driver_cpu_us_per_image": driver_us,
+        "driver_limit_images_per_s": driver_limit,
+        "nodes_of_2_cpus_at_the_limit": nodes,
+        "nodes_of_32_cpus_at_the_limit": driver_limit / (per_core * 32),
+        "call_driver_cpu_us": rt["RayPool"]["driver_cpu_us"]["median"],
+    }
+
+
+def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
+    try:
+        import ray
+
+        from mpexec.ray import RayPool
+    except ImportError as exc:
+        log(f"[ray] skipped (not installed): {exc}")
+        return {"quick": quick, "skipped": str(exc), "errors": []}
+
+    rounds, calls, n = (3, 100, 16) if quick else (7, 300, 64)
+    load_before = os.getloadavg()
+    commit, dirty = git_state("mpexec", "shm", "benchmarks")
+    result: dict[str, Any] = {
+        "quick": quick,
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "env": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "ray": ray.__version__,
+            "mpexec": mpexec.__version__,
+            "cpus": os.cpu_count(),
+            "commit": commit,
+            "dirty": dirty,
+        },
+        "errors": [],
+    }
+    t_start = time.perf_counter()
+    with ExitStack() as stack:
+        ray.init(
+            num_cpus=WORKERS,
+            include_dashboard=False,
+            object_store_memory=256 << 20,
+            log_to_driver=False,
+            # The agents import the workloads from this checkout, as the driver does.
+            runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}},
+        )
+        stack.callback(ray.shutdown)
+        pools: dict[str, Executor] = {
+            "local pool": stack.enter_context(mpexec.WorkerPool(WORKERS)),
+            "RayPool": stack.enter_context(RayPool(workers_per_node=WORKERS)),
+        }
+        try:
+            log("[ray] round trip")
+            result["round_trip"] = round_trip(pools, rounds, calls)
+            log("[ray] augment")
+            result["augment"] = augment(pools, n, rounds, (1, 8))
+            result["model"] = model(result["round_trip"], result["augment"])
+        except Exception as exc:
+            result["errors"].append(f"{type(exc).__name__}: {exc}")
+            log(traceback.format_exc())
+    result["load_avg"] = {"before": load_before, "after": os.getloadavg()}
+    result["duration_s"] = round(time.perf_counter() - t_start, 1)
+    text = report(result)
+    print(text)
+    write("ray", result, text, out_dir, "the RayPool and the local WorkerPool")
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    env = result["env"]
+    load = result["load_avg"]
+    parts = [
+        (
+            f"RayPool vs WorkerPool, {WORKERS} workers each; Python {env['python']}, Ray "
+            f"{env['ray']}, {env['cpus']} CPUs; load average {load['before'][0]:.1f} before, "
+            f"{load['after'][0]:.1f} after"
+        )
+    ]
+    rt = result.get("round_trip")
+    if rt:
+        rows = [
+            [
+                name,
+                fmt_time(row["us"]["median"]),
+                fmt_time(row["us"]["p90"]),
+                f"{row['vs_local']:.2f}x",
+                fmt_time(row["driver_cpu_us"]["median"]),
+            ]
+            for name, row in rt.items()
+        ]
+        parts.append(
+            "Round trip, echo of 16 float64, one call at a time\n\n"
+            + table(["system", "median", "p90", "vs local", "driver CPU/call"], rows)
+        )
+    aug = result.get("augment")
+    if aug:
+        rows = [["serial (here)", f"{aug['serial_images_per_s']:.1f}", "", "1.00x", "", "yes"]]
+        for key, row in aug["by_system"].items():
+            st = row["images_per_s"]
+            rows.append(
+                [
+                    key,
+                    f"{st['median']:.1f}",
+                    f"{st['min']:.1f} - {st['max']:.1f}",
+                    f"{row['vs_serial']:.2f}x",
+                    fmt_time(row["driver_cpu_us_per_image"]["median"]),
+                    "yes" if row["identical"] else "NO",
+                ]
+            )
+        parts.append(
+            f"Augment, map over {aug['images']} images (224x224x3 float32 out)\n\n"
+            + table(
+                ["system", "images/s", "range", "vs serial", "driver CPU/image", "identical"],
+                rows,
+            )
+        )
+    m = result.get("model")
+    if m:
+        parts.append(
+            "Model (docs/ray.md)\n\n"
+            f"  one node of {WORKERS} workers, {m['system']}: {m['node_images_per_s']:.1f} "
+            f"images/s ({m['per_worker_images_per_s']:.1f} per worker)\n"
+            f"  driver CPU per image: {fmt_time(m['driver_cpu_us_per_image'])} -> one driver "
+            f"core saturates at {m['driver_limit_images_per_s']:.0f} images/s\n"
+            f"  = {m['nodes_of_2_cpus_at_the_limit']:.1f} nodes of 2 CPUs, or "
+            f"{m['nodes_of_32_cpus_at_the_limit']:.1f} nodes of 32 CPUs"
+        )
+    parts.extend(f"error: {e}" for e in result["errors"])
+    parts.append(f"took {result['duration_s']} s")
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli("ray_bench", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
