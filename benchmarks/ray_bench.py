@@ -183,6 +183,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     t_start = time.perf_counter()
     with ExitStack() as stack:
         ray.init(
+            address="local",  # a fresh instance, even where another runs
             num_cpus=WORKERS,
             include_dashboard=False,
             object_store_memory=256 << 20,

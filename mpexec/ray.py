@@ -5,8 +5,9 @@
     caller threads (driver)            Ray                            node k: agent actor
     -----------------------            ---                            -------------------
     submit(fn, *args)
-      fn pickled once -> ray.put  ---> object store (fn, cached  ---> fn cache (by key)
-      call -> pending deque              by key on each agent)
+      fn pickled once: sent to   ---> with the agent's first   ---> fn cache (by key)
+        each agent once                  call of it
+      call -> pending deque
       dispatch: least-loaded live agent,
         at most 2 x its workers in flight
       agent.run.remote(args) --------> args: object store -------->  local WorkerPool._submit
@@ -83,28 +84,49 @@ class _Agent:
         self._pool = WorkerPool(num_workers, restart=True, **pool_kwargs)
         # Results go straight into Ray's object store: no copy of our own first.
         self._pool._keep_results_shared()
-        self._fns: collections.OrderedDict[int, Callable[..., Any]] = collections.OrderedDict()
+        self._fns: dict[int, Callable[..., Any]] = {}
+        self._turn = 0  # the sequence number of the next call to start
+        self._turns: asyncio.Condition | None = None
 
     def hello(self) -> tuple[int, list[int], str]:
         """This agent's pid, its workers' pids and its node id."""
         return os.getpid(), self._pool.pids, ray.get_runtime_context().get_node_id()
 
     async def run(
-        self, key: int, fn_ref: list[Any], args: Any, kwargs: Any, worker: int | None
+        self,
+        seq: int,
+        key: int,
+        fn_data: bytes | None,
+        forget: tuple[int, ...],
+        args: Any,
+        kwargs: Any,
+        worker: int | None,
     ) -> tuple[Any, ...]:
-        """One call on the local pool: ``(True, result)`` or ``(False, exc, traceback)``."""
+        """Call ``seq`` on the local pool: ``(True, result)`` or ``(False, exc, traceback)``.
+
+        Calls start in the driver's order, ``seq`` by ``seq`` (Ray does not
+        promise it for async actors): a function is sent with its first call
+        only, and calls pinned to one worker must reach it in order.
+        """
+        if seq != self._turn:
+            if self._turns is None:
+                self._turns = asyncio.Condition()
+            async with self._turns:
+                await self._turns.wait_for(lambda: self._turn == seq)
         try:
-            fn = self._fns.get(key)
-            if fn is None:
-                fn = pickle.loads(await fn_ref[0])
-                self._fns[key] = fn
-                if len(self._fns) > _FN_CACHE:
-                    self._fns.popitem(last=False)
-            else:
-                self._fns.move_to_end(key)
-            # Started in submission order (async actors start calls in order),
-            # so calls pinned to one worker keep their order on it.
-            future = self._pool._submit(fn, args, kwargs, worker)
+            for old in forget:
+                self._fns.pop(old, None)
+            if fn_data is not None:
+                self._fns[key] = pickle.loads(fn_data)
+            future = self._pool._submit(self._fns[key], args, kwargs, worker)
+        except Exception as exc:
+            return _failure(exc)
+        finally:
+            self._turn += 1
+            if self._turns is not None:
+                async with self._turns:
+                    self._turns.notify_all()
+        try:
             return (True, await asyncio.wrap_future(future))
         except Exception as exc:
             return _failure(exc)
@@ -134,7 +156,19 @@ def _failure(exc: BaseException) -> tuple[Any, ...]:
 
 
 class _AgentInfo:
-    __slots__ = ("alive", "handle", "in_flight", "index", "name", "node_id", "pid", "workers")
+    __slots__ = (
+        "alive",
+        "forget",
+        "handle",
+        "in_flight",
+        "index",
+        "known",
+        "name",
+        "node_id",
+        "pid",
+        "seq",
+        "workers",
+    )
 
     def __init__(self, index: int, name: str, handle: Any, node_id: str, workers: int) -> None:
         self.index = index
@@ -145,6 +179,9 @@ class _AgentInfo:
         self.pid = 0
         self.in_flight = 0
         self.alive = True
+        self.seq = 0  # of the next call sent to it
+        self.known: set[int] = set()  # keys of the functions it holds
+        self.forget: list[int] = []  # keys it is to drop with its next call
 
 
 class _Call:
@@ -171,7 +208,7 @@ class _State:
         self.pending: collections.deque[_Call] = collections.deque()
         self.outstanding: set[Future[Any]] = set()
         self.done: queue.SimpleQueue[tuple[_Call, Future[Any]] | None] = queue.SimpleQueue()
-        self.fns: collections.OrderedDict[Any, tuple[int, Any, Any]] = collections.OrderedDict()
+        self.fns: collections.OrderedDict[Any, tuple[int, bytes, Any]] = collections.OrderedDict()
         self.fn_keys = itertools.count()
         self.broken: BrokenPoolError | None = None
         self.closed = False
@@ -454,9 +491,18 @@ def _dispatch(state: _State) -> None:
         if not call.future.running() and not call.future.set_running_or_notify_cancel():
             state.outstanding.discard(call.future)
             continue  # cancelled while it waited
-        key, ref, _ = _fn_entry(state, call.fn)
+        key, data, _ = _fn_entry(state, call.fn)
+        known = key in agent.known
         try:
-            out = agent.handle.run.remote(key, [ref], call.args, call.kwargs, call.worker)
+            out = agent.handle.run.remote(
+                agent.seq,
+                key,
+                None if known else data,
+                tuple(agent.forget),
+                call.args,
+                call.kwargs,
+                call.worker,
+            )
         except Exception as exc:
             err = SerializationError(
                 f"a call could not be sent to Ray: {type(exc).__name__}: {exc}"
@@ -465,12 +511,19 @@ def _dispatch(state: _State) -> None:
             _settle(state, call, exc=err)
             continue
         call.agent = agent
+        agent.seq += 1
+        agent.known.add(key)
+        agent.forget.clear()
         agent.in_flight += 1
         out.future().add_done_callback(functools.partial(_queue_done, state.done, call))
 
 
-def _fn_entry(state: _State, fn: Callable[..., Any]) -> tuple[int, Any, Any]:
-    """``(key, object-store ref, fn)``: the function pickled and put once (lock held)."""
+def _fn_entry(state: _State, fn: Callable[..., Any]) -> tuple[int, bytes, Any]:
+    """``(key, pickled fn, fn)``: the function pickled once (the lock is held).
+
+    Each agent gets the bytes with its first call of the function, and drops
+    them when the function leaves this cache.
+    """
     try:
         hash(fn)
         cache_key: Any = fn
@@ -480,10 +533,14 @@ def _fn_entry(state: _State, fn: Callable[..., Any]) -> tuple[int, Any, Any]:
     if entry is not None and entry[2] is fn:
         state.fns.move_to_end(cache_key)
         return entry
-    entry = (next(state.fn_keys), ray.put(_codec.dump_value(fn)), fn)
+    entry = (next(state.fn_keys), _codec.dump_value(fn), fn)
     state.fns[cache_key] = entry
     if len(state.fns) > _FN_CACHE:
-        state.fns.popitem(last=False)
+        _, (old, _, _) = state.fns.popitem(last=False)
+        for agent in state.agents:
+            if old in agent.known:
+                agent.known.discard(old)
+                agent.forget.append(old)
     return entry
 
 

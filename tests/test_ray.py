@@ -98,7 +98,9 @@ def ray_setup(request: pytest.FixtureRequest) -> Iterator[Any]:
     path = os.pathsep.join([here, os.path.dirname(here)])
     job = {"log_to_driver": False, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
     if request.param == "local":
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=STORE, **job)
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, object_store_memory=STORE, **job
+        )
     else:
         cluster = cluster_utils.Cluster(
             initialize_head=True,
