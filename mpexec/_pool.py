@@ -103,7 +103,17 @@ class PoolStats:
 
 
 class _Task:
-    __slots__ = ("args", "fn", "future", "kwargs", "sent", "started", "task_id", "worker")
+    __slots__ = (
+        "args",
+        "fn",
+        "future",
+        "kwargs",
+        "sent",
+        "shared",
+        "started",
+        "task_id",
+        "worker",
+    )
 
     def __init__(
         self,
@@ -112,8 +122,10 @@ class _Task:
         args: Any,
         kwargs: Any,
         worker: int | None = None,
+        shared: bool = False,
     ) -> None:
         self.task_id = task_id
+        self.shared = shared  # deliver the result's arrays as read-only views, uncopied
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -390,12 +402,20 @@ class WorkerPool(Executor):
         return self._submit(fn, args, kwargs, None)
 
     def _submit(
-        self, fn: Callable[..., T], args: Any, kwargs: Any, worker: int | None
+        self,
+        fn: Callable[..., T],
+        args: Any,
+        kwargs: Any,
+        worker: int | None,
+        *,
+        shared: bool = False,
     ) -> Future[T]:
         """``submit``; with ``worker``, on that worker index, after its earlier calls.
 
         Calls pinned to one worker run in submission order there (the pipeline
         runs ``stateful`` ops this way); a replaced worker keeps the index.
+        ``shared``: this call's result arrays come back as read-only views of
+        shared memory, uncopied (for a pipeline run on a pool it does not own).
         """
         if not callable(fn):
             raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
@@ -404,7 +424,7 @@ class WorkerPool(Executor):
             return self._run_inline(fn, args, kwargs)
         with state.lock:
             self._check_usable()
-            task = _Task(next(state.next_task_id), fn, args, kwargs, worker)
+            task = _Task(next(state.next_task_id), fn, args, kwargs, worker, shared)
             slot = self._pick_slot(task)
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
@@ -823,7 +843,9 @@ def _deliver(state: _State, slot: _Slot) -> None:
         if rec is None:
             return
         kind, flags, _, task_id = HEADER.unpack_from(rec)
-        ok, outcome = _outcome(rec, kind, flags, state.shared_results)
+        # Only this thread takes tasks off the head of the queue.
+        shared = state.shared_results or (bool(slot.queue) and slot.queue[0].shared)
+        ok, outcome = _outcome(rec, kind, flags, shared)
         with state.lock:
             if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
                 raise AssertionError(f"completion for task {task_id} out of order")

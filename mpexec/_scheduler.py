@@ -78,7 +78,6 @@ from . import _codec
 from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
 from ._graph import Op, Plan
-from ._pool import WorkerPool
 from ._runtime import (
     ChainRunner,
     Chunk,
@@ -128,19 +127,45 @@ class UnitExecutor(Protocol):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
 
 
+class CallPool(Protocol):
+    """What :class:`PoolExecutor` needs of a pool: a :class:`WorkerPool` or a ``RayPool``."""
+
+    @property
+    def num_workers(self) -> int: ...
+
+    def _submit(
+        self,
+        fn: Any,
+        args: Any,
+        kwargs: Any,
+        worker: int | None,
+        *,
+        shared: bool = False,
+    ) -> Future[Any]: ...
+
+    def put(self, array: Any) -> Any: ...
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
+
+
 class PoolExecutor:
-    """The :class:`UnitExecutor` over a :class:`WorkerPool`: units as pool calls.
+    """The :class:`UnitExecutor` over a pool (:class:`CallPool`): units as pool calls.
 
     The runner travels once per worker (the pool caches functions by
-    identity); a unit's input rows travel as descriptors of shared memory.
+    identity); a unit's input rows travel as descriptors of shared memory
+    (within a node, for a ``RayPool``; through Ray's object store between
+    nodes). Results come back uncopied (``shared=True``), so a pool the
+    pipeline does not own keeps its promise to its other callers.
     """
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: CallPool) -> None:
         self.pool = pool
         self.workers = pool.num_workers
 
     def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
-        return self.pool._submit(unit.runner, (unit.chunk, *unit.inputs), {}, unit.worker)
+        return self.pool._submit(
+            unit.runner, (unit.chunk, *unit.inputs), {}, unit.worker, shared=True
+        )
 
     def share(self, array: Any) -> Any:
         return self.pool.put(array)

@@ -350,7 +350,7 @@ class RayPool(Executor):
         cannot be pickled; :class:`PoolClosedError` after ``shutdown``; the
         stored :class:`BrokenPoolError` once every agent is lost.
         """
-        return self._submit(fn, args, kwargs, None, own=True)
+        return self._submit(fn, args, kwargs, None)
 
     def _submit(
         self,
@@ -359,9 +359,13 @@ class RayPool(Executor):
         kwargs: Any,
         worker: int | None,
         *,
-        own: bool = False,
+        shared: bool = False,
     ) -> Future[T]:
-        """``submit``; ``worker`` pins the call (in order) to one agent and worker there."""
+        """``submit``; ``worker`` pins the call (in order) to one agent and worker there.
+
+        ``shared``: result arrays come back as Ray's read-only arrays, uncopied
+        (what a pipeline takes); otherwise writable arrays of the caller's own.
+        """
         if not callable(fn):
             raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
         try:
@@ -375,7 +379,7 @@ class RayPool(Executor):
         with state.lock:
             self._check_usable()
             _fn_entry(state, fn)
-            call = _Call(fn, args, kwargs, worker, own)
+            call = _Call(fn, args, kwargs, worker, own=not shared)
             state.pending.append(call)
             state.outstanding.add(call.future)
             state.submitted += 1
@@ -388,9 +392,6 @@ class RayPool(Executor):
             raise state.broken
         if state.closed:
             raise PoolClosedError("cannot submit to a RayPool after shutdown()")
-
-    def _keep_results_shared(self) -> None:
-        """Nothing to do: the pipeline's calls already skip the caller's copy."""
 
     def map(
         self,

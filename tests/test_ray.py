@@ -22,9 +22,16 @@ ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 import mpexec  # noqa: E402
-from mpexec import NodeLostError, PoolClosedError, RemoteTraceback, WorkerPool  # noqa: E402
+from mpexec import (  # noqa: E402
+    NodeLostError,
+    PoolClosedError,
+    RemoteTraceback,
+    WorkerPool,
+    fn,
+)
 from mpexec.ray import RayPool  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
+from tests.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
 
 T = 60  # every .result() here is bounded by this
 STORE = 100 << 20  # each node's object store: small, the machine is shared
@@ -163,15 +170,15 @@ def test_one_agent_per_node(pool: RayPool, ray_setup: Any) -> None:
 
 def test_submit_parity(pool: RayPool, local_pool: WorkerPool) -> None:
     a = np.arange(300_000, dtype=np.float32).reshape(300, 1000)  # out of band, > 100 KiB
-    for fn, args, kwargs in [
+    for func, args, kwargs in [
         (_square, (7,), {}),
         (_add, (1, 2), {"c": 3}),
         (_square, (a,), {}),
         (_checksum, (a,), {}),
         (_noisy, (5, 1000), {}),
     ]:
-        here = local_pool.submit(fn, *args, **kwargs).result(T)
-        there = pool.submit(fn, *args, **kwargs).result(T)
+        here = local_pool.submit(func, *args, **kwargs).result(T)
+        there = pool.submit(func, *args, **kwargs).result(T)
         if isinstance(here, np.ndarray):
             assert there.dtype == here.dtype
             np.testing.assert_array_equal(there, here)
@@ -324,3 +331,97 @@ def test_joins_running_ray_and_leaves_it_running(ray_setup: Any) -> None:
     with RayPool() as p:
         assert p.submit(os.getpid).result(T) != os.getpid()
     assert ray.is_initialized()
+
+
+# ---------------------------------------------------------------- pipelines on a RayPool
+class _Counter:
+    """A stateful op: its count is right only if its calls run in order, on one worker."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        self.n += 1
+        return np.array([self.n, int(x[0])], dtype=np.int64)
+
+
+def _index(info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+    if info.idx_in_epoch >= 48:
+        raise StopIteration
+    return np.array([info.idx_in_epoch], dtype=np.int64)
+
+
+def _slow_noise(x: np.ndarray[Any, Any], rng: np.random.Generator) -> np.ndarray[Any, Any]:
+    import time
+
+    end = time.monotonic() + 0.01
+    while time.monotonic() < end:
+        pass
+    return rng.standard_normal(1000).astype(np.float32) * 2 + x[0]  # 4 KB out
+
+
+def make_slow(pool: Any = None, num_workers: int | None = None) -> mpexec.Pipeline:
+    @mpexec.pipeline_def(batch_size=8, seed=7, prefetch_depth=2, num_workers=num_workers)
+    def graph() -> Any:
+        src = fn.external_source(source=_index, batch=False)
+        noisy = fn.python_function(src, function=_slow_noise)
+        count = fn.python_function(noisy, function=_Counter(), stateful=True)
+        return noisy, count
+
+    return graph(pool=pool)
+
+
+def run_epoch(pipe: mpexec.Pipeline, on_iteration: Any = None) -> list[list[bytes]]:
+    out = []
+    with pipe:
+        for i, outs in enumerate(pipe):
+            out.append([a.tobytes() for b in outs for a in b])
+            if on_iteration is not None:
+                on_iteration(i)
+    return out
+
+
+@pytest.fixture(scope="module")
+def determinism_reference() -> Any:
+    return run_two_epochs(make(0))
+
+
+@pytest.fixture(scope="module")
+def slow_reference() -> list[list[bytes]]:
+    return run_epoch(make_slow(num_workers=0))
+
+
+def test_pipeline_parity(pool: RayPool, determinism_reference: Any) -> None:
+    """Every kind of randomness, two epochs: bit-identical to the inline run."""
+    for prefetch_depth in (1, 3):
+        pipe = make(None, prefetch_depth, pool=pool)
+        assert pipe.num_workers == pool.num_workers
+        got = run_two_epochs(pipe)
+        assert_identical(got, determinism_reference, f"RayPool, prefetch {prefetch_depth}")
+    assert pool.submit(_square, 3).result(T) == 9  # the pipeline left the pool running
+
+
+def test_pipeline_stateful_parity(pool: RayPool, slow_reference: list[list[bytes]]) -> None:
+    assert run_epoch(make_slow(pool)) == slow_reference
+
+
+def test_pipeline_agent_killed_mid_epoch(ray_setup: Any, slow_reference: list[list[bytes]]) -> None:
+    """Two nodes: the lost node's chunks run again, same outputs. One: a typed error."""
+    with RayPool() as p:
+        processes = p._agent_processes()
+        n_nodes = len(p.nodes)
+        # The stateful op lives on the first agent: kill another one (or the only one).
+        victim = p.agent_names()[-1]
+
+        def kill(i: int) -> None:
+            if i == 1:
+                ray.kill(ray.get_actor(victim, namespace="mpexec"), no_restart=True)
+
+        if n_nodes == 1:
+            with pytest.raises(NodeLostError, match="every agent"):
+                run_epoch(make_slow(p), kill)
+        else:
+            assert run_epoch(make_slow(p), kill) == slow_reference
+            assert len(p.nodes) == n_nodes - 1
+        assert len(p.lost_nodes) == 1
+    assert_gone(p, processes)
