@@ -21,6 +21,13 @@ augment
     8. Images/s per round, and the driver's CPU time per image; every output
     is compared with the serial one, image by image, in every round.
 
+pipeline
+    The same images through a pipeline (a per-sample ``external_source``
+    giving (image, index), then ``fn.python_function(augment)``, batch size
+    8, prefetch depth 2) run with ``pool=`` the local pool and the RayPool:
+    images/s per epoch and the driver's CPU time per image; outputs compared
+    with the serial ones.
+
 The model of docs/ray.md (throughput against nodes; where the driver becomes
 the bottleneck) is computed from these figures and printed at the end.
 
@@ -131,6 +138,60 @@ def augment(
     return out
 
 
+class _Source:
+    """``(image, index)`` of sample ``i`` for ``i < n``: the pipeline's per-sample source."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, info: mpexec.SampleInfo) -> Any:
+        if info.idx_in_epoch >= self.n:
+            raise StopIteration
+        return wl.load_sample(info.idx_in_epoch)
+
+
+def pipeline(pools: dict[str, Executor], n: int, rounds: int) -> dict[str, Any]:
+    from mpexec import fn
+
+    reference = [wl.digest(wl.process_sample(i)) for i in range(n)]
+    pipes = {}
+    for name, pool in pools.items():
+
+        @mpexec.pipeline_def(batch_size=8, seed=1, prefetch_depth=2, pool=pool)
+        def graph() -> Any:
+            data, index = fn.external_source(source=_Source(n), batch=False, num_outputs=2)
+            return fn.python_function(data, index, function=wl.augment)
+
+        pipes[name] = graph()
+        pipes[name].build()
+    rates: dict[str, list[float]] = {k: [] for k in pipes}
+    cpu: dict[str, list[float]] = {k: [] for k in pipes}
+    identical = dict.fromkeys(pipes, True)
+    try:
+        for order in _rotations(list(pipes), rounds + 1):
+            for name in order:
+                pipe = pipes[name]
+                c0, t0 = time.process_time(), time.perf_counter()
+                images = [a for (batch,) in pipe for a in batch]
+                rates[name].append(n / (time.perf_counter() - t0))
+                cpu[name].append((time.process_time() - c0) / n * 1e6)
+                pipe.reset()
+                identical[name] &= [wl.digest(a) for a in images] == reference
+                del images
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+    out: dict[str, Any] = {"images": n, "by_system": {}}
+    for name in pipes:
+        st = _stats(rates[name][1:])  # the first epoch warms up
+        out["by_system"][f"pipeline on {name}"] = {
+            "images_per_s": st,
+            "driver_cpu_us_per_image": _stats(cpu[name][1:]),
+            "identical": identical[name],
+        }
+    return out
+
+
 def model(rt: dict[str, Any], aug: dict[str, Any]) -> dict[str, Any]:
     """Throughput against nodes from the measured figures (docs/ray.md explains it)."""
     best = max(
@@ -201,6 +262,8 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
             result["round_trip"] = round_trip(pools, rounds, calls)
             log("[ray] augment")
             result["augment"] = augment(pools, n, rounds, (1, 8))
+            log("[ray] pipeline")
+            result["pipeline"] = pipeline(pools, n, rounds)
             result["model"] = model(result["round_trip"], result["augment"])
         except Exception as exc:
             result["errors"].append(f"{type(exc).__name__}: {exc}")
@@ -260,6 +323,22 @@ def report(result: dict[str, Any]) -> str:
                 ["system", "images/s", "range", "vs serial", "driver CPU/image", "identical"],
                 rows,
             )
+        )
+    pl = result.get("pipeline")
+    if pl:
+        rows = [
+            [
+                key,
+                f"{row['images_per_s']['median']:.1f}",
+                f"{row['images_per_s']['min']:.1f} - {row['images_per_s']['max']:.1f}",
+                fmt_time(row["driver_cpu_us_per_image"]["median"]),
+                "yes" if row["identical"] else "NO",
+            ]
+            for key, row in pl["by_system"].items()
+        ]
+        parts.append(
+            f"Pipeline, {pl['images']} images an epoch, batch size 8\n\n"
+            + table(["system", "images/s", "range", "driver CPU/image", "identical"], rows)
         )
     m = result.get("model")
     if m:
