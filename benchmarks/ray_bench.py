@@ -104,11 +104,9 @@ def augment(
     pools: dict[str, Executor], n: int, rounds: int, chunksizes: tuple[int, ...]
 ) -> dict[str, Any]:
     reference = [wl.digest(wl.process_sample(i)) for i in range(n)]
-    t0 = time.perf_counter()
-    for i in range(n):
-        wl.process_sample(i)
-    serial = n / (time.perf_counter() - t0)
-    runs: dict[str, Callable[[], list[Any]]] = {}
+    runs: dict[str, Callable[[], list[Any]]] = {
+        "serial (here)": lambda: [wl.process_sample(i) for i in range(n)]
+    }
     for name, pool in pools.items():
         for cs in chunksizes:
             runs[f"{name}, chunksize {cs}"] = lambda pool=pool, cs=cs: list(
@@ -126,6 +124,7 @@ def augment(
             rates[key].append(n / (time.perf_counter() - t0))
             cpu[key].append((time.process_time() - c0) / n * 1e6)
             identical[key] &= [wl.digest(a) for a in images] == reference
+    serial = statistics.median(rates["serial (here)"])
     out: dict[str, Any] = {"serial_images_per_s": serial, "images": n, "by_system": {}}
     for key in runs:
         st = _stats(rates[key])
@@ -192,27 +191,28 @@ def pipeline(pools: dict[str, Executor], n: int, rounds: int) -> dict[str, Any]:
     return out
 
 
-def model(rt: dict[str, Any], aug: dict[str, Any]) -> dict[str, Any]:
-    """Throughput against nodes from the measured figures (docs/ray.md explains it)."""
-    best = max(
-        (k for k in aug["by_system"] if k.startswith("RayPool")),
-        key=lambda k: aug["by_system"][k]["images_per_s"]["median"],
-    )
-    node_rate = aug["by_system"][best]["images_per_s"]["median"]  # one node of 2 workers
-    driver_us = aug["by_system"][best]["driver_cpu_us_per_image"]["median"]
-    driver_limit = 1e6 / driver_us  # images/s one driver core can dispatch and collect
-    nodes = driver_limit / node_rate
-    per_core = node_rate / WORKERS
-    return {
-        "system": best,
-        "node_images_per_s": node_rate,
-        "per_worker_images_per_s": per_core,
-        "driver_cpu_us_per_image": driver_us,
-        "driver_limit_images_per_s": driver_limit,
-        "nodes_of_2_cpus_at_the_limit": nodes,
-        "nodes_of_32_cpus_at_the_limit": driver_limit / (per_core * 32),
-        "call_driver_cpu_us": rt["RayPool"]["driver_cpu_us"]["median"],
-    }
+def model(aug: dict[str, Any], pl: dict[str, Any]) -> dict[str, Any]:
+    """Throughput against workers from the measured figures (docs/ray.md explains it).
+
+    A worker on a core of its own augments ``serial`` images/s; the driver
+    spends ``c`` CPU seconds per image, so one driver core dispatches and
+    collects at most ``1 / c`` images/s. Throughput with W workers is about
+    ``min(W * serial, 1 / c)``: the driver is the bottleneck past
+    ``W* = 1 / (c * serial)`` workers.
+    """
+    serial = aug["serial_images_per_s"]
+    rows = {}
+    configs = {k: v for k, v in aug["by_system"].items() if k.startswith("RayPool")}
+    configs.update(pl["by_system"])
+    for key, row in configs.items():
+        c_us = row["driver_cpu_us_per_image"]["median"]
+        limit = 1e6 / c_us
+        rows[key] = {
+            "driver_cpu_us_per_image": c_us,
+            "driver_limit_images_per_s": limit,
+            "workers_at_the_limit": limit / serial,
+        }
+    return {"serial_images_per_s": serial, "by_system": rows}
 
 
 def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
@@ -264,7 +264,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
             result["augment"] = augment(pools, n, rounds, (1, 8))
             log("[ray] pipeline")
             result["pipeline"] = pipeline(pools, n, rounds)
-            result["model"] = model(result["round_trip"], result["augment"])
+            result["model"] = model(result["augment"], result["pipeline"])
         except Exception as exc:
             result["errors"].append(f"{type(exc).__name__}: {exc}")
             log(traceback.format_exc())
@@ -304,7 +304,7 @@ def report(result: dict[str, Any]) -> str:
         )
     aug = result.get("augment")
     if aug:
-        rows = [["serial (here)", f"{aug['serial_images_per_s']:.1f}", "", "1.00x", "", "yes"]]
+        rows = []
         for key, row in aug["by_system"].items():
             st = row["images_per_s"]
             rows.append(
@@ -342,14 +342,20 @@ def report(result: dict[str, Any]) -> str:
         )
     m = result.get("model")
     if m:
+        rows = [
+            [
+                key,
+                fmt_time(row["driver_cpu_us_per_image"]),
+                f"{row['driver_limit_images_per_s']:.0f}",
+                f"{row['workers_at_the_limit']:.0f}",
+            ]
+            for key, row in m["by_system"].items()
+            if "local" not in key
+        ]
         parts.append(
-            "Model (docs/ray.md)\n\n"
-            f"  one node of {WORKERS} workers, {m['system']}: {m['node_images_per_s']:.1f} "
-            f"images/s ({m['per_worker_images_per_s']:.1f} per worker)\n"
-            f"  driver CPU per image: {fmt_time(m['driver_cpu_us_per_image'])} -> one driver "
-            f"core saturates at {m['driver_limit_images_per_s']:.0f} images/s\n"
-            f"  = {m['nodes_of_2_cpus_at_the_limit']:.1f} nodes of 2 CPUs, or "
-            f"{m['nodes_of_32_cpus_at_the_limit']:.1f} nodes of 32 CPUs"
+            "Model (docs/ray.md): one driver core saturates at 1 / (driver CPU per image); "
+            f"a worker does {m['serial_images_per_s']:.1f} images/s (serial)\n\n"
+            + table(["system", "driver CPU/image", "driver limit, images/s", "workers"], rows)
         )
     parts.extend(f"error: {e}" for e in result["errors"])
     parts.append(f"took {result['duration_s']} s")

@@ -94,20 +94,17 @@ class _Agent:
 
     async def run(
         self,
-        seq: int,
-        key: int,
-        fn_data: bytes | None,
-        forget: tuple[int, ...],
-        args: Any,
-        kwargs: Any,
-        worker: int | None,
+        call: tuple[int, int, bytes | None, tuple[int, ...], Any, Any, int | None],
     ) -> tuple[Any, ...]:
         """Call ``seq`` on the local pool: ``(True, result)`` or ``(False, exc, traceback)``.
 
+        ``call`` is ``(seq, key, fn_data, forget, args, kwargs, worker)``, one
+        argument (Ray serializes each argument on its own: one is cheapest).
         Calls start in the driver's order, ``seq`` by ``seq`` (Ray does not
         promise it for async actors): a function is sent with its first call
         only, and calls pinned to one worker must reach it in order.
         """
+        seq, key, fn_data, forget, args, kwargs, worker = call
         if seq != self._turn:
             if self._turns is None:
                 self._turns = asyncio.Condition()
@@ -496,13 +493,15 @@ def _dispatch(state: _State) -> None:
         known = key in agent.known
         try:
             out = agent.handle.run.remote(
-                agent.seq,
-                key,
-                None if known else data,
-                tuple(agent.forget),
-                call.args,
-                call.kwargs,
-                call.worker,
+                (
+                    agent.seq,
+                    key,
+                    None if known else data,
+                    tuple(agent.forget),
+                    call.args,
+                    call.kwargs,
+                    call.worker,
+                )
             )
         except Exception as exc:
             err = SerializationError(
