@@ -194,25 +194,24 @@ def pipeline(pools: dict[str, Executor], n: int, rounds: int) -> dict[str, Any]:
 def model(aug: dict[str, Any], pl: dict[str, Any]) -> dict[str, Any]:
     """Throughput against workers from the measured figures (docs/ray.md explains it).
 
-    A worker on a core of its own augments ``serial`` images/s; the driver
-    spends ``c`` CPU seconds per image, so one driver core dispatches and
+    A worker spends ``w`` CPU seconds per image (the serial run's CPU time);
+    the driver spends ``c`` per image, so one driver core dispatches and
     collects at most ``1 / c`` images/s. Throughput with W workers is about
-    ``min(W * serial, 1 / c)``: the driver is the bottleneck past
-    ``W* = 1 / (c * serial)`` workers.
+    ``min(W / w, 1 / c)``: the driver is the bottleneck past ``W* = w / c``
+    workers. Both are CPU times, so the ratio holds on a loaded machine.
     """
-    serial = aug["serial_images_per_s"]
+    w_us = aug["by_system"]["serial (here)"]["driver_cpu_us_per_image"]["median"]
     rows = {}
     configs = {k: v for k, v in aug["by_system"].items() if k.startswith("RayPool")}
     configs.update(pl["by_system"])
     for key, row in configs.items():
         c_us = row["driver_cpu_us_per_image"]["median"]
-        limit = 1e6 / c_us
         rows[key] = {
             "driver_cpu_us_per_image": c_us,
-            "driver_limit_images_per_s": limit,
-            "workers_at_the_limit": limit / serial,
+            "driver_limit_images_per_s": 1e6 / c_us,
+            "workers_at_the_limit": w_us / c_us,
         }
-    return {"serial_images_per_s": serial, "by_system": rows}
+    return {"worker_cpu_us_per_image": w_us, "by_system": rows}
 
 
 def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
@@ -353,8 +352,9 @@ def report(result: dict[str, Any]) -> str:
             if "local" not in key
         ]
         parts.append(
-            "Model (docs/ray.md): one driver core saturates at 1 / (driver CPU per image); "
-            f"a worker does {m['serial_images_per_s']:.1f} images/s (serial)\n\n"
+            "Model (docs/ray.md): a worker spends "
+            f"{fmt_time(m['worker_cpu_us_per_image'])} CPU an image; one driver core "
+            "saturates at 1 / (driver CPU per image),\nwhich that many workers reach\n\n"
             + table(["system", "driver CPU/image", "driver limit, images/s", "workers"], rows)
         )
     parts.extend(f"error: {e}" for e in result["errors"])

@@ -75,6 +75,12 @@ _log = logging.getLogger("mpexec.ray")
 _NAMESPACE = "mpexec"
 _FN_CACHE = 1024  # functions kept with their object-store refs; older ones are forgotten
 _STOP_GRACE = 10.0  # seconds an agent gets to stop its pool before it is killed
+# What a lost agent or node does to a call in flight: the call runs again elsewhere.
+_LOST = (
+    ray.exceptions.RayActorError,  # ActorDiedError, ActorUnavailableError
+    ray.exceptions.ObjectLostError,  # the result's node (object store) went
+    ray.exceptions.NodeDiedError,
+)
 
 
 class _Agent:
@@ -580,9 +586,11 @@ def _finished(state: _State, call: _Call, ray_future: Future[Any]) -> None:
             error = pickle.loads(out[1])
             error.__cause__ = RemoteTraceback(out[2])
             _settle(state, call, exc=error)
-    elif isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
+    elif isinstance(exc, _LOST):
         with state.lock:
-            if agent.alive:
+            # A lost result (its node's object store went) leaves the agent be:
+            # if its node went too, its own calls say so.
+            if agent.alive and isinstance(exc, ray.exceptions.RayActorError):
                 agent.alive = False
                 state.lost.append(agent.node_id)
                 _log.warning(

@@ -425,3 +425,28 @@ def test_pipeline_agent_killed_mid_epoch(ray_setup: Any, slow_reference: list[li
             assert len(p.nodes) == n_nodes - 1
         assert len(p.lost_nodes) == 1
     assert_gone(p, processes)
+
+
+def test_node_removed_mid_run(ray_setup: Any) -> None:
+    """A whole node goes (raylet, object store, agent): its calls run on the others."""
+    if ray_setup is None:
+        pytest.skip("the local set-up has one node and cannot add one")
+    node = ray_setup.add_node(num_cpus=1, object_store_memory=STORE)
+    ray_setup.wait_for_nodes()
+    try:
+        with RayPool() as p:
+            assert node.node_id in p.nodes
+            items = list(range(60))
+            results = []
+            for i, r in enumerate(p.map(_slow_square, items, timeout=T)):
+                results.append(r)
+                if i == 5:
+                    ray_setup.remove_node(node)
+                    node = None
+            assert results == [i * i for i in items]
+            wait_until(lambda: len(p.lost_nodes) == 1, 60, "the lost node to be noticed")
+            assert p.lost_nodes[0] not in p.nodes
+        assert_gone(p)
+    finally:
+        if node is not None:
+            ray_setup.remove_node(node)
