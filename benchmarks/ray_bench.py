@@ -7,9 +7,12 @@ the one agent a ``RayPool`` starts on a local Ray instance of one node
 so that the ratios hold on a loaded machine where absolute times do not.
 
 round trip
-    ``echo(x)`` of 16 float64, one call at a time: submit, wait. Each call is
-    timed on its own; median and p90 per system. With it, the driver's CPU
-    time per call (``time.process_time`` of this process, every thread of it:
+    ``echo(x)`` of 16 float64, and of a 600 KB float32 array (an augmented
+    image's size; it goes through Ray's object store both ways), one call at
+    a time: submit, wait. Each call is timed on its own; median and p90 per
+    system. Besides the two pools, a bare Ray actor that runs the function
+    itself (``ray.get(actor.call.remote(fn, x))``): what Ray alone costs. With
+    it, the driver's CPU time per call (``time.process_time`` of this process, every thread of it:
     Ray's own threads included), which is what bounds a driver that feeds
     many nodes.
 
@@ -77,23 +80,54 @@ def _rotations(systems: list[str], rounds: int) -> Iterator[list[str]]:
         yield systems[k:] + systems[:k]
 
 
-def round_trip(pools: dict[str, Executor], rounds: int, calls: int) -> dict[str, Any]:
-    x = np.arange(16, dtype=np.float64)
-    times: dict[str, list[float]] = {name: [] for name in pools}
-    cpu: dict[str, list[float]] = {name: [] for name in pools}
-    for pool in pools.values():  # warm up: functions cached, connections made
+class _BareRay:
+    """A bare Ray actor that runs the function itself: what Ray alone costs a call."""
+
+    def __init__(self) -> None:
+        import ray
+
+        @ray.remote(num_cpus=0)
+        class Runner:
+            def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+                return fn(*args)
+
+        self._ray = ray
+        self._actor = Runner.remote()  # type: ignore[attr-defined]
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _BareResult:
+        return _BareResult(self._ray, self._actor.call.remote(fn, *args))
+
+    def close(self) -> None:
+        self._ray.kill(self._actor)
+
+
+class _BareResult:
+    def __init__(self, ray: Any, ref: Any) -> None:
+        self._ray, self._ref = ray, ref
+
+    def result(self, timeout: float) -> Any:
+        return self._ray.get(self._ref, timeout=timeout)
+
+
+def round_trip(systems: dict[str, Any], rounds: int, calls: int, x: Any) -> dict[str, Any]:
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    cpu: dict[str, list[float]] = {name: [] for name in systems}
+    for system in systems.values():  # warm up: functions cached, connections made
         for _ in range(20):
-            pool.submit(wl.echo, x).result(RESULT_TIMEOUT)
-    for order in _rotations(list(pools), rounds):
+            system.submit(wl.echo, x).result(RESULT_TIMEOUT)
+    for order in _rotations(list(systems), rounds):
         for name in order:
-            pool = pools[name]
+            system = systems[name]
             c0 = time.process_time()
             for _ in range(calls):
                 t0 = time.perf_counter_ns()
-                pool.submit(wl.echo, x).result(RESULT_TIMEOUT)
+                out = system.submit(wl.echo, x).result(RESULT_TIMEOUT)
                 times[name].append((time.perf_counter_ns() - t0) / 1e3)
+                del out
             cpu[name].append((time.process_time() - c0) / calls * 1e6)
-    out = {name: {"us": _stats(times[name]), "driver_cpu_us": _stats(cpu[name])} for name in pools}
+    out = {
+        name: {"us": _stats(times[name]), "driver_cpu_us": _stats(cpu[name])} for name in systems
+    }
     base = out["local pool"]["us"]["median"]
     for row in out.values():
         row["vs_local"] = row["us"]["median"] / base
@@ -258,7 +292,13 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
         }
         try:
             log("[ray] round trip")
-            result["round_trip"] = round_trip(pools, rounds, calls)
+            bare = _BareRay()
+            stack.callback(bare.close)
+            systems = {**pools, "bare Ray actor": bare}
+            small = np.arange(16, dtype=np.float64)
+            result["round_trip"] = round_trip(systems, rounds, calls, small)
+            big = np.ones((wl.CROP, wl.CROP, wl.CHANNELS), np.float32)  # 600 KB
+            result["round_trip_600k"] = round_trip(systems, rounds, calls // 3, big)
             log("[ray] augment")
             result["augment"] = augment(pools, n, rounds, (1, 8))
             log("[ray] pipeline")
@@ -285,8 +325,10 @@ def report(result: dict[str, Any]) -> str:
             f"{load['after'][0]:.1f} after"
         )
     ]
-    rt = result.get("round_trip")
-    if rt:
+    for key, what in (("round_trip", "16 float64"), ("round_trip_600k", "600 KB float32")):
+        rt = result.get(key)
+        if not rt:
+            continue
         rows = [
             [
                 name,
@@ -298,7 +340,7 @@ def report(result: dict[str, Any]) -> str:
             for name, row in rt.items()
         ]
         parts.append(
-            "Round trip, echo of 16 float64, one call at a time\n\n"
+            f"Round trip, echo of {what}, one call at a time\n\n"
             + table(["system", "median", "p90", "vs local", "driver CPU/call"], rows)
         )
     aug = result.get("augment")
