@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "pool": "benchmarks.pool_bench",
     "peers": "benchmarks.peers_bench",
     "gpu": "benchmarks.gpu_bench",
+    "ray": "benchmarks.ray_bench",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -4,7 +4,8 @@
 
     MpexecError
     ├── BrokenPoolError            (also concurrent.futures.BrokenExecutor)
-    │   └── WorkerCrashedError     a worker died: pid, signal, likely cause
+    │   ├── WorkerCrashedError     a worker died: pid, signal, likely cause
+    │   └── NodeLostError          a RayPool lost every node it ran on
     ├── PoolClosedError            you shut the pool down, then used it
     │   └── ForkedPoolError        a pool or pipeline inherited through os.fork()
     ├── MainModuleError            (also RuntimeError) a pool created while multiprocessing
@@ -64,6 +65,21 @@ class WorkerCrashedError(BrokenPoolError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.pid, self.exitcode, self.cause))
+
+
+class NodeLostError(BrokenPoolError):
+    """Every agent of a :class:`mpexec.ray.RayPool` died; ``nodes`` lists their node ids.
+
+    A pool that loses some of its nodes runs their calls again on the others;
+    this is raised only when none is left.
+    """
+
+    def __init__(self, message: str, nodes: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.nodes = list(nodes or ())
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.nodes))
 
 
 class PoolClosedError(MpexecError, RuntimeError):
@@ -147,6 +163,7 @@ for _cls in (
     MpexecError,
     BrokenPoolError,
     WorkerCrashedError,
+    NodeLostError,
     PoolClosedError,
     MainModuleError,
     ForkedPoolError,

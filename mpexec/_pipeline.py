@@ -27,7 +27,7 @@ from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError, SerializationError
 from ._graph import DataNode, Graph, Plan, defining
 from ._pool import WorkerPool, forked_error, usable_cpus
-from ._scheduler import OpStats, PoolExecutor, Scheduler
+from ._scheduler import CallPool, OpStats, Scheduler, pool_executor
 
 _PARAMS = (
     "batch_size",
@@ -40,6 +40,8 @@ _PARAMS = (
     "timeout",
     "last_batch",
 )
+# Accepted where parameters are, never serialized: they name live objects.
+_LIVE_PARAMS = ("pool",)
 _FORMAT = 1  # of serialize()
 
 
@@ -97,6 +99,12 @@ class Pipeline:
       that changed one.
     - ``timeout``: seconds one call may run (then :class:`TaskTimeoutError`).
     - ``device_id``: the CUDA device of GPU ops (``device="gpu"``; default 0).
+    - ``pool``: run on this pool instead of starting one: a
+      :class:`WorkerPool`, or an ``mpexec.ray.RayPool`` to spread the
+      iterations over a Ray cluster. Outputs are bit-identical either way.
+      The pipeline does not own it: closing the pipeline leaves it running.
+      ``num_workers`` is then the pool's; ``start_method`` and ``timeout``
+      are set on the pool itself.
     """
 
     def __init__(
@@ -111,8 +119,11 @@ class Pipeline:
         debug: bool = False,
         timeout: float | None = None,
         last_batch: str = "partial",
+        pool: CallPool | None = None,
     ) -> None:
         _check_int("batch_size", batch_size, 1)
+        if pool is not None:
+            num_workers = _check_pool(pool, num_workers, start_method, timeout)
         if num_workers is None:
             num_workers = usable_cpus()
         _check_int("num_workers", num_workers, 0)
@@ -134,7 +145,8 @@ class Pipeline:
         self._graph: Graph | None = None
         self._defining: Any = None  # the context of an open `with pipe:` definition
         self._plan: Plan | None = None
-        self._pool: WorkerPool | None = None
+        self._given_pool = pool
+        self._pool: CallPool | None = None
         self._scheduler: Scheduler | None = None
         self._gpu: Any = None  # the GPU stage (_gpu.GpuExecutor), when the graph has GPU ops
         self._lock = threading.RLock()
@@ -212,14 +224,19 @@ class Pipeline:
                     "@mpexec.pipeline_def, or define it in `with pipe:` and call set_outputs()"
                 )
             plan = self._graph.plan()
-            pool = WorkerPool(
-                self.num_workers,
-                start_method=self.start_method,
-                seed=self.seed,
-                timeout=self.timeout,
-            )
-            pool._keep_results_shared()
-            self._finalizer = weakref.finalize(self, _close_pool, pool)
+            pool: CallPool
+            if self._given_pool is not None:
+                pool = self._given_pool  # its owner's to close, not ours
+            else:
+                own = WorkerPool(
+                    self.num_workers,
+                    start_method=self.start_method,
+                    seed=self.seed,
+                    timeout=self.timeout,
+                )
+                own._keep_results_shared()
+                self._finalizer = weakref.finalize(self, _close_pool, own)
+                pool = own
             try:
                 if any(op.device == "gpu" for op in plan.ops):
                     from ._gpu import GpuExecutor, require
@@ -229,7 +246,7 @@ class Pipeline:
                     self._gpu = GpuExecutor(xp, device)
                 scheduler = Scheduler(
                     plan,
-                    PoolExecutor(pool),
+                    pool_executor(pool),
                     batch_size=self.batch_size,
                     prefetch_depth=self.prefetch_depth,
                     seed=self.seed,
@@ -240,7 +257,8 @@ class Pipeline:
             except BaseException:
                 if self._gpu is not None:
                     self._gpu.shutdown()
-                self._finalizer()
+                if self._finalizer is not None:
+                    self._finalizer()
                 raise
             self._plan, self._pool, self._scheduler = plan, pool, scheduler
             self._started = time.perf_counter()
@@ -306,7 +324,7 @@ class Pipeline:
             gpu, self._gpu = self._gpu, None
         if gpu is not None:
             gpu.shutdown(wait=True, cancel_futures=True)  # waits for copies, unregisters
-        if pool is not None:
+        if pool is not None and pool is not self._given_pool:
             pool.shutdown(wait=True, cancel_futures=True)
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -318,7 +336,9 @@ class Pipeline:
     def _forked_from(self) -> int | None:
         """The pid of the process that started this pipeline's pool, if not this one."""
         pool = self._pool
-        if pool is None or pool._state.pid == os.getpid() or pool.num_workers == 0:
+        if not isinstance(pool, WorkerPool) or pool._state.pid == os.getpid():
+            return None  # a RayPool is Ray's to fork-check
+        if pool.num_workers == 0:
             return None
         return pool._state.pid
 
@@ -374,7 +394,7 @@ class Pipeline:
         payload = cloudpickle.loads(data)
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise MpexecError("not a serialized mpexec pipeline (or from another version)")
-        unknown = set(overrides) - set(_PARAMS)
+        unknown = set(overrides) - set(_PARAMS) - set(_LIVE_PARAMS)
         if unknown:
             raise TypeError(f"unknown pipeline parameters: {sorted(unknown)}")
         pipe = cls(**{**payload["params"], **overrides})
@@ -398,14 +418,37 @@ def _close_pool(pool: WorkerPool) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _check_pool(
+    pool: object, num_workers: int | None, start_method: str | None, timeout: float | None
+) -> int:
+    """The number of workers of a pool given to a pipeline, checked."""
+    if not (callable(getattr(pool, "_submit", None)) and callable(getattr(pool, "put", None))):
+        raise TypeError(
+            f"pool must be an mpexec.WorkerPool or an mpexec.ray.RayPool, not {type(pool).__name__}"
+        )
+    n = int(getattr(pool, "num_workers", 0))
+    if num_workers is not None and num_workers != n:
+        raise ValueError(
+            f"num_workers={num_workers} disagrees with the given pool's {n} workers; "
+            "leave num_workers out when giving a pool"
+        )
+    for name, value in (("start_method", start_method), ("timeout", timeout)):
+        if value is not None:
+            raise ValueError(
+                f"{name} belongs to the pool when a pool is given: create the pool with it"
+            )
+    return n
+
+
 def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -> Any:
     """Decorate a graph definition; calling it returns a defined :class:`Pipeline`.
 
     ``@pipeline_def(batch_size=64, num_workers=4, seed=42)``; the decorated
     function may also be given pipeline parameters when called
-    (``augment(batch_size=8)``), and its own arguments.
+    (``augment(batch_size=8)``, ``augment(pool=ray_pool)``), and its own
+    arguments.
     """
-    unknown = set(pipeline_kwargs) - set(_PARAMS)
+    unknown = set(pipeline_kwargs) - set(_PARAMS) - set(_LIVE_PARAMS)
     if unknown:
         raise TypeError(f"pipeline_def got unknown pipeline parameters: {sorted(unknown)}")
 
@@ -414,7 +457,7 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
         def create(*args: Any, **kwargs: Any) -> Pipeline:
             params = dict(pipeline_kwargs)
             for k in list(kwargs):
-                if k in _PARAMS:
+                if k in _PARAMS or k in _LIVE_PARAMS:
                     params[k] = kwargs.pop(k)
             if "batch_size" not in params:
                 raise TypeError(

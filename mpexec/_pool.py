@@ -106,7 +106,17 @@ class PoolStats:
 
 
 class _Task:
-    __slots__ = ("args", "fn", "future", "kwargs", "sent", "started", "task_id", "worker")
+    __slots__ = (
+        "args",
+        "fn",
+        "future",
+        "kwargs",
+        "sent",
+        "shared",
+        "started",
+        "task_id",
+        "worker",
+    )
 
     future: _PoolFuture[Any]
 
@@ -117,8 +127,10 @@ class _Task:
         args: Any,
         kwargs: Any,
         worker: int | None = None,
+        shared: bool = False,
     ) -> None:
         self.task_id = task_id
+        self.shared = shared  # deliver the result's arrays as read-only views, uncopied
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -428,12 +440,20 @@ class WorkerPool(Executor):
         return self._submit(fn, args, kwargs, None)
 
     def _submit(
-        self, fn: Callable[..., T], args: Any, kwargs: Any, worker: int | None
+        self,
+        fn: Callable[..., T],
+        args: Any,
+        kwargs: Any,
+        worker: int | None,
+        *,
+        shared: bool = False,
     ) -> Future[T]:
         """``submit``; with ``worker``, on that worker index, after its earlier calls.
 
         Calls pinned to one worker run in submission order there (the pipeline
         runs ``stateful`` ops this way); a replaced worker keeps the index.
+        ``shared``: this call's result arrays come back as read-only views of
+        shared memory, uncopied (for a pipeline run on a pool it does not own).
         """
         if not callable(fn):
             raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
@@ -443,7 +463,7 @@ class WorkerPool(Executor):
             return self._run_inline(fn, args, kwargs)
         with state.lock:
             self._check_usable()
-            task = _Task(next(state.next_task_id), fn, args, kwargs, worker)
+            task = _Task(next(state.next_task_id), fn, args, kwargs, worker, shared)
             task.future._mp_state = state
             slot = self._pick_slot(task)
             if slot is None or state.pending:
@@ -796,7 +816,7 @@ def _flatten(chunks: Generator[list[T], None, None]) -> Iterator[T]:
 
 
 def _map_results(
-    pool: WorkerPool,
+    pool: Executor,
     fn: Callable[..., T],
     calls: Iterator[tuple[Any, ...]],
     limit: int,
@@ -974,7 +994,9 @@ def _deliver(state: _State, slot: _Slot) -> None:
             return
         kind, flags, _, task_id = HEADER.unpack_from(rec)
         skipped = kind == SKIPPED
-        ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, state.shared_results)
+        # Only this thread takes tasks off the head of the queue.
+        shared = state.shared_results or (bool(slot.queue) and slot.queue[0].shared)
+        ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, shared)
         with state.lock:
             if not slot.queue or slot.queue[0].task_id != task_id:  # pragma: no cover
                 raise AssertionError(f"completion for task {task_id} out of order")

@@ -144,22 +144,68 @@ class UnitExecutor(Protocol):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
 
 
+class CallPool(Protocol):
+    """What :class:`PoolExecutor` needs of a pool: a :class:`WorkerPool` or a ``RayPool``."""
+
+    @property
+    def num_workers(self) -> int: ...
+
+    def _submit(
+        self,
+        fn: Any,
+        args: Any,
+        kwargs: Any,
+        worker: int | None,
+        *,
+        shared: bool = False,
+    ) -> Future[Any]: ...
+
+    def put(self, array: Any) -> Any: ...
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
+
+
 class PoolExecutor:
-    """The :class:`UnitExecutor` over a :class:`WorkerPool`: units as pool calls.
+    """The :class:`UnitExecutor` over a pool (:class:`CallPool`): units as pool calls.
 
     The runner travels once per worker (the pool caches functions by
-    identity); a unit's input rows travel as descriptors of shared memory.
+    identity); a unit's input rows travel as descriptors of shared memory
+    (within a node, for a ``RayPool``; through Ray's object store between
+    nodes). Results come back uncopied (``shared=True``), so a pool the
+    pipeline does not own keeps its promise to its other callers.
     """
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: CallPool) -> None:
         self.pool = pool
         self.workers = pool.num_workers
 
     def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if unit.out:
             kwargs["out"] = tuple(None if o is None else _codec.writable(o) for o in unit.out)
-        return self.pool._submit(unit.runner, (unit.chunk, *unit.inputs), kwargs, unit.worker)
+        return self.pool._submit(
+            unit.runner, (unit.chunk, *unit.inputs), kwargs, unit.worker, shared=True
+        )
+
+    def share(self, array: Any) -> Any:
+        return self.pool.put(array)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.pool.shutdown(wait, cancel_futures=cancel_futures)
+
+
+class LocalPoolExecutor(PoolExecutor):
+    """A :class:`PoolExecutor` over this machine's :class:`WorkerPool`.
+
+    Its shared memory is the workers' too, so it also offers ``empty``: the
+    dense block a batch's chunks write their rows into (and where a GPU
+    stage copies a GPU op's outputs for CPU ops).
+    """
+
+    pool: WorkerPool
+
+    def __init__(self, pool: WorkerPool) -> None:
+        super().__init__(pool)
 
     def share(self, array: Any) -> Any:
         # Packed with others: a source's arrays are never passed writable, so they
@@ -169,8 +215,10 @@ class PoolExecutor:
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         return self.pool.empty(shape, dtype)
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self.pool.shutdown(wait, cancel_futures=cancel_futures)
+
+def pool_executor(pool: CallPool) -> PoolExecutor:
+    """The executor for ``pool``: with shared-memory blocks where the pool is local."""
+    return LocalPoolExecutor(pool) if isinstance(pool, WorkerPool) else PoolExecutor(pool)
 
 
 @dataclass(frozen=True)

@@ -73,17 +73,21 @@ def _batch_with_rng(xs: list[Any], rng: np.random.Generator) -> list[Any]:
 
 
 def make(
-    num_workers: int,
+    num_workers: int | None,
     prefetch_depth: int = 1,
     start_method: str | None = None,
     seed: int = SEED,
+    pool: Any = None,
 ) -> mpexec.Pipeline:
+    """The pipeline; on ``pool`` when given (then ``num_workers`` is None: the pool's)."""
+
     @mpexec.pipeline_def(
         batch_size=BATCH,
         num_workers=num_workers,
         prefetch_depth=prefetch_depth,
         start_method=start_method,
         seed=seed,
+        pool=pool,
     )
     def graph() -> Any:
         src = fn.external_source(source=_source, batch=False, name="source")
@@ -187,6 +191,33 @@ def test_bit_identical_whatever_the_chunking(
     got = run_two_epochs(make(num_workers, 2))
     assert_identical(got, reference, f"num_workers={num_workers}, 4 chunks per worker")
     assert max(counts) == min(BATCH, 4 * num_workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bit_identical_on_a_given_pool(reference: Run, num_workers: int) -> None:
+    """``pool=``: a WorkerPool the pipeline does not own; it stays usable after."""
+    with mpexec.WorkerPool(num_workers, seed=99) as pool:
+        for prefetch_depth in (1, 3):
+            pipe = make(None, prefetch_depth, pool=pool)
+            assert pipe.num_workers == num_workers
+            got = run_two_epochs(pipe)
+            assert_identical(got, reference, f"given pool of {num_workers}, {prefetch_depth}")
+        # The pipeline left the pool running, and its results still the caller's own.
+        x = np.arange(5000.0)
+        y = pool.submit(np.negative, x).result(timeout=60)
+        assert y.flags.writeable
+        np.testing.assert_array_equal(y, -x)
+
+
+def test_given_pool_is_checked() -> None:
+    with pytest.raises(TypeError, match=r"WorkerPool or an mpexec\.ray\.RayPool"):
+        mpexec.Pipeline(batch_size=2, pool=object())  # type: ignore[arg-type]
+    with mpexec.WorkerPool(0) as pool:
+        with pytest.raises(ValueError, match="disagrees"):
+            mpexec.Pipeline(batch_size=2, num_workers=3, pool=pool)
+        with pytest.raises(ValueError, match="timeout belongs to the pool"):
+            mpexec.Pipeline(batch_size=2, timeout=5.0, pool=pool)
+        assert mpexec.Pipeline(batch_size=2, num_workers=0, pool=pool).num_workers == 0
 
 
 def test_same_seed_same_outputs_other_seed_other_outputs(reference: Run) -> None:

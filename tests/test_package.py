@@ -97,7 +97,7 @@ if __name__ == "__main__":
     with mpexec.WorkerPool(1) as pool:
         assert pool.submit(sum, [1, 2]).result(30) == 3
     assert out.as_array().tolist() == [[0, 0, 0], [2, 2, 2]]
-    print(sorted(m for m in sys.modules if m.split(".")[0] in ("cupy", "cupyx", "torch")))
+    print(sorted(m for m in sys.modules if m.split(".")[0] in ("cupy", "cupyx", "torch", "ray")))
 """
 
 

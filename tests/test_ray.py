@@ -1,0 +1,452 @@
+"""RayPool on a local Ray instance and on a simulated two-node cluster.
+
+Each Ray set-up starts once per module (Ray takes seconds to start) and is
+torn down, with a check that it left no process behind, before the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import threading
+from collections.abc import Iterator
+from concurrent.futures import BrokenExecutor
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+import mpexec  # noqa: E402
+from mpexec import (  # noqa: E402
+    NodeLostError,
+    PoolClosedError,
+    RemoteTraceback,
+    WorkerPool,
+    fn,
+)
+from mpexec.ray import RayPool  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
+from tests.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
+
+T = 60  # every .result() here is bounded by this
+STORE = 100 << 20  # each node's object store: small, the machine is shared
+
+
+# ---------------------------------------------------------------- functions run remotely
+def _square(x: Any) -> Any:
+    return x * x
+
+
+def _add(a: int, b: int = 0, *, c: int = 0) -> int:
+    return a + b + c
+
+
+def _checksum(a: np.ndarray[Any, Any]) -> tuple[float, bool, tuple[int, ...]]:
+    return float(a.sum()), a.flags.writeable, a.shape
+
+
+def _noisy(seed: int, n: int) -> np.ndarray[Any, Any]:
+    return np.random.default_rng(seed).standard_normal(n)
+
+
+def _fail(x: int) -> int:
+    raise KeyError(f"no key {x}")
+
+
+def _slow_square(x: int) -> int:
+    import time
+
+    end = time.monotonic() + 0.02
+    while time.monotonic() < end:
+        pass
+    return x * x
+
+
+class _Unpicklable(Exception):
+    def __init__(self, lock: Any) -> None:
+        super().__init__("has a lock")
+        self.lock = lock
+
+
+def _raise_unpicklable() -> None:
+    raise _Unpicklable(threading.Lock())
+
+
+# ---------------------------------------------------------------- Ray set-ups
+def _ray_children() -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "forkserver" not in " ".join(_cmdline(p))
+        and "resource_tracker" not in " ".join(_cmdline(p))
+    ]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return []
+
+
+@pytest.fixture(scope="module", params=["local", "two_nodes"])
+def ray_setup(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A running Ray: one local node of 2 CPUs, or a head and a worker node of 1 CPU each."""
+    if ray.is_initialized():  # pragma: no cover - a test left it running
+        ray.shutdown()
+    cluster = None
+    # Ray's workers import the functions' module, this one, as any Ray task would.
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here)])
+    job = {"log_to_driver": False, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
+    if request.param == "local":
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, object_store_memory=STORE, **job
+        )
+    else:
+        cluster = cluster_utils.Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "object_store_memory": STORE,
+                "include_dashboard": False,
+            },
+        )
+        cluster.add_node(num_cpus=1, object_store_memory=STORE)
+        ray.init(address=cluster.address, **job)
+        cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        wait_until(lambda: not _ray_children(), 60, "Ray's processes to exit")
+
+
+@pytest.fixture(scope="module")
+def pool(ray_setup: Any) -> Iterator[RayPool]:
+    """One pool for the tests that leave it usable (agents take seconds to start)."""
+    with RayPool() as p:
+        yield p
+    assert_gone(p)
+
+
+@pytest.fixture(scope="module")
+def local_pool() -> Iterator[WorkerPool]:
+    with WorkerPool(2) as p:
+        yield p
+
+
+def assert_gone(p: RayPool, processes: list[tuple[int, list[int]]] | None = None) -> None:
+    """No actor of ``p`` is registered, and none of its agents' processes lives."""
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert not {n for n in names if n.startswith(f"mpexec-agent-{p._token}")}
+    for agent_pid, worker_pids in processes or ():
+        for pid in (agent_pid, *worker_pids):
+            wait_until(lambda pid=pid: not _alive(pid), 30, f"process {pid} to exit")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ---------------------------------------------------------------- parity with the local pool
+def test_one_agent_per_node(pool: RayPool, ray_setup: Any) -> None:
+    expected = 1 if ray_setup is None else 2
+    assert len(pool.nodes) == expected
+    assert len(set(pool.nodes)) == expected
+    assert pool.num_workers == 2
+    assert "running" in repr(pool)
+
+
+def test_submit_parity(pool: RayPool, local_pool: WorkerPool) -> None:
+    a = np.arange(300_000, dtype=np.float32).reshape(300, 1000)  # out of band, > 100 KiB
+    for func, args, kwargs in [
+        (_square, (7,), {}),
+        (_add, (1, 2), {"c": 3}),
+        (_square, (a,), {}),
+        (_checksum, (a,), {}),
+        (_noisy, (5, 1000), {}),
+    ]:
+        here = local_pool.submit(func, *args, **kwargs).result(T)
+        there = pool.submit(func, *args, **kwargs).result(T)
+        if isinstance(here, np.ndarray):
+            assert there.dtype == here.dtype
+            np.testing.assert_array_equal(there, here)
+            assert there.flags.writeable  # the caller's own, as WorkerPool promises
+        else:
+            assert there == here
+
+
+@pytest.mark.parametrize("chunksize", [1, 3])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_map_parity(pool: RayPool, local_pool: WorkerPool, chunksize: int, ordered: bool) -> None:
+    items = list(range(24))
+    expected = list(local_pool.map(_slow_square, items, chunksize=chunksize))
+    got = list(pool.map(_slow_square, items, chunksize=chunksize, ordered=ordered, timeout=T))
+    assert got == expected if ordered else sorted(got) == sorted(expected)
+
+
+def test_map_prefetch_is_bounded(pool: RayPool) -> None:
+    pulled = 0
+
+    def items() -> Iterator[int]:
+        nonlocal pulled
+        for i in range(100):
+            pulled += 1
+            yield i
+
+    it = pool.map(_square, items(), prefetch=3, timeout=T)
+    assert next(it) == 0
+    assert pulled <= 4
+    assert list(it) == [i * i for i in range(1, 100)]
+
+
+def test_user_error_keeps_type_and_remote_traceback(pool: RayPool) -> None:
+    with pytest.raises(KeyError, match="no key 3") as info:
+        pool.submit(_fail, 3).result(T)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "_fail" in cause.tb
+    with pytest.raises(KeyError):
+        list(pool.map(_fail, [1, 2], timeout=T))
+    assert pool.submit(_square, 4).result(T) == 16  # the pool is still fine
+
+
+def test_unpicklable_exception_comes_back_typed(pool: RayPool) -> None:
+    with pytest.raises(mpexec.SerializationError, match="_Unpicklable"):
+        pool.submit(_raise_unpicklable).result(T)
+
+
+def test_unpicklable_argument_fails_in_the_caller(pool: RayPool) -> None:
+    with pytest.raises(mpexec.SerializationError, match="lock"):
+        pool.submit(_square, threading.Lock())
+    with pytest.raises(TypeError, match="callable"):
+        pool.submit(3)  # type: ignore[arg-type]
+
+
+def test_closed_pool_refuses_work(ray_setup: Any) -> None:
+    p = RayPool()
+    p.shutdown()
+    p.shutdown()  # idempotent
+    with pytest.raises(PoolClosedError):
+        p.submit(_square, 1)
+    assert "closed" in repr(p)
+    assert_gone(p)
+
+
+def test_workers_per_node_and_bad_arguments(ray_setup: Any) -> None:
+    with pytest.raises(ValueError, match="workers_per_node"):
+        RayPool(workers_per_node=0)
+    with pytest.raises(TypeError, match="num_workers"):
+        RayPool(num_workers=2)
+    with RayPool(workers_per_node=1) as p:
+        assert p.num_workers == len(p.nodes)
+        assert list(p.map(_square, range(5), timeout=T)) == [0, 1, 4, 9, 16]
+
+
+def test_close_leaves_no_actor_or_process(ray_setup: Any) -> None:
+    p = RayPool()
+    processes = p._agent_processes()
+    assert len(processes) == len(p.nodes)
+    futures = [p.submit(_slow_square, i) for i in range(8)]
+    p.shutdown(wait=True)
+    assert [f.result(0) for f in futures] == [i * i for i in range(8)]
+    assert_gone(p, processes)
+
+
+def test_shutdown_without_wait_fails_queued_calls(ray_setup: Any) -> None:
+    p = RayPool()
+    processes = p._agent_processes()
+    futures = [p.submit(_slow_square, i) for i in range(40)]
+    p.shutdown(wait=False)
+    for f in futures:
+        with contextlib.suppress(PoolClosedError):
+            f.result(T)  # each settles: done before the stop, or failed by it
+    assert_gone(p, processes)
+
+
+# ---------------------------------------------------------------- faults
+def test_killed_agent_calls_run_again_on_the_others(ray_setup: Any) -> None:
+    """Two nodes: the same results from the survivor. One node: a typed error, no hang."""
+    with RayPool() as p:
+        processes = p._agent_processes()
+        n_nodes = len(p.nodes)
+        victim = p.agent_names()[-1]
+        items = list(range(60))
+        results = []
+
+        def run() -> None:
+            for i, r in enumerate(p.map(_slow_square, items, timeout=T)):
+                results.append(r)
+                if i == 5:
+                    ray.kill(ray.get_actor(victim, namespace="mpexec"), no_restart=True)
+
+        if n_nodes == 1:
+            with pytest.raises(NodeLostError):
+                run()
+        else:
+            run()
+            assert results == [i * i for i in items]
+            assert len(p.nodes) == n_nodes - 1
+        assert len(p.lost_nodes) == 1
+        assert "lost=1" in repr(p)
+    assert_gone(p, processes)
+
+
+def test_no_agent_left_is_a_typed_error(ray_setup: Any) -> None:
+    p = RayPool()
+    processes = p._agent_processes()
+    futures = [p.submit(_slow_square, i) for i in range(10)]
+    for name in p.agent_names():
+        ray.kill(ray.get_actor(name, namespace="mpexec"), no_restart=True)
+    errors = []
+    for f in futures:
+        try:
+            f.result(T)
+        except NodeLostError as exc:
+            errors.append(exc)
+    assert errors  # some calls were in flight or queued when the last agent went
+    assert isinstance(errors[0], BrokenExecutor)
+    assert "every agent" in str(errors[0])
+    assert len(errors[0].nodes) == len(processes)
+    with pytest.raises(NodeLostError):
+        p.submit(_square, 1)
+    restored = pickle.loads(pickle.dumps(errors[0]))
+    assert restored.nodes == errors[0].nodes
+    p.shutdown()
+    assert_gone(p, processes)
+
+
+def test_joins_running_ray_and_leaves_it_running(ray_setup: Any) -> None:
+    with RayPool() as p:
+        assert p.submit(os.getpid).result(T) != os.getpid()
+    assert ray.is_initialized()
+
+
+# ---------------------------------------------------------------- pipelines on a RayPool
+class _Counter:
+    """A stateful op: its count is right only if its calls run in order, on one worker."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        self.n += 1
+        return np.array([self.n, int(x[0])], dtype=np.int64)
+
+
+def _index(info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+    if info.idx_in_epoch >= 48:
+        raise StopIteration
+    return np.array([info.idx_in_epoch], dtype=np.int64)
+
+
+def _slow_noise(x: np.ndarray[Any, Any], rng: np.random.Generator) -> np.ndarray[Any, Any]:
+    import time
+
+    end = time.monotonic() + 0.01
+    while time.monotonic() < end:
+        pass
+    return rng.standard_normal(1000).astype(np.float32) * 2 + x[0]  # 4 KB out
+
+
+def make_slow(pool: Any = None, num_workers: int | None = None) -> mpexec.Pipeline:
+    @mpexec.pipeline_def(batch_size=8, seed=7, prefetch_depth=2, num_workers=num_workers)
+    def graph() -> Any:
+        src = fn.external_source(source=_index, batch=False)
+        noisy = fn.python_function(src, function=_slow_noise)
+        count = fn.python_function(noisy, function=_Counter(), stateful=True)
+        return noisy, count
+
+    return graph(pool=pool)
+
+
+def run_epoch(pipe: mpexec.Pipeline, on_iteration: Any = None) -> list[list[bytes]]:
+    out = []
+    with pipe:
+        for i, outs in enumerate(pipe):
+            out.append([a.tobytes() for b in outs for a in b])
+            if on_iteration is not None:
+                on_iteration(i)
+    return out
+
+
+@pytest.fixture(scope="module")
+def determinism_reference() -> Any:
+    return run_two_epochs(make(0))
+
+
+@pytest.fixture(scope="module")
+def slow_reference() -> list[list[bytes]]:
+    return run_epoch(make_slow(num_workers=0))
+
+
+def test_pipeline_parity(pool: RayPool, determinism_reference: Any) -> None:
+    """Every kind of randomness, two epochs: bit-identical to the inline run."""
+    for prefetch_depth in (1, 3):
+        pipe = make(None, prefetch_depth, pool=pool)
+        assert pipe.num_workers == pool.num_workers
+        got = run_two_epochs(pipe)
+        assert_identical(got, determinism_reference, f"RayPool, prefetch {prefetch_depth}")
+    assert pool.submit(_square, 3).result(T) == 9  # the pipeline left the pool running
+
+
+def test_pipeline_stateful_parity(pool: RayPool, slow_reference: list[list[bytes]]) -> None:
+    assert run_epoch(make_slow(pool)) == slow_reference
+
+
+def test_pipeline_agent_killed_mid_epoch(ray_setup: Any, slow_reference: list[list[bytes]]) -> None:
+    """Two nodes: the lost node's chunks run again, same outputs. One: a typed error."""
+    with RayPool() as p:
+        processes = p._agent_processes()
+        n_nodes = len(p.nodes)
+        # The stateful op lives on the first agent: kill another one (or the only one).
+        victim = p.agent_names()[-1]
+
+        def kill(i: int) -> None:
+            if i == 1:
+                ray.kill(ray.get_actor(victim, namespace="mpexec"), no_restart=True)
+
+        if n_nodes == 1:
+            with pytest.raises(NodeLostError, match="every agent"):
+                run_epoch(make_slow(p), kill)
+        else:
+            assert run_epoch(make_slow(p), kill) == slow_reference
+            assert len(p.nodes) == n_nodes - 1
+        assert len(p.lost_nodes) == 1
+    assert_gone(p, processes)
+
+
+def test_node_removed_mid_run(ray_setup: Any) -> None:
+    """A whole node goes (raylet, object store, agent): its calls run on the others."""
+    if ray_setup is None:
+        pytest.skip("the local set-up has one node and cannot add one")
+    node = ray_setup.add_node(num_cpus=1, object_store_memory=STORE)
+    ray_setup.wait_for_nodes()
+    try:
+        with RayPool() as p:
+            assert node.node_id in p.nodes
+            items = list(range(60))
+            results = []
+            for i, r in enumerate(p.map(_slow_square, items, timeout=T)):
+                results.append(r)
+                if i == 5:
+                    ray_setup.remove_node(node)
+                    node = None
+            assert results == [i * i for i in items]
+            wait_until(lambda: len(p.lost_nodes) == 1, 60, "the lost node to be noticed")
+            assert p.lost_nodes[0] not in p.nodes
+        assert_gone(p)
+    finally:
+        if node is not None:
+            ray_setup.remove_node(node)
