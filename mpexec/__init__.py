@@ -20,6 +20,7 @@ from ._codec import writable
 from ._errors import (
     BrokenPoolError,
     InputMutatedError,
+    LoaderTimeoutError,
     MpexecError,
     OpOutputError,
     PoolClosedError,
@@ -42,6 +43,7 @@ __all__ = [
     "BrokenPoolError",
     "DataNode",
     "InputMutatedError",
+    "LoaderTimeoutError",
     "MpexecError",
     "OpOutputError",
     "OpStats",

@@ -7,6 +7,7 @@
     │   └── WorkerCrashedError     a worker died: pid, signal, likely cause
     ├── PoolClosedError            you shut the pool down, then used it
     ├── TaskTimeoutError           (also TimeoutError) a call ran past its limit
+    ├── LoaderTimeoutError         (also TimeoutError, RuntimeError) a loader's timeout passed
     ├── SerializationError         a function, argument or result cannot be pickled
     ├── OpOutputError              (also ValueError) an op returned what it may not
     └── InputMutatedError          (also RuntimeError) debug mode: a function wrote to an input
@@ -68,6 +69,13 @@ class TaskTimeoutError(MpexecError, TimeoutError):
     """A call ran longer than the pool's ``timeout``; its worker was replaced."""
 
 
+class LoaderTimeoutError(MpexecError, TimeoutError, RuntimeError):
+    """A loader waited longer than its ``timeout`` for a batch.
+
+    Also a ``RuntimeError``: what ``torch.utils.data.DataLoader`` raises then.
+    """
+
+
 class SerializationError(MpexecError, TypeError):
     """An object cannot be pickled (or unpickled); the message says where it sits."""
 
@@ -105,6 +113,7 @@ for _cls in (
     WorkerCrashedError,
     PoolClosedError,
     TaskTimeoutError,
+    LoaderTimeoutError,
     SerializationError,
     OpOutputError,
     InputMutatedError,
