@@ -56,7 +56,7 @@ from ._errors import BrokenPoolError, LoaderTimeoutError
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
 
-__all__ = ["DataLoader", "iterate"]
+__all__ = ["DataLoader", "iterate", "to_torch"]
 
 _STATE_VERSION = 1
 
@@ -693,10 +693,11 @@ def iterate(pipe: Pipeline) -> Iterator[tuple[Any, ...]]:
     pipeline: copy one to write to it.
     """
     for outputs in pipe:
-        yield tuple(_batch_to_torch(b) for b in outputs)
+        yield tuple(to_torch(b) for b in outputs)
 
 
-def _batch_to_torch(batch: Batch) -> Any:
+def to_torch(batch: Batch) -> Any:
+    """One batch as a tensor over its memory (a list of per-sample tensors if ragged)."""
     if batch.is_dense() and len(batch):
         return torch.from_dlpack(batch)
     return [torch.from_dlpack(s) for s in batch]
