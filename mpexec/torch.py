@@ -97,8 +97,9 @@ class DataLoader(_dl.DataLoader):  # type: ignore[misc]
             _set_rng_states(self, resume["rng"])
         self._mp_rng_at_start = _rng_states(self)
         skip = resume["batches"] if resume is not None else 0
-        if self.persistent_workers and self.num_workers > 0 and self._iterator is not None:
-            it = self._iterator
+        kept = self._iterator
+        if self.persistent_workers and self.num_workers > 0 and kept is not None and kept.alive:
+            it = kept
             it._reset(self, skip=skip)
         else:
             it = self._make_iterator(skip)
@@ -369,6 +370,11 @@ class _WorkersIter(_EpochIter):
             f"{what}: the dataset or collate_fn is slower than the loader's timeout, or stuck "
             "(raise timeout=, or look at what the worker is doing)"
         )
+
+    @property
+    def alive(self) -> bool:
+        """Its workers still run (not stopped after a crash or an epoch's end)."""
+        return bool(self._closer.alive)
 
     def _shutdown_workers(self) -> None:
         self.finished = True

@@ -406,6 +406,15 @@ def test_dead_worker_is_worker_crashed_error(how: str) -> None:
     assert info.value.pid > 0
 
 
+def test_persistent_workers_restart_after_a_crash() -> None:
+    loader = mt.DataLoader(Failing(6, "exit"), batch_size=2, num_workers=2, persistent_workers=True)
+    with pytest.raises(mpexec.WorkerCrashedError):
+        list(loader)
+    it = iter(loader)  # a new pool: the crashed one is not reused
+    assert next(it).tolist() == [[0, 0, 0], [1, 1, 1]]
+    del it, loader
+
+
 def test_timeout_is_loader_timeout_error() -> None:
     loader = mt.DataLoader(Failing(0, "hang"), batch_size=2, num_workers=2, timeout=1)
     with pytest.raises(mpexec.LoaderTimeoutError, match="timed out after 1 seconds") as info:
