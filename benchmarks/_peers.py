@@ -68,6 +68,7 @@ AUGMENT = [
     System("mpexec_pipeline", "mpexec pipeline", mpexec=True),
     System("mpexec_pool", "mpexec WorkerPool.map", mpexec=True),
     System("torch", "PyTorch DataLoader", "torch"),
+    System("mpexec_torch", "mpexec.torch.DataLoader", "torch", mpexec=True),
     System("tf", "tf.data + numpy_function", "tensorflow", multiprocess=False),
     System("dali_pyfunc", "DALI fn.python_function", "nvidia.dali", multiprocess=False),
     System("dali_parallel", "DALI parallel external_source", "nvidia.dali"),
@@ -451,6 +452,26 @@ class TorchLoader(Augment):
                 it._shutdown_workers()
 
 
+class MpexecTorchLoader(TorchLoader):
+    """:class:`TorchLoader` with ``mpexec.torch.DataLoader``: one import changed."""
+
+    def start(self) -> None:
+        import torch
+
+        from mpexec._doctor import default_start_method
+        from mpexec.torch import DataLoader
+
+        self.version = torch.__version__
+        self.loader = DataLoader(
+            IndexDataset(self.n, workload=self.workload),
+            batch_size=wl.BATCH_SIZE,
+            num_workers=self.workers,
+            persistent_workers=True,
+            timeout=CALL_S,
+        )
+        self.start_method = default_start_method()
+
+
 class TfData(Augment):
     """``Dataset.range(n).map(numpy_function, num_parallel_calls=w).batch(64)``."""
 
@@ -579,6 +600,7 @@ AUGMENT_CLASSES: dict[str, type[Augment]] = {
     "mpexec_pipeline": MpexecPipeline,
     "mpexec_pipeline_batch": MpexecPipelineBatch,
     "torch": TorchLoader,
+    "mpexec_torch": MpexecTorchLoader,
     "tf": TfData,
     "dali_pyfunc": DaliPythonFunction,
     "dali_parallel": DaliParallelSource,

@@ -97,6 +97,8 @@ TARGET_TRANSFER_FLAT = 1.3  # mpexec (put) / inline at the largest size: no copi
 TARGET_MEMORY_VS_PEER = 1.0
 TARGET_LIGHT_VS_TORCH = 1.0  # per-sample pipeline / PyTorch DataLoader, samples/s
 TARGET_LIGHT_BATCH_VS_TORCH = 2.0  # batch-mode pipeline / PyTorch DataLoader
+TARGET_TORCH_LOADER = 1.1  # mpexec.torch.DataLoader / torch's, throughput (workloads 1, 2)
+TARGET_TORCH_LOADER_PSS = 0.7  # and peak PSS
 
 
 # ============================================================ configuration
@@ -926,6 +928,32 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
                 "x",
                 "" if torch_rate else "PyTorch not measured",
             )
+    for name, number in (("augment", 1), ("jpeg", 2)):
+        section = res.get(name)
+        if not section:
+            continue
+        rows = section["by_system"]
+        ours, torch = rows.get("mpexec_torch", {}), rows.get("torch", {})
+        rate = ours.get("images_per_s", {}).get("median")
+        base = torch.get("images_per_s", {}).get("median")
+        note = ours.get("why", "") or torch.get("why", "")
+        add(
+            f"{number} {name}: mpexec.torch.DataLoader / PyTorch DataLoader ({WORKERS} workers)",
+            rate / base if rate and base else None,
+            ">=",
+            TARGET_TORCH_LOADER,
+            "x",
+            note,
+        )
+        pss, base_pss = ours.get("peak_pss"), torch.get("peak_pss")
+        add(
+            f"{number} {name}: mpexec.torch.DataLoader peak PSS / PyTorch DataLoader's",
+            pss / base_pss if pss and base_pss else None,
+            "<=",
+            TARGET_TORCH_LOADER_PSS,
+            "x",
+            note,
+        )
     ov = res.get("overhead")
     if ov:
         r = ov["by_system"].get("mpexec_pool", {})

@@ -11,6 +11,7 @@
     ├── MainModuleError            (also RuntimeError) a pool created while multiprocessing
     │                              re-ran a parent's main module: the guard is needed there
     ├── TaskTimeoutError           (also TimeoutError) a call ran past its limit
+    ├── LoaderTimeoutError         (also TimeoutError, RuntimeError) a loader's timeout passed
     ├── SerializationError         a function, argument or result cannot be pickled
     ├── OpOutputError              (also ValueError) an op returned what it may not
     ├── GpuUnavailableError        (also RuntimeError) device='gpu' without CuPy, driver or device
@@ -107,6 +108,13 @@ class TaskTimeoutError(MpexecError, TimeoutError):
     """A call ran longer than the pool's ``timeout``; its worker was replaced."""
 
 
+class LoaderTimeoutError(MpexecError, TimeoutError, RuntimeError):
+    """A loader waited longer than its ``timeout`` for a batch.
+
+    Also a ``RuntimeError``: what ``torch.utils.data.DataLoader`` raises then.
+    """
+
+
 class SerializationError(MpexecError, TypeError):
     """An object cannot be pickled (or unpickled); the message says where it sits."""
 
@@ -168,6 +176,7 @@ for _cls in (
     MainModuleError,
     ForkedPoolError,
     TaskTimeoutError,
+    LoaderTimeoutError,
     SerializationError,
     OpOutputError,
     InputMutatedError,

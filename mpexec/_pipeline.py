@@ -43,6 +43,7 @@ _PARAMS = (
 # Accepted where parameters are, never serialized: they name live objects.
 _LIVE_PARAMS = ("pool",)
 _FORMAT = 1  # of serialize()
+_STATE_VERSION = 1  # of state_dict()
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class Pipeline:
         self._pool: CallPool | None = None
         self._scheduler: Scheduler | None = None
         self._gpu: Any = None  # the GPU stage (_gpu.GpuExecutor), when the graph has GPU ops
+        self._resume_at: tuple[int, int] | None = None  # load_state_dict() before build()
         self._lock = threading.RLock()
         self._closed = False
         self._iterations = 0
@@ -261,6 +263,9 @@ class Pipeline:
                     self._finalizer()
                 raise
             self._plan, self._pool, self._scheduler = plan, pool, scheduler
+            if self._resume_at is not None:
+                scheduler.seek(*self._resume_at)
+                self._resume_at = None
             self._started = time.perf_counter()
 
     # ------------------------------------------------------------ running
@@ -290,6 +295,66 @@ class Pipeline:
         """Start the next epoch: sources begin again from their start."""
         if self._scheduler is not None:
             self._scheduler.reset()
+
+    # ------------------------------------------------------------ resuming
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands, as a small JSON-able dict for :meth:`load_state_dict`.
+
+        ``epoch`` and ``iteration``: the epoch and how many of its iterations
+        :meth:`run` returned; ``seed`` and ``batch_size``, which a resumed
+        pipeline must share.
+        """
+        if self._scheduler is not None:
+            epoch, iteration = self._scheduler.position()
+        else:
+            epoch, iteration = self._resume_at or (0, 0)
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "epoch": epoch,
+            "iteration": iteration,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where :meth:`state_dict` was taken, in this or another process.
+
+        The next :meth:`run` returns exactly what an uninterrupted run returned
+        after that point, iterations in flight dropped. Iterations depend only
+        on (seed, op, epoch, iteration, sample), so nothing is recomputed;
+        iterables read in this process (``external_source(source=iterable)``)
+        are read again from their start up to there. A pipeline with
+        ``stateful`` ops is refused: their state cannot be restored.
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"load_state_dict() needs a dict from Pipeline.state_dict() "
+                f"(version {_STATE_VERSION}), not {state!r:.200}"
+            )
+        for key in ("seed", "batch_size"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"the state was taken from a pipeline with {key}={state.get(key)!r}, this "
+                    f"one has {key}={getattr(self, key)!r}: its iterations would differ; "
+                    f"build the pipeline with {key}={state.get(key)!r}"
+                )
+        epoch, iteration = state.get("epoch"), state.get("iteration")
+        if not all(isinstance(v, int) and v >= 0 for v in (epoch, iteration)):
+            raise ValueError(
+                f"state epoch/iteration must be ints >= 0, not {epoch!r}/{iteration!r}"
+            )
+        stateful = [op.name for op in (self._graph.ops if self._graph else []) if op.stateful]
+        if stateful:
+            raise MpexecError(
+                f"cannot resume a pipeline with stateful ops ({', '.join(stateful)}): "
+                "their state lives in their functions and is not part of state_dict()"
+            )
+        at = (int(epoch), int(iteration))  # type: ignore[arg-type]
+        with self._lock:
+            if self._scheduler is None:
+                self._resume_at = at
+                return
+        self._scheduler.seek(*at)
 
     def feed_input(self, name: str, data: Any, layout: str | None = None) -> None:
         """Give the external_source ``name`` (with no ``source``) its next batch.

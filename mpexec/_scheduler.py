@@ -344,6 +344,7 @@ class Scheduler:
         self._next_seq = 0
         self._ending = False  # a source ended this epoch: launch no more
         self._closed = False
+        self._delivered = 0  # iterations of this epoch handed to the caller
         self.busy: dict[int, float] = collections.defaultdict(float)  # pid -> seconds
         self._pos = {id(op): i for i, op in enumerate(plan.ops)}
         self.ops: list[_OpState] = []
@@ -443,22 +444,50 @@ class Scheduler:
             if self._window and self._window[0] is it:
                 self._window.popleft()
             self._fill()
+        if it.result is None and it.error is None:
+            raise StopIteration
+        with self._lock:
+            self._delivered += 1  # a failed iteration counts: the next run() is the next one
         if it.error is not None:
             raise it.error
-        if it.result is None:
-            raise StopIteration
+        assert it.result is not None
         return it.result
 
     def reset(self) -> None:
         """Start the next epoch: sources begin again from their start."""
         with self._lock:
-            while self._window:
-                self._drop(self._window.popleft())
-            self._epoch += 1
-            self._next_index = 0
-            self._ending = False
+            self._restart(self._epoch + 1, 0)
+
+    def _restart(self, epoch: int, index: int) -> None:
+        while self._window:
+            self._drop(self._window.popleft())
+        self._epoch = epoch
+        self._next_index = self._delivered = index
+        self._ending = False
+        for s in self.ops:
+            s.iterator = None
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, iterations of it handed out): where :meth:`seek` would resume."""
+        with self._lock:
+            return self._epoch, self._delivered
+
+    def seek(self, epoch: int, index: int) -> None:
+        """Continue at iteration ``index`` of ``epoch``, as if run there from the start.
+
+        Iterations are functions of (seed, op, epoch, iteration, sample), so
+        only what is not must be replayed: iterables read here are advanced
+        by the samples the first ``index`` iterations took (and dropped).
+        """
+        with self._lock:
+            self._restart(epoch, index)
             for s in self.ops:
-                s.iterator = None
+                if s.op.source_mode != "iter" or s.absorbed:
+                    continue
+                per_iteration = 1 if s.op.batch_processing else self.batch_size
+                for _ in range(index * per_iteration):
+                    if self._next_item(s) is None:
+                        break
 
     def feed(self, name: str, data: Any) -> None:
         """Queue ``data`` as the next batch of the external_source ``name``."""

@@ -157,6 +157,20 @@ def _watch_parent(lifeline: shm.Lifeline, arena: shm.Arena) -> None:
     os._exit(70)
 
 
+#: In a worker process: its index in the pool and its arena (None elsewhere).
+_current: tuple[int, shm.Arena] | None = None
+
+
+def current() -> tuple[int, shm.Arena] | None:
+    """This worker's index and arena, or None outside a pool's worker.
+
+    For code that runs in the workers and wants to build its results straight
+    in shared memory (``arena.empty``): such an array travels back by
+    descriptor, with no copy. The loader back-ends collate batches this way.
+    """
+    return _current
+
+
 class _Worker:
     def __init__(self, boot: WorkerBoot, arena: shm.Arena) -> None:
         self.boot = boot
@@ -364,6 +378,8 @@ def main(boot: WorkerBoot) -> None:
     ).start()
     arena.link(boot.result_releases)
     shm.set_release_route(boot.main_arena_id, boot.arg_releases)
+    global _current
+    _current = (boot.index, arena)
     try:
         seed_worker(boot.seed_entropy, boot.index, boot.generation)
         if boot.init is not None:

@@ -1,0 +1,161 @@
+"""Pipeline.state_dict / load_state_dict: a resumed run yields exactly the rest."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpexec
+from mpexec import fn
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def noisy(info: Any, rng: Any = None) -> Any:
+    if info.idx_in_epoch >= 22:
+        raise StopIteration
+    return np.full(64, info.idx_in_epoch, np.float32) + np.random.random(64).astype(np.float32)
+
+
+def jitter(x: Any, rng: Any) -> Any:
+    return x * rng.random(x.shape, dtype=np.float32)
+
+
+LABELS = [np.arange(i, i + 3) for i in range(100, 122)]  # re-read every epoch
+
+
+def build(num_workers: int = 2, prefetch: int = 3) -> mpexec.Pipeline:
+    @mpexec.pipeline_def(batch_size=4, num_workers=num_workers, seed=17, prefetch_depth=prefetch)
+    def pipe() -> Any:
+        x = fn.external_source(source=noisy, batch=False)
+        y = fn.external_source(source=LABELS, batch=False)  # an iterable read here
+        return fn.python_function(x, function=jitter), y
+
+    return pipe()  # type: ignore[no-any-return]
+
+
+def digest(outputs: Any) -> list[list[float]]:
+    return [
+        np.asarray(b.as_array()).sum(axis=tuple(range(1, 2))).round(4).tolist() for b in outputs
+    ]
+
+
+def epochs(pipe: mpexec.Pipeline, n: int) -> list[Any]:
+    out = []
+    for e in range(n):
+        if e:
+            pipe.reset()
+        out += [digest(o) for o in pipe]
+    return out
+
+
+SCRIPT = """
+import json, sys
+from tests.test_resume import build, digest, epochs
+def main():
+    mode, k = sys.argv[1], int(sys.argv[2])
+    with build(num_workers=1, prefetch=1) as pipe:
+        if mode == "save":
+            for _ in range(k):
+                pipe.run()
+            print(json.dumps(pipe.state_dict()))
+            return
+        pipe.load_state_dict(json.loads(sys.stdin.read()))
+        rest = [digest(o) for o in pipe]
+        pipe.reset()
+        rest += [digest(o) for o in pipe]
+        print(json.dumps(rest))
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_resume_in_a_new_process(tmp_path: Any) -> None:
+    with build() as pipe:
+        full = epochs(pipe, 2)
+    per_epoch = len(full) // 2
+    assert per_epoch == 6
+    script = tmp_path / "resume.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+
+    def run(*args: str, stdin: str = "") -> str:
+        proc = subprocess.run(
+            [sys.executable, str(script), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    k = 4
+    state = run("save", str(k))
+    assert json.loads(state) == {
+        "version": 1,
+        "seed": 17,
+        "batch_size": 4,
+        "epoch": 0,
+        "iteration": k,
+    }
+    assert json.loads(run("load", str(k), stdin=state)) == full[k:]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_in_place_drops_iterations_in_flight(num_workers: int) -> None:
+    with build(num_workers) as pipe:
+        full = epochs(pipe, 2)
+    with build(num_workers) as pipe:
+        for _ in range(2):
+            pipe.run()
+        state = pipe.state_dict()
+        pipe.run()  # one more, and some in flight: all forgotten
+        pipe.load_state_dict(state)
+        rest = [digest(o) for o in pipe]
+        pipe.reset()
+        rest += [digest(o) for o in pipe]
+    assert rest == full[2:]
+
+
+def test_state_of_a_later_epoch_and_before_build() -> None:
+    with build(0) as pipe:
+        full = epochs(pipe, 2)
+        assert pipe.state_dict()["epoch"] == 1
+    pipe = build(0)
+    pipe.load_state_dict({"version": 1, "seed": 17, "batch_size": 4, "epoch": 1, "iteration": 5})
+    assert pipe.state_dict()["iteration"] == 5
+    with pipe:
+        assert [digest(o) for o in pipe] == full[6 + 5 :]
+
+
+def test_bad_states_are_refused() -> None:
+    pipe = build(0)
+    with pytest.raises(ValueError, match="state_dict"):
+        pipe.load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match="seed=3"):
+        pipe.load_state_dict({"version": 1, "seed": 3, "batch_size": 4, "epoch": 0, "iteration": 0})
+    with pytest.raises(ValueError, match="ints >= 0"):
+        pipe.load_state_dict(
+            {"version": 1, "seed": 17, "batch_size": 4, "epoch": -1, "iteration": 0}
+        )
+
+    @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=17)
+    def counting() -> Any:
+        return fn.python_function(
+            fn.external_source(source=noisy, batch=False), function=np.copy, stateful=True
+        )
+
+    with pytest.raises(mpexec.MpexecError, match="stateful"):
+        counting().load_state_dict(
+            {"version": 1, "seed": 17, "batch_size": 4, "epoch": 0, "iteration": 1}
+        )

@@ -1,0 +1,549 @@
+"""mpexec.torch: DataLoader parity with torch's own, workers, errors, resuming, DLPack."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import (  # noqa: E402
+    BatchSampler,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+    default_collate,
+    get_worker_info,
+)
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+
+import mpexec  # noqa: E402
+import shm  # noqa: E402
+from mpexec import torch as mt  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+Point = collections.namedtuple("Point", ["x", "label"])
+
+
+# ------------------------------------------------------------------ datasets
+class DictDataset(Dataset):  # type: ignore[type-arg]
+    """Dicts of arrays, numbers and strings."""
+
+    def __init__(self, n: int = 37) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        rng = np.random.default_rng(i)
+        return {
+            "image": rng.integers(0, 255, (8, 9, 3), dtype=np.uint8),
+            "feat": rng.standard_normal(40).astype(np.float32),
+            "weight": float(i) / 3,
+            "label": i % 5,
+            "name": f"sample-{i}",
+            "pair": (np.int16(i), torch.full((2,), i, dtype=torch.float64)),
+        }
+
+
+class NamedDataset(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, i: int) -> Point:
+        return Point(torch.arange(600, dtype=torch.int64) * i, i % 2 == 0)
+
+
+class RandomDataset(Dataset):  # type: ignore[type-arg]
+    """Samples from the worker's torch, NumPy and random state: checks the seeding."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        info = get_worker_info()
+        return (
+            torch.rand(3),
+            np.random.random_sample(2),
+            random.random(),
+            -1 if info is None else info.id,
+            -1 if info is None else info.seed,
+        )
+
+
+class ShardedStream(IterableDataset):  # type: ignore[type-arg]
+    """Shards itself by get_worker_info(), as torch's docs show."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        if info is None:
+            lo, hi = self.start, self.end
+        else:
+            per = -(-(self.end - self.start) // info.num_workers)
+            lo = self.start + info.id * per
+            hi = min(lo + per, self.end)
+        for i in range(lo, hi):
+            yield {"i": i, "x": np.full((4, 300), i, np.float32)}
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+class Failing(Dataset):  # type: ignore[type-arg]
+    def __init__(self, bad: int, how: str = "raise") -> None:
+        self.bad, self.how = bad, how
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> Any:
+        if i == self.bad:
+            if self.how == "raise":
+                raise KeyError(f"no sample {i}")
+            if self.how == "exit":
+                os._exit(3)
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "hang":
+                time.sleep(60)
+        return np.full(3, i)
+
+
+def stack_pairs(batch: list[Any]) -> Any:
+    xs = torch.stack([torch.as_tensor(b[0]) for b in batch])
+    return xs * 2, [int(b[1]) for b in batch]
+
+
+def tensor_ds(n: int = 50) -> TensorDataset:
+    return TensorDataset(
+        torch.arange(n * 12, dtype=torch.float32).reshape(n, 3, 4), torch.arange(n) % 7
+    )
+
+
+# ------------------------------------------------------------------ helpers
+def assert_same(a: Any, b: Any, where: str = "batch") -> None:
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{where}: {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{where}: {a.shape} != {b.shape}"
+        assert torch.equal(a, b), f"{where}: values differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b)
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def both(make: Any, epochs: int = 1) -> tuple[list[Any], list[Any]]:
+    """Batches of torch's loader and of ours, built by ``make(cls)`` with the same seeds."""
+    out = []
+    for cls in (TorchLoader, mt.DataLoader):
+        torch.manual_seed(1234)
+        np.random.seed(1234)  # what num_workers=0 draws from
+        random.seed(1234)
+        loader = make(cls)
+        out.append([b for _ in range(epochs) for b in loader])
+        del loader
+    return out[0], out[1]
+
+
+def check_parity(make: Any, epochs: int = 1) -> list[Any]:
+    want, got = both(make, epochs)
+    assert len(got) == len(want)
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert_same(g, w, f"batch {i}")
+    return got
+
+
+def gen(seed: int = 7) -> Any:
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ parity
+PARITY = {
+    "tensors-shuffle": lambda cls, nw: cls(
+        tensor_ds(), batch_size=8, shuffle=True, generator=gen(), num_workers=nw
+    ),
+    "tensors-global-rng": lambda cls, nw: cls(
+        tensor_ds(), batch_size=6, shuffle=True, num_workers=nw
+    ),
+    "dicts-drop-last": lambda cls, nw: cls(
+        DictDataset(), batch_size=5, drop_last=True, num_workers=nw
+    ),
+    "dicts-keep-last": lambda cls, nw: cls(
+        DictDataset(), batch_size=5, shuffle=True, generator=gen(3), num_workers=nw
+    ),
+    "namedtuples": lambda cls, nw: cls(NamedDataset(), batch_size=4, num_workers=nw),
+    "subset-sampler": lambda cls, nw: cls(
+        DictDataset(),
+        batch_size=3,
+        sampler=SubsetRandomSampler(list(range(0, 37, 2)), generator=gen(5)),
+        num_workers=nw,
+    ),
+    "weighted-sampler": lambda cls, nw: cls(
+        tensor_ds(),
+        batch_size=4,
+        sampler=WeightedRandomSampler(torch.linspace(0.1, 1, 50), 30, generator=gen(9)),
+        num_workers=nw,
+    ),
+    "batch-sampler": lambda cls, nw: cls(
+        tensor_ds(),
+        batch_sampler=BatchSampler(RandomSampler(range(50), generator=gen(2)), 7, False),
+        num_workers=nw,
+    ),
+    "batch-list": lambda cls, nw: cls(
+        tensor_ds(), batch_sampler=[[3, 1, 4], [1, 5, 9], [2, 6]], num_workers=nw
+    ),
+    "no-batching": lambda cls, nw: cls(DictDataset(9), batch_size=None, num_workers=nw),
+    "custom-collate": lambda cls, nw: cls(
+        tensor_ds(), batch_size=9, collate_fn=stack_pairs, num_workers=nw
+    ),
+    "sequential-sampler": lambda cls, nw: cls(
+        tensor_ds(), batch_size=16, sampler=SequentialSampler(range(50)), num_workers=nw
+    ),
+    "worker-rng": lambda cls, nw: cls(
+        RandomDataset(), batch_size=3, shuffle=True, generator=gen(11), num_workers=nw
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARITY))
+def test_same_batches_as_torch_two_workers(case: str) -> None:
+    check_parity(lambda cls: PARITY[case](cls, 2))
+
+
+@pytest.mark.parametrize("nw", [0, 1, 3])
+@pytest.mark.parametrize("case", ["dicts-keep-last", "worker-rng", "batch-sampler"])
+def test_same_batches_any_worker_count(case: str, nw: int) -> None:
+    many = nw > len(os.sched_getaffinity(0))
+    # More workers than CPUs: torch's warning, from both loaders.
+    with pytest.warns(UserWarning, match="worker processes") if many else contextlib.nullcontext():
+        check_parity(lambda cls: PARITY[case](cls, nw))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_epochs_reshuffle_like_torch(persistent: bool) -> None:
+    got = check_parity(
+        lambda cls: cls(
+            DictDataset(),
+            batch_size=6,
+            shuffle=True,
+            generator=gen(4),
+            num_workers=2,
+            persistent_workers=persistent,
+            prefetch_factor=3,
+        ),
+        epochs=3,
+    )
+    assert len(got) == 3 * 7
+
+
+def test_constructor_checks_and_len_are_torchs() -> None:
+    loader = mt.DataLoader(tensor_ds(), batch_size=8, num_workers=2)
+    assert isinstance(loader, TorchLoader)
+    assert len(loader) == len(TorchLoader(tensor_ds(), batch_size=8)) == 7
+    assert len(mt.DataLoader(tensor_ds(), batch_size=8, drop_last=True)) == 6
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        mt.DataLoader(tensor_ds(), prefetch_factor=2)
+    with pytest.raises(ValueError, match="persistent_workers"):
+        mt.DataLoader(tensor_ds(), persistent_workers=True)
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive"):
+        mt.DataLoader(tensor_ds(), shuffle=True, sampler=SequentialSampler(range(3)))
+
+
+def test_in_order_false_yields_every_batch() -> None:
+    want, got = both(lambda cls: cls(tensor_ds(), batch_size=4, num_workers=2, in_order=False))
+    key = lambda b: b[1].tolist() + b[0].flatten().tolist()[:1]  # noqa: E731
+    assert sorted(map(key, got)) == sorted(map(key, want))
+
+
+# ------------------------------------------------------------------ iterable datasets
+@pytest.mark.parametrize(
+    ("batch_size", "drop_last"), [(4, False), (4, True), (5, False), (5, True), (None, False)]
+)
+def test_iterable_dataset_shards_by_worker_info(batch_size: int | None, drop_last: bool) -> None:
+    got = check_parity(
+        lambda cls: cls(
+            ShardedStream(0, 22), batch_size=batch_size, drop_last=drop_last, num_workers=2
+        )
+    )
+    seen = [int(i) for b in got for i in np.atleast_1d(np.asarray(b["i"]))]
+    assert len(seen) == len(set(seen))  # every sample once: the dataset sharded itself
+
+
+def test_iterable_dataset_len_warns_like_torch() -> None:
+    loader = mt.DataLoader(ShardedStream(0, 10), batch_size=None, num_workers=2)
+    assert len(loader) == 10
+    batches = list(loader)
+    assert len(batches) == 10
+
+
+def test_worker_info_and_init_fn() -> None:
+    def probe(i: int) -> Any:
+        info = get_worker_info()
+        return (info.id, info.num_workers, info.seed, type(info.dataset).__name__, os.getpid())
+
+    class Probe(Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> Any:
+            return probe(i)
+
+    inits = []
+
+    def init(worker_id: int) -> None:
+        assert get_worker_info().id == worker_id
+        torch.manual_seed(100 + worker_id)  # the dataset sees what init did
+
+    torch.manual_seed(0)
+    loader = mt.DataLoader(Probe(), batch_size=None, num_workers=2, worker_init_fn=init)
+    rows = list(loader)
+    assert [r[0] for r in rows] == [0, 1] * 4  # batch k on worker k mod 2
+    assert {r[1] for r in rows} == {2}
+    seeds = {r[0]: r[2] for r in rows}
+    assert seeds[1] == seeds[0] + 1  # base_seed + worker id, as torch
+    assert {r[3] for r in rows} == {"Probe"}
+    assert os.getpid() not in {r[4] for r in rows}
+    assert get_worker_info() is None
+    del inits
+
+
+# ------------------------------------------------------------------ shared memory
+def checked_collate(batch: list[Any]) -> Any:
+    out = default_collate(batch)
+    # default_collate, in an mpexec worker, stacks straight into the worker's arena.
+    array = mt._shared_array(out[0])
+    assert array is not None, "the collated tensor is not in the worker's arena"
+    assert shm.in_shared_memory(array)
+    assert array.ctypes.data == out[0].data_ptr()
+    return out
+
+
+def test_batches_are_collated_into_shared_memory_and_outlive_the_loader() -> None:
+    # 12 KiB batches: past the 1 KiB under which a view rides in the ring record.
+    data = TensorDataset(torch.rand(64, 3, 64), torch.arange(64))
+    loader = mt.DataLoader(data, batch_size=16, num_workers=2, collate_fn=checked_collate)
+    held = list(loader)
+    for x, _ in held:
+        view = mt._shared_array(x)  # a view of the worker's arena, not a copy
+        assert view is not None
+        assert shm.in_shared_memory(view)
+        assert view.ctypes.data == x.data_ptr()
+    del loader
+    gc.collect()
+    want = list(TorchLoader(data, batch_size=16))
+    for g, w in zip(held, want, strict=True):
+        assert_same(g, w)
+
+
+def test_early_break_leaks_nothing() -> None:
+    loader = mt.DataLoader(DictDataset(200), batch_size=4, num_workers=2, prefetch_factor=4)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    first = next(iter(loader))
+    assert first["image"].shape == (4, 8, 9, 3)
+
+
+def test_pin_memory_without_accelerator_is_torchs_warning() -> None:
+    if torch.accelerator.is_available():  # pragma: no cover - GPU machines
+        pytest.skip("an accelerator is present")
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        check_parity(lambda cls: cls(tensor_ds(), batch_size=8, num_workers=2, pin_memory=True))
+
+
+# ------------------------------------------------------------------ failures
+def test_dataset_error_keeps_type_traceback_and_index() -> None:
+    loader = mt.DataLoader(Failing(13), batch_size=4, num_workers=2)
+    it = iter(loader)
+    got = [next(it) for _ in range(3)]
+    with pytest.raises(KeyError, match="no sample 13") as info:
+        next(it)
+    assert isinstance(info.value.__cause__, mpexec.RemoteTraceback)
+    assert "__getitem__" in info.value.__cause__.tb
+    assert any("sample index 13" in n and "worker 1" in n for n in info.value.__notes__)
+    assert info.value.mpexec_sample == 13
+    # Like torch, the epoch goes on after a failed batch.
+    rest = list(it)
+    assert len(got) + len(rest) == 9
+    assert rest[0].tolist()[0] == [16, 16, 16]
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_dead_worker_is_worker_crashed_error(how: str) -> None:
+    loader = mt.DataLoader(Failing(6, how), batch_size=2, num_workers=2)
+    with pytest.raises(mpexec.WorkerCrashedError) as info:
+        list(loader)
+    assert info.value.pid > 0
+
+
+def test_persistent_workers_restart_after_a_crash() -> None:
+    loader = mt.DataLoader(Failing(6, "exit"), batch_size=2, num_workers=2, persistent_workers=True)
+    with pytest.raises(mpexec.WorkerCrashedError):
+        list(loader)
+    it = iter(loader)  # a new pool: the crashed one is not reused
+    assert next(it).tolist() == [[0, 0, 0], [1, 1, 1]]
+    del it, loader
+
+
+def test_timeout_is_loader_timeout_error() -> None:
+    loader = mt.DataLoader(Failing(0, "hang"), batch_size=2, num_workers=2, timeout=1)
+    with pytest.raises(mpexec.LoaderTimeoutError, match="timed out after 1 seconds") as info:
+        next(iter(loader))
+    assert isinstance(info.value, RuntimeError)  # what torch raises
+
+
+def test_unpicklable_dataset_is_a_clear_error() -> None:
+    class Local(Dataset):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            self.lock = __import__("threading").Lock()
+
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    with pytest.raises(mpexec.SerializationError, match="worker_init"):
+        list(mt.DataLoader(Local(), num_workers=1))
+
+
+# ------------------------------------------------------------------ resuming
+RESUME_SCRIPT = """
+import json, sys, torch
+from mpexec import torch as mt
+from tests.test_torch import RESUME_CASES
+def main():
+    case, k, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(99)
+    loader = RESUME_CASES[case]()
+    out = []
+    if mode == "save":
+        it = iter(loader)
+        for _ in range(k):
+            next(it)
+        print(json.dumps(loader.state_dict()))
+        return
+    loader.load_state_dict(json.loads(sys.stdin.read()))
+    for epoch in range(2):
+        for b in loader:
+            out.append(b["i"].tolist() if isinstance(b, dict) else b[1].tolist())
+    print(json.dumps(out))
+if __name__ == "__main__":
+    main()
+"""
+
+RESUME_CASES = {
+    "map-shuffle": lambda: mt.DataLoader(tensor_ds(40), batch_size=3, shuffle=True, num_workers=2),
+    "map-generator": lambda: mt.DataLoader(
+        tensor_ds(40), batch_size=4, shuffle=True, generator=gen(8), num_workers=0
+    ),
+    "iterable": lambda: mt.DataLoader(ShardedStream(0, 30), batch_size=4, num_workers=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_resume_in_a_new_process_yields_the_rest(case: str, tmp_path: Any) -> None:
+    script = tmp_path / "resume.py"
+    script.write_text(textwrap.dedent(RESUME_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+
+    def run(*args: str, stdin: str = "") -> Any:
+        proc = subprocess.run(
+            [sys.executable, str(script), case, *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    # Uninterrupted: torch.manual_seed(99), then epochs 0 and 1.
+    torch.manual_seed(99)
+    loader = RESUME_CASES[case]()
+    full = [
+        (b["i"].tolist() if isinstance(b, dict) else b[1].tolist())
+        for _ in range(2)
+        for b in loader
+    ]
+    del loader
+    per_epoch = len(full) // 2
+    k = 3
+    state = run(str(k), "save")
+    assert len(state) < 30_000
+    assert json.loads(state)["batches"] == k
+    resumed = json.loads(run(str(k), "load", stdin=state))
+    assert resumed == full[k:]
+    assert len(resumed) == 2 * per_epoch - k
+
+
+def test_load_state_dict_rejects_garbage() -> None:
+    loader = mt.DataLoader(tensor_ds(), batch_size=4)
+    with pytest.raises(ValueError, match="state_dict"):
+        loader.load_state_dict({"batches": 2})
+    with pytest.raises(ValueError, match="batches"):
+        loader.load_state_dict({"version": 1, "rng": {}, "batches": -1})
+
+
+def test_state_between_epochs_starts_the_next_epoch() -> None:
+    loader = mt.DataLoader(tensor_ds(20), batch_size=4, shuffle=True, generator=gen(1))
+    list(loader)
+    state = loader.state_dict()
+    assert state["batches"] == 0
+    want = [b[1].tolist() for b in loader]
+    loader.load_state_dict(state)
+    assert [b[1].tolist() for b in loader] == want
+
+
+# ------------------------------------------------------------------ optional import
+def test_mpexec_never_imports_torch_and_a_missing_torch_names_the_extra() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import mpexec
+        assert "torch" not in sys.modules, "import mpexec imported torch"
+        sys.modules["torch"] = None
+        try:
+            import mpexec.torch
+        except ImportError as exc:
+            assert "mpexec[torch]" in str(exc), exc
+        else:
+            raise SystemExit("no ImportError")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
