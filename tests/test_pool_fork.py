@@ -77,6 +77,13 @@ def child(scenario, pool, held, pending):
             sys.exit(3)
         PIPE.close()
         sys.exit(0)
+    if scenario == "fresh":
+        # What ForkedPoolError advises: a pool of the child's own, under the
+        # default start method (forkserver: the parent's server is not our child).
+        own = WorkerPool(1)
+        assert own.submit(twice, 3).result(30) == 6
+        own.shutdown()
+        sys.exit(0)
     sys.exit(4)
 
 if __name__ == "__main__":
@@ -120,7 +127,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("backend", ["memfd", "posix"])
-@pytest.mark.parametrize("scenario", ["exit", "submit", "shutdown", "result", "drop", "pipeline"])
+@pytest.mark.parametrize("scenario", ["exit", "submit", "shutdown", "result", "drop", "pipeline", "fresh"])
 def test_forked_child_leaves_the_parents_pool_working(scenario: str, backend: str) -> None:
     before = shm_names()
     proc = subprocess.run(
