@@ -316,7 +316,10 @@ class Pipeline:
         return self._closed
 
     def _forked_from(self) -> int | None:
-        """The pid of the process that started this pipeline's pool, if not this one."""
+        """The pid of the process that started its pool or GPU stage, if not this one."""
+        gpu = self._gpu  # runs in the pipeline's process even when num_workers=0
+        if gpu is not None and gpu.pid != os.getpid():
+            return int(gpu.pid)
         pool = self._pool
         if pool is None or pool._state.pid == os.getpid() or pool.num_workers == 0:
             return None
