@@ -270,6 +270,7 @@ class Pipeline:
 
     def reset(self) -> None:
         """Start the next epoch: sources begin again from their start."""
+        self._check_not_forked()
         if self._scheduler is not None:
             self._scheduler.reset()
 
@@ -333,6 +334,7 @@ class Pipeline:
 
     def stats(self) -> PipelineStats:
         """Per op: calls, time in the function and waiting, bytes; per worker: busy."""
+        self._check_not_forked()
         with self._lock:
             wall = time.perf_counter() - self._started if self._started else 0.0
             n_defined = len(self._graph.ops) if self._graph is not None else 0

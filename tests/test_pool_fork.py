@@ -82,12 +82,13 @@ def child(scenario, pool, held, pending):
         PIPE.close()
         sys.exit(0)
     if scenario == "pipeline":
-        try:
-            PIPE.run()
-        except mpexec.ForkedPoolError as exc:
-            assert "pipeline" in str(exc), exc
-        else:
-            sys.exit(3)
+        for use in (PIPE.run, PIPE.reset, PIPE.stats):
+            try:
+                use()  # refused before any lock: a parent's thread may have held one
+            except mpexec.ForkedPoolError as exc:
+                assert "pipeline" in str(exc), exc
+            else:
+                sys.exit(3)
         PIPE.close()
         sys.exit(0)
     if scenario == "fresh":
