@@ -219,7 +219,10 @@ class Pipeline:
                 timeout=self.timeout,
             )
             pool._keep_results_shared()
-            self._finalizer = weakref.finalize(self, _close_pool, pool)
+            # A pipeline dropped unclosed stops its GPU stage too (first: it unregisters
+            # the pool's memory before the pool unmaps it), so the finalizer takes both.
+            stages: list[Any] = [pool]
+            self._finalizer = weakref.finalize(self, _close_stages, stages)
             try:
                 if any(op.device == "gpu" for op in plan.ops):
                     from ._gpu import GpuExecutor, require
@@ -227,6 +230,7 @@ class Pipeline:
                     device = self.device_id or 0
                     xp = require(f"a pipeline with GPU ops on device {device}", device)
                     self._gpu = GpuExecutor(xp, device)
+                    stages.insert(0, self._gpu)
                 scheduler = Scheduler(
                     plan,
                     PoolExecutor(pool),
@@ -238,8 +242,6 @@ class Pipeline:
                     gpu=self._gpu,
                 )
             except BaseException:
-                if self._gpu is not None:
-                    self._gpu.shutdown()
                 self._finalizer()
                 raise
             self._plan, self._pool, self._scheduler = plan, pool, scheduler
@@ -399,7 +401,12 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, not {value!r}")
 
 
-def _close_pool(pool: WorkerPool) -> None:
+def _close_stages(stages: list[Any]) -> None:
+    """A pipeline's finalizer: its GPU stage (if any), then its pool."""
+    *gpus, pool = stages
+    for gpu in gpus:
+        # Joining the GPU thread from itself (a collection it triggered) would raise.
+        gpu.shutdown(wait=threading.current_thread() is not gpu._thread, cancel_futures=True)
     pool.shutdown(wait=False, cancel_futures=True)
 
 
