@@ -73,19 +73,26 @@ def _batch_with_rng(xs: list[Any], rng: np.random.Generator) -> list[Any]:
     ]
 
 
+def params(
+    num_workers: int, prefetch_depth: int, start_method: str | None, seed: int
+) -> dict[str, Any]:
+    """The pipeline parameters every pipeline of this matrix varies."""
+    return {
+        "batch_size": BATCH,
+        "num_workers": num_workers,
+        "prefetch_depth": prefetch_depth,
+        "start_method": start_method,
+        "seed": seed,
+    }
+
+
 def make(
     num_workers: int,
     prefetch_depth: int = 1,
     start_method: str | None = None,
     seed: int = SEED,
 ) -> mpexec.Pipeline:
-    @mpexec.pipeline_def(
-        batch_size=BATCH,
-        num_workers=num_workers,
-        prefetch_depth=prefetch_depth,
-        start_method=start_method,
-        seed=seed,
-    )
+    @mpexec.pipeline_def(**params(num_workers, prefetch_depth, start_method, seed))
     def graph() -> Any:
         src = fn.external_source(source=_source, batch=False, name="source")
         return (
@@ -275,13 +282,7 @@ def _plus_rng(x: Any, rng: np.random.Generator) -> Any:
 def make_mixed(num_workers: int, prefetch_depth: int, start_method: str | None) -> mpexec.Pipeline:
     """Declared shapes (dense blocks from the first batch) into a GPU op and back to CPU."""
 
-    @mpexec.pipeline_def(
-        batch_size=BATCH,
-        num_workers=num_workers,
-        prefetch_depth=prefetch_depth,
-        start_method=start_method,
-        seed=SEED,
-    )
+    @mpexec.pipeline_def(**params(num_workers, prefetch_depth, start_method, SEED))
     def graph() -> Any:
         src = fn.external_source(source=_source, batch=False, name="source")
         dense = fn.python_function(
