@@ -393,6 +393,9 @@ class Scheduler:
             if self._window and self._window[0] is it:
                 self._window.popleft()
             self._fill()
+        if it.dropped and self._closed:
+            # Not StopIteration: that would end a ``for batch in pipe`` loop as an epoch.
+            raise PoolClosedError("the pipeline was closed while waiting for an iteration")
         if it.error is not None:
             raise it.error
         if it.result is None:
