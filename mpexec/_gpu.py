@@ -53,6 +53,7 @@ import shm
 
 from ._batch import Batch
 from ._errors import GpuError, GpuUnavailableError, OpOutputError
+from ._pool import forked_error
 from ._runtime import BatchInfo, Chunk, ChunkResult, SampleInfo, _takes_keyword
 
 #: Every CuPy name this module uses (attribute paths from the ``cupy`` module).
@@ -770,6 +771,7 @@ class GpuExecutor:
 
     def __init__(self, xp: Any, device_id: int = 0, *, register: bool = True) -> None:
         self.xp = xp
+        self.pid = os.getpid()  # the process whose thread and device context these are
         self.stage = GpuStage(xp, device_id, register=register)
         self._lock = threading.Lock()  # the stage is shared with to_host callers
         self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -780,6 +782,10 @@ class GpuExecutor:
     def submit(
         self, runner: GpuOpRunner, chunk: Chunk, inputs: Sequence[Sequence[Any]]
     ) -> Future[ChunkResult]:
+        if self.pid != os.getpid():
+            # Forked: the thread is the parent's (a call queued here would wait forever),
+            # and so is the device context.
+            raise forked_error(self.pid, "this GPU stage")
         future: Future[ChunkResult] = Future()
         with self._lock:
             if self._closed:
@@ -884,7 +890,13 @@ class GpuExecutor:
         return ChunkResult(rows, seconds, os.getpid())
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stop the thread (after queued calls, unless cancelled) and close the stage."""
+        """Stop the thread (after queued calls, unless cancelled) and close the stage.
+
+        In a process forked from the owner's it does nothing: the stage's device
+        memory and registrations are the parent's.
+        """
+        if self.pid != os.getpid():
+            return
         with self._lock:
             if self._closed:
                 return

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
+from ._runtime import _np_from_dlpack
+
 GARBAGE = 0xA5
 _PAGE = 4096
 
@@ -584,7 +586,11 @@ class SimCuPy:
         casting: str = "same_kind",
     ) -> ndarray:
         self._kernel()
-        res = np.stack([_unwrap(a) for a in tup], axis=axis, dtype=dtype, casting=casting)  # type: ignore[call-overload]
+        arrays = [_unwrap(a) for a in tup]
+        if dtype is None and casting == "same_kind":
+            res = np.stack(arrays, axis=axis)  # NumPy < 1.24 takes no dtype/casting
+        else:
+            res = np.stack(arrays, axis=axis, dtype=dtype, casting=casting)  # type: ignore[call-overload]
         if out is not None:
             out._view[...] = res
             return out  # type: ignore[no-any-return]
@@ -596,7 +602,7 @@ class SimCuPy:
         if isinstance(array, self.ndarray):
             return array
         capsule = array.__dlpack__() if hasattr(array, "__dlpack__") else array
-        host = np.from_dlpack(_Capsule(capsule))
+        host = _np_from_dlpack(_Capsule(capsule))
         address = int(host.__array_interface__["data"][0])
         for _, ref in self._device:
             mem = ref()

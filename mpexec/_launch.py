@@ -297,6 +297,25 @@ def _fork_server() -> forkserver.ForkServer:
         return _server
 
 
+def _forget_server() -> None:
+    """In a child forked by ``os.fork()``: start a fork server of its own when needed.
+
+    The parent's server is not this process's child (``ForkServer.ensure_running``
+    would fail in ``waitpid``) and its lock may have been held at the fork; the
+    child's copy of the server's liveness fd is closed so that the parent's
+    server still ends with the parent.
+    """
+    global _server, _server_lock
+    server, _server, _server_lock = _server, None, threading.Lock()
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+os.register_at_fork(after_in_child=_forget_server)
+
+
 class _SpawnProcess(_Bootstrapped, mp_context.SpawnProcess):
     _base = mp_context.SpawnProcess
 

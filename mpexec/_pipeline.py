@@ -227,8 +227,12 @@ class Pipeline:
                 )
             plan = self._graph.plan()
             pool: CallPool
+            # A pipeline dropped unclosed stops its GPU stage too (first: it unregisters
+            # the pool's memory before the pool unmaps it), so the finalizer takes both;
+            # a pool it was given is its owner's to close, not ours.
+            stages: list[Any] = []
             if self._given_pool is not None:
-                pool = self._given_pool  # its owner's to close, not ours
+                pool = self._given_pool
             else:
                 own = WorkerPool(
                     self.num_workers,
@@ -237,8 +241,9 @@ class Pipeline:
                     timeout=self.timeout,
                 )
                 own._keep_results_shared()
-                self._finalizer = weakref.finalize(self, _close_pool, own)
+                stages.append(own)
                 pool = own
+            self._finalizer = weakref.finalize(self, _close_stages, stages)
             try:
                 if any(op.device == "gpu" for op in plan.ops):
                     from ._gpu import GpuExecutor, require
@@ -246,6 +251,7 @@ class Pipeline:
                     device = self.device_id or 0
                     xp = require(f"a pipeline with GPU ops on device {device}", device)
                     self._gpu = GpuExecutor(xp, device)
+                    stages.insert(0, self._gpu)
                 scheduler = Scheduler(
                     plan,
                     pool_executor(pool),
@@ -257,10 +263,7 @@ class Pipeline:
                     gpu=self._gpu,
                 )
             except BaseException:
-                if self._gpu is not None:
-                    self._gpu.shutdown()
-                if self._finalizer is not None:
-                    self._finalizer()
+                self._finalizer()
                 raise
             self._plan, self._pool, self._scheduler = plan, pool, scheduler
             if self._resume_at is not None:
@@ -293,6 +296,7 @@ class Pipeline:
 
     def reset(self) -> None:
         """Start the next epoch: sources begin again from their start."""
+        self._check_not_forked()
         if self._scheduler is not None:
             self._scheduler.reset()
 
@@ -399,7 +403,10 @@ class Pipeline:
         return self._closed
 
     def _forked_from(self) -> int | None:
-        """The pid of the process that started this pipeline's pool, if not this one."""
+        """The pid of the process that started its pool or GPU stage, if not this one."""
+        gpu = self._gpu  # runs in the pipeline's process even when num_workers=0
+        if gpu is not None and gpu.pid != os.getpid():
+            return int(gpu.pid)
         pool = self._pool
         if not isinstance(pool, WorkerPool) or pool._state.pid == os.getpid():
             return None  # a RayPool is Ray's to fork-check
@@ -415,6 +422,7 @@ class Pipeline:
 
     def stats(self) -> PipelineStats:
         """Per op: calls, time in the function and waiting, bytes; per worker: busy."""
+        self._check_not_forked()
         with self._lock:
             wall = time.perf_counter() - self._started if self._started else 0.0
             n_defined = len(self._graph.ops) if self._graph is not None else 0
@@ -479,8 +487,15 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, not {value!r}")
 
 
-def _close_pool(pool: WorkerPool) -> None:
-    pool.shutdown(wait=False, cancel_futures=True)
+def _close_stages(stages: list[Any]) -> None:
+    """A pipeline's finalizer: its GPU stage (if any) first, then the pool it owns (if any)."""
+    for stage in stages:
+        if isinstance(stage, WorkerPool):
+            stage.shutdown(wait=False, cancel_futures=True)
+        else:
+            # Joining the GPU thread from itself (a collection it triggered) would raise.
+            current = threading.current_thread() is stage._thread
+            stage.shutdown(wait=not current, cancel_futures=True)
 
 
 def _check_pool(

@@ -444,6 +444,9 @@ class Scheduler:
             if self._window and self._window[0] is it:
                 self._window.popleft()
             self._fill()
+        if it.dropped and self._closed:
+            # Not StopIteration: that would end a ``for batch in pipe`` loop as an epoch.
+            raise PoolClosedError("the pipeline was closed while waiting for an iteration")
         if it.result is None and it.error is None:
             raise StopIteration
         with self._lock:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import mpexec
-from mpexec import fn
+from mpexec import _gpu, fn
+from mpexec._gpusim import SimCuPy
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -70,6 +71,19 @@ def _batch_with_rng(xs: list[Any], rng: np.random.Generator) -> list[Any]:
         np.concatenate([rng.integers(0, 1 << 30, size=3), [*info, len(xs)]]).astype(np.int64)
         for _ in xs
     ]
+
+
+def params(
+    num_workers: int, prefetch_depth: int, start_method: str | None, seed: int
+) -> dict[str, Any]:
+    """The pipeline parameters every pipeline of this matrix varies."""
+    return {
+        "batch_size": BATCH,
+        "num_workers": num_workers,
+        "prefetch_depth": prefetch_depth,
+        "start_method": start_method,
+        "seed": seed,
+    }
 
 
 def make(
@@ -292,3 +306,63 @@ def test_cached_gaussians_do_not_leak_into_the_next_call() -> None:
     inline = run(0)
     assert len(set(inline)) == len(inline) == EPOCH
     assert run(2) == inline
+
+
+# ---------------------------------------------------------------- dense blocks and GPU ops
+def _plus_rng(x: Any, rng: np.random.Generator) -> Any:
+    noise = rng.standard_normal(x.shape[-1]).astype(np.float32)
+    if isinstance(x, np.ndarray):
+        return (x[:4] + noise).astype(np.float32)
+    return x[:4] + _gpu.backend().asarray(noise)
+
+
+def make_mixed(num_workers: int, prefetch_depth: int, start_method: str | None) -> mpexec.Pipeline:
+    """Declared shapes (dense blocks from the first batch) into a GPU op and back to CPU."""
+
+    @mpexec.pipeline_def(**params(num_workers, prefetch_depth, start_method, SEED))
+    def graph() -> Any:
+        src = fn.external_source(source=_source, batch=False, name="source")
+        dense = fn.python_function(
+            src,
+            function=_with_rng,
+            output_shapes=[(4,)],
+            output_dtypes=[np.float64],
+            name="dense",
+        )
+        gpu = fn.python_function(dense, function=_plus_rng, device="gpu", name="gpu")
+        back = fn.python_function(gpu, function=_with_rng, name="back")
+        batch = fn.python_function(
+            back, function=_batch_with_rng, batch_processing=True, name="batch_rng"
+        )
+        return dense, gpu, back, batch
+
+    return graph()
+
+
+def run_mixed(num_workers: int, prefetch_depth: int, start_method: str | None) -> Run:
+    with _gpu.use_backend(SimCuPy(1, progress=0.3)):
+        got: Run = []
+        with make_mixed(num_workers, prefetch_depth, start_method) as pipe:
+            for epoch in range(2):
+                if epoch:
+                    pipe.reset()
+                for outs in pipe:
+                    got.append([[np.array(s, copy=True) for s in b.as_cpu()] for b in outs])
+        return got
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "prefetch_depth", "start_method"),
+    [(1, 1, "spawn"), (2, 3, "spawn"), (2, 1, "forkserver"), (1, 3, "forkserver")],
+)
+def test_dense_blocks_and_gpu_ops_are_bit_identical_across_workers(
+    num_workers: int, prefetch_depth: int, start_method: str
+) -> None:
+    want = run_mixed(0, 1, None)
+    assert [len(outs[0]) for outs in want] == [5, 5, 2, 5, 5, 2]
+    got = run_mixed(num_workers, prefetch_depth, start_method)
+    what = f"GPU sim, num_workers={num_workers}, prefetch_depth={prefetch_depth}, {start_method}"
+    assert len(got) == len(want), what
+    for i, (g_outs, w_outs) in enumerate(zip(got, want, strict=True)):
+        for k, (g, w) in enumerate(zip(g_outs, w_outs, strict=True)):
+            assert [a.tobytes() for a in g] == [b.tobytes() for b in w], f"{what}: {i}, {k}"

@@ -9,6 +9,7 @@ before a copy read it, gives wrong numbers here or a recorded violation.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -247,3 +248,17 @@ def test_gpu_outputs_are_dense_device_arrays(sim: SimCuPy) -> None:
     with contextlib.suppress(TypeError):
         np.asarray(dense)
         pytest.fail("a device array must not convert to NumPy implicitly")
+
+
+def test_a_pipeline_dropped_without_close_stops_its_gpu_stage(sim: SimCuPy) -> None:
+    """Its finalizer stops the GPU thread and unregisters the arena before the pool unmaps it."""
+    pipe = parity_pipeline("gpu")
+    for _ in range(3):
+        pipe.run()
+    gpu = pipe._gpu
+    assert gpu.stage.registered(), "the test needs host memory registered"
+    del pipe
+    gc.collect()
+    assert gpu.stage.closed
+    assert gpu._thread is not None
+    assert not gpu._thread.is_alive()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import functools
 import hashlib
 import os
 import signal
@@ -1288,6 +1289,49 @@ def test_close_is_idempotent_and_held_batches_survive() -> None:
     np.testing.assert_array_equal(held[1], np.full(8 * KiB, 2.0))
     with pytest.raises(mpexec.MpexecError):
         pipe.run()
+
+
+def _mark_then_sleep(x: np.ndarray[Any, Any], marker: str = "") -> np.ndarray[Any, Any]:
+    Path(marker).touch()
+    time.sleep(1.0)
+    return x
+
+
+def test_close_from_another_thread_fails_a_waiting_run_not_ends_the_epoch(
+    tmp_path: Path,
+) -> None:
+    """A run() waiting when the pipeline is closed raises PoolClosedError: a StopIteration
+    would end the caller's ``for batch in pipe`` loop as if the epoch had ended."""
+    marker = tmp_path / "started"
+
+    @mpexec.pipeline_def(batch_size=2, num_workers=2, prefetch_depth=1)
+    def graph() -> Any:
+        x = fn.external_source(source=_big_source, batch=False)
+        return fn.python_function(
+            x, function=functools.partial(_mark_then_sleep, marker=str(marker))
+        )
+
+    pipe = graph()
+    pipe.build()
+    raised: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            pipe.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not marker.exists():  # the iteration is in a worker: run() waits for it
+        assert time.monotonic() < deadline, "the op never started"
+        time.sleep(0.01)
+    pipe.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(raised) == 1
+    assert isinstance(raised[0], mpexec.PoolClosedError), repr(raised[0])
 
 
 def test_close_without_build() -> None:

@@ -20,7 +20,7 @@ T = 60
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 _SCRIPT = """
-import gc, os, sys, time
+import gc, os, signal, sys, time
 import numpy as np
 import mpexec
 from mpexec import WorkerPool
@@ -68,14 +68,35 @@ def child(scenario, pool, held, pending):
         del held, pool, pending
         gc.collect()  # the views' finalizers must not release the parent's memory
         sys.exit(0)
-    if scenario == "pipeline":
-        try:
-            PIPE.run()
-        except mpexec.ForkedPoolError as exc:
-            assert "pipeline" in str(exc), exc
+    if scenario == "gpu":
+        # Inline CPU ops, but the GPU stage's thread (and device) are the parent's:
+        # refused, not queued to a thread this process does not have.
+        for _ in range(4):  # past the iterations prefetched before the fork
+            try:
+                PIPE.run()
+            except mpexec.ForkedPoolError as exc:
+                assert "pipeline" in str(exc), exc
+                break
         else:
             sys.exit(3)
         PIPE.close()
+        sys.exit(0)
+    if scenario == "pipeline":
+        for use in (PIPE.run, PIPE.reset, PIPE.stats):
+            try:
+                use()  # refused before any lock: a parent's thread may have held one
+            except mpexec.ForkedPoolError as exc:
+                assert "pipeline" in str(exc), exc
+            else:
+                sys.exit(3)
+        PIPE.close()
+        sys.exit(0)
+    if scenario == "fresh":
+        # What ForkedPoolError advises: a pool of the child's own, under the
+        # default start method (forkserver: the parent's server is not our child).
+        own = WorkerPool(1)
+        assert own.submit(twice, 3).result(30) == 6
+        own.shutdown()
         sys.exit(0)
     sys.exit(4)
 
@@ -91,6 +112,18 @@ if __name__ == "__main__":
         PIPE.build()
         PIPE.run()
         pool = PIPE._pool
+    elif scenario == "gpu":
+        from mpexec import _gpu, fn
+        from mpexec._gpusim import SimCuPy
+        SIM = _gpu.use_backend(SimCuPy(0))  # held: its exit would restore CuPy
+        SIM.__enter__()
+        @mpexec.pipeline_def(batch_size=2, num_workers=0, seed=1)
+        def define():
+            x = fn.external_source(source=lambda info: np.full(3, info.idx_in_epoch), batch=False)
+            return fn.python_function(x, function=twice, device="gpu")
+        PIPE = define()
+        PIPE.run()
+        pool = PIPE._pool
     else:
         pool = WorkerPool(2)
     pids = list(pool.pids)
@@ -99,6 +132,7 @@ if __name__ == "__main__":
     pending = pool.submit(slow, 0.5)
     pid = os.fork()
     if pid == 0:
+        signal.alarm(20)  # a child that hangs dies (and fails the test), never lingers
         child(scenario, pool, held, pending)  # always ends in SystemExit: a real exit
         os._exit(5)
     _, status = os.waitpid(pid, 0)
@@ -110,7 +144,7 @@ if __name__ == "__main__":
     for _ in range(20):
         assert pool.submit(twice, big).result(T).sum() == 2 * big.size
     assert pool.submit(twice, pool.put(np.ones(10))).result(T).sum() == 20
-    if scenario == "pipeline":
+    if scenario in ("pipeline", "gpu"):
         assert len(PIPE.run()[0]) == 2
         PIPE.close()
     else:
@@ -120,7 +154,9 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("backend", ["memfd", "posix"])
-@pytest.mark.parametrize("scenario", ["exit", "submit", "shutdown", "result", "drop", "pipeline"])
+@pytest.mark.parametrize(
+    "scenario", ["exit", "submit", "shutdown", "result", "drop", "pipeline", "gpu", "fresh"]
+)
 def test_forked_child_leaves_the_parents_pool_working(scenario: str, backend: str) -> None:
     before = shm_names()
     proc = subprocess.run(
