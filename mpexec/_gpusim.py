@@ -33,6 +33,7 @@ real CuPy. It is single-device and serves tests; it is no emulator.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import hashlib
 import random
@@ -796,3 +797,19 @@ class _Keep:
         self.__array_interface__ = dict(view.__array_interface__)
         self.view = view
         self.mem = mem
+
+
+#: The (seed, progress) pairs the GPU tests run under: one whose streams never
+#: progress unasked, and two that run deferred work at random moments.
+SEEDS = [(0, 0.0), (1, 0.3), (2, 0.9)]
+
+
+@contextlib.contextmanager
+def simulated(seed: int, progress: float) -> Iterator[SimCuPy]:
+    """GPU ops run on a fresh simulated device here; it must record no violation."""
+    from . import _gpu
+
+    device = SimCuPy(seed, progress=progress)
+    with _gpu.use_backend(device):
+        yield device
+    assert device.violations == [], device.violations

@@ -13,19 +13,14 @@ import mpexec
 import shm
 from mpexec import _gpu, fn
 from mpexec._doctor import GpuReport, format_report
-from mpexec._gpusim import GARBAGE, SimCuPy
+from mpexec._gpusim import GARBAGE, SEEDS, SimCuPy, simulated
 from mpexec._runtime import Chunk, _np_from_dlpack
 
-SIM_SEEDS = [(0, 0.0), (1, 0.3), (2, 0.9)]
 
-
-@pytest.fixture(params=SIM_SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")
+@pytest.fixture(params=SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")
 def sim(request: pytest.FixtureRequest) -> Iterator[SimCuPy]:
-    seed, progress = request.param
-    device = SimCuPy(seed, progress=progress)
-    with _gpu.use_backend(device):
+    with simulated(*request.param) as device:
         yield device
-    assert device.violations == [], device.violations
 
 
 def _chunk(count: int, iteration: int = 0) -> Chunk:

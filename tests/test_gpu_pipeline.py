@@ -18,18 +18,13 @@ import pytest
 
 import mpexec
 from mpexec import _gpu, fn
-from mpexec._gpusim import SimCuPy
-
-SIM_SEEDS = [(0, 0.0), (1, 0.3), (2, 0.9)]
+from mpexec._gpusim import SEEDS, SimCuPy, simulated
 
 
-@pytest.fixture(params=SIM_SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")
+@pytest.fixture(params=SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")
 def sim(request: pytest.FixtureRequest) -> Iterator[SimCuPy]:
-    seed, progress = request.param
-    device = SimCuPy(seed, progress=progress)
-    with _gpu.use_backend(device):
+    with simulated(*request.param) as device:
         yield device
-    assert device.violations == [], device.violations
     assert device.registered == {}, "a closed pipeline left host memory registered"
     assert device.pending() == 0
 

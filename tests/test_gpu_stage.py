@@ -21,12 +21,10 @@ import pytest
 import mpexec
 import shm
 from mpexec import _gpu
-from mpexec._gpusim import GARBAGE, SimCuPy
-
-SIM_SEEDS = [(0, 0.0), (1, 0.3), (2, 0.9)]  # (seed, chance a call lets a stream progress)
+from mpexec._gpusim import GARBAGE, SEEDS, SimCuPy
 
 
-@pytest.fixture(params=SIM_SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")
+@pytest.fixture(params=SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")
 def sim(request: pytest.FixtureRequest) -> Iterator[SimCuPy]:
     seed, progress = request.param
     device = SimCuPy(seed, progress=progress)
@@ -99,7 +97,7 @@ def test_non_contiguous_runs_are_separate_copies(sim: SimCuPy, arena: shm.Arena)
 
 @pytest.mark.parametrize("how", ["registration-fails", "registration-off", "not-shared"])
 def test_staging_ring_is_the_fallback(how: str, arena: shm.Arena) -> None:
-    for seed, progress in SIM_SEEDS:
+    for seed, progress in SEEDS:
         sim = SimCuPy(seed, progress=progress, register_fails=how == "registration-fails")
         stage = _gpu.GpuStage(sim, 0, register=how != "registration-off", staging_slots=2)
         op = stage.stream("op")

@@ -90,6 +90,27 @@ def _pipeline_run(num_workers: int) -> Run:
         return _collect(pipe.run, pipe.reset)
 
 
+def _scheduler_run(executor: Any, prefetch_depth: int) -> Run:
+    """The test graph's run straight on a Scheduler over ``executor`` (then shut down)."""
+    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=SEED)
+    pipe.define(_graph)
+    assert pipe._graph is not None
+    scheduler = Scheduler(
+        pipe._graph.plan(),
+        executor,
+        batch_size=BATCH,
+        prefetch_depth=prefetch_depth,
+        seed=SEED,
+        last_batch="partial",
+        debug=False,
+    )
+    try:
+        return _collect(scheduler.next_result, scheduler.reset)
+    finally:
+        scheduler.close()
+        executor.shutdown()
+
+
 class PickledUnits:
     """An executor that sends each unit through cloudpickle, as to a remote agent.
 
@@ -137,25 +158,9 @@ class PickledUnits:
 def test_another_executor_gives_bit_identical_outputs() -> None:
     reference = _pipeline_run(0)
     assert reference == _pipeline_run(2)
-    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=SEED)
-    pipe.define(_graph)
-    assert pipe._graph is not None
     executor = PickledUnits()
     checked: UnitExecutor = executor  # it satisfies the protocol (mypy checks this line)
-    scheduler = Scheduler(
-        pipe._graph.plan(),
-        checked,
-        batch_size=BATCH,
-        prefetch_depth=2,
-        seed=SEED,
-        last_batch="partial",
-        debug=False,
-    )
-    try:
-        got = _collect(scheduler.next_result, scheduler.reset)
-    finally:
-        scheduler.close()
-        executor.shutdown()
+    got = _scheduler_run(checked, prefetch_depth=2)
     assert got == reference
     # The chain src -> noise -> double is one unit per chunk, cut in two per batch.
     chained = [u for u in executor.units if u.ops == ("src", "noise", "double")]
@@ -235,24 +240,8 @@ class PickledUnitsWithBlocks(PickledUnits):
 
 def test_another_executor_with_blocks_gives_bit_identical_outputs() -> None:
     reference = _pipeline_run(2)
-    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=SEED)
-    pipe.define(_graph)
-    assert pipe._graph is not None
     executor = PickledUnitsWithBlocks()
-    scheduler = Scheduler(
-        pipe._graph.plan(),
-        executor,
-        batch_size=BATCH,
-        prefetch_depth=1,
-        seed=SEED,
-        last_batch="partial",
-        debug=False,
-    )
-    try:
-        got = _collect(scheduler.next_result, scheduler.reset)
-    finally:
-        scheduler.close()
-        executor.shutdown()
+    got = _scheduler_run(executor, prefetch_depth=1)
     assert got == reference
     # After the first batch taught the shapes, units were given rows to fill.
     assert any(u.out and u.out[0] is not None for u in executor.units)
