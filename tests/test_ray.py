@@ -30,7 +30,7 @@ from mpexec import (  # noqa: E402
     fn,
 )
 from mpexec.ray import RayPool  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.conftest import _children, wait_until  # noqa: E402
 from tests.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
 
 T = 60  # every .result() here is bounded by this
@@ -78,20 +78,6 @@ def _raise_unpicklable() -> None:
 
 
 # ---------------------------------------------------------------- Ray set-ups
-def _ray_children() -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if "forkserver" not in " ".join(_cmdline(p))
-        and "resource_tracker" not in " ".join(_cmdline(p))
-    ]
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-        return []
 
 
 @pytest.fixture(scope="module", params=["local", "two_nodes"])
@@ -126,7 +112,7 @@ def ray_setup(request: pytest.FixtureRequest) -> Iterator[Any]:
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-        wait_until(lambda: not _ray_children(), 60, "Ray's processes to exit")
+        wait_until(lambda: not _children(), 60, "Ray's processes to exit")
 
 
 @pytest.fixture(scope="module")
