@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,6 +15,24 @@ import psutil
 import pytest
 
 START_METHODS = ["forkserver", "spawn"]
+
+
+def run_python(*args: str, stdin: str = "", timeout: float = 120) -> str:
+    """``python *args`` in a fresh interpreter that imports this checkout; its stdout.
+
+    Fails the test, with the child's stderr, if it exits non-zero.
+    """
+    proc = subprocess.run(
+        [sys.executable, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:

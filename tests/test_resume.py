@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from typing import Any
 
@@ -14,6 +11,7 @@ import pytest
 
 import mpexec
 from mpexec import fn
+from tests.conftest import run_python
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -84,20 +82,9 @@ def test_resume_in_a_new_process(tmp_path: Any) -> None:
     assert per_epoch == 6
     script = tmp_path / "resume.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
 
     def run(*args: str, stdin: str = "") -> str:
-        proc = subprocess.run(
-            [sys.executable, str(script), *args],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
+        return run_python(str(script), *args, stdin=stdin)
 
     k = 4
     state = run("save", str(k))

@@ -9,8 +9,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from typing import Any
@@ -36,6 +34,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 import mpexec  # noqa: E402
 import shm  # noqa: E402
 from mpexec import torch as mt  # noqa: E402
+from tests.conftest import run_python  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -475,20 +474,9 @@ RESUME_CASES = {
 def test_resume_in_a_new_process_yields_the_rest(case: str, tmp_path: Any) -> None:
     script = tmp_path / "resume.py"
     script.write_text(textwrap.dedent(RESUME_SCRIPT))
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
 
     def run(*args: str, stdin: str = "") -> Any:
-        proc = subprocess.run(
-            [sys.executable, str(script), case, *args],
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
+        return run_python(str(script), case, *args, stdin=stdin)
 
     # Uninterrupted: torch.manual_seed(99), then epochs 0 and 1.
     torch.manual_seed(99)
@@ -525,25 +513,3 @@ def test_state_between_epochs_starts_the_next_epoch() -> None:
     want = [b[1].tolist() for b in loader]
     loader.load_state_dict(state)
     assert [b[1].tolist() for b in loader] == want
-
-
-# ------------------------------------------------------------------ optional import
-def test_mpexec_never_imports_torch_and_a_missing_torch_names_the_extra() -> None:
-    code = textwrap.dedent(
-        """
-        import sys
-        import mpexec
-        assert "torch" not in sys.modules, "import mpexec imported torch"
-        sys.modules["torch"] = None
-        try:
-            import mpexec.torch
-        except ImportError as exc:
-            assert "mpexec[torch]" in str(exc), exc
-        else:
-            raise SystemExit("no ImportError")
-        """
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
