@@ -38,7 +38,6 @@ import collections
 import contextlib
 import os
 import queue
-import random
 import threading
 import time
 import weakref
@@ -659,14 +658,22 @@ class GpuOpRunner:
             if self.batch_processing:
                 args = tuple(self._arg(list(col), stream) for col in inputs)
                 _runtime._current = BatchInfo(chunk.iteration, chunk.epoch)
+                (np_seed,), (py_seed,) = _runtime.call_seeds(
+                    self.entropy, chunk.epoch, chunk.iteration, 0, 1
+                )
                 try:
-                    out = self._call(args, (chunk.epoch, chunk.iteration, 0), None)
+                    out = self._call(
+                        args, (chunk.epoch, chunk.iteration, 0), None, np_seed, py_seed
+                    )
                 finally:
                     _runtime._current = None
                 return tuple(
                     self._batch_column(xp, v, i, size) for i, v in enumerate(self._split(out))
                 )
             columns: tuple[list[Any], ...] = tuple([] for _ in range(self.num_outputs))
+            np_seeds, py_seeds = _runtime.call_seeds(
+                self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, size
+            )
             for j in range(size):
                 b = chunk.start + j
                 args = tuple(self._arg(col[j], stream) for col in inputs)
@@ -674,7 +681,9 @@ class GpuOpRunner:
                     chunk.epoch_start + b, b, chunk.iteration, chunk.epoch
                 )
                 try:
-                    out = self._call(args, (chunk.epoch, chunk.iteration, b + 1), b)
+                    out = self._call(
+                        args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
+                    )
                 finally:
                     _runtime._current = None
                 for i, v in enumerate(self._split(out)):
@@ -688,12 +697,24 @@ class GpuOpRunner:
             return [v.__dlpack__(stream=stream.ptr) for v in value]
         return value.__dlpack__(stream=stream.ptr)
 
-    def _call(self, args: tuple[Any, ...], key: tuple[int, int, int], sample: int | None) -> Any:
-        seq = np.random.SeedSequence(self.entropy, spawn_key=key)
-        words = seq.generate_state(4)
-        np.random.seed(words)
-        random.seed(int(words[0]) << 32 | int(words[1]))
-        kwargs = {"rng": np.random.Generator(np.random.PCG64(seq))} if self.takes_rng else {}
+    def _call(
+        self,
+        args: tuple[Any, ...],
+        key: tuple[int, int, int],
+        sample: int | None,
+        np_seed: int,
+        py_seed: int,
+    ) -> Any:
+        from . import _runtime
+
+        # Global random state reseeded exactly as a CPU op's call (_runtime.OpRunner._call).
+        _runtime._np_seed(np_seed)
+        _runtime._py_seed(_runtime._py_inst, py_seed)
+        _runtime._py_inst.gauss_next = None
+        kwargs = {}
+        if self.takes_rng:
+            seq = np.random.SeedSequence(self.entropy, spawn_key=key)
+            kwargs["rng"] = np.random.Generator(np.random.PCG64(seq))
         try:
             return self.function(*args, **kwargs)
         except Exception as exc:

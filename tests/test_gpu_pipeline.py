@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -257,3 +258,26 @@ def test_a_pipeline_dropped_without_close_stops_its_gpu_stage(sim: SimCuPy) -> N
     assert gpu.stage.closed
     assert gpu._thread is not None
     assert not gpu._thread.is_alive()
+
+
+def _global_noise(x: Any) -> Any:
+    # np.random and random's global state: reseeded before each call as on the CPU.
+    shift = np.float32(np.random.random() + random.random() + random.gauss(0, 1))
+    return x + shift
+
+
+def test_gpu_ops_reseed_global_random_state_as_cpu_ops_do(sim: SimCuPy) -> None:
+    def pipeline(device: str) -> mpexec.Pipeline:
+        @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=11)
+        def pipe() -> Any:
+            a = fn.external_source(source=_source, batch=False)
+            return fn.python_function(a, function=_global_noise, device=device)
+
+        return pipe()
+
+    results = {}
+    for device in ("cpu", "gpu"):
+        with pipeline(device) as pipe:
+            results[device] = [host(pipe.run()[0]) for _ in range(2)]
+    for cpu, gpu in zip(results["cpu"], results["gpu"], strict=True):
+        np.testing.assert_array_equal(cpu, gpu)
