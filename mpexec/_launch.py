@@ -284,6 +284,23 @@ class _ForkServerPopen(popen_forkserver.Popen):
 
 _server: forkserver.ForkServer | None = None
 _server_lock = threading.Lock()
+_preload = ["mpexec._worker"]  # what mpexec's fork server imports before forking workers
+
+
+def preload(module: str) -> None:
+    """Have mpexec's fork server import ``module`` too, so workers inherit it.
+
+    For heavy imports every worker needs (torch, for the DataLoader). Only a
+    server that has not started takes it; a running one is left as it is.
+    """
+    with _server_lock:
+        if module in _preload:
+            return
+        if _server is not None and getattr(_server, "_forkserver_pid", None) is not None:
+            return
+        _preload.append(module)
+        if _server is not None:
+            _server.set_forkserver_preload(list(_preload))
 
 
 def _fork_server() -> forkserver.ForkServer:
@@ -292,7 +309,7 @@ def _fork_server() -> forkserver.ForkServer:
     with _server_lock:
         if _server is None:
             server = forkserver.ForkServer()
-            server.set_forkserver_preload(["mpexec._worker"])
+            server.set_forkserver_preload(list(_preload))
             _server = server
         return _server
 

@@ -49,7 +49,7 @@ except ImportError as _exc:  # pragma: no cover - exercised without torch instal
 
 import numpy as np
 
-from . import _worker
+from . import _launch, _worker
 from ._batch import Batch
 from ._doctor import default_start_method
 from ._errors import BrokenPoolError, LoaderTimeoutError
@@ -386,22 +386,14 @@ class _WorkersIter(_EpochIter):
 
 
 def _preload_torch(start_method: str | None) -> None:
-    """Have the fork server import torch once, so that workers start in milliseconds.
+    """Have mpexec's fork server import torch once, so that workers start in milliseconds.
 
     A worker forked from the server inherits its modules; without this, each
     worker of each epoch imports torch itself (seconds on a busy machine).
-    Only a server not started yet can take it: one already running is left be.
+    The user's own (standard) fork server is left alone.
     """
-    from multiprocessing import forkserver
-
-    if (start_method or default_start_method()) != "forkserver":
-        return
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is not None:
-        return
-    modules = list(getattr(server, "_preload_modules", ["__main__"]))
-    if "torch" not in modules:
-        forkserver.set_forkserver_preload([*modules, "torch"])
+    if (start_method or default_start_method()) == "forkserver":
+        _launch.preload("torch")
 
 
 def _close_pool(pool: WorkerPool) -> None:
