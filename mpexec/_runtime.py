@@ -100,10 +100,9 @@ def write_rows(
     for i, o in enumerate(out):
         ok = False
         if o is not None and n:
-            column = [r[i] for r in rows]
-            shape, dtype = o.shape[1:], o.dtype
-            if all(a.shape == shape and a.dtype == dtype for a in column):
-                np.stack(column, out=o[:n])
+            column, block = [r[i] for r in rows], o[:n]
+            if _fits(column, block):
+                np.stack(column, out=block)
                 ok = True
         written.append(ok)
     if any(written):
@@ -187,9 +186,6 @@ class OpRunner:
         self.dlpack = dlpack
         self.debug = debug
         self.takes_rng = _takes_keyword(function, "rng")
-        self._init_fast()
-
-    def _init_fast(self) -> None:
         # Calls with nothing around them but the reseeding, and outputs with no
         # declaration to check, take a short path (most ops of most pipelines).
         self._plain = not (self.takes_rng or self.dlpack or self.debug)
@@ -224,7 +220,7 @@ class OpRunner:
                 b = chunk.start + j
                 info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
                 _current = info
-                args = (info,) if self.kind == "source" else tuple(x[j] for x in inputs)
+                args = (info,) if self.kind == "source" else tuple([x[j] for x in inputs])
                 try:
                     result = self._call(
                         args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
@@ -457,7 +453,7 @@ class ChainRunner:
         for j in range(chunk.count):
             b = start + j
             info = SampleInfo(chunk.epoch_start + b, b, iteration, epoch)
-            values: tuple[Any, ...] = (info,) if source else tuple(x[j] for x in inputs)
+            values: tuple[Any, ...] = (info,) if source else tuple([x[j] for x in inputs])
             t = perf()
             for k, runner in runners:
                 _current = info

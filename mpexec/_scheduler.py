@@ -14,23 +14,27 @@
                           dispatch: an op whose inputs are in
                             chunking: k chunks of the batch
                             one WorkUnit per chunk  ----------->  submit_unit(unit)
-                                                                    unit.run(): in a worker
-                                                                    (WorkerPool), or here
-                                                                    (num_workers=0)
+                                                                    its runner on its rows:
+                                                                    in a worker (WorkerPool,
+                                                                    RayPool), here
+                                                                    (num_workers=0), or on
+                                                                    the GPU thread
                           assembly  <---- Future[ChunkResult] ----  done callback (any
                             chunks in order -> columns;             thread)
                             dependants dispatched
     run() returns i  <--  all outputs in: tuple of Batch
 
-    who owns what: the Pipeline owns the WorkerPool (and so its arenas and
-    rings); the Scheduler owns the iterations in flight and each op's state;
+    who owns what: the Pipeline owns the WorkerPool it started (and so its
+    arenas and rings; a pool given with ``pool=`` stays its owner's) and
+    its GPU stage; the Scheduler owns the iterations in flight and each op's state;
     a Batch owns (keeps alive) the views of shared memory it hands out.
 
 The unit of work is a :class:`WorkUnit`: one chunk (samples ``start ..
 start+count`` of one iteration) through one op, or through a chain of
 per-sample ops fused into one call (:class:`ChainRunner`), given the chunk's
-rows of each input column. ``unit.run()`` is the whole computation, the same
-in any process: seeding, ``SampleInfo``, calls, output checks. It returns a
+rows of each input column. ``unit.runner(unit.chunk, *unit.inputs)`` (what
+``unit.run()`` does) is the whole computation, the same in any process:
+seeding, ``SampleInfo``, calls, output checks. It returns a
 :class:`ChunkResult` (outputs, seconds, pid, where a source stopped).
 
 A :class:`UnitExecutor` is anything that runs units and returns futures:
@@ -57,14 +61,16 @@ A :class:`UnitExecutor` is anything that runs units and returns futures:
   descriptor, not one per sample. A chunk whose samples do not fit returns
   its arrays, and that batch is assembled from them instead.
 
-:class:`PoolExecutor` adapts a :class:`WorkerPool`; each op's
-``_OpState.executor`` names the executor its units go to (all the same one
-today). Arrays never pass through the scheduler by value: a result is a view
-of a worker's arena, and handing it to the next op sends its descriptor on.
+:class:`PoolExecutor` adapts a pool (a :class:`WorkerPool` or a ``RayPool``;
+:class:`LocalPoolExecutor` adds ``empty`` for a local one); each op's
+``_OpState.executor`` names the executor its units go to: the pool's, or the
+GPU stage's for ``device="gpu"`` ops (a chain never spans two executors).
+Arrays never pass through the scheduler by value: a result is a view of a
+worker's arena, and handing it to the next op sends its descriptor on.
 Randomness depends only on (seed, op, epoch, iteration, sample), so results do
 not depend on the executor, chunking, prefetch or timing. Stateful ops run in
-iteration order on one worker: each has a turn counter, and an iteration's
-call waits for its turn.
+iteration order on one worker: each has a turn counter, and an iteration's call
+waits for its turn.
 """
 
 from __future__ import annotations
@@ -203,9 +209,6 @@ class LocalPoolExecutor(PoolExecutor):
     """
 
     pool: WorkerPool
-
-    def __init__(self, pool: WorkerPool) -> None:
-        super().__init__(pool)
 
     def share(self, array: Any) -> Any:
         # Packed with others: a source's arrays are never passed writable, so they
@@ -868,16 +871,15 @@ class Scheduler:
             else:
                 col = []
                 for p, (a, _), count, w in zip(parts, bounds, counts, written, strict=True):
-                    if w:
+                    if w:  # rows of the batch's block: ours, not the function's
                         assert block is not None
                         col.extend(block[a : a + count])
-                    elif s.op.batch_processing:
-                        col.extend(p.outputs[i])
-                    else:
-                        col.extend(r[i] for r in p.outputs)
-                if self._workers == 0:
-                    # Here the function's own arrays: it may keep and reuse them.
-                    col[:] = [np.array(a, copy=True) for a in col]
+                        continue
+                    got = p.outputs[i] if s.op.batch_processing else [r[i] for r in p.outputs]
+                    if self._workers == 0:
+                        # Here the function's own arrays: it may keep and reuse them.
+                        got = [np.array(x, copy=True) for x in got]
+                    col.extend(got)
                 for a in col:
                     a.flags.writeable = False
                 check_consistent(s.op.describe(), i, col)

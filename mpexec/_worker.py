@@ -174,6 +174,7 @@ def current() -> tuple[int, shm.Arena] | None:
 class _Worker:
     def __init__(self, boot: WorkerBoot, arena: shm.Arena) -> None:
         self.boot = boot
+        self.watch = [boot.lifeline]  # what every blocking ring wait also watches
         self.arena = arena
         self.fns: dict[int, Any] = {}  # fn id -> function, or the exception loading it
         self.peer = boot.result_releases
@@ -201,7 +202,7 @@ class _Worker:
         if self.closed:
             return
         try:
-            batch = self.boot.tasks.pop_many(timeout=timeout, watch=[self.boot.lifeline])
+            batch = self.boot.tasks.pop_many(timeout=timeout, watch=self.watch)
         except shm.RingTimeoutError:
             return
         except shm.RingClosedError:  # the pool closed our ring, or died
@@ -228,7 +229,10 @@ class _Worker:
             self.cancels.discard(n - 1)
             self.verdicts.pop(n - 1, None)
         self.boot.done.publish_progress(n)
-        self.take(0)
+        # A CANCEL for this call was pushed before our progress, or not at all: the
+        # head (read after the barrier above) says which without a pop's syscall.
+        if self.boot.tasks.may_have_records():
+            self.take(0)
         if n not in self.cancels:
             return False
         while n not in self.verdicts and not self.closed:
@@ -259,7 +263,7 @@ class _Worker:
                 # Open and drop the arguments: the pool's memory they hold goes back.
                 with contextlib.suppress(Exception):
                     _codec.decode(body_of(rec, flags))
-                done, watch = self.boot.done, [self.boot.lifeline]
+                done, watch = self.boot.done, self.watch
                 done.push(record(SKIPPED, b"", task_id), timeout=None, watch=watch)
                 return
             self.call(task_id, fn_id, body_of(rec, flags))
@@ -277,7 +281,7 @@ class _Worker:
             rec = self.run(task_id, fn_id, body)
         except BaseException as exc:
             rec = spill(ERROR, _pickle_error(exc), self.arena, self.peer, task_id)
-        self.boot.done.push(rec, timeout=None, watch=[self.boot.lifeline])
+        self.boot.done.push(rec, timeout=None, watch=self.watch)
 
     def run(self, task_id: int, fn_id: int, body: bytes | memoryview) -> bytes:
         """Call the function on the decoded arguments; the OK record of its result."""
