@@ -707,10 +707,9 @@ class GpuOpRunner:
     ) -> Any:
         from . import _runtime
 
-        # Global random state reseeded exactly as a CPU op's call (_runtime.OpRunner._call).
-        _runtime._np_seed(np_seed)
-        _runtime._py_seed(_runtime._py_inst, py_seed)
-        _runtime._py_inst.gauss_next = None
+        # Global random state reseeded as a CPU op's call (_runtime.OpRunner._call),
+        # always: work queued on a stream is not repeated.
+        _runtime.reseed(np_seed, py_seed)
         kwargs = {}
         if self.takes_rng:
             seq = np.random.SeedSequence(self.entropy, spawn_key=key)

@@ -10,6 +10,7 @@ the randomness are identical whichever process runs a call.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import os
 import random
@@ -49,8 +50,104 @@ _current: SampleInfo | BatchInfo | None = None
 # legacy RandomState's method; ``random.seed`` is reached without its Python
 # wrapper (which, for an int, only forwards it and clears ``gauss_next``).
 _np_seed = np.random.seed
+_np_inst: Any = np.random.mtrand._rand  # the RandomState behind np.random.*
 _py_inst: Any = random.seed.__self__  # type: ignore[attr-defined]
 _py_seed: Any = type(_py_inst).__mro__[1].seed  # type: ignore[attr-defined]
+
+_N = 624  # words of Mersenne Twister state, in both generators
+
+
+def _words(address: int) -> Any:
+    return (ctypes.c_uint32 * (_N + 1)).from_address(address)
+
+
+def _np_words(state: Any) -> Any:
+    """A RandomState's MT19937 ``key[624]`` and ``pos``, read in place, or None.
+
+    ``BitGenerator.ctypes.state_address`` is public; the struct's layout
+    (numpy/random/src/mt19937) is checked on a private generator first.
+    """
+    with contextlib.suppress(Exception):
+        bg = state._bit_generator
+        if type(bg) is np.random.MT19937:
+            probe = np.random.RandomState(np.random.MT19937())
+            w = _words(probe._bit_generator.ctypes.state_address)
+            probe.seed(5)
+            seeded = (w[_N], w[0])
+            probe.random_sample()  # two words
+            if seeded == (_N, 5) and w[_N] == 2 and w[0] != 5:
+                return _words(bg.ctypes.state_address)
+    return None
+
+
+def _py_words(inst: Any) -> Any:
+    """A ``random.Random``'s ``index`` and ``state[624]``, read in place, or None.
+
+    CPython's ``RandomObject`` is the object header, then ``int index`` and
+    ``uint32_t state[624]``; checked on a private instance first.
+    """
+    with contextlib.suppress(Exception):
+        base = type(inst).__mro__[1]
+        header = object.__basicsize__
+        if base.__basicsize__ >= header + 4 * (_N + 1):
+            probe = random.Random()
+            w = _words(id(probe) + header)
+            probe.seed(5)
+            seeded = w[0]
+            first = w[1]
+            probe.getrandbits(32)
+            if seeded == _N and w[0] == 1 and w[1] != first:
+                return _words(id(inst) + header)
+    return None
+
+
+class _GlobalRandom:
+    """``np.random``'s and ``random``'s global state, reseeded only where a call reads it.
+
+    Reseeding both costs ~5 us, more than a light op. A call that draws from
+    neither cannot tell whether they were reseeded, so a runner may call its
+    function on the state left by an earlier reseeding (while it is untouched)
+    and check afterwards, in a few word reads, that the call drew nothing. If it
+    did, the call is run again on freshly reseeded state and that runner
+    reseeds before every call from then on: outputs are those of reseeding
+    before every call. Where the state cannot be read in place (another
+    Python, another bit generator), every call reseeds.
+    """
+
+    def __init__(self) -> None:
+        self.np = _np_words(_np_inst)
+        self.py = _py_words(_py_inst)
+        self.bit_generator = getattr(_np_inst, "_bit_generator", None)
+        self.watch = self.np is not None and self.py is not None
+        self.key = (0, 0)  # words 0 of both states right after the last reseeding
+
+    def reseed(self, np_seed: int, py_seed: int) -> None:
+        _np_seed(np_seed)
+        _py_seed(_py_inst, py_seed)
+        _py_inst.gauss_next = None
+        if self.watch:
+            if _np_inst._bit_generator is not self.bit_generator:
+                self.watch = False  # np.random.set_bit_generator: not the state watched
+            self.key = (self.np[0], self.py[1])
+
+    def fresh(self) -> bool:
+        """Nothing has drawn from either generator since the last :meth:`reseed`."""
+        n, p = self.np, self.py
+        return (
+            n[_N] == _N
+            and p[0] == _N
+            and (n[0], p[1]) == self.key
+            and _py_inst.gauss_next is None
+            and _np_inst._bit_generator is self.bit_generator
+        )
+
+
+_globals = _GlobalRandom()
+
+
+def reseed(np_seed: int, py_seed: int) -> None:
+    """Reseed ``np.random`` and ``random`` for a call that always reseeds (GPU ops)."""
+    _globals.reseed(np_seed, py_seed)
 
 
 def sample_info() -> SampleInfo | BatchInfo | None:
@@ -162,6 +259,8 @@ class OpRunner:
 
     ``kind``: ``"sample"`` (one call per sample), ``"batch"`` (one call with
     lists), ``"source"`` (a per-sample source callable taking SampleInfo).
+    ``repeatable``: a call may run twice (see :meth:`_call`); False for
+    stateful ops and ops kept for their side effects.
     """
 
     def __init__(
@@ -175,6 +274,7 @@ class OpRunner:
         output_shapes: tuple[tuple[int | None, ...] | None, ...] | None = None,
         dlpack: bool = False,
         debug: bool = False,
+        repeatable: bool = True,
     ) -> None:
         self.name = name
         self.function = function
@@ -190,6 +290,9 @@ class OpRunner:
         # declaration to check, take a short path (most ops of most pipelines).
         self._plain = not (self.takes_rng or self.dlpack or self.debug)
         self._unchecked = self.output_dtypes is None and self.output_shapes is None
+        # Reseed before every call: a call that may not run twice (stateful ops,
+        # ops kept for their side effects) cannot be speculative (_GlobalRandom).
+        self._always = not repeatable
 
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
         """Run the chunk; ``out``: per output, an array to write its rows into, or None."""
@@ -245,10 +348,33 @@ class OpRunner:
         np_seed: int,
         py_seed: int,
     ) -> Any:
-        """One call: global random state reseeded from :func:`call_seeds`, ``rng`` from key."""
-        _np_seed(np_seed)
-        _py_seed(_py_inst, py_seed)
-        _py_inst.gauss_next = None
+        """One call, as if global random state were reseeded from :func:`call_seeds` first.
+
+        See :class:`_GlobalRandom`: while nothing has drawn from the global
+        generators since they were last reseeded, a call that may be repeated
+        runs on that state, and runs again reseeded if it drew from them.
+        """
+        g = _globals
+        if self._always or not g.watch or not g.fresh():
+            g.reseed(np_seed, py_seed)
+            result = self._invoke(args, key, sample)
+            if not self._always and g.watch and not g.fresh():
+                self._always = True  # it draws: no more speculation
+            return result
+        try:
+            result = self._invoke(args, key, sample)
+        except Exception:
+            if g.fresh():
+                raise
+            result = None
+        if g.fresh():
+            return result
+        self._always = True
+        g.reseed(np_seed, py_seed)
+        return self._invoke(args, key, sample)
+
+    def _invoke(self, args: tuple[Any, ...], key: tuple[int, int, int], sample: int | None) -> Any:
+        """The function's call: with ``rng`` from ``key``, DLPack inputs, debug checks."""
         if self._plain:
             try:
                 return self.function(*args)

@@ -372,6 +372,7 @@ class Scheduler:
                     op.output_shapes,
                     op.dlpack,
                     debug,
+                    repeatable=not (op.stateful or op.preserve or op.num_outputs == 0),
                 )
             worker = None
             if op.stateful:

@@ -1,0 +1,235 @@
+"""Global random state is reseeded only where a call reads it (``_runtime._GlobalRandom``).
+
+A call that draws from ``np.random`` or ``random`` must see exactly the state
+reseeding before every call gives (DESIGN.md §4.2), whatever earlier calls, the
+caller or a cached Gaussian left behind. The reference here reseeds before every
+call (``watch`` off, in this process); the runs under test speculate, in workers
+and inline.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpexec
+from mpexec import _runtime, fn
+from mpexec._runtime import Chunk, OpRunner
+
+N = 24
+BATCH = 8
+
+
+def _source(info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+    if info.idx_in_epoch >= N:
+        raise StopIteration
+    return np.array([info.idx_in_epoch], dtype=np.int64)
+
+
+def _np_sometimes(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Draws on every third sample only: most calls before it drew nothing."""
+    if x[0] % 3 == 2:
+        return np.random.random(2) + x[0]
+    return np.zeros(2) + x[0]
+
+
+def _np_624_words(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """312 doubles are 624 words: the position is back where reseeding left it."""
+    if x[0] % 4 == 1:
+        return np.random.random(312)[:2] + x[0]
+    return np.zeros(2) + x[0]
+
+
+def _py_sometimes(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if x[0] % 5 == 3:
+        return np.array([random.random(), random.getrandbits(20)]) + x[0]
+    return np.zeros(2) + x[0]
+
+
+def _leaves_gaussians(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """One of a pair each: both generators cache the other for the next draw."""
+    if x[0] % 2:
+        return np.array([np.random.standard_normal(), random.gauss(0.0, 1.0)])
+    return np.zeros(2)
+
+
+def _gaussians_sometimes(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if x[0] % 3:
+        return np.array([np.random.standard_normal(), random.gauss(0.0, 1.0)])
+    return np.zeros(2)
+
+
+def _never(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return (x * 2).astype(np.float64)
+
+
+def make(num_workers: int) -> mpexec.Pipeline:
+    @mpexec.pipeline_def(batch_size=BATCH, num_workers=num_workers, seed=42)
+    def graph() -> Any:
+        src = fn.external_source(source=_source, batch=False)
+        return (
+            fn.python_function(src, function=_np_sometimes),
+            fn.python_function(src, function=_np_624_words),
+            fn.python_function(src, function=_py_sometimes),
+            fn.python_function(fn.python_function(src, function=_never), function=_np_sometimes),
+            fn.python_function(src, function=_leaves_gaussians),
+            fn.python_function(src, function=_gaussians_sometimes),
+        )
+
+    return graph()
+
+
+def run(pipe: mpexec.Pipeline, between: Any = None) -> list[list[bytes]]:
+    got = []
+    with pipe:
+        for outs in pipe:
+            got.append([np.asarray(s).tobytes() for b in outs for s in b])
+            if between is not None:
+                between()
+    return got
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[bytes]]:
+    saved = _runtime._globals.watch
+    _runtime._globals.watch = False  # reseed before every call
+    try:
+        return run(make(0))
+    finally:
+        _runtime._globals.watch = saved
+
+
+def test_the_state_is_watched_here() -> None:
+    """On CPython with NumPy's MT19937 the speculation is on (else the tests prove little)."""
+    assert _runtime._globals.watch
+    _runtime.reseed(1, 2)
+    assert _runtime._globals.fresh()
+    np.random.random_sample()
+    assert not _runtime._globals.fresh()
+    _runtime.reseed(1, 2)
+    random.random()
+    assert not _runtime._globals.fresh()
+    _runtime.reseed(1, 2)
+    np.random.random(312)  # 624 words: the position comes back, the words do not
+    assert not _runtime._globals.fresh()
+    _runtime.reseed(1, 2)
+    random.setstate((*random.getstate()[:2], 0.5))  # a cached Gaussian, nothing drawn
+    assert not _runtime._globals.fresh()
+
+
+@pytest.mark.usefixtures("no_leaks")
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_outputs_equal_reseeding_before_every_call(
+    reference: list[list[bytes]], num_workers: int
+) -> None:
+    assert len(reference) == N // BATCH
+    assert run(make(num_workers)) == reference
+
+
+def test_the_caller_drawing_between_inline_runs_changes_nothing(
+    reference: list[list[bytes]],
+) -> None:
+    def draw() -> None:
+        np.random.standard_normal()  # leaves the pair's second value cached
+        random.gauss(0.0, 1.0)
+
+    assert run(make(0), between=draw) == reference
+
+
+def _counted(calls: list[int]) -> Any:
+    def function(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        calls.append(int(x[0]))
+        return np.random.random(1) if x[0] % 2 else np.zeros(1)
+
+    return function
+
+
+def _chunk(count: int, iteration: int = 0) -> Chunk:
+    return Chunk(epoch=0, iteration=iteration, start=0, count=count, epoch_start=0)
+
+
+def test_a_drawing_call_runs_again_once_then_every_call_is_reseeded() -> None:
+    calls: list[int] = []
+    runner = OpRunner("op", _counted(calls), "sample", 1, 7)
+    xs = np.arange(6).reshape(6, 1)
+    _runtime.reseed(0, 0)
+    first = runner(_chunk(6), xs)
+    # sample 1 is the first to draw, on state it did not reseed: it ran twice
+    assert calls == [0, 1, 1, 2, 3, 4, 5]
+    calls.clear()
+    second = runner(_chunk(6), xs)
+    assert calls == [0, 1, 2, 3, 4, 5]
+    assert [a.tobytes() for (a,) in first.outputs] == [b.tobytes() for (b,) in second.outputs]
+
+
+def test_calls_that_draw_nothing_leave_the_state_alone() -> None:
+    runner = OpRunner("op", _never, "sample", 1, 7)
+    _runtime.reseed(123, 456)
+    before = (np.random.get_state()[1].copy(), random.getstate())
+    runner(_chunk(5), np.arange(5).reshape(5, 1))
+    assert np.array_equal(np.random.get_state()[1], before[0])
+    assert random.getstate() == before[1]
+
+
+@pytest.mark.parametrize("kind", ["stateful", "preserve"])
+def test_calls_that_may_not_repeat_always_reseed(kind: str) -> None:
+    calls: list[int] = []
+    runner = OpRunner("op", _counted(calls), "sample", 1, 7, repeatable=False)
+    _runtime.reseed(0, 0)
+    runner(_chunk(6), np.arange(6).reshape(6, 1))
+    assert calls == list(range(6)), kind
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_stateful_op_is_never_called_twice() -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            self.n += 1
+            return np.array([self.n, np.random.randint(1 << 30)], dtype=np.int64)
+
+    @mpexec.pipeline_def(batch_size=BATCH, num_workers=2, seed=3)
+    def graph() -> Any:
+        src = fn.external_source(source=_source, batch=False)
+        return fn.python_function(src, function=Counter(), stateful=True)
+
+    with graph() as pipe:
+        counts = [int(s[0]) for (out,) in pipe for s in out]
+    assert counts == list(range(1, N + 1))
+
+
+def test_an_error_from_a_speculative_call_that_drew_is_the_reseeded_calls() -> None:
+    seen: list[float] = []
+
+    def fails(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        value = np.random.random()
+        seen.append(value)
+        raise ValueError(f"drew {value!r}")
+
+    runner = OpRunner("op", fails, "sample", 1, 7)
+    _runtime.reseed(0, 0)
+    with pytest.raises(ValueError) as info:
+        runner(_chunk(1), np.zeros((1, 1)))
+    assert len(seen) == 2
+    assert seen[0] != seen[1]
+    assert str(info.value) == f"drew {seen[1]!r}"  # the run on freshly reseeded state
+    (np_seed,), _ = _runtime.call_seeds(7, 0, 0, 1, 1)
+    np.random.seed(np_seed)
+    assert seen[1] == np.random.random()
+
+
+def test_another_bit_generator_turns_the_watch_off() -> None:
+    """After ``np.random.set_bit_generator`` the words watched are not the state used."""
+    g = _runtime._GlobalRandom()
+    assert g.watch
+    g.reseed(1, 2)
+    assert g.fresh()
+    g.bit_generator = object()  # as if np.random's RandomState had another one now
+    assert not g.fresh()
+    g.reseed(1, 2)
+    assert not g.watch
