@@ -904,10 +904,7 @@ class GpuExecutor:
             for key in [k for k, e in self._events.items() if e.done]:
                 del self._events[key]  # complete: consumers need not wait on it
         seconds = time.perf_counter() - t0
-        if runner.batch_processing:
-            return ChunkResult(columns, seconds, os.getpid())
-        rows = list(zip(*columns, strict=True)) if columns else [()] * chunk.count
-        return ChunkResult(rows, seconds, os.getpid())
+        return ChunkResult(tuple(columns), chunk.count, seconds, os.getpid())
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop the thread (after queued calls, unless cancelled) and close the stage.

@@ -120,8 +120,12 @@ class _GlobalRandom:
         self.bit_generator = getattr(_np_inst, "_bit_generator", None)
         self.watch = self.np is not None and self.py is not None
         self.key = (0, 0)  # words 0 of both states right after the last reseeding
+        # fresh() was True after the last call and nothing of the caller's ran
+        # since (a runner clears it at each chunk): the next check is skipped.
+        self.known = False
 
     def reseed(self, np_seed: int, py_seed: int) -> None:
+        self.known = False  # the call about to run may draw
         _np_seed(np_seed)
         _py_seed(_py_inst, py_seed)
         _py_inst.gauss_next = None
@@ -168,43 +172,49 @@ class Chunk:
 
 @dataclass(frozen=True)
 class ChunkResult:
-    """Outputs per sample (or per output, for batch calls), and what they cost."""
+    """Per output, its column of the chunk (a list of arrays), and what it cost.
 
-    outputs: Any
+    A per-sample op's column holds one array per sample; a batch op's, its
+    samples of the whole batch. A column the call wrote into its ``out``
+    block is None (``written[i]`` is True): only the rows' count travels.
+    """
+
+    outputs: tuple[Any, ...]
+    count: int  # samples computed (a source may stop early)
     seconds: float
     pid: int
     stop: int | None = None  # a source ended the epoch at this sample (batch index)
     per_op: tuple[tuple[float, int, int], ...] = ()  # a ChainRunner's (s, in, out) per op
-    # Per output: its rows went into the call's ``out`` array (their entries here are None).
     written: tuple[bool, ...] = ()
 
 
-def write_rows(
-    rows: list[tuple[Any, ...]], out: tuple[Any, ...]
-) -> tuple[list[tuple[Any, ...]], tuple[bool, ...]]:
-    """Per-sample outputs written into the chunk's ``out`` arrays, where they fit.
+def write_columns(
+    rows: list[tuple[Any, ...]], n: int, out: tuple[Any, ...]
+) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
+    """The chunk's per-sample outputs as ``n`` columns, written into ``out`` where they fit.
 
     ``out[i]`` (or None) holds a row per sample of output ``i``, in the block
     of the whole batch: where every sample of the chunk has its shape and
-    dtype, the rows are stacked into it in one copy and their entries become
-    None; otherwise (a sample departs from the learned shape) the chunk
-    returns that output's arrays, and the scheduler falls back to them.
+    dtype, the rows are stacked into it in one copy and the column is None;
+    otherwise (a sample departs from the learned shape) the column is the
+    arrays, and the scheduler falls back to them.
     """
-    if not out:
-        return rows, ()
-    n = len(rows)
-    written = []
-    for i, o in enumerate(out):
-        ok = False
-        if o is not None and n:
-            column, block = [r[i] for r in rows], o[:n]
+    columns: list[Any] = []
+    written: list[bool] = []
+    count = len(rows)
+    for i in range(n):
+        column = [r[i] for r in rows]
+        block = out[i] if out else None
+        if block is not None and count:
+            block = block[:count]
             if _fits(column, block):
                 np.stack(column, out=block)
-                ok = True
-        written.append(ok)
-    if any(written):
-        rows = [tuple(None if w else v for v, w in zip(r, written, strict=True)) for r in rows]
-    return rows, tuple(written)
+                columns.append(None)
+                written.append(True)
+                continue
+        columns.append(column)
+        written.append(False)
+    return tuple(columns), tuple(written)
 
 
 _M64 = (1 << 64) - 1
@@ -293,88 +303,88 @@ class OpRunner:
         # Reseed before every call: a call that may not run twice (stateful ops,
         # ops kept for their side effects) cannot be speculative (_GlobalRandom).
         self._always = not repeatable
+        self._where = (0, 0)  # (epoch, iteration) of the chunk running: rng's key
 
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
         """Run the chunk; ``out``: per output, an array to write its rows into, or None."""
         global _current
         t0 = time.perf_counter()
         stop = None
-        written: tuple[bool, ...] = ()
+        self._where = (chunk.epoch, chunk.iteration)
+        _globals.known = False  # anything may have drawn since the last chunk (the caller)
         if self.kind == "batch":
-            _current = BatchInfo(chunk.iteration, chunk.epoch)
             (np_seed,), (py_seed,) = call_seeds(self.entropy, chunk.epoch, chunk.iteration, 0, 1)
             # A batch function gets lists of samples, also of a batch held as one block.
             inputs = tuple(list(x) if isinstance(x, np.ndarray) else x for x in inputs)
+            _current = BatchInfo(chunk.iteration, chunk.epoch)
             try:
-                outputs = self._call(
-                    inputs, (chunk.epoch, chunk.iteration, 0), None, np_seed, py_seed
-                )
+                outputs = self._call(inputs, None, np_seed, py_seed)
             finally:
                 _current = None
-            outputs, written = self._batch_outputs(
-                outputs, len(inputs[0]) if inputs else chunk.count, out
-            )
+            count = len(inputs[0]) if inputs else chunk.count
+            columns, written = self._batch_outputs(outputs, count, out)
         else:
-            outputs = []
+            rows = []
             np_seeds, py_seeds = call_seeds(
                 self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count
             )
-            for j in range(chunk.count):
-                b = chunk.start + j
-                info = SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
-                _current = info
-                args = (info,) if self.kind == "source" else tuple([x[j] for x in inputs])
-                try:
-                    result = self._call(
-                        args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
-                    )
-                except StopIteration:
-                    if self.kind != "source":
-                        raise
-                    stop = b
-                    break
-                finally:
-                    _current = None
-                outputs.append(self._sample_outputs(result, b))
-            outputs, written = write_rows(outputs, out)
-        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, written=written)
+            source = self.kind == "source"
+            iteration, epoch, first = chunk.iteration, chunk.epoch, chunk.epoch_start
+            try:
+                for j in range(chunk.count):
+                    b = chunk.start + j
+                    info = _current = SampleInfo(first + b, b, iteration, epoch)
+                    args = (info,) if source else tuple([x[j] for x in inputs])
+                    try:
+                        result = self._call(args, b, np_seeds[j], py_seeds[j])
+                    except StopIteration:
+                        if not source:
+                            raise
+                        stop = b
+                        break
+                    rows.append(self._sample_outputs(result, b))
+            finally:
+                _current = None
+            count = len(rows)
+            columns, written = write_columns(rows, self.num_outputs, out)
+        seconds = time.perf_counter() - t0
+        return ChunkResult(columns, count, seconds, os.getpid(), stop, written=written)
 
     # ------------------------------------------------------------ calling
-    def _call(
-        self,
-        args: tuple[Any, ...],
-        key: tuple[int, int, int],
-        sample: int | None,
-        np_seed: int,
-        py_seed: int,
-    ) -> Any:
+    def _call(self, args: tuple[Any, ...], sample: int | None, np_seed: int, py_seed: int) -> Any:
         """One call, as if global random state were reseeded from :func:`call_seeds` first.
 
         See :class:`_GlobalRandom`: while nothing has drawn from the global
         generators since they were last reseeded, a call that may be repeated
         runs on that state, and runs again reseeded if it drew from them.
+        ``sample``: the index in the batch, None for a batch call.
         """
         g = _globals
-        if self._always or not g.watch or not g.fresh():
+        if self._always or not g.watch:
             g.reseed(np_seed, py_seed)
-            result = self._invoke(args, key, sample)
-            if not self._always and g.watch and not g.fresh():
+            return self._invoke(args, sample)
+        if not (g.known or g.fresh()):
+            g.reseed(np_seed, py_seed)
+            result = self._invoke(args, sample)
+            g.known = g.fresh()
+            if not g.known:
                 self._always = True  # it draws: no more speculation
             return result
         try:
-            result = self._invoke(args, key, sample)
+            result = self._invoke(args, sample)
         except Exception:
             if g.fresh():
                 raise
             result = None
         if g.fresh():
+            g.known = True
             return result
         self._always = True
         g.reseed(np_seed, py_seed)
-        return self._invoke(args, key, sample)
+        return self._invoke(args, sample)
 
-    def _invoke(self, args: tuple[Any, ...], key: tuple[int, int, int], sample: int | None) -> Any:
-        """The function's call: with ``rng`` from ``key``, DLPack inputs, debug checks."""
+    def _invoke(self, args: tuple[Any, ...], sample: int | None) -> Any:
+        """The function's call: with ``rng``, DLPack inputs, debug checks as declared."""
         if self._plain:
             try:
                 return self.function(*args)
@@ -383,6 +393,7 @@ class OpRunner:
                 raise
         kwargs = {}
         if self.takes_rng:
+            key = (*self._where, 0 if sample is None else sample + 1)
             seq = np.random.SeedSequence(self.entropy, spawn_key=key)
             kwargs["rng"] = np.random.Generator(np.random.PCG64(seq))
         if self.dlpack and self.kind != "source":
@@ -565,64 +576,86 @@ class ChainRunner:
         global _current
         t0 = time.perf_counter()
         spent = [[0.0, 0, 0] for _ in self.runners]
-        outputs = []
+        rows = []
         stop = None
         source = self.runners[0].kind == "source"
-        seeds = [
-            call_seeds(r.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
-            for r in self.runners
+        seeds = []
+        for r in self.runners:
+            r._where = (chunk.epoch, chunk.iteration)
+            seeds.append(
+                call_seeds(r.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
+            )
+        _globals.known = False  # anything may have drawn since the last chunk (the caller)
+        # Per op: (index, runner, its seeds, its stats, which outputs of the op before
+        # it takes (None: all, in order), whether its outputs feed another op).
+        last = len(self.runners) - 1
+        steps = [
+            (
+                k,
+                r,
+                seeds[k],
+                spent[k],
+                None if not k or p == tuple(range(self.runners[k - 1].num_outputs)) else p,
+                k != last,
+            )
+            for k, (r, p) in enumerate(zip(self.runners, self.picks, strict=True))
         ]
-        picks, runners = self.picks, list(enumerate(self.runners))
-        last = len(runners) - 1
-        epoch, iteration, start = chunk.epoch, chunk.iteration, chunk.start
+        epoch, iteration = chunk.epoch, chunk.iteration
+        start, first = chunk.start, chunk.epoch_start
         perf = time.perf_counter
-        for j in range(chunk.count):
-            b = start + j
-            info = SampleInfo(chunk.epoch_start + b, b, iteration, epoch)
-            values: tuple[Any, ...] = (info,) if source else tuple([x[j] for x in inputs])
-            t = perf()
-            for k, runner in runners:
-                _current = info
-                counts = spent[k]
-                if k:
-                    values = tuple([values[i] for i in picks[k]])
-                if k or not source:
+        runner = self.runners[0]
+        try:
+            for j in range(chunk.count):
+                b = start + j
+                info = _current = SampleInfo(first + b, b, iteration, epoch)
+                if source:
+                    values: tuple[Any, ...] = (info,)
+                    nbytes = 0
+                else:
+                    values = tuple([x[j] for x in inputs])
                     nbytes = 0
                     for v in values:
                         nbytes += v.nbytes
+                t = perf()
+                for k, runner, (np_seeds, py_seeds), counts, pick, feeds in steps:
+                    if pick is not None:
+                        values = tuple([values[i] for i in pick])
+                        nbytes = 0
+                        for v in values:
+                            nbytes += v.nbytes
                     counts[1] += nbytes
-                try:
-                    np_seeds, py_seeds = seeds[k]
-                    result = runner._call(
-                        values, (epoch, iteration, b + 1), b, np_seeds[j], py_seeds[j]
-                    )
-                    values = runner._sample_outputs(result, b)
-                    if k != last:  # the next op gets them as inputs: read-only
+                    try:
+                        values = runner._sample_outputs(
+                            runner._call(values, b, np_seeds[j], py_seeds[j]), b
+                        )
+                    except StopIteration:
+                        if k or not source:
+                            raise
+                        stop = b
+                        break
+                    if feeds:  # the next op gets them as inputs: read-only
                         values = tuple([_read_only(v) for v in values])
-                except StopIteration:
-                    if k or not source:
-                        raise
-                    stop = b
+                    now = perf()
+                    counts[0] += now - t
+                    t = now
+                    nbytes = 0
+                    for v in values:
+                        nbytes += v.nbytes
+                    counts[2] += nbytes
+                if stop is not None:
                     break
-                except BaseException as exc:
-                    with contextlib.suppress(AttributeError):
-                        exc.mpexec_op = runner.name  # type: ignore[attr-defined]
-                    raise
-                finally:
-                    _current = None
-                now = perf()
-                counts[0] += now - t
-                t = now
-                nbytes = 0
-                for v in values:
-                    nbytes += v.nbytes
-                counts[2] += nbytes
-            if stop is not None:
-                break
-            outputs.append(values)
+                rows.append(values)
+        except BaseException as exc:
+            with contextlib.suppress(AttributeError):
+                exc.mpexec_op = runner.name  # type: ignore[attr-defined]
+            raise
+        finally:
+            _current = None
         per_op = tuple((float(c[0]), int(c[1]), int(c[2])) for c in spent)
-        outputs, written = write_rows(outputs, out)
-        return ChunkResult(outputs, time.perf_counter() - t0, os.getpid(), stop, per_op, written)
+        count = len(rows)
+        columns, written = write_columns(rows, self.runners[-1].num_outputs, out)
+        seconds = time.perf_counter() - t0
+        return ChunkResult(columns, count, seconds, os.getpid(), stop, per_op, written)
 
 
 def _fits(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:
@@ -635,7 +668,7 @@ def _fits(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:
 def _read_only(array: Any) -> Any:
     """A read-only view: the next op in a chain must not write to its input."""
     view = array.view()
-    view.flags.writeable = False
+    view.setflags(write=False)  # (cheaper than assigning flags.writeable)
     return view
 
 

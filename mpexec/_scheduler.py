@@ -804,8 +804,8 @@ class Scheduler:
         batch = s.op.batch_processing
         per_op = res.per_op or ((res.seconds, 0, 0),)
         for m, (spent, b_in, b_out) in zip(s.members, per_op, strict=True):
-            m.calls += 1 if batch else len(res.outputs)
-            m.samples += it.size if batch else len(res.outputs)
+            m.calls += 1 if batch else res.count
+            m.samples += it.size if batch else res.count
             m.function_s += spent
             m.bytes_in += b_in
             m.bytes_out += b_out
@@ -855,7 +855,7 @@ class Scheduler:
         else:
             counts = []
             for p in parts:
-                counts.append(len(p.outputs))
+                counts.append(p.count)
                 if p.stop is not None:
                     break  # samples past a source's end are not in the epoch
             parts, bounds = parts[: len(counts)], bounds[: len(counts)]
@@ -876,13 +876,13 @@ class Scheduler:
                         assert block is not None
                         col.extend(block[a : a + count])
                         continue
-                    got = p.outputs[i] if s.op.batch_processing else [r[i] for r in p.outputs]
+                    got = p.outputs[i]
                     if self._workers == 0:
                         # Here the function's own arrays: it may keep and reuse them.
                         got = [np.array(x, copy=True) for x in got]
                     col.extend(got)
                 for a in col:
-                    a.flags.writeable = False
+                    a.setflags(write=False)
                 check_consistent(s.op.describe(), i, col)
                 self._learn(s, i, col)
             columns.append(col)
@@ -890,12 +890,7 @@ class Scheduler:
 
     def _gpu_columns(self, s: _OpState, parts: list[ChunkResult]) -> tuple[Any, ...]:
         """A GPU op's outputs: device arrays, one list per output (no blocks)."""
-        n = s.op.num_outputs
-        if s.op.batch_processing:
-            columns = tuple(list(parts[0].outputs[i]) for i in range(n))
-        else:
-            rows = [r for p in parts for r in p.outputs]
-            columns = tuple([r[i] for r in rows] for i in range(n))
+        columns = tuple([x for p in parts for x in p.outputs[i]] for i in range(s.op.num_outputs))
         for i, col in enumerate(columns):
             check_consistent(s.op.describe(), i, col)
         return columns

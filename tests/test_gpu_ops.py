@@ -48,11 +48,11 @@ def test_executor_runs_ops_on_their_streams_and_chains_by_events(sim: SimCuPy) -
             block = arena.put(np.arange(3 * 5, dtype=np.float32).reshape(3, 5) + it)
             host = [block[i] for i in range(3)]
             r1 = ex.submit(first, _chunk(3, it), [host]).result(timeout=30)
-            dev = [row[0] for row in r1.outputs]
+            (dev,) = r1.outputs
             r2 = ex.submit(second, _chunk(3, it), [dev]).result(timeout=30)
             r3 = ex.submit(third, _chunk(3, it), [host]).result(timeout=30)
-            (out2,) = ex.to_host([[row[0] for row in r2.outputs]], "second")
-            (out3,) = ex.to_host([[row[0] for row in r3.outputs]], "third")
+            (out2,) = ex.to_host([r2.outputs[0]], "second")
+            (out3,) = ex.to_host([r3.outputs[0]], "third")
             np.testing.assert_array_equal(np.stack(out2), np.stack(host) * 2 + 1)
             np.testing.assert_array_equal(np.stack(out3), -np.stack(host))
         streams = {ex.stage.stream(n).ptr for n in ("first", "second", "third")}

@@ -162,7 +162,8 @@ def test_a_drawing_call_runs_again_once_then_every_call_is_reseeded() -> None:
     calls.clear()
     second = runner(_chunk(6), xs)
     assert calls == [0, 1, 2, 3, 4, 5]
-    assert [a.tobytes() for (a,) in first.outputs] == [b.tobytes() for (b,) in second.outputs]
+    (got,), (again,) = first.outputs, second.outputs
+    assert [a.tobytes() for a in got] == [b.tobytes() for b in again]
 
 
 def test_calls_that_draw_nothing_leave_the_state_alone() -> None:

@@ -196,9 +196,11 @@ def test_a_unit_runs_the_same_anywhere() -> None:
     unit = next(u for u in executor.units if u.ops == ("src", "noise", "double"))
     here = unit.run()
     there = cloudpickle.loads(cloudpickle.dumps(unit)).run()
-    assert len(here.outputs) == len(there.outputs) == unit.chunk.count
-    for a, b in zip(here.outputs, there.outputs, strict=True):
-        assert a[0].tobytes() == b[0].tobytes()
+    assert here.count == there.count == unit.chunk.count
+    (here_column,), (there_column,) = here.outputs, there.outputs
+    assert len(here_column) == len(there_column) == unit.chunk.count
+    for a, b in zip(here_column, there_column, strict=True):
+        assert a.tobytes() == b.tobytes()
 
 
 class PickledUnitsWithBlocks(PickledUnits):
