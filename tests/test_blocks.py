@@ -16,7 +16,7 @@ import pytest
 
 import mpexec
 from mpexec import fn
-from mpexec._runtime import _np_from_dlpack
+from mpexec._runtime import _np_from_dlpack, write_block
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -132,3 +132,23 @@ def test_blocks_are_bit_identical_across_workers() -> None:
             return [out.as_array().tobytes() for (out,) in pipe]
 
     assert run(0) == run(1) == run(2)
+
+
+def test_write_block_takes_only_rows_of_the_blocks_shape_and_dtype() -> None:
+    block = np.zeros((3, 2, 2), np.float32)
+    rows = [np.full((2, 2), i, np.float32) for i in range(3)]
+    assert write_block(rows, block)
+    assert block.tolist() == [r.tolist() for r in rows]
+    fresh = np.zeros((3, 2, 2), np.float32)
+    assert not write_block([*rows[:2], rows[2].astype(np.float64)], fresh)  # a dtype departs
+    assert not write_block([*rows[:2], np.zeros((4,), np.float32)], fresh)  # same size, shape
+    assert not write_block(rows[:2], fresh)  # a row short
+    scalars = np.zeros(3, np.int64)
+    assert write_block([np.array(i, np.int64) for i in (4, 5, 6)], scalars)
+    assert scalars.tolist() == [4, 5, 6]
+    assert not write_block([np.array(1, np.int64), np.array(2, np.int32), np.array(3)], scalars)
+    strided = np.zeros((3, 2, 4), np.float32)[:, :, :2]  # rows of rows: still one view
+    assert write_block(rows, strided)
+    assert strided.tolist() == [r.tolist() for r in rows]
+    with pytest.raises(AttributeError):  # no single view of the rows: never a silent copy
+        write_block(rows, np.zeros((3, 4, 2), np.float32)[:, :2, :])
