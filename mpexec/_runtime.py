@@ -674,7 +674,10 @@ def write_block(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:
         np.stack(samples, out=block)
         return True
     flat = block.view()
-    flat.shape = (-1, *shape[1:])  # rows are contiguous: raises rather than copy
+    try:
+        flat.shape = (-1, *shape[1:])  # raises where it would need a copy
+    except AttributeError:  # not a block of ours (they are contiguous): the arrays go
+        return False
     try:
         np.concatenate(samples, out=flat, casting="no")
     except TypeError:  # a sample's dtype departs (checked before anything is written)
