@@ -882,7 +882,7 @@ class Scheduler:
                         got = [np.array(x, copy=True) for x in got]
                     col.extend(got)
                 for a in col:
-                    a.setflags(write=False)
+                    a.setflags(False)
                 check_consistent(s.op.describe(), i, col)
                 self._learn(s, i, col)
             columns.append(col)
