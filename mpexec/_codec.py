@@ -51,6 +51,8 @@ _SHARED_TAG, _WRITABLE_TAG, _CLASS_TAG = bytes([_SHARED]), bytes([_WRITABLE]), b
 #: gives the receiver back the sender's own class when it sent it first). A
 #: value naming anything else of ``__main__`` is pickled again by cloudpickle.
 _MAIN = "__main__"
+#: Types pickle handles itself, which persistent_id passes over at once.
+_PLAIN = frozenset({int, float, bool, str, bytes, tuple, list, dict, type(None), complex})
 _MAIN_BYTES = _MAIN.encode()
 _class_refs: weakref.WeakKeyDictionary[type, tuple[bytes, int]] = weakref.WeakKeyDictionary()
 _classes: dict[bytes, type] = {}
@@ -158,6 +160,10 @@ class _Refs(pickle.Pickler):
         self.main_in_refs = 0  # how often their refs mention __main__
 
     def persistent_id(self, obj: Any) -> Any:
+        # Called for every object pickled: the plain ones (most of a small
+        # value's, e.g. a chunk's numbers and tuples) leave at the first test.
+        if type(obj) in _PLAIN:
+            return None
         if type(obj) is Writable:
             return self._writable(obj.array)
         if type(obj) is not np.ndarray or obj.dtype.hasobject:
