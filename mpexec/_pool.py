@@ -16,6 +16,11 @@
 
     one wait in the manager: every done ring + every worker sentinel + a wake-up doorbell
 
+    cancel(): CANCEL, then VERDICT -> task ring i -------------------->  skips the call or runs it
+    manager thread  <----------------  SKIPPED (or the call's OK)  <-----  (``_worker`` docstring)
+    workers start from ``_launch``: mpexec's own fork server (or spawn), never the
+    caller's ``__main__``; a forked child of the caller gets ForkedPoolError
+
 Each ring has one producer and one consumer, so no lock is ever shared between
 processes; the pool's own lock is a plain thread lock in the main process. The
 pool owns the main arena and the rings; each worker owns its arena, and a
