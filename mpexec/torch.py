@@ -28,6 +28,7 @@ import collections.abc
 import contextlib
 import copy
 import itertools
+import multiprocessing as mp
 import os
 import weakref
 from collections.abc import Iterator, Sequence
@@ -263,15 +264,23 @@ class _WorkersIter(_EpochIter):
             num_workers=self._num_workers,
             worker_init_fn=loader.worker_init_fn,
         )
-        context = loader.multiprocessing_context
-        start_method = context.get_start_method() if context is not None else None
+        start_method = _start_method(loader.multiprocessing_context)
         _preload_torch(start_method)
-        self._pool = WorkerPool(
-            self._num_workers,
-            start_method=start_method,
-            worker_init=_start_worker,
-            worker_init_args=(config,),
-        )
+        # Forked workers take the config (the dataset above all) from the memory
+        # they inherit, as torch's do: nothing is pickled, pages stay shared.
+        key = next(_config_keys) if start_method == "fork" else None
+        if key is not None:
+            _inherited[key] = config
+        try:
+            self._pool = WorkerPool(
+                self._num_workers,
+                start_method=start_method,
+                worker_init=_start_worker,
+                worker_init_args=(config if key is None else key,),
+            )
+        finally:
+            if key is not None:
+                del _inherited[key]  # every worker has forked (or failed to)
         self._closer = weakref.finalize(self, _close_pool, self._pool)
         self._reset(loader, first_iter=True, skip=skip)
 
@@ -385,6 +394,23 @@ class _WorkersIter(_EpochIter):
         return len(self._index_sampler)
 
 
+def _start_method(context: Any) -> str:
+    """How the workers start: the ``multiprocessing_context``'s way, else torch's default.
+
+    torch starts a DataLoader's workers with multiprocessing's default method
+    (``fork`` on Linux before Python 3.14), from the caller: they share the
+    caller's pages (torch, the dataset) instead of holding copies. Once CUDA
+    is initialised here, the default is mpexec's (a fork server) instead:
+    a forked child cannot use the CUDA context it would inherit.
+    """
+    if context is not None:
+        return str(context.get_start_method())
+    method = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
+    if method == "fork" and torch.cuda.is_initialized():
+        return default_start_method()
+    return method
+
+
 def _preload_torch(start_method: str | None) -> None:
     """Have mpexec's fork server import torch once, so that workers start in milliseconds.
 
@@ -436,10 +462,19 @@ class _WorkerState:
 
 _state: _WorkerState | None = None
 
+# fork: the configs of pools being started, by key; a forked worker finds its own here.
+_inherited: dict[int, _WorkerConfig] = {}
+_config_keys = itertools.count()
 
-def _start_worker(config: _WorkerConfig) -> None:
-    """Set a pool worker up as torch sets up a DataLoader worker."""
+
+def _start_worker(config: _WorkerConfig | int) -> None:
+    """Set a pool worker up as torch sets up a DataLoader worker.
+
+    ``config`` is the config, or under ``fork`` its key in :data:`_inherited`.
+    """
     global _state
+    if isinstance(config, int):
+        config = _inherited[config]
     here = _worker.current()
     assert here is not None, "mpexec.torch workers run in a WorkerPool"
     index = here[0]

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import gc
 import json
+import multiprocessing as mp
 import os
 import random
 import signal
@@ -432,8 +433,52 @@ def test_unpicklable_dataset_is_a_clear_error() -> None:
         def __getitem__(self, i: int) -> int:
             return i
 
+    # Under fork (torch's default here) the workers inherit it, as torch's do;
+    # a start method that must pickle it says so.
     with pytest.raises(mpexec.SerializationError, match="worker_init"):
-        list(mt.DataLoader(Local(), num_workers=1))
+        list(mt.DataLoader(Local(), num_workers=1, multiprocessing_context="forkserver"))
+
+
+class Unpicklable(Dataset):  # type: ignore[type-arg]
+    """A dataset that refuses pickling, and shows its array's address in a worker."""
+
+    def __init__(self) -> None:
+        self.data = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: its own mapping
+
+    def __reduce__(self) -> Any:
+        raise TypeError("Unpicklable is not picklable")
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        return self.data.__array_interface__["data"][0], int(self.data[i])
+
+
+@pytest.mark.skipif(mp.get_all_start_methods()[0] != "fork", reason="fork is not the default")
+def test_default_start_is_torchs_fork_sharing_the_callers_dataset() -> None:
+    # torch forks its workers from the caller: the dataset (and torch) are
+    # shared pages, never pickled. So are ours, unless a context is given.
+    data = Unpicklable()
+    address = data.data.__array_interface__["data"][0]
+    loader = mt.DataLoader(data, batch_size=2, num_workers=2)
+    got = list(loader)
+    assert [b[1].tolist() for b in got] == [[0, 1], [2, 3]]
+    assert {int(a) for b in got for a in b[0]} == {address}  # the caller's own array
+    want = list(TorchLoader(data, batch_size=2, num_workers=2))
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    assert mt._inherited == {}  # nothing kept for workers already forked
+
+
+def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    default = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
+    assert mt._start_method(None) == default
+    assert mt._start_method(mp.get_context("spawn")) == "spawn"
+    if default == "fork":
+        # A forked child cannot use the CUDA context it would inherit.
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        assert mt._start_method(None) == mpexec._doctor.default_start_method()
 
 
 # ------------------------------------------------------------------ resuming
