@@ -518,6 +518,8 @@ def _fetch(index: Any) -> Any:
     else:
         data = _get_samples(state, index)
         where = f"sample indices {index}"
+    if isinstance(data, _Stacked):
+        return _to_wire(data.tensor)
     try:
         return _to_wire(config.collate_fn(data))
     except Exception as exc:
@@ -541,7 +543,83 @@ def _get_samples(state: _WorkerState, index: Any) -> Any:
                 f"fetching sample indices {index} (__getitems__)",
             )
             raise
+    if config.collate_fn is _collate.default_collate and _worker.current() is not None:
+        return _get_stacked(state, list(index))
     return [_get_one(state, i) for i in index]
+
+
+class _Stacked:
+    """A batch of single-array samples, already stacked as ``default_collate`` stacks it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _get_stacked(state: _WorkerState, indices: list[Any]) -> Any:
+    """The samples at ``indices``, stacked as they come when each is one array or tensor.
+
+    ``default_collate`` gets the list of samples, then stacks them: a worker
+    holds the batch twice. Here a sample that is one ndarray or tensor is
+    copied into its row of the batch's block in the arena as soon as it is
+    fetched, and dropped. The result is ``default_collate``'s, bit for bit;
+    any other sample, or one unlike the first (whose stacking fails or
+    promotes), gets the list and ``default_collate`` itself.
+    """
+    if not indices:
+        return []
+    first = _get_one(state, indices[0])
+    kind = _stack_kind(first)
+    if kind is None:
+        return [first, *(_get_one(state, i) for i in indices[1:])]
+    here = _worker.current()
+    assert here is not None
+    block = here[1].empty((len(indices), *kind[1]), kind[2])
+    out = torch.from_numpy(block)
+    _copy_row(block, out, 0, first)
+    del first  # only its copy is kept
+    for row, i in enumerate(indices[1:], 1):
+        sample = _get_one(state, i)
+        if _stack_kind(sample) != kind:
+            kept = [_row_sample(block, out, r, kind[0]) for r in range(row)]
+            return [*kept, sample, *(_get_one(state, j) for j in indices[row + 1 :])]
+        _copy_row(block, out, row, sample)
+        del sample
+    out._mpexec_array = block  # travels back by descriptor (see _shared_array)
+    return _Stacked(out)
+
+
+def _stack_kind(sample: Any) -> tuple[type, tuple[int, ...], Any] | None:
+    """(type, shape, NumPy dtype) of a sample stacked in place, or None: default_collate's."""
+    if type(sample) is np.ndarray:
+        dtype = sample.dtype
+        if sample.ndim and dtype.isnative and dtype in _STACKED_NUMPY:
+            return np.ndarray, sample.shape, dtype
+    elif type(sample) is torch.Tensor:
+        dtype = _NUMPY_DTYPES.get(sample.dtype)
+        if (
+            dtype is not None
+            and sample.ndim
+            and sample.layout == torch.strided
+            and sample.device.type == "cpu"
+            and not (sample.is_nested or sample.requires_grad)
+            and not (sample.is_conj() or sample.is_neg())
+        ):
+            return torch.Tensor, tuple(sample.shape), np.dtype(dtype)
+    return None
+
+
+def _copy_row(block: np.ndarray[Any, Any], out: torch.Tensor, row: int, sample: Any) -> None:
+    if isinstance(sample, np.ndarray):
+        np.copyto(block[row], sample, casting="no")
+    else:
+        out[row].copy_(sample)
+
+
+def _row_sample(block: np.ndarray[Any, Any], out: torch.Tensor, row: int, kind: type) -> Any:
+    """Row ``row`` as the sample it was copied from (for default_collate to stack again)."""
+    return block[row].copy() if kind is np.ndarray else out[row].clone()
 
 
 def _get_one(state: _WorkerState, i: Any) -> Any:
@@ -628,6 +706,8 @@ _NUMPY_DTYPES = {
     torch.complex64: np.complex64,
     torch.complex128: np.complex128,
 }
+
+_STACKED_NUMPY = {np.dtype(t) for t in _NUMPY_DTYPES.values()}
 
 
 # ------------------------------------------------------------------ tensors on the wire

@@ -12,6 +12,7 @@ import random
 import signal
 import textwrap
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -130,6 +131,30 @@ class Failing(Dataset):  # type: ignore[type-arg]
         return np.full(3, i)
 
 
+class ArrayDataset(Dataset):  # type: ignore[type-arg]
+    """Each sample one array or tensor (what a worker stacks as it fetches).
+
+    ``odd``: sample ``odd`` differs from the rest (``shape``, ``dtype`` or
+    ``type``), so that default_collate itself must stack (or refuse) the batch.
+    """
+
+    def __init__(self, kind: str = "numpy", odd: int = -1, how: str = "") -> None:
+        self.kind, self.odd, self.how = kind, odd, how
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> Any:
+        x = np.random.default_rng(i).standard_normal((3, 5, 4)).astype(np.float32)
+        if i == self.odd and self.how == "shape":
+            x = x[:, :4]
+        if i == self.odd and self.how == "dtype":
+            x = x.astype(np.float64)
+        if (self.kind == "torch") != (i == self.odd and self.how == "type"):
+            return torch.from_numpy(x)
+        return x
+
+
 def stack_pairs(batch: list[Any]) -> Any:
     xs = torch.stack([torch.as_tensor(b[0]) for b in batch])
     return xs * 2, [int(b[1]) for b in batch]
@@ -228,6 +253,16 @@ PARITY = {
     ),
     "sequential-sampler": lambda cls, nw: cls(
         tensor_ds(), batch_size=16, sampler=SequentialSampler(range(50)), num_workers=nw
+    ),
+    "ndarray-samples": lambda cls, nw: cls(
+        ArrayDataset(), batch_size=6, shuffle=True, generator=gen(4), num_workers=nw
+    ),
+    "tensor-samples": lambda cls, nw: cls(ArrayDataset("torch"), batch_size=6, num_workers=nw),
+    "odd-dtype-sample": lambda cls, nw: cls(
+        ArrayDataset(odd=9, how="dtype"), batch_size=4, num_workers=nw
+    ),
+    "odd-type-sample": lambda cls, nw: cls(
+        ArrayDataset(odd=5, how="type"), batch_size=4, num_workers=nw
     ),
     "worker-rng": lambda cls, nw: cls(
         RandomDataset(), batch_size=3, shuffle=True, generator=gen(11), num_workers=nw
@@ -363,6 +398,45 @@ def test_batches_are_collated_into_shared_memory_and_outlive_the_loader() -> Non
     want = list(TorchLoader(data, batch_size=16))
     for g, w in zip(held, want, strict=True):
         assert_same(g, w)
+
+
+class CountingDataset(Dataset):  # type: ignore[type-arg]
+    """Samples of 64 KiB, each holding how many samples were alive when it was made."""
+
+    alive = 0
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        x = np.full(16384, CountingDataset.alive, np.float32)
+        CountingDataset.alive += 1
+        weakref.finalize(x, _one_less)
+        return x
+
+
+def _one_less() -> None:
+    CountingDataset.alive -= 1
+
+
+def test_single_array_samples_are_stacked_as_they_come() -> None:
+    # default_collate would hold every sample of a batch, then their stack; a
+    # worker copies each into the batch's block at once and drops it.
+    loader = mt.DataLoader(CountingDataset(), batch_size=8, num_workers=2)
+    batches = list(loader)
+    assert [b.shape for b in batches] == [(8, 16384)] * 3
+    assert all(b.max().item() == 0 for b in batches), [b[:, 0].tolist() for b in batches]
+    assert all(mt._shared_array(b) is not None for b in batches)  # in the arena, no copy
+
+
+def test_unstackable_samples_fail_as_in_torch() -> None:
+    # A sample unlike the first: default_collate itself refuses the batch, as in torch.
+    for cls in (TorchLoader, mt.DataLoader):
+        it = iter(cls(ArrayDataset(odd=6, how="shape"), batch_size=4, num_workers=2))
+        assert next(it).shape == (4, 3, 5, 4)
+        with pytest.raises(RuntimeError):
+            next(it)
+        del it
 
 
 def test_early_break_leaks_nothing() -> None:
