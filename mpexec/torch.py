@@ -462,6 +462,9 @@ class _WorkerState:
 
 _state: _WorkerState | None = None
 
+#: Bytes from which a freed block of a worker's arena gives its pages back.
+_DISCARD_MIN = 1 << 20
+
 # fork: the configs of pools being started, by key; a forked worker finds its own here.
 _inherited: dict[int, _WorkerConfig] = {}
 _config_keys = itertools.count()
@@ -493,6 +496,10 @@ def _start_worker(config: _WorkerConfig | int) -> None:
     # arena, whose arrays travel back by descriptor. torch documents
     # default_collate_fn_map as the place to extend default_collate.
     _collate.default_collate_fn_map[torch.Tensor] = _collate_tensors
+    # A batch's pages go back to the system once the caller drops it, as
+    # torch's per-batch segments do, rather than staying resident at the
+    # arena's high-water mark (batches in flight at the busiest moment).
+    here[1].discard_min = _DISCARD_MIN
     if config.worker_init_fn is not None:
         config.worker_init_fn(index)
     _state = _WorkerState(config, index)

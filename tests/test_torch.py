@@ -429,6 +429,21 @@ def test_single_array_samples_are_stacked_as_they_come() -> None:
     assert all(mt._shared_array(b) is not None for b in batches)  # in the arena, no copy
 
 
+class ArenaSetting(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        here = mpexec._worker.current()
+        return -1 if here is None else here[1].discard_min
+
+
+def test_workers_give_dropped_batches_pages_back() -> None:
+    # Like torch's per-batch segments, not the arena's high-water mark (see shm.Arena).
+    got = list(mt.DataLoader(ArenaSetting(), batch_size=2, num_workers=2))
+    assert [b.tolist() for b in got] == [[mt._DISCARD_MIN] * 2] * 2
+
+
 def test_unstackable_samples_fail_as_in_torch() -> None:
     # A sample unlike the first: default_collate itself refuses the batch, as in torch.
     for cls in (TorchLoader, mt.DataLoader):
