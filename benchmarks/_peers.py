@@ -458,8 +458,7 @@ class MpexecTorchLoader(TorchLoader):
     def start(self) -> None:
         import torch
 
-        from mpexec._doctor import default_start_method
-        from mpexec.torch import DataLoader
+        from mpexec.torch import DataLoader, _start_method
 
         self.version = torch.__version__
         self.loader = DataLoader(
@@ -469,7 +468,7 @@ class MpexecTorchLoader(TorchLoader):
             persistent_workers=True,
             timeout=CALL_S,
         )
-        self.start_method = default_start_method()
+        self.start_method = _start_method(self.loader.multiprocessing_context)
 
 
 class TfData(Augment):

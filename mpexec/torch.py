@@ -28,6 +28,7 @@ import collections.abc
 import contextlib
 import copy
 import itertools
+import multiprocessing as mp
 import os
 import weakref
 from collections.abc import Iterator, Sequence
@@ -263,15 +264,23 @@ class _WorkersIter(_EpochIter):
             num_workers=self._num_workers,
             worker_init_fn=loader.worker_init_fn,
         )
-        context = loader.multiprocessing_context
-        start_method = context.get_start_method() if context is not None else None
+        start_method = _start_method(loader.multiprocessing_context)
         _preload_torch(start_method)
-        self._pool = WorkerPool(
-            self._num_workers,
-            start_method=start_method,
-            worker_init=_start_worker,
-            worker_init_args=(config,),
-        )
+        # Forked workers take the config (the dataset above all) from the memory
+        # they inherit, as torch's do: nothing is pickled, pages stay shared.
+        key = next(_config_keys) if start_method == "fork" else None
+        if key is not None:
+            _inherited[key] = config
+        try:
+            self._pool = WorkerPool(
+                self._num_workers,
+                start_method=start_method,
+                worker_init=_start_worker,
+                worker_init_args=(config if key is None else key,),
+            )
+        finally:
+            if key is not None:
+                del _inherited[key]  # every worker has forked (or failed to)
         self._closer = weakref.finalize(self, _close_pool, self._pool)
         self._reset(loader, first_iter=True, skip=skip)
 
@@ -385,6 +394,23 @@ class _WorkersIter(_EpochIter):
         return len(self._index_sampler)
 
 
+def _start_method(context: Any) -> str:
+    """How the workers start: the ``multiprocessing_context``'s way, else torch's default.
+
+    torch starts a DataLoader's workers with multiprocessing's default method
+    (``fork`` on Linux before Python 3.14), from the caller: they share the
+    caller's pages (torch, the dataset) instead of holding copies. Once CUDA
+    is initialised here, the default is mpexec's (a fork server) instead:
+    a forked child cannot use the CUDA context it would inherit.
+    """
+    if context is not None:
+        return str(context.get_start_method())
+    method = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
+    if method == "fork" and torch.cuda.is_initialized():
+        return default_start_method()
+    return method
+
+
 def _preload_torch(start_method: str | None) -> None:
     """Have mpexec's fork server import torch once, so that workers start in milliseconds.
 
@@ -436,10 +462,22 @@ class _WorkerState:
 
 _state: _WorkerState | None = None
 
+#: Bytes from which a freed block of a worker's arena gives its pages back.
+_DISCARD_MIN = 1 << 20
 
-def _start_worker(config: _WorkerConfig) -> None:
-    """Set a pool worker up as torch sets up a DataLoader worker."""
+# fork: the configs of pools being started, by key; a forked worker finds its own here.
+_inherited: dict[int, _WorkerConfig] = {}
+_config_keys = itertools.count()
+
+
+def _start_worker(config: _WorkerConfig | int) -> None:
+    """Set a pool worker up as torch sets up a DataLoader worker.
+
+    ``config`` is the config, or under ``fork`` its key in :data:`_inherited`.
+    """
     global _state
+    if isinstance(config, int):
+        config = _inherited[config]
     here = _worker.current()
     assert here is not None, "mpexec.torch workers run in a WorkerPool"
     index = here[0]
@@ -458,6 +496,10 @@ def _start_worker(config: _WorkerConfig) -> None:
     # arena, whose arrays travel back by descriptor. torch documents
     # default_collate_fn_map as the place to extend default_collate.
     _collate.default_collate_fn_map[torch.Tensor] = _collate_tensors
+    # A batch's pages go back to the system once the caller drops it, as
+    # torch's per-batch segments do, rather than staying resident at the
+    # arena's high-water mark (batches in flight at the busiest moment).
+    here[1].discard_min = _DISCARD_MIN
     if config.worker_init_fn is not None:
         config.worker_init_fn(index)
     _state = _WorkerState(config, index)
@@ -483,6 +525,8 @@ def _fetch(index: Any) -> Any:
     else:
         data = _get_samples(state, index)
         where = f"sample indices {index}"
+    if isinstance(data, _Stacked):
+        return _to_wire(data.tensor)
     try:
         return _to_wire(config.collate_fn(data))
     except Exception as exc:
@@ -506,7 +550,83 @@ def _get_samples(state: _WorkerState, index: Any) -> Any:
                 f"fetching sample indices {index} (__getitems__)",
             )
             raise
+    if config.collate_fn is _collate.default_collate and _worker.current() is not None:
+        return _get_stacked(state, list(index))
     return [_get_one(state, i) for i in index]
+
+
+class _Stacked:
+    """A batch of single-array samples, already stacked as ``default_collate`` stacks it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _get_stacked(state: _WorkerState, indices: list[Any]) -> Any:
+    """The samples at ``indices``, stacked as they come when each is one array or tensor.
+
+    ``default_collate`` gets the list of samples, then stacks them: a worker
+    holds the batch twice. Here a sample that is one ndarray or tensor is
+    copied into its row of the batch's block in the arena as soon as it is
+    fetched, and dropped. The result is ``default_collate``'s, bit for bit;
+    any other sample, or one unlike the first (whose stacking fails or
+    promotes), gets the list and ``default_collate`` itself.
+    """
+    if not indices:
+        return []
+    first = _get_one(state, indices[0])
+    kind = _stack_kind(first)
+    if kind is None:
+        return [first, *(_get_one(state, i) for i in indices[1:])]
+    here = _worker.current()
+    assert here is not None
+    block = here[1].empty((len(indices), *kind[1]), kind[2])
+    out = torch.from_numpy(block)
+    _copy_row(block, out, 0, first)
+    del first  # only its copy is kept
+    for row, i in enumerate(indices[1:], 1):
+        sample = _get_one(state, i)
+        if _stack_kind(sample) != kind:
+            kept = [_row_sample(block, out, r, kind[0]) for r in range(row)]
+            return [*kept, sample, *(_get_one(state, j) for j in indices[row + 1 :])]
+        _copy_row(block, out, row, sample)
+        del sample
+    out._mpexec_array = block  # travels back by descriptor (see _shared_array)
+    return _Stacked(out)
+
+
+def _stack_kind(sample: Any) -> tuple[type, tuple[int, ...], Any] | None:
+    """(type, shape, NumPy dtype) of a sample stacked in place, or None: default_collate's."""
+    if type(sample) is np.ndarray:
+        dtype = sample.dtype
+        if sample.ndim and dtype.isnative and dtype in _STACKED_NUMPY:
+            return np.ndarray, sample.shape, dtype
+    elif type(sample) is torch.Tensor:
+        dtype = _NUMPY_DTYPES.get(sample.dtype)
+        if (
+            dtype is not None
+            and sample.ndim
+            and sample.layout == torch.strided
+            and sample.device.type == "cpu"
+            and not (sample.is_nested or sample.requires_grad)
+            and not (sample.is_conj() or sample.is_neg())
+        ):
+            return torch.Tensor, tuple(sample.shape), np.dtype(dtype)
+    return None
+
+
+def _copy_row(block: np.ndarray[Any, Any], out: torch.Tensor, row: int, sample: Any) -> None:
+    if isinstance(sample, np.ndarray):
+        np.copyto(block[row], sample, casting="no")
+    else:
+        out[row].copy_(sample)
+
+
+def _row_sample(block: np.ndarray[Any, Any], out: torch.Tensor, row: int, kind: type) -> Any:
+    """Row ``row`` as the sample it was copied from (for default_collate to stack again)."""
+    return block[row].copy() if kind is np.ndarray else out[row].clone()
 
 
 def _get_one(state: _WorkerState, i: Any) -> Any:
@@ -593,6 +713,8 @@ _NUMPY_DTYPES = {
     torch.complex64: np.complex64,
     torch.complex128: np.complex128,
 }
+
+_STACKED_NUMPY = {np.dtype(t) for t in _NUMPY_DTYPES.values()}
 
 
 # ------------------------------------------------------------------ tensors on the wire

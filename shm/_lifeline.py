@@ -59,7 +59,9 @@ def _drop_write_ends() -> None:
     child holding it would keep the children alive after the parent died.
     """
     for life in list(_parents):
-        if life._w >= 0:
+        # Only if still open here: after close() its number may belong to
+        # another file by now (the pipe of the very fork being made).
+        if life._w >= 0 and life._w in life._fds:
             with contextlib.suppress(OSError):
                 os.close(life._w)
             with contextlib.suppress(ValueError):

@@ -343,6 +343,37 @@ class Segment:
         token = fd_for_child(self._fd, "a Segment")
         return (_rebuild_segment, (token, self.handle))
 
+    def discard(self, start: int, length: int) -> bool:
+        """Give the pages of ``[start, start + length)`` back to the system (owner only).
+
+        They read as zeros afterwards, in every process that maps them; call
+        :meth:`reserve` before using them again. ``start`` and ``length`` are
+        multiples of the page size. False where this cannot be done: no
+        ``MADV_REMOVE`` (not Linux), a sealed segment, a closed one.
+        """
+        if not (self.owner and self._fd >= 0 and not self.sealed and _MADV_REMOVE is not None):
+            return False
+        try:
+            self.buf.madvise(_MADV_REMOVE, start, length)
+        except OSError:
+            return False
+        return True
+
+    def reserve(self, start: int, length: int) -> None:
+        """Commit ``[start, start + length)`` again after :meth:`discard`, or raise.
+
+        Raises :class:`ReservationError` if the memory is not there: a clear
+        error now rather than SIGBUS at the first touch.
+        """
+        try:
+            os.posix_fallocate(self._fd, start, length)
+        except OSError as exc:
+            raise ReservationError(
+                f"cannot commit {format_bytes(length)} of shared memory again "
+                f"({errno.errorcode.get(exc.errno or 0, exc.errno)}): "
+                f"{format_bytes(free_bytes(self.handle.backend))} is free"
+            ) from exc
+
     def unlink(self) -> None:
         """Remove a named segment's name now; mappings and fds stay valid."""
         if self.owner:
@@ -366,6 +397,9 @@ class Segment:
             f"pid={self.handle.owner_pid} {role}{' closed' if self.closed else ''}>"
         )
 
+
+#: ``madvise(MADV_REMOVE)``: frees a shared mapping's pages and their backing store.
+_MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 
 #: ``F_SEAL_FUTURE_WRITE`` (Linux 5.1), which the fcntl module may not name.
 _SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+import mmap
+import os
 import pickle
 import threading
 from dataclasses import replace
@@ -480,3 +482,96 @@ def test_a_view_of_memory_nobody_can_map_any_more_is_copied(backend: str) -> Non
         assert desc.segment.inode != handle.inode
         assert arena.stats().bytes_copied == a[::2].nbytes
         assert np.array_equal(shm.open_array(desc), a[::2])
+
+
+# ------------------------------------------------------------------ discard_min
+def _committed(arena: shm.Arena) -> int:
+    """Bytes of the arena's first segment backed by memory now."""
+    return int(os.fstat(arena._segs[0].rw._fd).st_blocks) * 512
+
+
+needs_discard = pytest.mark.skipif(
+    not hasattr(mmap, "MADV_REMOVE"), reason="MADV_REMOVE is Linux's"
+)
+
+
+@needs_discard
+def test_discard_min_gives_freed_pages_back_and_commits_them_again(backend: str) -> None:
+    with shm.Arena(8 * MiB, backend=backend, discard_min=1 * MiB) as arena:
+        before = arena.empty(5000, np.uint8)  # neighbours sharing its edge pages
+        big = arena.empty(3 * MiB + 100, np.uint8)
+        after = arena.empty(5000, np.uint8)
+        small = arena.empty(MiB - 64, np.uint8)  # under discard_min: kept
+        before[:], big[:], after[:], small[:] = 1, 2, 3, 4
+        start = big.ctypes.data - arena._segs[0].rw.address
+        page = mmap.PAGESIZE
+        inside = (start + big.nbytes) // page * page - -(-start // page) * page
+        full = _committed(arena)
+        assert full == 8 * MiB  # all of it reserved up front
+        del big, small
+        gc.collect()
+        arena.collect()  # an idle owner gives back what was freed
+        assert full - _committed(arena) == inside  # the big block's own whole pages only
+        assert (before == 1).all()
+        assert (after == 3).all()
+        again = arena.empty(3 * MiB, np.uint8)  # reuses the hole: committed again
+        assert _committed(arena) == full
+        assert not arena._segs[0].holes
+        again[:] = 5
+        assert (before == 1).all()
+        assert (after == 3).all()
+        assert (again == 5).all()
+
+
+def test_without_discard_min_freed_pages_stay_committed(backend: str) -> None:
+    with shm.Arena(8 * MiB, backend=backend) as arena:
+        big = arena.empty(3 * MiB, np.uint8)
+        big[:] = 2
+        full = _committed(arena)
+        del big
+        gc.collect()
+        arena.collect()
+        assert _committed(arena) == full
+
+
+@needs_discard
+def test_a_block_freed_and_taken_again_at_once_is_not_given_back(backend: str) -> None:
+    # The worker's steady state: the last batch's block is freed by the time
+    # the next is allocated. Only the surplus goes back; the reused one stays hot.
+    with shm.Arena(16 * MiB, backend=backend, discard_min=1 * MiB) as arena:
+        a = arena.empty(4 * MiB, np.uint8)
+        b = arena.empty(4 * MiB, np.uint8)
+        a[:], b[:] = 1, 2
+        full = _committed(arena)
+        del a, b
+        gc.collect()
+        c = arena.empty(4 * MiB, np.uint8)  # takes one freed block, gives the other back
+        seg = arena._segs[0]
+        assert len(seg.holes) == 1
+        assert full - _committed(arena) == 4 * MiB
+        assert (c == 1).all()  # the same pages, never zeroed
+        del c
+
+
+@needs_discard
+def test_a_hole_that_cannot_be_committed_again_is_an_error(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with shm.Arena(8 * MiB, backend=backend, discard_min=1 * MiB) as arena:
+        big = arena.empty(4 * MiB, np.uint8)
+        del big
+        gc.collect()
+        arena.collect()
+        assert arena._segs[0].holes
+
+        def refuse(self: Any, start: int, length: int) -> None:
+            raise shm.ReservationError("no memory (test)")
+
+        monkeypatch.setattr(shm.Segment, "reserve", refuse)
+        with pytest.raises(shm.ReservationError, match="no memory"):
+            arena.empty(4 * MiB, np.uint8)
+        assert arena.stats().in_use == 0  # the block went back to the free list
+        monkeypatch.undo()
+        again = arena.empty(4 * MiB, np.uint8)
+        again[:] = 9
+        assert (again == 9).all()

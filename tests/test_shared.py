@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shm
-from tests.conftest import memfd_count, shm_names, wait_until
+from tests.conftest import memfd_count, run_python, shm_names, wait_until
 
 MiB = 1 << 20
 T = 30  # every blocking call in these tests is bounded by this
@@ -420,3 +420,31 @@ def test_forwarded_view_of_a_killed_peer_is_reclaimed(backend: str, no_leaks: No
     chain.close()
     assert chain.a.exitcode == 0
     assert chain.b.exitcode == -signal.SIGKILL
+
+
+_CLOSED_LIFELINE_SCRIPT = """
+import os
+import shm
+
+life = shm.Lifeline()
+w = life._w
+life.close()  # kept alive, closed: its numbers are free again
+r2, w2 = os.pipe()  # takes them, as the pipes of a forked Process do
+assert w in (r2, w2), (w, r2, w2)
+pid = os.fork()
+if pid == 0:
+    try:
+        os.fstat(w)  # the after-fork hook must not have closed the new pipe's end
+    except OSError:
+        os._exit(1)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_fork_after_a_lifeline_closed_keeps_reused_fds() -> None:
+    # A closed lifeline still alive (a closed pool's) once made every later
+    # forked child close whatever file now had its write end's number: the
+    # pipes of a fork-started Process, which then exited with status 1.
+    assert run_python("-c", _CLOSED_LIFELINE_SCRIPT).strip() == "0"

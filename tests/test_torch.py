@@ -6,11 +6,13 @@ import collections
 import contextlib
 import gc
 import json
+import multiprocessing as mp
 import os
 import random
 import signal
 import textwrap
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -129,6 +131,30 @@ class Failing(Dataset):  # type: ignore[type-arg]
         return np.full(3, i)
 
 
+class ArrayDataset(Dataset):  # type: ignore[type-arg]
+    """Each sample one array or tensor (what a worker stacks as it fetches).
+
+    ``odd``: sample ``odd`` differs from the rest (``shape``, ``dtype`` or
+    ``type``), so that default_collate itself must stack (or refuse) the batch.
+    """
+
+    def __init__(self, kind: str = "numpy", odd: int = -1, how: str = "") -> None:
+        self.kind, self.odd, self.how = kind, odd, how
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> Any:
+        x = np.random.default_rng(i).standard_normal((3, 5, 4)).astype(np.float32)
+        if i == self.odd and self.how == "shape":
+            x = x[:, :4]
+        if i == self.odd and self.how == "dtype":
+            x = x.astype(np.float64)
+        if (self.kind == "torch") != (i == self.odd and self.how == "type"):
+            return torch.from_numpy(x)
+        return x
+
+
 def stack_pairs(batch: list[Any]) -> Any:
     xs = torch.stack([torch.as_tensor(b[0]) for b in batch])
     return xs * 2, [int(b[1]) for b in batch]
@@ -227,6 +253,16 @@ PARITY = {
     ),
     "sequential-sampler": lambda cls, nw: cls(
         tensor_ds(), batch_size=16, sampler=SequentialSampler(range(50)), num_workers=nw
+    ),
+    "ndarray-samples": lambda cls, nw: cls(
+        ArrayDataset(), batch_size=6, shuffle=True, generator=gen(4), num_workers=nw
+    ),
+    "tensor-samples": lambda cls, nw: cls(ArrayDataset("torch"), batch_size=6, num_workers=nw),
+    "odd-dtype-sample": lambda cls, nw: cls(
+        ArrayDataset(odd=9, how="dtype"), batch_size=4, num_workers=nw
+    ),
+    "odd-type-sample": lambda cls, nw: cls(
+        ArrayDataset(odd=5, how="type"), batch_size=4, num_workers=nw
     ),
     "worker-rng": lambda cls, nw: cls(
         RandomDataset(), batch_size=3, shuffle=True, generator=gen(11), num_workers=nw
@@ -364,6 +400,60 @@ def test_batches_are_collated_into_shared_memory_and_outlive_the_loader() -> Non
         assert_same(g, w)
 
 
+class CountingDataset(Dataset):  # type: ignore[type-arg]
+    """Samples of 64 KiB, each holding how many samples were alive when it was made."""
+
+    alive = 0
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        x = np.full(16384, CountingDataset.alive, np.float32)
+        CountingDataset.alive += 1
+        weakref.finalize(x, _one_less)
+        return x
+
+
+def _one_less() -> None:
+    CountingDataset.alive -= 1
+
+
+def test_single_array_samples_are_stacked_as_they_come() -> None:
+    # default_collate would hold every sample of a batch, then their stack; a
+    # worker copies each into the batch's block at once and drops it.
+    loader = mt.DataLoader(CountingDataset(), batch_size=8, num_workers=2)
+    batches = list(loader)
+    assert [b.shape for b in batches] == [(8, 16384)] * 3
+    assert all(b.max().item() == 0 for b in batches), [b[:, 0].tolist() for b in batches]
+    assert all(mt._shared_array(b) is not None for b in batches)  # in the arena, no copy
+
+
+class ArenaSetting(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        here = mpexec._worker.current()
+        return -1 if here is None else here[1].discard_min
+
+
+def test_workers_give_dropped_batches_pages_back() -> None:
+    # Like torch's per-batch segments, not the arena's high-water mark (see shm.Arena).
+    got = list(mt.DataLoader(ArenaSetting(), batch_size=2, num_workers=2))
+    assert [b.tolist() for b in got] == [[mt._DISCARD_MIN] * 2] * 2
+
+
+def test_unstackable_samples_fail_as_in_torch() -> None:
+    # A sample unlike the first: default_collate itself refuses the batch, as in torch.
+    for cls in (TorchLoader, mt.DataLoader):
+        it = iter(cls(ArrayDataset(odd=6, how="shape"), batch_size=4, num_workers=2))
+        assert next(it).shape == (4, 3, 5, 4)
+        with pytest.raises(RuntimeError):
+            next(it)
+        del it
+
+
 def test_early_break_leaks_nothing() -> None:
     loader = mt.DataLoader(DictDataset(200), batch_size=4, num_workers=2, prefetch_factor=4)
     for i, _ in enumerate(loader):
@@ -432,8 +522,52 @@ def test_unpicklable_dataset_is_a_clear_error() -> None:
         def __getitem__(self, i: int) -> int:
             return i
 
+    # Under fork (torch's default here) the workers inherit it, as torch's do;
+    # a start method that must pickle it says so.
     with pytest.raises(mpexec.SerializationError, match="worker_init"):
-        list(mt.DataLoader(Local(), num_workers=1))
+        list(mt.DataLoader(Local(), num_workers=1, multiprocessing_context="forkserver"))
+
+
+class Unpicklable(Dataset):  # type: ignore[type-arg]
+    """A dataset that refuses pickling, and shows its array's address in a worker."""
+
+    def __init__(self) -> None:
+        self.data = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: its own mapping
+
+    def __reduce__(self) -> Any:
+        raise TypeError("Unpicklable is not picklable")
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        return self.data.__array_interface__["data"][0], int(self.data[i])
+
+
+@pytest.mark.skipif(mp.get_all_start_methods()[0] != "fork", reason="fork is not the default")
+def test_default_start_is_torchs_fork_sharing_the_callers_dataset() -> None:
+    # torch forks its workers from the caller: the dataset (and torch) are
+    # shared pages, never pickled. So are ours, unless a context is given.
+    data = Unpicklable()
+    address = data.data.__array_interface__["data"][0]
+    loader = mt.DataLoader(data, batch_size=2, num_workers=2)
+    got = list(loader)
+    assert [b[1].tolist() for b in got] == [[0, 1], [2, 3]]
+    assert {int(a) for b in got for a in b[0]} == {address}  # the caller's own array
+    want = list(TorchLoader(data, batch_size=2, num_workers=2))
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    assert mt._inherited == {}  # nothing kept for workers already forked
+
+
+def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    default = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
+    assert mt._start_method(None) == default
+    assert mt._start_method(mp.get_context("spawn")) == "spawn"
+    if default == "fork":
+        # A forked child cannot use the CUDA context it would inherit.
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        assert mt._start_method(None) == mpexec._doctor.default_start_method()
 
 
 # ------------------------------------------------------------------ resuming
