@@ -672,11 +672,9 @@ def write_block(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:
             return False
         np.stack(samples, out=block)
         return True
-    flat = block.view()
-    try:
-        flat.shape = (-1, *shape[1:])  # raises where it would need a copy
-    except AttributeError:  # not a block of ours (they are contiguous): the arrays go
+    if not block.flags.c_contiguous:  # not a block of ours: the arrays go instead
         return False
+    flat = block.reshape(-1, *shape[1:])  # of a contiguous block: a view, never a copy
     try:
         np.concatenate(samples, out=flat, casting="no")
     except TypeError:  # a sample's dtype departs (checked before anything is written)
