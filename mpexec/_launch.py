@@ -88,6 +88,18 @@ def preparation_data(name: str) -> dict[str, Any]:
     return data
 
 
+def _process_data(popen: Any, process_obj: Any) -> io.BytesIO:
+    """What a spawned or fork-server child reads first: preparation data, then the process."""
+    buf = io.BytesIO()
+    mp_context.set_spawning_popen(popen)
+    try:
+        reduction.dump(preparation_data(process_obj._name), buf)
+        reduction.dump(process_obj, buf)
+    finally:
+        mp_context.set_spawning_popen(None)
+    return buf
+
+
 def check_not_bootstrapping() -> None:
     """Refuse to start workers while multiprocessing re-runs a parent's main module.
 
@@ -213,14 +225,7 @@ class _SpawnPopen(popen_spawn_posix.Popen):
 
         tracker_fd: int = resource_tracker.getfd()  # type: ignore[assignment]
         self._fds.append(tracker_fd)
-        prep_data = preparation_data(process_obj._name)
-        fp = io.BytesIO()
-        mp_context.set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, fp)
-            reduction.dump(process_obj, fp)
-        finally:
-            mp_context.set_spawning_popen(None)
+        fp = _process_data(self, process_obj)
         parent_r = child_w = child_r = parent_w = None
         try:
             parent_r, child_w = os.pipe()
@@ -250,14 +255,7 @@ class _ForkServerPopen(popen_forkserver.Popen):
     def _launch(self, process_obj: Any) -> None:
         # As multiprocessing.popen_forkserver.Popen._launch (3.10 - 3.13), but
         # for the preparation data and the server.
-        prep_data = preparation_data(process_obj._name)
-        buf = io.BytesIO()
-        mp_context.set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, buf)
-            reduction.dump(process_obj, buf)
-        finally:
-            mp_context.set_spawning_popen(None)
+        buf = _process_data(self, process_obj)
         try:
             self.sentinel, w = _fork_server().connect_to_new_process(self._fds)
             # The child watches a duplicate of the data pipe's write end to see us die.
