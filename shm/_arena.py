@@ -471,7 +471,8 @@ class Arena:
             seg.live += 1
             self._in_use += size
             self._peak = max(self._peak, self._in_use)
-            self._give_back()
+            if self._discard:
+                self._give_back()
         self._drain_deferred()
         return alloc
 
@@ -696,7 +697,8 @@ class Arena:
         """
         with self._lock:
             n = self._collect_locked()
-            self._give_back()
+            if self._discard:
+                self._give_back()
         self._drain_deferred()
         return n
 
