@@ -448,10 +448,13 @@ def test_unstackable_samples_fail_as_in_torch() -> None:
     # A sample unlike the first: default_collate itself refuses the batch, as in torch.
     for cls in (TorchLoader, mt.DataLoader):
         it = iter(cls(ArrayDataset(odd=6, how="shape"), batch_size=4, num_workers=2))
-        assert next(it).shape == (4, 3, 5, 4)
-        with pytest.raises(RuntimeError):
-            next(it)
-        del it
+        try:
+            assert next(it).shape == (4, 3, 5, 4)
+            with pytest.raises(RuntimeError):
+                next(it)
+        finally:
+            # Now, not whenever the error's traceback lets go of the iterator.
+            it._shutdown_workers()  # type: ignore[attr-defined]
 
 
 def test_early_break_leaks_nothing() -> None:
