@@ -1,4 +1,7 @@
-"""``python -m benchmarks [NAME ...] [--quick] [--out DIR]``: run benchmarks."""
+"""``python -m benchmarks [NAME ...] [--quick] [--out DIR]``: run benchmarks.
+
+``python -m benchmarks compat SUITE PATH``: a peer's own test suite against our drop-in.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,12 @@ from benchmarks.peers_bench import add_arguments as add_peers_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compat"]:
+        # A peer's own test suite against our drop-in: its own arguments (benchmarks/compat).
+        from benchmarks.compat import main as compat_main
+
+        return compat_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Run mpexec benchmarks; print tables, write results as JSON and Markdown.",
