@@ -1,4 +1,4 @@
-"""``python -m benchmarks compat SUITE PATH [pytest args]``: a peer's own test suite against our drop-in.
+"""``python -m benchmarks compat SUITE PATH [options]``: a peer's own tests against our drop-in.
 
 The incumbents' own tests are the measure of "drop-in" (DESIGN §6). Each suite
 module here knows how to run one peer's test file twice in one environment —
