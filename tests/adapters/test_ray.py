@@ -31,7 +31,7 @@ from mpexec import (  # noqa: E402
 )
 from mpexec.ray import RayPool  # noqa: E402
 from tests.conftest import _children, wait_until  # noqa: E402
-from tests.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
+from tests.pipeline.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
 
 T = 60  # every .result() here is bounded by this
 STORE = 100 << 20  # each node's object store: small, the machine is shared
@@ -88,7 +88,7 @@ def ray_setup(request: pytest.FixtureRequest) -> Iterator[Any]:
     cluster = None
     # Ray's workers import the functions' module, this one, as any Ray task would.
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here, os.path.dirname(here)])
+    path = os.pathsep.join([here, os.path.dirname(os.path.dirname(here))])
     job = {"log_to_driver": False, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
     if request.param == "local":
         ray.init(

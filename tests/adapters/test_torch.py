@@ -577,7 +577,7 @@ def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
 RESUME_SCRIPT = """
 import json, sys, torch
 from mpexec import torch as mt
-from tests.test_torch import RESUME_CASES
+from tests.adapters.test_torch import RESUME_CASES
 def main():
     case, k, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.manual_seed(99)
