@@ -51,9 +51,8 @@ import numpy as np
 import shm
 
 from ._batch import Batch
-from ._errors import GpuError, GpuUnavailableError, OpOutputError
-from ._pool import forked_error
-from ._runtime import BatchInfo, Chunk, ChunkResult, SampleInfo, _takes_keyword
+from ._errors import GpuError, GpuUnavailableError, OpOutputError, forked_error
+from ._runtime import BatchInfo, Chunk, ChunkResult, SampleInfo, takes_keyword
 
 #: Every CuPy name this module uses (attribute paths from the ``cupy`` module).
 CUPY_NAMES = (
@@ -645,7 +644,7 @@ class GpuOpRunner:
         self.num_outputs = num_outputs
         self.entropy = entropy
         self.dlpack = dlpack
-        self.takes_rng = _takes_keyword(function, "rng")
+        self.takes_rng = takes_keyword(function, "rng")
 
     def __call__(
         self, xp: Any, stream: Any, chunk: Chunk, inputs: Sequence[Sequence[Any]]
@@ -657,7 +656,7 @@ class GpuOpRunner:
         with stream:
             if self.batch_processing:
                 args = tuple(self._arg(list(col), stream) for col in inputs)
-                _runtime._current = BatchInfo(chunk.iteration, chunk.epoch)
+                _runtime.set_call_info(BatchInfo(chunk.iteration, chunk.epoch))
                 (np_seed,), (py_seed,) = _runtime.call_seeds(
                     self.entropy, chunk.epoch, chunk.iteration, 0, 1
                 )
@@ -666,7 +665,7 @@ class GpuOpRunner:
                         args, (chunk.epoch, chunk.iteration, 0), None, np_seed, py_seed
                     )
                 finally:
-                    _runtime._current = None
+                    _runtime.set_call_info(None)
                 return tuple(
                     self._batch_column(xp, v, i, size) for i, v in enumerate(self._split(out))
                 )
@@ -677,15 +676,15 @@ class GpuOpRunner:
             for j in range(size):
                 b = chunk.start + j
                 args = tuple(self._arg(col[j], stream) for col in inputs)
-                _runtime._current = SampleInfo(
-                    chunk.epoch_start + b, b, chunk.iteration, chunk.epoch
+                _runtime.set_call_info(
+                    SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
                 )
                 try:
                     out = self._call(
                         args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
                     )
                 finally:
-                    _runtime._current = None
+                    _runtime.set_call_info(None)
                 for i, v in enumerate(self._split(out)):
                     columns[i].append(self._device_array(xp, v, i, b))
             return columns

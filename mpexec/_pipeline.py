@@ -24,9 +24,10 @@ import numpy as np
 
 from . import _codec
 from ._batch import Batch
-from ._errors import MpexecError, PoolClosedError, SerializationError
+from ._errors import MpexecError, PoolClosedError, SerializationError, forked_error
 from ._graph import DataNode, Graph, Plan, defining
-from ._pool import WorkerPool, forked_error, usable_cpus
+from ._host import usable_cpus
+from ._pool import WorkerPool
 from ._scheduler import CallPool, OpStats, Scheduler, pool_executor
 
 _PARAMS = (

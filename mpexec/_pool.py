@@ -17,7 +17,7 @@
     one wait in the manager: every done ring + every worker sentinel + a wake-up doorbell
 
     cancel(): CANCEL, then VERDICT -> task ring i -------------------->  skips the call or runs it
-    manager thread  <----------------  SKIPPED (or the call's OK)  <-----  (``_worker`` docstring)
+    manager thread  <----------------  SKIPPED (or the call's OK)  <-----  (``_protocol`` docstring)
     workers start from ``_launch``: mpexec's own fork server (or spawn), never the
     caller's ``__main__``; a forked child of the caller gets ForkedPoolError
 
@@ -36,17 +36,15 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import functools
 import itertools
 import os
 import pickle
 import select
 import struct
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -57,20 +55,34 @@ import psutil
 
 import shm
 
-from . import _codec, _launch, _worker
-from ._doctor import default_start_method
+from . import _codec, _launch, _protocol, _worker
 from ._errors import (
     BrokenPoolError,
-    ForkedPoolError,
     PoolClosedError,
     RemoteTraceback,
     SerializationError,
     TaskTimeoutError,
     WorkerCrashedError,
+    forked_error,
     signal_name,
 )
-from ._limits import ensure_open_files
-from ._worker import CALL, CANCEL, FAILED, FORGET, FUNC, HEADER, HELLO, OK, SKIPPED, VERDICT
+from ._host import cuda_initialised, default_start_method, ensure_open_files, usable_cpus
+from ._mapping import map_calls
+from ._protocol import (
+    CALL,
+    CANCEL,
+    FAILED,
+    FORGET,
+    FUNC,
+    HEADER,
+    HELLO,
+    OK,
+    SKIPPED,
+    VERDICT,
+    body_of,
+    record,
+    spill,
+)
 
 T = TypeVar("T")
 
@@ -85,14 +97,6 @@ _DONE_RING = 3 * _IN_FLIGHT
 _FN_CACHE = 1024  # functions kept (strongly) with their ids; older ones are forgotten
 _STOP_GRACE = 5.0  # seconds a worker gets to exit after its ring is closed
 _POLL_SECONDS = 1e-3  # how long result() polls for a quick call's result
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -231,8 +235,8 @@ class _Slot:
         self.generation = generation
         self.process: Any = None
         self.pid = 0
-        self.tasks = shm.Ring(_TASK_RING, _worker.RECORD_SIZE)
-        self.done = shm.Ring(_DONE_RING, _worker.RECORD_SIZE)
+        self.tasks = shm.Ring(_TASK_RING, _protocol.RECORD_SIZE)
+        self.done = shm.Ring(_DONE_RING, _protocol.RECORD_SIZE)
         self.arg_releases: shm.Ring | None = None
         self.result_releases = shm.Ring(4096, shm.RELEASE_RECORD_SIZE)
         self.arena_id = 0
@@ -538,7 +542,7 @@ class WorkerPool(Executor):
         records = []
         if slot.forget:
             body = struct.pack(f"<{len(slot.forget)}I", *slot.forget)
-            records.append(_worker.spill(FORGET, body, arena, slot.arg_releases))
+            records.append(spill(FORGET, body, arena, slot.arg_releases))
             slot.forget.clear()
         if fn_id not in slot.fns:
             try:
@@ -546,9 +550,9 @@ class WorkerPool(Executor):
             except SerializationError:
                 self._forget_function(task.fn)
                 raise
-            records.append(_worker.spill(FUNC, body, arena, slot.arg_releases, fn_id=fn_id))
+            records.append(spill(FUNC, body, arena, slot.arg_releases, fn_id=fn_id))
         enc = _codec.encode_call(task.args, task.kwargs, arena, slot.arg_releases, self._inline_max)
-        records.append(_worker.spill(CALL, enc.data, arena, slot.arg_releases, task.task_id, fn_id))
+        records.append(spill(CALL, enc.data, arena, slot.arg_releases, task.task_id, fn_id))
         try:
             if len(records) == 1:
                 slot.tasks.push(records[0], timeout=self._start_timeout, watch=[slot.process])
@@ -620,20 +624,18 @@ class WorkerPool(Executor):
         ``timeout``, and an exception in a call fails its whole chunk (the
         chunk's other results are not yielded), as in ``ProcessPoolExecutor``.
         """
-        if type(chunksize) is not int or chunksize < 1:
-            raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
         self._check_not_forked()
-        limit = max(1, prefetch or 2 * max(1, self.num_workers))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        calls = zip(*iterables, strict=False)
-        if chunksize == 1:
-            return _map_results(self, fn, calls, limit, deadline, ordered)
-        if not self._inline:
-            _codec.dump_value(fn)  # name the function, not the wrapper, if it cannot pickle
-        chunks = iter(lambda: (tuple(itertools.islice(calls, chunksize)),), ((),))
-        # One wrapper per map(): the workers receive and cache it once.
-        run = functools.partial(_run_chunk, fn)
-        return _flatten(_map_results(self, run, chunks, limit, deadline, ordered))
+        return map_calls(
+            self,
+            fn,
+            iterables,
+            workers=self.num_workers,
+            timeout=timeout,
+            chunksize=chunksize,
+            ordered=ordered,
+            prefetch=prefetch,
+            check_fn=not self._inline,
+        )
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
         """A new array in the pool's shared memory: it reaches workers without a copy.
@@ -739,7 +741,7 @@ class WorkerPool(Executor):
 def _hello(slot: _Slot, rec: bytes) -> None:
     """Read a worker's first record: it is ready, or it failed to start (raised)."""
     kind, flags, _, _ = HEADER.unpack_from(rec)
-    body = _worker.body_of(rec, flags)
+    body = body_of(rec, flags)
     if kind == FAILED:
         exc, tb = pickle.loads(body)
         err = BrokenPoolError(
@@ -805,56 +807,6 @@ def _readonly(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _readonly(v) for k, v in value.items()}
     return value
-
-
-def _run_chunk(fn: Callable[..., T], calls: tuple[tuple[Any, ...], ...]) -> list[T]:
-    """A chunk of ``map(chunksize=...)``, run in a worker."""
-    return [fn(*call) for call in calls]
-
-
-def _flatten(chunks: Generator[list[T], None, None]) -> Iterator[T]:
-    try:
-        for results in chunks:
-            yield from results
-    finally:
-        chunks.close()  # now, not when collected: it cancels the chunks in flight
-
-
-def _map_results(
-    pool: Executor,
-    fn: Callable[..., T],
-    calls: Iterator[tuple[Any, ...]],
-    limit: int,
-    deadline: float | None,
-    ordered: bool,
-) -> Generator[T, None, None]:
-    from concurrent.futures import FIRST_COMPLETED
-    from concurrent.futures import wait as wait_futures
-
-    window: collections.deque[Future[T]] = collections.deque()
-    try:
-        for call in itertools.islice(calls, limit):
-            window.append(pool.submit(fn, *call))
-        while window:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError("map() ran past its timeout")
-            if ordered:
-                result = window[0].result(left)
-                window.popleft()
-            else:
-                done, _ = wait_futures(window, left, return_when=FIRST_COMPLETED)
-                if not done:
-                    raise TimeoutError("map() ran past its timeout")
-                first = next(iter(done))
-                window.remove(first)
-                result = first.result()
-            for call in itertools.islice(calls, 1):
-                window.append(pool.submit(fn, *call))
-            yield result
-    finally:
-        for future in window:
-            future.cancel()
 
 
 # ---------------------------------------------------------------- the manager
@@ -1028,7 +980,7 @@ def _deliver(state: _State, slot: _Slot) -> None:
 def _outcome(rec: bytes, kind: int, flags: int, shared_ok: bool) -> tuple[bool, Any]:
     """(True, the result) or (False, the exception) that a done record carries."""
     try:
-        body = _worker.body_of(rec, flags)
+        body = body_of(rec, flags)
         if kind == OK:
             return True, _codec.decode(body, True, shared_ok)
         exc, tb = pickle.loads(body)
@@ -1055,7 +1007,7 @@ def _cancel_now(future: Future[Any]) -> bool:
 def _cancel_pushed(slot: _Slot, future: _PoolFuture[Any]) -> bool:
     """Cancel a call pushed to ``slot``'s worker unless it started (state lock held).
 
-    The handshake of ``_worker``'s cancellation: CANCEL, read the worker's
+    The handshake of ``_protocol``'s cancellation: CANCEL, read the worker's
     progress, VERDICT. The worker, which waits for the verdict once it has
     seen CANCEL, then skips the call exactly when this returns True.
     """
@@ -1066,10 +1018,10 @@ def _cancel_pushed(slot: _Slot, future: _PoolFuture[Any]) -> bool:
         return False  # running, or its worker is being replaced: it decides
     watch = [slot.process]
     try:
-        slot.tasks.push(_worker.record(CANCEL, b"", seq), timeout=_STOP_GRACE, watch=watch)
+        slot.tasks.push(record(CANCEL, b"", seq), timeout=_STOP_GRACE, watch=watch)
         started = slot.done.progress() >= seq
         verdict = b"\x00" if started else b"\x01"
-        slot.tasks.push(_worker.record(VERDICT, verdict, seq), timeout=_STOP_GRACE, watch=watch)
+        slot.tasks.push(record(VERDICT, verdict, seq), timeout=_STOP_GRACE, watch=watch)
     except (shm.SharedMemoryError, ValueError):
         return False  # the worker died or the pool is stopping: the manager fails it
     return not started and _cancel_now(future)
@@ -1409,18 +1361,6 @@ def _register_exit_hook() -> None:
         _exit_hook_registered = True
 
 
-def forked_error(owner_pid: int, what: str) -> ForkedPoolError:
-    """The error for using, in a forked child, ``what`` made by process ``owner_pid``."""
-    return ForkedPoolError(
-        f"{what} belongs to process {owner_pid}; this process ({os.getpid()}) inherited "
-        "it through os.fork() and cannot use it: its workers, rings and shared memory "
-        "are the parent's, which goes on using them. Make a new WorkerPool (or "
-        "pipeline) in the child, or start children with the 'spawn' or 'forkserver' "
-        "method (a prefork server: create the pool after the fork, e.g. in gunicorn's "
-        "post_fork hook)"
-    )
-
-
 def _disown_workers() -> None:
     """In a forked child: the workers are the parent's; multiprocessing must not
     count them as ours (its exit hook would SIGTERM every daemonic child it knows)."""
@@ -1449,20 +1389,10 @@ def _context(start_method: str | None) -> Any:
             f"start_method {method!r} is not available here; "
             f"choose one of {mp.get_all_start_methods()}"
         )
-    if method == "fork" and _cuda_initialised():
+    if method == "fork" and cuda_initialised():
         raise ValueError(
             "start_method='fork' after CUDA was initialised in this process: the "
             "children would inherit a CUDA context they cannot use; use 'forkserver' "
             "or 'spawn'"
         )
     return _launch.context(method)
-
-
-def _cuda_initialised() -> bool:
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
-        return False
-    try:
-        return bool(cupy.cuda.runtime.getDeviceCount() and cupy.cuda.Device().id >= 0)
-    except Exception:
-        return False

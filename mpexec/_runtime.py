@@ -164,6 +164,12 @@ def sample_info() -> SampleInfo | BatchInfo | None:
     return _current
 
 
+def set_call_info(info: SampleInfo | BatchInfo | None) -> None:
+    """What :func:`sample_info` returns from now on (for runners outside this module)."""
+    global _current
+    _current = info
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One call of an op's runner: an iteration's samples ``start .. start+count``."""
@@ -297,7 +303,7 @@ class OpRunner:
         self.output_shapes = output_shapes
         self.dlpack = dlpack
         self.debug = debug
-        self.takes_rng = _takes_keyword(function, "rng")
+        self.takes_rng = takes_keyword(function, "rng")
         # Calls with nothing around them but the reseeding, and outputs with no
         # declaration to check, take a short path (most ops of most pipelines).
         self._plain = not (self.takes_rng or self.dlpack or self.debug)
@@ -516,7 +522,7 @@ class OpRunner:
         if isinstance(value, np.ndarray):
             arr = value
         elif hasattr(value, "__dlpack__") and not isinstance(value, (bytes, str)):
-            arr = _np_from_dlpack(value)
+            arr = np_from_dlpack(value)
         else:
             arr = np.asarray(value)
         if arr.dtype.hasobject and not is_string_array(arr):
@@ -723,14 +729,14 @@ def _checksums(args: tuple[Any, ...]) -> list[int]:
 
 
 #: ``np.from_dlpack`` (NumPy 1.22 called it ``np._from_dlpack``).
-_np_from_dlpack: Any = getattr(np, "from_dlpack", None) or getattr(np, "_from_dlpack", None)
+np_from_dlpack: Any = getattr(np, "from_dlpack", None) or getattr(np, "_from_dlpack", None)
 
 
 def _from_dlpack_inputs(value: Any) -> Any:
     return value  # NumPy arrays are DLPack producers already; lists stay lists
 
 
-def _takes_keyword(function: Any, name: str) -> bool:
+def takes_keyword(function: Any, name: str) -> bool:
     try:
         params = inspect.signature(function).parameters
     except (TypeError, ValueError):

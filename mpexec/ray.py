@@ -37,7 +37,6 @@ import os
 import pickle
 import queue
 import threading
-import time
 import traceback
 import uuid
 import weakref
@@ -65,7 +64,8 @@ from ._errors import (
     RemoteTraceback,
     SerializationError,
 )
-from ._pool import WorkerPool, _flatten, _map_results, _run_chunk
+from ._mapping import map_calls
+from ._pool import WorkerPool
 
 __all__ = ["RayPool"]
 
@@ -410,17 +410,16 @@ class RayPool(Executor):
         ``prefetch`` (calls, or chunks, in flight) defaults to twice the
         workers of all nodes together.
         """
-        if type(chunksize) is not int or chunksize < 1:
-            raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
-        limit = max(1, prefetch or 2 * max(1, self.num_workers))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        calls = zip(*iterables, strict=False)
-        if chunksize == 1:
-            return _map_results(self, fn, calls, limit, deadline, ordered)
-        _codec.dump_value(fn)  # name the function, not the wrapper, if it cannot pickle
-        chunks = iter(lambda: (tuple(itertools.islice(calls, chunksize)),), ((),))
-        run = functools.partial(_run_chunk, fn)
-        return _flatten(_map_results(self, run, chunks, limit, deadline, ordered))
+        return map_calls(
+            self,
+            fn,
+            iterables,
+            workers=self.num_workers,
+            timeout=timeout,
+            chunksize=chunksize,
+            ordered=ordered,
+            prefetch=prefetch,
+        )
 
     def put(self, array: Any) -> Any:
         """A read-only copy of ``array`` (what the pipeline does with a source's data)."""

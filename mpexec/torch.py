@@ -52,8 +52,8 @@ import numpy as np
 
 from . import _launch, _worker
 from ._batch import Batch
-from ._doctor import default_start_method
 from ._errors import BrokenPoolError, LoaderTimeoutError
+from ._host import default_start_method
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
 

@@ -15,7 +15,7 @@ import select
 import weakref
 from typing import Any
 
-from ._doorbell import _close_all
+from ._doorbell import close_fds
 from ._fdpass import fd_for_child, fd_in_child
 
 
@@ -25,7 +25,7 @@ class Lifeline:
     def __init__(self) -> None:
         self._r, self._w = os.pipe()  # both close-on-exec: no stray holder of the write end
         self._fds = [self._r, self._w]
-        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._finalizer = weakref.finalize(self, close_fds, self._fds)
         global _fork_hook
         if not _fork_hook:  # registered on first use: no work at import
             os.register_at_fork(after_in_child=_drop_write_ends)
@@ -89,5 +89,5 @@ def _rebuild_lifeline(token: Any) -> Lifeline:
     life._r = fd_in_child(token)
     life._w = -1
     life._fds = [life._r]
-    life._finalizer = weakref.finalize(life, _close_all, life._fds)
+    life._finalizer = weakref.finalize(life, close_fds, life._fds)
     return life

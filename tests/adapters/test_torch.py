@@ -570,7 +570,7 @@ def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     if default == "fork":
         # A forked child cannot use the CUDA context it would inherit.
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-        assert mt._start_method(None) == mpexec._doctor.default_start_method()
+        assert mt._start_method(None) == mpexec._host.default_start_method()
 
 
 # ------------------------------------------------------------------ resuming
