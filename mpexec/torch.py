@@ -301,7 +301,7 @@ class _WorkersIter(_EpochIter):
             # Behind whatever the last epoch left on each worker (calls pinned
             # to a worker run in order), a fresh fetcher for the new epoch.
             resumed = [
-                self._pool._submit(_resume_worker, (), {}, w) for w in range(self._num_workers)
+                self._pool.submit_call(_resume_worker, worker=w) for w in range(self._num_workers)
             ]
             for worker, future in enumerate(resumed):
                 self._result(future, -1, worker)
@@ -324,7 +324,7 @@ class _WorkersIter(_EpochIter):
                 break
         else:
             return
-        future = self._pool._submit(_fetch, (index,), {}, worker)
+        future = self._pool.submit_call(_fetch, (index,), worker=worker)
         self._tasks[self._send_idx] = (worker, future)
         self._workers_num_tasks[worker] += 1
         self._send_idx += 1

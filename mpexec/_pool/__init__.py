@@ -45,6 +45,6 @@ by its finalizer.
 """
 
 from ._executor import WorkerPool
-from ._state import PoolStats
+from ._state import PoolStats, PoolStatus
 
-__all__ = ["PoolStats", "WorkerPool"]
+__all__ = ["PoolStats", "PoolStatus", "WorkerPool"]

@@ -11,7 +11,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +26,7 @@ from . import _stop
 from ._factory import WorkerFactory, context
 from ._manager import Manager
 from ._sender import CallSender
-from ._state import PoolState, PoolStats
+from ._state import PoolState, PoolStats, PoolStatus
 
 T = TypeVar("T")
 
@@ -50,6 +50,10 @@ class WorkerPool(Executor):
       fails. Without it a crash breaks the pool (:class:`BrokenPoolError`).
     - ``arena_size``: the size of each shared-memory segment of the pool's
       arena (it grows by segments up to ``arena_capacity``).
+    - ``results``: ``"copy"`` (default) hands every result array back as the
+      caller's own; ``"view"`` hands back a result that is a view of shared
+      memory (say, a function that returned a slice of its input) as a
+      read-only view, uncopied, as :meth:`submit_call` does with ``view=True``.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class WorkerPool(Executor):
         worker_arena_size: int = 32 << 20,
         inline_max: int = _codec.INLINE_MAX,
         start_timeout: float = 60.0,
+        results: Literal["copy", "view"] = "copy",
     ) -> None:
         if num_workers is None:
             num_workers = usable_cpus()
@@ -74,11 +79,13 @@ class WorkerPool(Executor):
             raise ValueError(f"num_workers must be an int >= 0, not {num_workers!r}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive or None, not {timeout!r}")
+        if results not in ("copy", "view"):
+            raise ValueError(f"results must be 'copy' or 'view', not {results!r}")
         self.num_workers = num_workers
         self.timeout = timeout
         self.restart = restart
         self._inline = num_workers == 0
-        self._state = PoolState(inline=self._inline)
+        self._state = PoolState(inline=self._inline, view_results=results == "view")
         seed_entropy = int(np.random.SeedSequence(seed).entropy)  # type: ignore[arg-type]
         init = (
             _codec.dump_value((worker_init, tuple(worker_init_args)), "worker_init")
@@ -131,33 +138,38 @@ class WorkerPool(Executor):
         argument cannot be pickled; :class:`PoolClosedError` after ``shutdown``;
         the stored :class:`BrokenPoolError` once the pool is broken.
         """
-        return self._submit(fn, args, kwargs, None)
+        return self.submit_call(fn, args, kwargs)
 
-    def _submit(
+    def submit_call(
         self,
         fn: Callable[..., T],
-        args: Any,
-        kwargs: Any,
-        worker: int | None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
         *,
-        shared: bool = False,
+        worker: int | None = None,
+        view: bool = False,
     ) -> Future[T]:
-        """``submit``; with ``worker``, on that worker index, after its earlier calls.
+        """:meth:`submit`, for code built on the pool: pinned calls, results as views.
 
-        Calls pinned to one worker run in submission order there (the pipeline
-        runs ``stateful`` ops this way); a replaced worker keeps the index.
-        ``shared``: this call's result arrays come back as read-only views of
-        shared memory, uncopied (for a pipeline run on a pool it does not own).
+        ``worker``: run it on that worker index (modulo ``num_workers``), after
+        the calls submitted to that index earlier, in submission order; a
+        worker that is replaced keeps its index, so state kept in a worker's
+        globals stays with its index for as long as the worker lives.
+        ``view``: the result's arrays come back as read-only views of shared
+        memory, uncopied (valid for as long as they are held), not as arrays
+        of the caller's own. Raises as :meth:`submit` does.
         """
         if not callable(fn):
             raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
+        if kwargs is None:
+            kwargs = {}
         state = self._state
         state.check_not_forked()
         if self._inline:
             return self._run_inline(fn, args, kwargs)
         with state.lock:
             state.check_usable()
-            task = state.new_task(fn, args, kwargs, worker, shared)
+            task = state.new_task(fn, args, kwargs, worker, view)
             slot = state.pick_slot(task)
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
@@ -170,14 +182,6 @@ class WorkerPool(Executor):
                 self._sender.send(task, slot)
             state.count_submitted()
         return task.future
-
-    def _keep_results_shared(self) -> None:
-        """Deliver results that are read-only views of shared memory as such, uncopied.
-
-        For the pipeline, whose outputs are read-only anyway; a pool's own
-        callers are promised arrays of their own.
-        """
-        self._state.view_results = True
 
     def _run_inline(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
@@ -248,16 +252,30 @@ class WorkerPool(Executor):
             return np.array(array, copy=True)
         return state.arena.put(array, peer_writable=True)
 
-    def _copy_in(self, array: np.ndarray[Any, Any]) -> Any:
-        """:meth:`put` packed with others (no pages of its own), never passed writable."""
-        assert self._state.arena is not None
-        return self._state.arena.put(array)
+    def share(self, array: Any) -> Any:
+        """A read-only copy of ``array`` in the pool's shared memory, for many calls.
+
+        Unlike :meth:`put`'s, its memory is packed with other arrays (no pages
+        of its own), so it is never passed :func:`writable`: the one copy where
+        data enters code built on the pool (a pipeline's sources).
+        """
+        state = self._state
+        state.check_not_forked()
+        state.check_open()
+        out = np.array(array, copy=True) if state.arena is None else state.arena.put(array)
+        out.flags.writeable = False
+        return out
 
     # ------------------------------------------------------------ looking at it
     def stats(self) -> PoolStats:
         """Counters and the arena's occupancy (a snapshot)."""
         self._state.check_not_forked()
         return self._state.stats(self.num_workers)
+
+    @property
+    def status(self) -> PoolStatus:
+        """Whether it takes calls (running, broken, closed, forked) and its owner's pid."""
+        return self._state.status()
 
     @property
     def pids(self) -> list[int]:

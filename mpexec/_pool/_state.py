@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import shm
 
@@ -47,6 +47,25 @@ class PoolStats:
     bytes_shared: int
     bytes_copied: int
     arena: shm.ArenaStats
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """Whether a pool can take calls, and which process it belongs to (a snapshot).
+
+    ``state`` is ``"running"``; ``"broken"`` (a worker died or failed to start:
+    every call raises the stored :class:`~mpexec.BrokenPoolError`); ``"closed"``
+    (shut down); or ``"forked"`` (this process inherited the pool through
+    ``os.fork()`` from ``owner_pid``, and cannot use it).
+    """
+
+    state: Literal["running", "broken", "closed", "forked"]
+    owner_pid: int
+
+    @property
+    def usable(self) -> bool:
+        """True while calls may be submitted."""
+        return self.state == "running"
 
 
 class Slot:
@@ -117,8 +136,8 @@ class PoolState:
         self.next_task_id = itertools.count(1)
         self.submitted = self.completed = self.failed = self.restarts = 0
         self.bytes_shared = self.bytes_copied = 0
-        # Results that are forwarded read-only views stay views (the pipeline
-        # sets this; its outputs are read-only anyway) instead of being copied.
+        # Results that are forwarded read-only views stay views (results="view")
+        # instead of being copied.
         self.view_results = view_results
         self.manager_ident: int | None = None
         # Seconds from dispatch to delivery of the latest call: waiters poll
@@ -151,6 +170,18 @@ class PoolState:
             raise self.broken
         if self.closed:
             raise PoolClosedError("cannot submit to a pool after shutdown()")
+
+    def status(self) -> PoolStatus:
+        state: Literal["running", "broken", "closed", "forked"]
+        if self.forked:
+            state = "forked"
+        elif self.broken:
+            state = "broken"
+        elif self.closed:
+            state = "closed"
+        else:
+            state = "running"
+        return PoolStatus(state, self.pid)
 
     # ------------------------------------------------------------ calls and workers
     def new_task(

@@ -182,6 +182,34 @@ def test_map_parity(pool: RayPool, local_pool: WorkerPool, chunksize: int, order
     assert got == expected if ordered else sorted(got) == sorted(expected)
 
 
+_seen: list[int] = []  # per worker process: the calls it ran, in order
+
+
+def _record(n: int) -> tuple[int, list[int]]:
+    _seen.append(n)
+    return os.getpid(), list(_seen)
+
+
+def test_the_low_level_seam_as_on_worker_pool(pool: RayPool) -> None:
+    # submit_call: pinned calls run in order on one worker of one agent.
+    futures = [pool.submit_call(_record, (n,), worker=0) for n in range(100, 110)]
+    results = [f.result(T) for f in futures]
+    assert len({pid for pid, _ in results}) == 1
+    assert results[-1][1][-10:] == list(range(100, 110))
+    assert pool.submit_call(_add, (1, 2), {"c": 3}).result(T) == 6
+    # view=True: Ray's read-only array, uncopied; by default the caller's own.
+    a = np.arange(300_000, dtype=np.float32)
+    assert not pool.submit_call(_square, (a,), view=True).result(T).flags.writeable
+    assert pool.submit_call(_square, (a,)).result(T).flags.writeable
+    # share: a read-only copy the calls take.
+    shared = pool.share(a)
+    assert not shared.flags.writeable
+    assert pool.submit(np.sum, shared).result(T) == a.sum()
+    assert pool.status == mpexec.PoolStatus("running", os.getpid())
+    with pytest.raises(ValueError, match="results must be 'copy' or 'view'"):
+        RayPool(results="mine")  # type: ignore[arg-type]
+
+
 def test_map_prefetch_is_bounded(pool: RayPool) -> None:
     pulled = 0
 

@@ -171,9 +171,9 @@ def test_a_restart_does_not_hold_up_other_workers_results(tmp_path: Path) -> Non
         # The replacement takes 3 s to start; worker 1's results come meanwhile.
         t0 = time.monotonic()
         for i in range(20):
-            assert pool._submit(_square, (i,), {}, 1).result(T) == i * i
+            assert pool.submit_call(_square, (i,), worker=1).result(T) == i * i
         assert time.monotonic() - t0 < 2, "results waited for the replacement's start"
-        assert pool._submit(os.getpid, (), {}, 0).result(T) not in pids
+        assert pool.submit_call(os.getpid, worker=0).result(T) not in pids
         assert pool.stats().restarts == 1
 
 
