@@ -28,7 +28,7 @@ streams, the events and the registrations belong to the stage, and
 CuPy is imported only here and only when a GPU op is defined; every name the
 stage uses is listed in :data:`CUPY_NAMES` (a test checks the list is complete,
 and the API-conformance tox environment checks each name against real CuPy).
-Without a GPU the stage runs on ``mpexec._gpusim``, a simulated device whose
+Without a GPU the stage runs on ``mpexec.testing.SimCuPy``, a simulated device whose
 streams run deferred work only when waited on.
 """
 
@@ -107,7 +107,7 @@ _pinned_live = 0
 
 @contextlib.contextmanager
 def use_backend(xp: Any) -> Iterator[Any]:
-    """Run GPU ops on ``xp`` (a :class:`mpexec._gpusim.SimCuPy`) instead of CuPy."""
+    """Run GPU ops on ``xp`` (a :class:`mpexec.testing.SimCuPy`) instead of CuPy."""
     global _override
     with _lock:
         old, _override = _override, xp

@@ -13,8 +13,8 @@ import mpexec
 import shm
 from mpexec import _gpu, fn
 from mpexec._doctor import GpuReport, format_report
-from mpexec._gpusim import GARBAGE, SEEDS, SimCuPy, simulated
 from mpexec._runtime import Chunk, np_from_dlpack
+from mpexec.testing import GARBAGE, SEEDS, SimCuPy, simulated
 
 
 @pytest.fixture(params=SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")

@@ -123,7 +123,7 @@ if __name__ == "__main__":
         pool = PIPE._pool
     elif scenario == "gpu":
         from mpexec import _gpu, fn
-        from mpexec._gpusim import SimCuPy
+        from mpexec.testing import SimCuPy
         SIM = _gpu.use_backend(SimCuPy(0))  # held: its exit would restore CuPy
         SIM.__enter__()
         @mpexec.pipeline_def(batch_size=2, num_workers=0, seed=1)
