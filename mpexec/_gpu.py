@@ -905,6 +905,10 @@ class GpuExecutor:
         seconds = time.perf_counter() - t0
         return ChunkResult(tuple(columns), chunk.count, seconds, os.getpid())
 
+    def on_own_thread(self) -> bool:
+        """Whether the caller is the stage's own thread (which cannot join itself)."""
+        return threading.current_thread() is self._thread
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop the thread (after queued calls, unless cancelled) and close the stage.
 

@@ -494,7 +494,7 @@ def _close_stages(stages: list[Any]) -> None:
             stage.shutdown(wait=False, cancel_futures=True)
         else:
             # Joining the GPU thread from itself (a collection it triggered) would raise.
-            current = threading.current_thread() is stage._thread
+            current = stage.on_own_thread()
             stage.shutdown(wait=not current, cancel_futures=True)
 
 

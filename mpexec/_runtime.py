@@ -53,7 +53,8 @@ _new_tuple: Any = tuple.__new__
 # legacy RandomState's method; ``random.seed`` is reached without its Python
 # wrapper (which, for an int, only forwards it and clears ``gauss_next``).
 _np_seed = np.random.seed
-_np_inst: Any = np.random.mtrand._rand  # the RandomState behind np.random.*
+# NumPy's own RandomState behind np.random.* (no public name): reseeded and watched in place.
+_np_inst: Any = np.random.mtrand._rand  # noqa: SLF001 - see above
 _py_inst: Any = random.seed.__self__  # type: ignore[attr-defined]
 _py_seed: Any = type(_py_inst).__mro__[1].seed  # type: ignore[attr-defined]
 
@@ -68,10 +69,11 @@ def _np_words(state: Any) -> Any:
     a private generator first. None where it cannot be.
     """
     with contextlib.suppress(Exception):
-        bg = state._bit_generator
+        bg = state._bit_generator  # noqa: SLF001 - RandomState's generator (no public name)
         if type(bg) is np.random.MT19937:
             probe = np.random.RandomState(np.random.MT19937())
-            w = ctypes.c_uint64.from_address(probe._bit_generator.ctypes.state_address + 4 * 623)
+            gen = probe._bit_generator  # noqa: SLF001 - as above
+            w = ctypes.c_uint64.from_address(gen.ctypes.state_address + 4 * 623)
             probe.seed(5)
             seeded = w.value
             probe.random_sample()  # two words: pos 2, key regenerated
@@ -133,7 +135,7 @@ class _GlobalRandom:
         _py_seed(_py_inst, py_seed)
         _py_inst.gauss_next = None
         if self.watch:
-            if _np_inst._bit_generator is not self.bit_generator:
+            if _np_inst._bit_generator is not self.bit_generator:  # noqa: SLF001 - as above
                 self.watch = False  # np.random.set_bit_generator: not the state watched
             self.np_key, self.py_key = self.np.value, self.py.value
 
@@ -147,7 +149,7 @@ class _GlobalRandom:
             self.np.value == self.np_key
             and self.py.value == self.py_key
             and _py_inst.gauss_next is None
-            and _np_inst._bit_generator is self.bit_generator
+            and _np_inst._bit_generator is self.bit_generator  # noqa: SLF001 - as above
         )
 
 
@@ -585,7 +587,7 @@ class ChainRunner:
         source = self.runners[0].kind == "source"
         seeds = []
         for r in self.runners:
-            r._where = (chunk.epoch, chunk.iteration)
+            r._where = (chunk.epoch, chunk.iteration)  # noqa: SLF001 - a chain runs its runners' steps
             seeds.append(
                 call_seeds(r.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
             )
@@ -629,9 +631,9 @@ class ChainRunner:
                             nbytes += v.nbytes
                     counts[1] += nbytes
                     try:
-                        values = runner._sample_outputs(
-                            runner._call(values, b, np_seeds[j], py_seeds[j]), b
-                        )
+                        # The chain runs its op runners' steps itself (same module).
+                        called = runner._call(values, b, np_seeds[j], py_seeds[j])  # noqa: SLF001
+                        values = runner._sample_outputs(called, b)  # noqa: SLF001
                     except StopIteration:
                         if k or not source:
                             raise

@@ -191,10 +191,10 @@ def cancel_now(future: Future[Any]) -> bool:
     # Future.cancel() leaves waiters asleep until set_running_or_notify_cancel(),
     # which only the standard executors call: the future's own condition is the
     # one lock that makes the two steps one.
-    with future._condition:
+    with future._condition:  # noqa: SLF001 - concurrent.futures' lock, see above
         if not Future.cancel(future):
             return False
-        if future._state == "CANCELLED":
+        if future._state == "CANCELLED":  # noqa: SLF001 - not yet CANCELLED_AND_NOTIFIED
             future.set_running_or_notify_cancel()
         return True
 
