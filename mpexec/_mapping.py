@@ -1,8 +1,10 @@
-"""``map()`` for the pools: a bounded window of calls, chunks, results in order.
+"""The pools' Executor face: ``submit`` and ``map()`` over ``submit_call``.
 
-:class:`~mpexec.WorkerPool` and ``mpexec.ray.RayPool`` share it: both offer
-``Executor.map`` with ``chunksize``, ``ordered`` and ``prefetch``, over their
-own ``submit``.
+:class:`~mpexec.WorkerPool` and ``mpexec.ray.RayPool`` share it (as
+:class:`CallExecutor`): each implements the low-level ``submit_call``, and
+gets ``submit``, ``Executor.map`` with ``chunksize``, ``ordered`` and
+``prefetch`` (a bounded window of calls, results in order), and a ``with``
+block that stops at once on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -19,6 +21,73 @@ from typing import Any, TypeVar
 from . import _codec
 
 T = TypeVar("T")
+
+
+class CallExecutor(Executor):
+    """An Executor over ``submit_call`` (see the module docstring)."""
+
+    num_workers: int
+
+    def submit_call(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        worker: int | None = None,
+        view: bool = False,
+    ) -> Future[T]:
+        raise NotImplementedError
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Schedule ``fn(*args, **kwargs)`` in a worker; a Future of its result.
+
+        Raises :class:`SerializationError` here, in the caller, if ``fn`` or an
+        argument cannot be pickled; :class:`PoolClosedError` after ``shutdown``;
+        the stored :class:`BrokenPoolError` once the pool is broken.
+        """
+        return self.submit_call(fn, args, kwargs)
+
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+        ordered: bool = True,
+        prefetch: int | None = None,
+    ) -> Iterator[T]:
+        """Like ``Executor.map``, with at most ``prefetch`` calls in flight.
+
+        ``prefetch`` defaults to twice the number of workers; ``ordered=False``
+        yields results as they complete. ``timeout`` bounds the whole map.
+        ``chunksize`` > 1 sends the calls in chunks of that many, one task per
+        chunk: for many tiny calls, far less overhead per call. Then
+        ``prefetch`` counts chunks, a chunk is one call for the pool's
+        ``timeout``, and an exception in a call fails its whole chunk (the
+        chunk's other results are not yielded), as in ``ProcessPoolExecutor``.
+        """
+        check_fn = self._before_map()
+        return map_calls(
+            self,
+            fn,
+            iterables,
+            workers=self.num_workers,
+            timeout=timeout,
+            chunksize=chunksize,
+            ordered=ordered,
+            prefetch=prefetch,
+            check_fn=check_fn,
+        )
+
+    def _before_map(self) -> bool:
+        """Checks before a ``map()``; True: pickle ``fn`` first, to name it in an error."""
+        return True
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # Ctrl-C: stop now (running calls are abandoned) rather than wait for the queue.
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        self.shutdown(wait=not interrupted, cancel_futures=interrupted)
 
 
 def map_calls(

@@ -40,8 +40,8 @@ import threading
 import traceback
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Literal, TypeVar
 
 import cloudpickle
@@ -64,7 +64,7 @@ from ._errors import (
     RemoteTraceback,
     SerializationError,
 )
-from ._mapping import map_calls
+from ._mapping import CallExecutor
 from ._pool import PoolStatus, WorkerPool
 
 __all__ = ["RayPool"]
@@ -222,7 +222,7 @@ class _State:
         return [a for a in self.agents if a.alive]
 
 
-class RayPool(Executor):
+class RayPool(CallExecutor):
     """Run functions on every node of a Ray cluster, with ``WorkerPool``'s semantics.
 
     One agent (a Ray actor) per node owns a local shared-memory
@@ -353,15 +353,6 @@ class RayPool(Executor):
         return [(pid, pids) for pid, pids, _ in hellos]
 
     # ------------------------------------------------------------ calls
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        """Schedule ``fn(*args, **kwargs)`` on some node; a Future of its result.
-
-        Raises :class:`SerializationError` here if ``fn`` or an argument
-        cannot be pickled; :class:`PoolClosedError` after ``shutdown``; the
-        stored :class:`BrokenPoolError` once every agent is lost.
-        """
-        return self.submit_call(fn, args, kwargs)
-
     def submit_call(
         self,
         fn: Callable[..., T],
@@ -371,9 +362,11 @@ class RayPool(Executor):
         worker: int | None = None,
         view: bool = False,
     ) -> Future[T]:
-        """:meth:`WorkerPool.submit_call`'s seam: ``worker`` pins the call (in order) to
-        one agent and one worker there; ``view``: result arrays come back as Ray's
-        read-only arrays, uncopied (what a pipeline takes), not as the caller's own.
+        """``submit``, for code built on the pool (:meth:`WorkerPool.submit_call`'s seam).
+
+        ``worker`` pins the call (in order) to one agent and one worker there;
+        ``view``: result arrays come back as Ray's read-only arrays, uncopied
+        (what a pipeline takes), not as the caller's own.
         """
         if kwargs is None:
             kwargs = {}
@@ -403,31 +396,6 @@ class RayPool(Executor):
             raise state.broken
         if state.closed:
             raise PoolClosedError("cannot submit to a RayPool after shutdown()")
-
-    def map(
-        self,
-        fn: Callable[..., T],
-        *iterables: Iterable[Any],
-        timeout: float | None = None,
-        chunksize: int = 1,
-        ordered: bool = True,
-        prefetch: int | None = None,
-    ) -> Iterator[T]:
-        """:meth:`WorkerPool.map`'s meaning: ordered, ``chunksize``, bounded prefetch.
-
-        ``prefetch`` (calls, or chunks, in flight) defaults to twice the
-        workers of all nodes together.
-        """
-        return map_calls(
-            self,
-            fn,
-            iterables,
-            workers=self.num_workers,
-            timeout=timeout,
-            chunksize=chunksize,
-            ordered=ordered,
-            prefetch=prefetch,
-        )
 
     def share(self, array: Any) -> Any:
         """A read-only copy of ``array`` (what a pipeline does with a source's data).
@@ -472,10 +440,6 @@ class RayPool(Executor):
         self._finalizer.detach()
         _abandon(state, state.agents, self._owns_ray)
         self._manager.join(_STOP_GRACE)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
-        self.shutdown(wait=not interrupted, cancel_futures=interrupted)
 
     def __repr__(self) -> str:
         state = self._state

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -21,7 +21,7 @@ import shm
 from .. import _codec
 from .._errors import PoolClosedError
 from .._host import ensure_open_files, usable_cpus
-from .._mapping import map_calls
+from .._mapping import CallExecutor
 from . import _stop
 from ._factory import WorkerFactory, context
 from ._manager import Manager
@@ -31,7 +31,7 @@ from ._state import PoolState, PoolStats, PoolStatus
 T = TypeVar("T")
 
 
-class WorkerPool(Executor):
+class WorkerPool(CallExecutor):
     """Run functions in worker processes, with arrays passed through shared memory.
 
     ``num_workers`` defaults to the CPUs this process may use; ``0`` runs
@@ -131,15 +131,6 @@ class WorkerPool(Executor):
         _stop.track(self, state)
 
     # ------------------------------------------------------------ the executor
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        """Schedule ``fn(*args, **kwargs)`` in a worker; a Future of its result.
-
-        Raises :class:`SerializationError` here, in the caller, if ``fn`` or an
-        argument cannot be pickled; :class:`PoolClosedError` after ``shutdown``;
-        the stored :class:`BrokenPoolError` once the pool is broken.
-        """
-        return self.submit_call(fn, args, kwargs)
-
     def submit_call(
         self,
         fn: Callable[..., T],
@@ -149,7 +140,7 @@ class WorkerPool(Executor):
         worker: int | None = None,
         view: bool = False,
     ) -> Future[T]:
-        """:meth:`submit`, for code built on the pool: pinned calls, results as views.
+        """``submit``, for code built on the pool: pinned calls, results as views.
 
         ``worker``: run it on that worker index (modulo ``num_workers``), after
         the calls submitted to that index earlier, in submission order; a
@@ -194,37 +185,9 @@ class WorkerPool(Executor):
             future.set_exception(exc)
         return future
 
-    def map(
-        self,
-        fn: Callable[..., T],
-        *iterables: Iterable[Any],
-        timeout: float | None = None,
-        chunksize: int = 1,
-        ordered: bool = True,
-        prefetch: int | None = None,
-    ) -> Iterator[T]:
-        """Like ``Executor.map``, with at most ``prefetch`` calls in flight.
-
-        ``prefetch`` defaults to twice the number of workers; ``ordered=False``
-        yields results as they complete. ``timeout`` bounds the whole map.
-        ``chunksize`` > 1 sends the calls in chunks of that many, one task per
-        chunk: for many tiny calls, far less overhead per call. Then
-        ``prefetch`` counts chunks, a chunk is one call for the pool's
-        ``timeout``, and an exception in a call fails its whole chunk (the
-        chunk's other results are not yielded), as in ``ProcessPoolExecutor``.
-        """
+    def _before_map(self) -> bool:
         self._state.check_not_forked()
-        return map_calls(
-            self,
-            fn,
-            iterables,
-            workers=self.num_workers,
-            timeout=timeout,
-            chunksize=chunksize,
-            ordered=ordered,
-            prefetch=prefetch,
-            check_fn=not self._inline,
-        )
+        return not self._inline  # an inline pool never pickles
 
     # ------------------------------------------------------------ shared memory
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
@@ -309,11 +272,6 @@ class WorkerPool(Executor):
         _stop.shutdown(state, self._lifeline, self._manager, wait, cancel_futures)
         if self._finalizer is not None:
             self._finalizer.detach()
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        # Ctrl-C: stop now (running calls are abandoned) rather than wait for the queue.
-        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
-        self.shutdown(wait=not interrupted, cancel_futures=interrupted)
 
     def __repr__(self) -> str:
         state = self._state
