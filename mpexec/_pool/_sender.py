@@ -49,8 +49,8 @@ class CallSender:
         assert arena is not None
         fn_id = self.function_id(task.fn)
         records = []
-        forget = slot.take_forgotten()
-        if forget:
+        if slot.forget:
+            forget = slot.take_forgotten()
             body = struct.pack(f"<{len(forget)}I", *forget)
             records.append(spill(FORGET, body, arena, slot.arg_releases))
         if fn_id not in slot.fns:
