@@ -4,7 +4,8 @@
 :class:`CallExecutor`): each implements the low-level ``submit_call``, and
 gets ``submit``, ``Executor.map`` with ``chunksize``, ``ordered`` and
 ``prefetch`` (a bounded window of calls, results in order), and a ``with``
-block that stops at once on Ctrl-C.
+block that stops at once on Ctrl-C. Both complete their futures with
+:func:`settle`.
 """
 
 from __future__ import annotations
@@ -122,6 +123,16 @@ def map_calls(
     # One wrapper per map(): the workers receive and cache it once.
     run = functools.partial(run_chunk, fn)
     return flatten(map_results(pool, run, chunks, limit, deadline, ordered))
+
+
+def settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete ``future`` with ``result`` or ``exc``, unless it is done already."""
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def run_chunk(fn: Callable[..., T], calls: tuple[tuple[Any, ...], ...]) -> list[T]:

@@ -64,7 +64,7 @@ from ._errors import (
     RemoteTraceback,
     SerializationError,
 )
-from ._mapping import CallExecutor
+from ._mapping import CallExecutor, settle
 from ._pool import PoolStatus, WorkerPool
 
 __all__ = ["RayPool"]
@@ -627,13 +627,7 @@ def _settle(
     with state.lock:
         state.outstanding.discard(call.future)
     call.fn = call.args = call.kwargs = None  # type: ignore[assignment]
-    future = call.future
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+    settle(call.future, result, exc)
 
 
 def _fail_pending(state: _State, error: BaseException) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import shm
 
 from .._errors import forked_error
+from .._mapping import settle
 from .._protocol import CANCEL, VERDICT, record
 
 if TYPE_CHECKING:
@@ -174,16 +175,6 @@ class PoolFuture(Future[T]):
         if timeout is None:
             return None
         return max(0.0, timeout - (time.perf_counter() - start))
-
-
-def settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
-    """Complete ``future`` with ``result`` or ``exc``, unless it is done already."""
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
 
 
 def cancel_now(future: Future[Any]) -> bool:

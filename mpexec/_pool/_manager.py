@@ -28,10 +28,11 @@ from .._errors import (
     SerializationError,
     TaskTimeoutError,
 )
+from .._mapping import settle
 from .._protocol import HEADER, OK, SKIPPED, body_of
 from . import _crash
 from ._factory import WorkerFactory, died_starting, hello
-from ._future import cancel_now, settle
+from ._future import cancel_now
 from ._sender import CallSender
 from ._state import PoolState, Slot
 
