@@ -28,17 +28,9 @@ class CallExecutor(Executor):
     """An Executor over ``submit_call`` (see the module docstring)."""
 
     num_workers: int
-
-    def submit_call(
-        self,
-        fn: Callable[..., T],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        *,
-        worker: int | None = None,
-        view: bool = False,
-    ) -> Future[T]:
-        raise NotImplementedError
+    #: ``submit_call(fn, args=(), kwargs=None, *, worker=None, view=False)``: the
+    #: seam each pool implements (see :meth:`mpexec.WorkerPool.submit_call`).
+    submit_call: Callable[..., Future[Any]]
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Schedule ``fn(*args, **kwargs)`` in a worker; a Future of its result.
