@@ -74,8 +74,11 @@ class Task:
         self.args = args
         self.kwargs = kwargs
         self.worker = worker  # the worker index it must run on, or None for any
-        self.link = CallLink(state)
-        self.future: PoolFuture[Any] = PoolFuture(self.link)
+        self.link = link = CallLink(state)
+        # Future's own constructor, then the link: a constructor of PoolFuture's
+        # would cost a call more on every submit (the two classes are one unit).
+        self.future: PoolFuture[Any] = PoolFuture()
+        self.future._mp_link = link  # noqa: SLF001 - see above
         self.started = 0.0  # when it reached the head of its worker's queue
         self.sent = 0.0  # when it was pushed to its worker (perf_counter)
 
@@ -83,10 +86,6 @@ class Task:
     def seq(self) -> int:
         """Its number among the calls pushed to its worker (0 until pushed)."""
         return self.link.seq
-
-    def pushed(self, slot: Slot, seq: int) -> None:
-        """It is in ``slot``'s task ring, as that worker's call number ``seq``."""
-        self.link.slot, self.link.seq = slot, seq
 
     def unpushed(self) -> None:
         """Its worker was lost before starting it: it waits to be pushed again."""
@@ -117,9 +116,7 @@ class PoolFuture(Future[T]):
     interrupt nothing but its own wait.
     """
 
-    def __init__(self, link: CallLink) -> None:
-        super().__init__()
-        self._mp_link = link
+    _mp_link: CallLink  # set by its Task, at once
 
     def running(self) -> bool:
         """True once a worker has started the call (not merely received it)."""

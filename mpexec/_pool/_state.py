@@ -98,7 +98,7 @@ class Slot:
         """``task`` was pushed to this worker, which now knows function ``fn_id``."""
         self.fns.add(fn_id)
         self.calls += 1
-        task.pushed(self, self.calls)
+        task.link.slot, task.link.seq = self, self.calls  # where its future looks
         if not self.queue:
             task.started = time.monotonic()
         self.queue.append(task)
@@ -157,7 +157,7 @@ class PoolState:
     def check_not_forked(self, what: str = "this WorkerPool") -> None:
         """Raise ForkedPoolError in a process forked from the pool's (before any lock:
         another thread of the parent may have held one at the fork)."""
-        if self.forked:
+        if self.pid != os.getpid() and not self.inline:  # self.forked, one call less
             raise forked_error(self.pid, what)
 
     def check_open(self) -> None:
