@@ -25,10 +25,11 @@ import numpy as np
 from . import _codec
 from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError, SerializationError, forked_error
+from ._executors import CallPool, pool_executor
 from ._graph import DataNode, Graph, Plan, defining
 from ._host import usable_cpus
 from ._pool import WorkerPool
-from ._scheduler import CallPool, OpStats, Scheduler, pool_executor
+from ._scheduler import OpStats, Scheduler
 
 _PARAMS = (
     "batch_size",
@@ -150,7 +151,7 @@ class Pipeline:
         self._given_pool = pool
         self._pool: CallPool | None = None
         self._scheduler: Scheduler | None = None
-        self._gpu: Any = None  # the GPU stage (_gpu.GpuExecutor), when the graph has GPU ops
+        self._gpu: Any = None  # the GPU stage (_executors.GpuExecutor), when the graph has GPU ops
         self._resume_at: tuple[int, int] | None = None  # load_state_dict() before build()
         self._lock = threading.RLock()
         self._closed = False
@@ -247,7 +248,8 @@ class Pipeline:
             self._finalizer = weakref.finalize(self, _close_stages, stages)
             try:
                 if any(op.device == "gpu" for op in plan.ops):
-                    from ._gpu import GpuExecutor, require
+                    from ._executors import GpuExecutor
+                    from ._gpu import require
 
                     device = self.device_id or 0
                     xp = require(f"a pipeline with GPU ops on device {device}", device)
