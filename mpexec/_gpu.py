@@ -49,7 +49,7 @@ import shm
 
 from ._batch import Batch
 from ._errors import GpuError, GpuUnavailableError, OpOutputError
-from ._runtime import BatchInfo, Chunk, SampleInfo, takes_keyword
+from ._runtime import BatchInfo, Chunk, takes_keyword
 
 #: Every CuPy name this module uses (attribute paths from the ``cupy`` module).
 CUPY_NAMES = (
@@ -665,25 +665,18 @@ class GpuOpRunner:
                 return tuple(
                     self._batch_column(xp, v, i, size) for i, v in enumerate(self._split(out))
                 )
-            columns: tuple[list[Any], ...] = tuple([] for _ in range(self.num_outputs))
             np_seeds, py_seeds = _runtime.call_seeds(
                 self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, size
             )
-            for j in range(size):
-                b = chunk.start + j
-                args = tuple(self._arg(col[j], stream) for col in inputs)
-                _runtime.set_call_info(
-                    SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
-                )
-                try:
-                    out = self._call(
-                        args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
-                    )
-                finally:
-                    _runtime.set_call_info(None)
-                for i, v in enumerate(self._split(out)):
-                    columns[i].append(self._device_array(xp, v, i, b))
-            return columns
+
+            def one(args: tuple[Any, ...], j: int, b: int) -> list[Any]:
+                args = tuple([self._arg(a, stream) for a in args])
+                key = (chunk.epoch, chunk.iteration, b + 1)
+                out = self._call(args, key, b, np_seeds[j], py_seeds[j])
+                return [self._device_array(xp, v, i, b) for i, v in enumerate(self._split(out))]
+
+            rows, _ = _runtime.each_sample(chunk, inputs, False, one)
+            return tuple([row[i] for row in rows] for i in range(self.num_outputs))
 
     def _arg(self, value: Any, stream: Any) -> Any:
         if not self.dlpack:

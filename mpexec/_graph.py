@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ._modes import Device, OpKind, SourceMode
+
 #: DALI's limit on the inputs of one python_function.
 MAX_INPUTS = 256
 
@@ -53,7 +55,7 @@ class DataNode:
 class Op:
     """One op of the graph, as defined (see ``fn.python_function``)."""
 
-    kind: str  # "python_function" | "external_source"
+    kind: OpKind
     name: str
     index: int  # position in the definition: the op's identity for seeding
     inputs: tuple[DataNode, ...]
@@ -63,21 +65,19 @@ class Op:
     output_layouts: tuple[str | None, ...] = ()
     preserve: bool = False
     seed: int = -1
-    device: str = "cpu"
+    device: Device = Device.CPU
     bytes_per_sample_hint: int = 0
     stateful: bool = False
     output_dtypes: tuple[np.dtype[Any] | None, ...] | None = None
     output_shapes: tuple[tuple[int | None, ...] | None, ...] | None = None
     dlpack: bool = False
-    # external_source: "sample" (callable in workers), "batch" (callable here),
-    # "iter" (iterable or generator here), "feed" (pipe.feed_input)
-    source_mode: str = ""
+    source_mode: SourceMode = SourceMode.NONE  # external_source: how it gives data
     cycle: Any = False
     outputs: tuple[DataNode, ...] = field(default=(), repr=False)
 
     @property
     def is_source(self) -> bool:
-        return self.kind == "external_source"
+        return self.kind == OpKind.EXTERNAL_SOURCE
 
     def describe(self) -> str:
         return f"{self.kind} '{self.name}'"

@@ -36,6 +36,7 @@ class OpKind(Mode):
     """What an op of the graph is."""
 
     PYTHON_FUNCTION = "python_function"
+    DL_TENSOR_PYTHON_FUNCTION = "dl_tensor_python_function"
     EXTERNAL_SOURCE = "external_source"
 
 

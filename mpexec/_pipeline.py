@@ -28,6 +28,7 @@ from ._errors import MpexecError, PoolClosedError, SerializationError, forked_er
 from ._executors import CallPool, pool_executor
 from ._graph import DataNode, Graph, Plan, defining
 from ._host import usable_cpus
+from ._modes import Device, LastBatch
 from ._pool import WorkerPool
 from ._scheduler import OpStats, Scheduler
 
@@ -131,7 +132,7 @@ class Pipeline:
             num_workers = usable_cpus()
         _check_int("num_workers", num_workers, 0)
         _check_int("prefetch_depth", prefetch_depth, 1)
-        if last_batch not in ("partial", "drop"):
+        if last_batch not in (LastBatch.PARTIAL, LastBatch.DROP):
             raise ValueError(f"last_batch must be 'partial' or 'drop', not {last_batch!r}")
         if seed is None or seed == -1:
             seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0]) >> 1
@@ -247,7 +248,7 @@ class Pipeline:
                 pool = own
             self._finalizer = weakref.finalize(self, _close_stages, stages)
             try:
-                if any(op.device == "gpu" for op in plan.ops):
+                if any(op.device == Device.GPU for op in plan.ops):
                     from ._executors import GpuExecutor
                     from ._gpu import require
 

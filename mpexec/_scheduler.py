@@ -263,7 +263,7 @@ class Scheduler:
             # A per-sample source in the workers may head a chain too: its ops
             # then run before the batch size is known, on samples a StopIteration
             # may drop (they are stateless: the waste is one partial chunk).
-            head_ok = chainable(p) or p.op.source_mode == "sample"
+            head_ok = chainable(p) or p.op.source_mode == SourceMode.SAMPLE
             if (
                 head_ok
                 and self._consumers[p.pos] == [s.pos]
@@ -287,7 +287,9 @@ class Scheduler:
             if not self._window:
                 if self._ending:
                     raise StopIteration
-                fed = [s.op.name for s in self.ops if s.op.source_mode == "feed" and not s.fed]
+                fed = [
+                    s.op.name for s in self.ops if s.op.source_mode == SourceMode.FEED and not s.fed
+                ]
                 raise MpexecError(
                     f"external_source {', '.join(map(repr, fed))} has no data for the next "
                     "iteration: call pipe.feed_input(name, batch) before run()"
@@ -341,7 +343,7 @@ class Scheduler:
         with self._lock:
             self._restart(epoch, index)
             for s in self.ops:
-                if s.op.source_mode != "iter" or s.absorbed:
+                if s.op.source_mode != SourceMode.ITER or s.absorbed:
                     continue
                 per_iteration = 1 if s.op.batch_processing else self.batch_size
                 for _ in range(index * per_iteration):
@@ -352,8 +354,8 @@ class Scheduler:
         """Queue ``data`` as the next batch of the external_source ``name``."""
         with self._lock:
             state = next((s for s in self.ops if s.op.name == name), None)
-            if state is None or state.op.source_mode != "feed":
-                names = [s.op.name for s in self.ops if s.op.source_mode == "feed"]
+            if state is None or state.op.source_mode != SourceMode.FEED:
+                names = [s.op.name for s in self.ops if s.op.source_mode == SourceMode.FEED]
                 raise KeyError(
                     f"no external_source named {name!r} takes feed_input "
                     f"(those that do: {names or 'none'})"
@@ -381,7 +383,7 @@ class Scheduler:
 
     def _launch(self) -> bool:
         """Start the next iteration: run the sources here, dispatch those in workers."""
-        if any(s.op.source_mode == "feed" and not s.fed for s in self.ops):
+        if any(s.op.source_mode == SourceMode.FEED and not s.fed for s in self.ops):
             return False
         it = _Iteration(self._epoch, self._next_index, self.batch_size, len(self.ops))
         self._next_index += 1
@@ -396,9 +398,15 @@ class Scheduler:
                 self._fail(it, _annotate(exc, s.op, it, None))
                 return True
             # Fed batches were copied when fed: the caller may reuse its arrays.
-            it.values[s.pos] = samples if s.op.source_mode == "feed" else self._own(s, samples)
+            it.values[s.pos] = (
+                samples if s.op.source_mode == SourceMode.FEED else self._own(s, samples)
+            )
             n = len(samples[0])
-            if n < self.batch_size and s.op.source_mode == "iter" and not s.op.batch_processing:
+            if (
+                n < self.batch_size
+                and s.op.source_mode == SourceMode.ITER
+                and not s.op.batch_processing
+            ):
                 it.stop = n if it.stop is None else min(it.stop, n)
             it.size = min(it.size, n)
             it.sources_left -= 1
@@ -412,9 +420,9 @@ class Scheduler:
     def _pull(self, s: _OpState, it: _Iteration) -> tuple[list[Any], ...]:
         """A batch from a source that runs here; ([], ...) when it ended the epoch."""
         op = s.op
-        if op.source_mode == "feed":
+        if op.source_mode == SourceMode.FEED:
             rows = s.fed.popleft()
-        elif op.source_mode == "batch":
+        elif op.source_mode == SourceMode.BATCH:
             try:
                 rows = _batch_samples(op, op.function(it.index, it.epoch), self.batch_size)
             except StopIteration:
@@ -488,7 +496,7 @@ class Scheduler:
                 for later in [x for x in self._window if x.index > it.index]:
                     self._window.remove(later)
                     self._drop(later)
-                if size == 0 or (size < self.batch_size and self.last_batch == "drop"):
+                if size == 0 or (size < self.batch_size and self.last_batch is LastBatch.DROP):
                     it.result = None
                     it.done.set()
                     return
