@@ -20,6 +20,9 @@
       (a CPU op or the user reads it    cudaMemcpyAsync D2H; the event is
        only after the event synced)     synchronized before anyone reads
 
+The pipeline's GPU thread that drives the stage, and queues each GPU op's calls and
+the host copies CPU ops need, is ``_executors.GpuExecutor``.
+
 Who owns what: the arenas belong to the workers (the stage only registers
 their segments and holds views until copies complete); the staging ring, the
 streams, the events and the registrations belong to the stage, and

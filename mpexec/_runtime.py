@@ -629,15 +629,16 @@ class ChainRunner:
             for k, (r, p) in enumerate(zip(self.runners, self.picks, strict=True))
         ]
         perf = time.perf_counter
+        head = self.runners[0]
 
         def one(values: tuple[Any, ...], j: int, b: int) -> tuple[Any, ...]:
-            nbytes = 0
-            if not source:
-                for v in values:
-                    nbytes += v.nbytes
-            t = perf()
-            runner = self.runners[0]
+            runner = head
             try:
+                nbytes = 0
+                if not source:
+                    for v in values:
+                        nbytes += v.nbytes
+                t = perf()
                 for k, runner, (np_seeds, py_seeds), counts, pick, feeds in steps:
                     if pick is not None:
                         values = tuple([values[i] for i in pick])

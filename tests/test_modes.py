@@ -16,7 +16,8 @@ def test_a_member_is_its_string(member: Device) -> None:
     value = member.value
     assert member == value
     assert hash(member) == hash(value)
-    assert {value: 1}[member] == 1 and {member: 1}[value] == 1
+    assert {value: 1}[member] == 1
+    assert {member: 1}[value] == 1
     assert str(member) == f"{member}" == f"{member:>0}" == value
     assert type(member)(value) is member
     assert pickle.loads(pickle.dumps(member)) is member
@@ -29,8 +30,10 @@ def test_public_arguments_take_the_strings_and_ops_hold_the_members() -> None:
         pipe.set_outputs(fn.python_function(src, function=lambda x: x * 2, device="cpu"))
     assert pipe._graph is not None
     source, op = pipe._graph.ops
-    assert source.kind is OpKind.EXTERNAL_SOURCE and source.source_mode is SourceMode.ITER
-    assert op.kind is OpKind.PYTHON_FUNCTION and op.device is Device.CPU
+    assert source.kind is OpKind.EXTERNAL_SOURCE
+    assert source.source_mode is SourceMode.ITER
+    assert op.kind is OpKind.PYTHON_FUNCTION
+    assert op.device is Device.CPU
     with pipe:
         (out,) = pipe.run()
         assert [float(x[0]) for x in out] == [2.0, 4.0]
