@@ -4,6 +4,12 @@ Call them inside a pipeline definition (a function decorated with
 :func:`mpexec.pipeline_def`, or a ``with pipe:`` block of an undefined
 :class:`mpexec.Pipeline`); each returns the op's outputs as DataNodes.
 Every misuse is reported here, at definition time, naming the op.
+
+Besides the python_function family and ``external_source``: constants
+(``ones``, ``zeros``, ``constant``), ``readers.file`` and ``decoders.image``
+(CPU, Pillow), the sources DALI's python_function pipelines start with.
+DALI's other ops (Flip, Rotate, Resize, ...) are not here: an attribute
+error says so, and how to keep them in DALI (``mpexec.dali``).
 """
 
 from __future__ import annotations
@@ -14,11 +20,21 @@ from typing import Any
 
 import numpy as np
 
-from . import _codec
-from ._errors import MpexecError, SerializationError
-from ._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
+from .. import _arith, _codec
+from .._errors import MpexecError, SerializationError
+from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
+from .._types import ScalarConstant, as_numpy_dtype
 
-__all__ = ["dl_tensor_python_function", "external_source", "python_function"]
+__all__ = [
+    "constant",
+    "decoders",
+    "dl_tensor_python_function",
+    "external_source",
+    "ones",
+    "python_function",
+    "readers",
+    "zeros",
+]
 
 
 def python_function(
@@ -29,7 +45,7 @@ def python_function(
     output_layouts: str | Sequence[str | None] | None = None,
     preserve: bool = False,
     seed: int = -1,
-    device: str = "cpu",
+    device: str | None = "cpu",
     bytes_per_sample_hint: int | Sequence[int] = 0,
     name: str | None = None,
     stateful: bool = False,
@@ -48,9 +64,11 @@ def python_function(
 
     ``stateful=True``: calls run in order on one worker and the op is never
     merged or pruned. ``preserve=True`` or ``num_outputs=0`` keep it from
-    pruning. ``output_dtypes``/``output_shapes`` (one per output; ``None``
-    or ``-1`` for any size) are checked. Returns a DataNode, a list of
-    ``num_outputs`` DataNodes, or None for ``num_outputs=0``.
+    pruning. ``output_dtypes``/``output_shapes`` (one per output, or one
+    for all; ``None`` or ``-1`` for any size) are checked; a dtype may be a
+    ``types.DALIDataType``. Inputs are DataNodes or ``types.Constant``
+    scalars. Returns a DataNode, a list of ``num_outputs`` DataNodes, or
+    None for ``num_outputs=0``.
     """
     kw = dict(locals())
     del kw["inputs"]
@@ -65,19 +83,22 @@ def dl_tensor_python_function(
     output_layouts: str | Sequence[str | None] | None = None,
     preserve: bool = False,
     seed: int = -1,
-    device: str = "cpu",
+    device: str | None = "cpu",
     bytes_per_sample_hint: int | Sequence[int] = 0,
     name: str | None = None,
     stateful: bool = False,
     output_dtypes: Any = None,
     output_shapes: Any = None,
+    synchronize_stream: bool = True,
 ) -> Any:
     """:func:`python_function` for DLPack: inputs support ``__dlpack__`` and any
     DLPack producer may be returned (DALI's ``fn.dl_tensor_python_function``).
     On the CPU the inputs are NumPy arrays, which are DLPack producers.
+    ``synchronize_stream`` is accepted for DALI's sake: a GPU op's inputs
+    are always ready on its stream here.
     """
     kw = dict(locals())
-    del kw["inputs"]
+    del kw["inputs"], kw["synchronize_stream"]
     return _python_function("dl_tensor_python_function", inputs, dlpack=True, **kw)
 
 
@@ -90,6 +111,7 @@ def _python_function(kind: str, inputs: tuple[Any, ...], **kw: Any) -> Any:
     function = kw["function"]
     if function is None or not callable(function):
         raise TypeError(f"{what}: function= must be a callable, not {type(function).__name__}")
+    inputs = tuple(_constant_node(x, graph) if isinstance(x, ScalarConstant) else x for x in inputs)
     _check_inputs(what, inputs, graph)
     num_outputs = kw["num_outputs"]
     if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 0:
@@ -216,7 +238,7 @@ class _BatchCallable:
         self.takes_arg = _positional_params(function) > 0
 
     def __call__(self, iteration: int, epoch: int) -> Any:
-        from ._runtime import BatchInfo
+        from .._runtime import BatchInfo
 
         if self.batch_info:
             return self.function(BatchInfo(iteration, epoch))
@@ -253,14 +275,16 @@ def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
                 raise ValueError(f"{what}: input {i} comes from an op with no outputs")
             continue
         if isinstance(x, (list, tuple)):
+            # DALI's words, as its tests look for them.
             raise TypeError(
-                f"{what}: input {i} is a {type(x).__name__}; pass each input as a separate "
-                "positional argument: fn.python_function(*nodes, function=...)"
+                f"{what}: input {i} is a {type(x).__name__}; Python operators do not support "
+                "multiple input sets: pass each input as a separate positional argument: "
+                "fn.python_function(*nodes, function=...)"
             )
         raise TypeError(
             f"{what}: input {i} is {type(x).__name__}, not a DataNode; inputs are outputs "
-            "of other ops. Bind constants into the function instead "
-            "(functools.partial or a closure)"
+            "of other ops (or types.Constant scalars). Bind other constants into the "
+            "function instead (functools.partial or a closure)"
         )
 
 
@@ -270,11 +294,17 @@ def _check_device(what: str, device: Any, graph: Graph | None = None) -> str:
     No CuPy, no driver or no device is one clear error naming the op now,
     rather than a CUDA traceback at the first iteration.
     """
-    if device == "cpu":
+    if device in ("cpu", None):
         return "cpu"
+    if device == "mixed":
+        raise ValueError(
+            f"{what}: device='mixed' is DALI's decoding on the GPU: mpexec's ops run on the "
+            "CPU (device='cpu') or on the GPU (device='gpu'); to keep DALI's GPU decoder, "
+            "run it in DALI and call mpexec from there (mpexec.dali)"
+        )
     if device not in ("gpu", "cuda"):
         raise ValueError(f"{what}: device must be 'cpu' or 'gpu', not {device!r}")
-    from . import _gpu  # CuPy is imported only from here on
+    from .. import _gpu  # CuPy is imported only from here on
 
     _gpu.require(what, None if graph is None else graph.device_id)
     return "gpu"
@@ -298,8 +328,9 @@ def _layouts(what: str, layouts: Any, n: int) -> tuple[str | None, ...]:
         raise TypeError(f"{what}: output_layouts must be a string or a list of strings")
     if len(layouts) > n:
         raise ValueError(
-            f"{what}: {len(layouts)} output_layouts given for {n} outputs; give at most "
-            f"one per output (a single string applies to all)"
+            f"{what}: the length of output_layouts ({len(layouts)}) is greater than the "
+            f"number of outputs ({n}); give at most one per output (a single string "
+            "applies to all)"
         )
     for lay in layouts:
         if lay is not None and not isinstance(lay, str):
@@ -318,9 +349,8 @@ def _dtypes(what: str, dtypes: Any, n: int) -> tuple[np.dtype[Any] | None, ...] 
         if d is None:
             out.append(None)
             continue
-        spelled = getattr(d, "as_numpy_dtype", d)  # TensorFlow DTypes
         try:
-            out.append(np.dtype(spelled))
+            out.append(as_numpy_dtype(d))  # NumPy, DALI's types enum, TensorFlow DTypes
         except TypeError as exc:
             raise TypeError(f"{what}: {d!r} is not a dtype ({exc})") from None
     return tuple(out)
@@ -392,3 +422,110 @@ def _outputs(op: Op) -> Any:
     if op.num_outputs == 1:
         return op.outputs[0]
     return list(op.outputs)
+
+
+# ---------------------------------------------------------------- constants
+
+
+def constant(
+    *,
+    fdata: Any = None,
+    idata: Any = None,
+    shape: Sequence[int] | None = None,
+    dtype: Any = None,
+    layout: str | None = None,
+    device: str | None = None,
+    name: str | None = None,
+    preserve: bool = False,
+    bytes_per_sample_hint: int | Sequence[int] = 0,
+) -> DataNode:
+    """The same array for every sample (DALI's ``fn.constant``).
+
+    ``fdata`` (float32 by default) or ``idata`` (int32 by default): a number
+    or a list; ``shape`` reshapes it, or broadcasts a single value.
+    """
+    del preserve, bytes_per_sample_hint
+    if (fdata is None) == (idata is None):
+        raise ValueError("fn.constant: give exactly one of fdata= and idata=")
+    data, default = (fdata, np.float32) if fdata is not None else (idata, np.int32)
+    value = np.asarray(data, dtype=default if dtype is None else None).reshape(-1)
+    return _constant(value, shape, dtype, layout, device, name)
+
+
+def ones(
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: Any = None,
+    layout: str | None = None,
+    device: str | None = None,
+    name: str | None = None,
+    preserve: bool = False,
+    bytes_per_sample_hint: int | Sequence[int] = 0,
+) -> DataNode:
+    """An array of ones per sample (DALI's ``fn.ones``; INT32 and shape ``()`` by default)."""
+    del preserve, bytes_per_sample_hint
+    return _constant(np.ones((), np.int32), shape or (), dtype, layout, device, name)
+
+
+def zeros(
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: Any = None,
+    layout: str | None = None,
+    device: str | None = None,
+    name: str | None = None,
+    preserve: bool = False,
+    bytes_per_sample_hint: int | Sequence[int] = 0,
+) -> DataNode:
+    """An array of zeros per sample (DALI's ``fn.zeros``; INT32 and shape ``()`` by default)."""
+    del preserve, bytes_per_sample_hint
+    return _constant(np.zeros((), np.int32), shape or (), dtype, layout, device, name)
+
+
+def _constant(
+    value: np.ndarray[Any, Any],
+    shape: Sequence[int] | None,
+    dtype: Any,
+    layout: str | None,
+    device: str | None,
+    name: str | None,
+) -> DataNode:
+    graph = _graph_for("constant")
+    name_ = name if name is not None else graph.unique_name("constant")
+    what = f"fn.constant '{name_}'"
+    if _check_device(what, device, graph) == "gpu":
+        raise ValueError(f"{what}: constants are made on the CPU; a GPU op takes them as input")
+    if dtype is not None:
+        value = value.astype(as_numpy_dtype(dtype))
+    if shape is not None:
+        shape = tuple(int(d) for d in shape)
+        value = np.broadcast_to(value, shape) if value.size == 1 else value.reshape(shape)
+    out: DataNode = external_source(
+        _arith.ConstantSource(value.copy(order="C")),
+        batch=False,
+        name=name_,
+        layout=layout or None,
+    )
+    return out
+
+
+def _constant_node(c: ScalarConstant, graph: Graph) -> DataNode:
+    """A scalar constant used as an op's input: a constant op (DALI does the same)."""
+    del graph  # the current one: _constant finds it
+    return _constant(c.as_array(), None, None, None, None, None)
+
+
+def __getattr__(name: str) -> Any:
+    """DALI's ops that mpexec does not have: say so, and what to do instead."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(
+        f"module 'mpexec.fn' has no attribute {name!r}: mpexec runs DALI's python_function "
+        "family, external_source, constants, readers.file and decoders.image, not DALI's "
+        "other ops. Write the step as a python_function, or keep the op in a DALI pipeline "
+        "and run your Python functions in it with mpexec.dali.python_function"
+    )
+
+
+# The sub-modules use the ops above.
+from . import decoders, readers  # noqa: E402
