@@ -433,6 +433,11 @@ class Pipeline:
         return sizes[name]
 
     @property
+    def num_outputs(self) -> int:
+        """How many batches :meth:`run` returns (the graph is defined now if not yet)."""
+        return len(self._defined().outputs)
+
+    @property
     def max_batch_size(self) -> int:
         """DALI's name for ``batch_size``."""
         return self.batch_size
@@ -636,9 +641,9 @@ def _workers_from_dali(py_num_workers: int | None, num_threads: int | None) -> i
         return py_num_workers
     cpus = usable_cpus()
     if num_threads is not None and num_threads != -1:
-        _check_int("num_threads", num_threads, 1)
+        _check_int("num_threads", num_threads, 0)
         # DALI's threads share one process; a worker process more than the CPUs
-        # only costs its start and its memory.
+        # only costs its start and its memory. 0: every call here (num_workers=0).
         return min(num_threads, cpus)
     return cpus
 

@@ -499,7 +499,12 @@ def _constant(
         value = value.astype(as_numpy_dtype(dtype))
     if shape is not None:
         shape = tuple(int(d) for d in shape)
-        value = np.broadcast_to(value, shape) if value.size == 1 else value.reshape(shape)
+        if value.size == int(np.prod(shape)):
+            value = value.reshape(shape)
+        elif value.size == 1:
+            value = np.broadcast_to(value.reshape(()), shape)
+        else:
+            raise ValueError(f"{what}: {value.size} values cannot take the shape {shape}")
     out: DataNode = external_source(
         _arith.ConstantSource(value.copy(order="C")),
         batch=False,

@@ -1,0 +1,357 @@
+"""mpexec inside a real DALI pipeline, both ways (``nvidia-dali``, an optional extra).
+
+A DALI pipeline keeps its GPU decoders and augmentations; mpexec brings the
+Python steps in it to every core:
+
+- :func:`python_function` wraps a Python function for DALI's
+  ``fn.python_function(..., function=f, batch_processing=True)``: each batch
+  DALI hands it is spread over mpexec's worker processes, instead of running
+  under the GIL in DALI's one Python thread.
+- :func:`source` (and :func:`external_source`, which makes the DALI op) feeds
+  an mpexec pipeline's batches to DALI's ``fn.external_source``: epochs end
+  where the mpexec pipeline's do, with its seeded determinism.
+
+Nothing here imports DALI except :func:`external_source`.
+
+::
+
+    DALI's executor thread           mpexec.dali.python_function     WorkerPool
+    ----------------------           ---------------------------     ----------
+    python_function op  -- lists of arrays (views of DALI's buffers) -->
+                                     one copy into a shared block
+                                     per input (the one copy: DALI's
+                                     memory is not shared)
+                                     chunks of rows  --- submit() -->  workers call
+                                                                       f per sample
+                                     results: views of the
+                         <-- lists --  workers' shared memory  <------
+    DALI copies them into its outputs (DALI's own copy)
+
+    mpexec Pipeline.run() --> Batch (shared memory) --> source(pipe) --> DALI
+                              dense block as one array, no_copy=True: DALI reads it in place
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+import numpy as np
+
+from ._batch import Batch
+from ._pipeline import Pipeline
+from ._pool import WorkerPool
+
+__all__ = ["DaliFunction", "PipelineSource", "external_source", "python_function", "source"]
+
+#: A chunk of a batch should keep a worker busy about this long: short enough that
+#: a worker slowed down by other load leaves a short tail, long enough that the
+#: round trip per chunk (tens of microseconds) is a small part of it.
+_CHUNK_SECONDS = 0.01
+_MAX_CHUNKS_PER_WORKER = 4
+
+
+def python_function(
+    function: Callable[..., Any],
+    num_workers: int | None = None,
+    *,
+    num_outputs: int = 1,
+    batch_processing: bool = False,
+    pool: WorkerPool | None = None,
+    start_method: str | None = None,
+    timeout: float | None = None,
+) -> DaliFunction:
+    """``function`` run in mpexec's workers, for DALI's ``fn.python_function``.
+
+    Pass the result as ``function=`` with ``batch_processing=True`` (and the
+    same ``num_outputs``)::
+
+        spread = mpexec.dali.python_function(augment, num_workers=4)
+        out = nvidia.dali.fn.python_function(images, function=spread, batch_processing=True)
+
+    ``function`` is called per sample (``batch_processing=False``, DALI's
+    default meaning) with one array per input, or, with
+    ``batch_processing=True``, with lists of samples: then each call gets a
+    part of the batch, and its outputs are joined in order. Exceptions come
+    back with their own type. The workers start on the first call (or use
+    ``pool``); ``close()`` (or the returned object's ``with``) stops them,
+    garbage collection and exit do too.
+    """
+    return DaliFunction(
+        function,
+        num_workers,
+        num_outputs=num_outputs,
+        batch_processing=batch_processing,
+        pool=pool,
+        start_method=start_method,
+        timeout=timeout,
+    )
+
+
+class _ChunkRunner:
+    """Runs in a worker: ``function`` over rows of a batch (sent once, cached there)."""
+
+    def __init__(self, function: Callable[..., Any], num_outputs: int, batch: bool) -> None:
+        self.function = function
+        self.num_outputs = num_outputs
+        self.batch = batch
+
+    def __call__(self, *columns: Sequence[Any]) -> tuple[list[Any], ...]:
+        n = self.num_outputs
+        if self.batch:
+            out = self.function(*(list(c) for c in columns))  # lists, as DALI gives
+            if n == 0:
+                return ()
+            parts = (out,) if n == 1 else _outputs(out, n)
+            return tuple(list(p) for p in parts)
+        results: tuple[list[Any], ...] = tuple([] for _ in range(n))
+        for row in zip(*columns, strict=True):
+            out = self.function(*row)
+            if n == 0:
+                continue
+            for col, value in zip(results, (out,) if n == 1 else _outputs(out, n), strict=True):
+                col.append(np.asarray(value))
+        return results
+
+
+def _outputs(out: Any, n: int) -> tuple[Any, ...]:
+    if not isinstance(out, (tuple, list)) or len(out) != n:
+        got = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise ValueError(f"the function has num_outputs={n}: it must return a tuple of {n} outputs, not {got}")
+    return tuple(out)
+
+
+class DaliFunction:
+    """What :func:`python_function` returns: call it with DALI's batches (lists of arrays)."""
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        num_workers: int | None = None,
+        *,
+        num_outputs: int = 1,
+        batch_processing: bool = False,
+        pool: WorkerPool | None = None,
+        start_method: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        if not callable(function):
+            raise TypeError(f"function must be callable, not {type(function).__name__}")
+        if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 0:
+            raise ValueError(f"num_outputs must be an int >= 0, not {num_outputs!r}")
+        self.function = function
+        self.num_outputs = num_outputs
+        self.batch_processing = batch_processing
+        self._runner = _ChunkRunner(function, num_outputs, batch_processing)
+        self._given_pool = pool
+        self._pool_args = {"start_method": start_method, "timeout": timeout}
+        self._num_workers = num_workers
+        self._pool: WorkerPool | None = pool
+        self._lock = threading.Lock()
+        self._per_sample = 0.0  # seconds per sample seen so far, for the chunk size
+        self._finalizer: weakref.finalize[Any, DaliFunction] | None = None
+
+    @property
+    def pool(self) -> WorkerPool:
+        """The workers (started now if not yet)."""
+        with self._lock:
+            if self._pool is None:
+                own = WorkerPool(self._num_workers, **self._pool_args)  # type: ignore[arg-type]
+                self._finalizer = weakref.finalize(self, own.shutdown, False, cancel_futures=True)
+                self._pool = own
+            return self._pool
+
+    def __call__(self, *inputs: Sequence[Any]) -> Any:
+        pool = self.pool
+        if not inputs:
+            raise TypeError("mpexec.dali.python_function needs at least one input (a batch)")
+        size = len(inputs[0])
+        if any(len(x) != size for x in inputs):
+            raise ValueError("the inputs hold batches of different sizes")
+        t0 = time.perf_counter()
+        columns = [_shared_rows(pool, list(x)) for x in inputs]
+        workers = max(1, pool.num_workers)
+        bounds = _chunks(size, workers, self._per_sample)
+        results = self._run_chunks(pool, workers, columns, bounds)
+        if size:  # a worker's seconds per sample, roughly: what the next chunks are cut by
+            self._per_sample = (time.perf_counter() - t0) * workers / size
+        n = self.num_outputs
+        if n == 0:
+            return None
+        joined = tuple([x for r in results for x in r[i]] for i in range(n))
+        return joined[0] if n == 1 else joined
+
+    def _run_chunks(
+        self, pool: WorkerPool, workers: int, columns: list[Any], bounds: list[tuple[int, int]]
+    ) -> list[Any]:
+        """Each chunk's result, in order. A chunk goes to a worker when one is free (not all
+        at once): a worker slowed down by other load takes fewer of them."""
+        results: list[Any] = [None] * len(bounds)
+        todo = iter(enumerate(bounds))
+        running: dict[Future[Any], int] = {}
+
+        def submit_next() -> None:
+            nxt = next(todo, None)
+            if nxt is not None:
+                i, (a, b) = nxt
+                running[pool.submit(self._runner, *(c[a:b] for c in columns))] = i
+
+        for _ in range(workers):
+            submit_next()
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                results[running.pop(f)] = f.result()
+                submit_next()
+        return results
+
+    def close(self) -> None:
+        """Stop the workers it started (a pool it was given is left running); idempotent."""
+        with self._lock:
+            pool, self._pool = self._pool, self._given_pool
+            finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> DaliFunction:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        name = getattr(self.function, "__qualname__", type(self.function).__name__)
+        return f"mpexec.dali.python_function({name}, num_outputs={self.num_outputs})"
+
+
+def _shared_rows(pool: WorkerPool, samples: list[Any]) -> Any:
+    """The samples copied into the pool's shared memory: one block (its rows are the
+    samples), or, for samples of different shapes, a list of views of one buffer.
+
+    One copy in all, and a chunk of rows travels as one descriptor. DALI hands
+    a batch as views of its own buffer, often one contiguous run of memory:
+    then the copy is one ``memcpy``.
+    """
+    arrays = [np.asarray(s) for s in samples]
+    if not arrays:
+        return []
+    first = arrays[0]
+    if all(a.shape == first.shape and a.dtype == first.dtype for a in arrays):
+        dense = _adjacent(arrays)
+        block = pool.empty((len(arrays), *first.shape), first.dtype)
+        if dense is not None:
+            np.copyto(block, dense)
+        else:
+            np.stack(arrays, out=block)
+        return block
+    nbytes = [a.nbytes for a in arrays]
+    raw = pool.empty((sum(nbytes),), np.uint8)
+    out, at = [], 0
+    for a, nb in zip(arrays, nbytes, strict=True):
+        view = raw[at : at + nb].view(a.dtype).reshape(a.shape)
+        np.copyto(view, a)
+        out.append(view)
+        at += nb
+    return out
+
+
+def _adjacent(arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any] | None:
+    """One array over samples that lie back to back in memory (as DALI's do), else None."""
+    first = arrays[0]
+    step = first.nbytes
+    if not first.flags.c_contiguous or step == 0:
+        return None
+    base = first.ctypes.data
+    for i, a in enumerate(arrays):
+        if not a.flags.c_contiguous or a.ctypes.data != base + i * step:
+            return None
+    return np.lib.stride_tricks.as_strided(
+        first, shape=(len(arrays), *first.shape), strides=(step, *first.strides), writeable=False
+    )
+
+
+def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]:
+    """Rows per call: one chunk per worker, more where samples are slow (a shorter tail)."""
+    if size == 0:
+        return [(0, 0)]
+    per_worker = round(size * per_sample / workers / _CHUNK_SECONDS) if per_sample else 1
+    k = max(1, min(size, workers * max(1, min(_MAX_CHUNKS_PER_WORKER, per_worker))))
+    return [(size * i // k, size * (i + 1) // k) for i in range(k)]
+
+
+# ---------------------------------------------------------------- mpexec as a source
+
+
+class PipelineSource:
+    """An mpexec pipeline's batches, as DALI's ``external_source`` reads an iterable.
+
+    Each item is one iteration: per output, the batch as one array where it is
+    dense (the pipeline's block itself, uncopied), else its list of arrays; a
+    tuple of them for several outputs. The last ``keep`` iterations are held,
+    so DALI may read them in place (``no_copy=True``) until it has used them.
+    ``iter()`` after the first starts the pipeline's next epoch (DALI calls it
+    again at the end of an epoch with ``cycle="raise"``).
+    """
+
+    def __init__(self, pipe: Pipeline, outputs: Sequence[int] | None = None, keep: int = 4) -> None:
+        self.pipe = pipe
+        self.outputs = tuple(outputs) if outputs is not None else None
+        self._held: collections.deque[tuple[Batch, ...]] = collections.deque(maxlen=max(1, keep))
+        self._started = False
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._started:
+            self.pipe.reset()
+        self._started = True
+        return self
+
+    def __next__(self) -> Any:
+        result = self.pipe.run()  # StopIteration ends DALI's epoch too
+        if self.outputs is not None:
+            result = tuple(result[i] for i in self.outputs)
+        self._held.append(result)
+        items = tuple(b.as_array() if b.is_dense() and len(b) else list(b) for b in result)
+        return items[0] if len(items) == 1 else items
+
+
+def source(pipe: Pipeline, outputs: Sequence[int] | None = None, keep: int = 4) -> PipelineSource:
+    """``pipe``'s batches for ``nvidia.dali.fn.external_source(source=..., batch=True)``.
+
+    ``outputs``: which of the pipeline's outputs (default: all; give DALI
+    ``num_outputs`` to match when there are several). See :class:`PipelineSource`.
+    """
+    return PipelineSource(pipe, outputs, keep)
+
+
+def external_source(
+    pipe: Pipeline, outputs: Sequence[int] | None = None, keep: int = 4, **kwargs: Any
+) -> Any:
+    """DALI's ``fn.external_source`` fed by ``pipe``: call it inside a DALI pipeline definition.
+
+    Defaults, each overridable: ``batch=True``, ``no_copy=True`` (DALI reads
+    mpexec's shared memory in place; :class:`PipelineSource` holds it long
+    enough), ``cycle="raise"`` (each DALI epoch is one of ``pipe``'s; reset the
+    DALI pipeline after its ``StopIteration``) and ``num_outputs``. Returns what
+    DALI's op returns.
+    """
+    try:
+        from nvidia.dali import fn as dali_fn
+    except ImportError as exc:
+        raise ImportError(
+            "mpexec.dali.external_source needs NVIDIA DALI: pip install 'mpexec[dali]' "
+            "(or feed mpexec.dali.source(pipe) to your own DALI external_source)"
+        ) from exc
+    src = source(pipe, outputs, keep)
+    n = len(outputs) if outputs is not None else pipe.num_outputs
+    options: dict[str, Any] = {"batch": True, "no_copy": True, "cycle": "raise"}
+    if n > 1:
+        options["num_outputs"] = n
+    options.update(kwargs)
+    return dali_fn.external_source(source=src, **options)
