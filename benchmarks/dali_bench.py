@@ -264,7 +264,6 @@ def probe(work: Work) -> dict[str, Any]:
         "dali_copies_returned_arrays": seen["returned_at"] != seen["received_at"],
         "batch_bytes": batch_bytes,
     }
-    del seen
     with mpexec.WorkerPool(WORKERS) as pool:
         naive = _NaiveMap(work, pool)
         before = pool.stats().bytes_copied
@@ -410,9 +409,7 @@ def report(result: dict[str, Any]) -> str:
         parts.append(
             f"Throughput, {tp['samples_per_round']} samples a round, "
             f"{st['rounds']} rounds\n\n"
-            + table(
-                ["system", "samples/s", "range", "vs alone", "ratio range", "identical"], rows
-            )
+            + table(["system", "samples/s", "range", "vs alone", "ratio range", "identical"], rows)
             + f"\n\nthe host's 2-process ceiling (plain processes, same work, same rounds): "
             f"{c['median']:.2f}x ({c['min']:.2f} - {c['max']:.2f})"
         )
@@ -420,19 +417,29 @@ def report(result: dict[str, Any]) -> str:
     if copies:
         yes = {True: "yes", False: "no"}
         kib = copies["batch_bytes"] / 1024
+        naive_kib = copies["naive_bytes_copied_by_pool_per_batch"] / 1024
+        ours_kib = copies["mpexec_dali_bytes_copied_by_pool_per_batch"] / 1024
         rows = [
-            ["DALI hands the function views of its own buffer", yes[copies["dali_hands_views_of_its_buffer"]]],
-            ["... the batch's samples back to back (one run of memory)", yes[copies["dali_batch_back_to_back"]]],
+            [
+                "DALI hands the function views of its own buffer",
+                yes[copies["dali_hands_views_of_its_buffer"]],
+            ],
+            [
+                "... the batch's samples back to back (one run of memory)",
+                yes[copies["dali_batch_back_to_back"]],
+            ],
             ["... writable", yes[copies["dali_inputs_writable"]]],
-            ["DALI copies the arrays the function returns", yes[copies["dali_copies_returned_arrays"]]],
+            [
+                "DALI copies the arrays the function returns",
+                yes[copies["dali_copies_returned_arrays"]],
+            ],
             [
                 "naive map: bytes the pool copied as arguments, per batch",
-                f"{copies['naive_bytes_copied_by_pool_per_batch'] / 1024:.0f} KiB ({kib:.0f} KiB batch)",
+                f"{naive_kib:.0f} KiB ({kib:.0f} KiB batch)",
             ],
             [
                 "mpexec.dali: bytes the pool copied as arguments, per batch",
-                f"{copies['mpexec_dali_bytes_copied_by_pool_per_batch'] / 1024:.0f} KiB "
-                "(its one copy is its own memcpy into a shared block)",
+                f"{ours_kib:.0f} KiB (its one copy: its own memcpy into a shared block)",
             ],
         ]
         parts.append("Where the copies are\n\n" + table(["", ""], rows, right=set()))

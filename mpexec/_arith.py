@@ -174,7 +174,7 @@ def check_key(key: Any) -> tuple[Any, ...]:
     """A subscript's key, as a tuple; TypeError for what cannot index a sample here."""
     parts = key if isinstance(key, tuple) else (key,)
     for p in parts:
-        if p is Ellipsis or isinstance(p, (int, np.integer)) and not isinstance(p, bool):
+        if p is Ellipsis or (isinstance(p, (int, np.integer)) and not isinstance(p, bool)):
             continue
         if isinstance(p, slice) and all(
             v is None or isinstance(v, (int, np.integer)) for v in (p.start, p.stop, p.step)

@@ -344,9 +344,7 @@ def expression(name: str, *operands: Any) -> DataNode:
     return _add_op("arithmetic", tuple(nodes), _arith.Expression(name, tuple(consts)), layout)
 
 
-def _add_op(
-    kind: str, inputs: tuple[DataNode, ...], function: Any, layout: str | None
-) -> DataNode:
+def _add_op(kind: str, inputs: tuple[DataNode, ...], function: Any, layout: str | None) -> DataNode:
     graph = current_graph()
     if graph is None:
         raise MpexecError(

@@ -112,7 +112,8 @@ def as_numpy_dtype(dtype: Any) -> np.dtype[Any]:
         if dali not in _TO_NUMPY:
             raise TypeError(f"{dtype!r} has no NumPy dtype (numeric DALIDataType values do)")
         return _TO_NUMPY[dali]
-    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))  # TensorFlow DTypes
+    out: np.dtype[Any] = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))  # TensorFlow DTypes
+    return out
 
 
 def _dali_enum(value: Any) -> DALIDataType | None:

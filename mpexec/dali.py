@@ -122,7 +122,9 @@ class _ChunkRunner:
 def _outputs(out: Any, n: int) -> tuple[Any, ...]:
     if not isinstance(out, (tuple, list)) or len(out) != n:
         got = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
-        raise ValueError(f"the function has num_outputs={n}: it must return a tuple of {n} outputs, not {got}")
+        raise ValueError(
+            f"the function has num_outputs={n}: it must return a tuple of {n} outputs, not {got}"
+        )
     return tuple(out)
 
 
@@ -142,7 +144,7 @@ class DaliFunction:
     ) -> None:
         if not callable(function):
             raise TypeError(f"function must be callable, not {type(function).__name__}")
-        if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 0:
+        if isinstance(num_outputs, bool) or num_outputs < 0:
             raise ValueError(f"num_outputs must be an int >= 0, not {num_outputs!r}")
         self.function = function
         self.num_outputs = num_outputs

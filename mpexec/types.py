@@ -53,13 +53,13 @@ __all__ = [
     "UINT32",
     "UINT64",
     "BatchInfo",
+    "Constant",
     "DALIDataType",
     "DALIImageType",
     "DALIInterpType",
     "SampleInfo",
     "ScalarConstant",
     "YCbCr",
-    "Constant",
     "to_dali_type",
     "to_numpy_type",
 ]
@@ -93,7 +93,7 @@ INTERP_TRIANGULAR = DALIInterpType.INTERP_TRIANGULAR
 INTERP_GAUSSIAN = DALIInterpType.INTERP_GAUSSIAN
 
 
-def Constant(  # noqa: N802 - DALI's name
+def Constant(
     value: Any,
     dtype: Any = None,
     shape: Sequence[int] | None = None,
@@ -122,8 +122,10 @@ def Constant(  # noqa: N802 - DALI's name
     array = _arith.downcast(np.asarray(value), dtype)
     if dtype is not None:
         array = array.astype(as_numpy_dtype(dtype))
+    is_float = array.dtype.kind == "f"
     out: DataNode = fn.constant(
-        **{"fdata" if array.dtype.kind == "f" else "idata": array},
+        fdata=array if is_float else None,
+        idata=None if is_float else array,
         shape=shape if shape is not None else array.shape,
         dtype=array.dtype,
         layout=layout,

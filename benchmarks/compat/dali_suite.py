@@ -97,9 +97,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("path", type=Path, help="DALI's test_python_function.py, or its folder")
     parser.add_argument("--runs", choices=("both", *RUNS), default="both")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run (1800)")
-    parser.add_argument(
-        "--test-timeout", type=float, default=300, help="seconds per test (300)"
-    )
+    parser.add_argument("--test-timeout", type=float, default=300, help="seconds per test (300)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression, to run a subset")
     parser.add_argument("--json", type=Path, help="write the outcomes as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the table as Markdown here")
@@ -135,8 +133,7 @@ def main(argv: list[str]) -> int:
     if args.markdown:
         args.markdown.write_text(table(results, ids, markdown=True) + "\n")
     finished = all(
-        r.outcomes and not any(o.outcome == "not run" for o in r.outcomes.values())
-        for r in results
+        r.outcomes and not any(o.outcome == "not run" for o in r.outcomes.values()) for r in results
     )
     return 0 if finished else 1
 
@@ -328,7 +325,9 @@ def _fill_collection_errors(result: RunResult, ids: list[str]) -> None:
         if nodeid not in result.outcomes:
             file = nodeid.split("::")[0]
             why = next((e for e in result.collect_errors if e.startswith(file)), None)
-            result.outcomes[nodeid] = Outcome("error", f"collection: {why or result.collect_errors[0]}")
+            result.outcomes[nodeid] = Outcome(
+                "error", f"collection: {why or result.collect_errors[0]}"
+            )
 
 
 def table(results: list[RunResult], ids: list[str], markdown: bool = False) -> str:

@@ -111,9 +111,9 @@ def file(
     paths, label_list = _listing(
         what, file_root, files, labels, file_list, file_filters, dir_filters, case_sensitive_filter
     )
-    if not isinstance(num_shards, int) or num_shards < 1:
+    if num_shards < 1:
         raise ValueError(f"{what}: num_shards must be an int >= 1, not {num_shards!r}")
-    if not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
+    if not 0 <= shard_id < num_shards:
         raise ValueError(f"{what}: shard_id must be in [0, {num_shards}), not {shard_id!r}")
     if len(paths) < num_shards:
         raise ValueError(f"{what}: {len(paths)} files cannot make {num_shards} shards")
@@ -258,8 +258,8 @@ def _listing(
         base = root if root else os.path.dirname(list_path)
         paths, label_list = [], []
         with open(list_path, encoding="utf-8") as f:
-            for line in f:
-                line = line.rstrip()
+            for raw in f:
+                line = raw.rstrip()
                 if not line:
                     continue
                 entry, _, label = line.rpartition(" ")
@@ -269,8 +269,10 @@ def _listing(
                 label_list.append(int(label))
     elif root is not None:
         if labels is not None:
-            raise ValueError(f"{what}: labels= goes with files=; under file_root the labels are "
-                             "the sub-directories")
+            raise ValueError(
+                f"{what}: labels= goes with files=; under file_root the labels are "
+                "the sub-directories"
+            )
         paths, label_list = _walk(what, root, file_filters, dir_filters, case_sensitive)
     else:
         raise ValueError(f"{what}: give file_root=, files= or file_list=")
@@ -303,7 +305,9 @@ def _walk(
     labels: list[int] = []
     for label, d in enumerate(subdirs):
         names = sorted(
-            e.name for e in os.scandir(os.path.join(root, d)) if e.is_file() and match(e.name, patterns)
+            e.name
+            for e in os.scandir(os.path.join(root, d))
+            if e.is_file() and match(e.name, patterns)
         )
         paths += [os.path.join(root, d, n) for n in names]
         labels += [label] * len(names)

@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 
 import mpexec
-import mpexec.fn as fn
-import mpexec.types as types
-from mpexec import _arith
+from mpexec import _arith, fn, types
 from mpexec.pipeline import Pipeline
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -70,7 +68,8 @@ def test_comparisons_and_bitwise_give_dali_results() -> None:
         return a == b, a != b, a < b, a >= 4, a & 2, a | 8, a ^ b, ~a, a << 1, a >> 1
 
     eq, ne, lt, ge, band, bor, bxor, inv, shl, shr = run(graph)
-    assert eq.dtype == np.bool_ and eq.as_array().tolist() == [[True, False], [True, False]]
+    assert eq.dtype == np.bool_
+    assert eq.as_array().tolist() == [[True, False], [True, False]]
     assert ne.as_array().tolist() == [[False, True], [False, True]]
     assert lt.as_array().tolist() == [[False, False], [False, False]]
     assert ge.as_array().tolist() == [[False, True], [True, True]]
@@ -131,7 +130,7 @@ def test_constants_broadcast_and_fold_into_the_expression() -> None:
         return x + y, y
 
     total, y = run(graph)
-    assert total.dtype == np.int32 and y.dtype == np.int32
+    assert (total.dtype, y.dtype) == (np.int32, np.int32)
     assert total.as_array().tolist() == [np.full((3, 4), 3).tolist(), np.full((3, 4), 4).tolist()]
 
 
@@ -143,14 +142,15 @@ def test_expression_keeps_its_inputs_layout_and_subscript_drops_indexed_axes() -
     plus, row, cols, chan, sub = run(graph)
     assert (plus.layout(), row.layout(), cols.layout(), chan.layout()) == ("HWC", "WC", "HWC", "HW")
     assert sub.layout() == "WC"
-    assert row.shape()[0] == (3, 4) and cols.shape()[0] == (2, 1, 4) and chan.shape()[0] == (2, 3)
+    assert (row.shape()[0], cols.shape()[0], chan.shape()[0]) == ((3, 4), (2, 1, 4), (2, 3))
 
 
 def test_a_dataNode_comparison_is_a_node_not_a_bool() -> None:
     pipe = Pipeline(2, 0)
     with pipe:
         x = src([1])
-        eq = x == x
+        y = x
+        eq = x == y
         assert isinstance(eq, mpexec.DataNode)
         with pytest.raises(TypeError, match="enable_conditionals"):
             bool(eq)
@@ -171,7 +171,7 @@ def test_merged_ops_keep_their_consumers_with_arithmetic_defined() -> None:
     with pipe:
         pipe.set_outputs(*graph())
     with pipe:
-        c, a = pipe.run()
+        c, _ = pipe.run()
         assert pipe.stats().merged_ops == 1
     assert c.as_array().tolist() == [[3, 4], [4, 5]]
 
@@ -235,7 +235,8 @@ def test_ones_zeros_constant_as_dali() -> None:
 
 def test_types_constant_scalar_and_array() -> None:
     c = types.Constant(3)
-    assert isinstance(c, types.ScalarConstant) and c.dtype == np.int32
+    assert isinstance(c, types.ScalarConstant)
+    assert c.dtype == np.int32
     assert types.Constant(2.5).dtype == np.float32
     assert types.Constant(1, dtype=types.UINT8).dtype == np.uint8
     with pytest.raises(TypeError, match="pipeline definition"):

@@ -17,7 +17,7 @@ from benchmarks.compat import dali_suite
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
-FAKE_DALI_TESTS = '''
+FAKE_DALI_TESTS = """
 import os
 import time
 
@@ -90,7 +90,7 @@ def test_hangs():
 
 def test_after_the_hang():
     pass
-'''
+"""
 
 
 def test_runner_renames_in_every_process_and_survives_a_hang(tmp_path: Path) -> None:

@@ -16,9 +16,7 @@ import numpy as np
 import pytest
 
 import mpexec
-import mpexec.fn as fn
-import mpexec.ops as ops
-import mpexec.types as types
+from mpexec import fn, ops, types
 from mpexec.pipeline import Pipeline, pipeline_def
 
 pytestmark = pytest.mark.usefixtures("no_leaks")

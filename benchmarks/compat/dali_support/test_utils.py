@@ -31,6 +31,6 @@ def get_dali_extra_path() -> str:
 def np_type_to_dali(np_type: Any) -> Any:
     """The ``types.DALIDataType`` of a NumPy type, from whichever ``nvidia.dali.types`` is
     imported (DALI's, or mpexec's in the renamed run)."""
-    import nvidia.dali.types as types
+    from nvidia.dali import types
 
     return getattr(types, _NAMES[np.dtype(np_type)])
