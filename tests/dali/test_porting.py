@@ -18,6 +18,7 @@ import pytest
 import mpexec
 from mpexec import fn, ops, types
 from mpexec.pipeline import Pipeline, pipeline_def
+from tests.conftest import run_python
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -378,3 +379,13 @@ def test_epoch_size_of_sized_sources() -> None:
     with pytest.raises(KeyError, match="callable"):
         pipe.epoch_size("callable")
     pipe.close()
+
+
+def test_dali_names_import_neither_dali_nor_pillow() -> None:
+    # The optional packages are imported only where used: DALI by
+    # mpexec.dali.external_source, Pillow by the decoder when it decodes.
+    code = (
+        "import sys, mpexec, mpexec.dali, mpexec.fn, mpexec.ops, mpexec.types, mpexec.pipeline\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nvidia', 'PIL')))"
+    )
+    assert run_python("-c", code).strip() == "[]"
