@@ -17,7 +17,10 @@ hold on a loaded machine where absolute times do not:
 - ``DALI + mpexec.dali``: ``mpexec.dali.python_function(work, num_workers=2)``:
   the batch copied once into one shared block, a few calls of many rows.
 
-Samples/s per round, and per round the ratio of each system to DALI alone;
+Samples/s per round, and per round the ratio of each system to DALI alone
+(with the CPU time the DALI process spent per sample: the work itself for
+DALI alone, what handing it out costs for the others, which load does not
+change);
 the median ratio and its range over the rounds are the figures. A control,
 measured in the same rounds, says what this machine allowed at that time:
 the same work on a batch, in this process and then split over 2 processes
@@ -52,7 +55,16 @@ import numpy as np
 
 import mpexec
 import mpexec.dali
-from benchmarks._common import RESULTS, cli, git_state, log, table, targets_text, write
+from benchmarks._common import (
+    RESULTS,
+    cli,
+    fmt_time,
+    git_state,
+    log,
+    table,
+    targets_text,
+    write,
+)
 
 WORKERS = 2
 BATCH = 16
@@ -180,6 +192,7 @@ def throughput(
     pipes = {name: _pipeline(f, iterations) for name, f in functions.items()}
     runs = dict.fromkeys(pipes, 0)  # run() calls so far: run k returns batch k % iterations
     rates: dict[str, list[float]] = {k: [] for k in pipes}
+    cpu: dict[str, list[float]] = {k: [] for k in pipes}  # this process's, per sample
     identical = dict.fromkeys(pipes, True)
     control: list[float] = []
     for name, pipe in pipes.items():  # warm up: workers started, functions cached
@@ -192,10 +205,11 @@ def throughput(
                 control.append(ceiling(work, iterations, executor))
                 continue
             pipe = pipes[name]
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             # DALI reuses an output's memory at the next run(): copied at once (~0.1 ms).
             outs = [np.array(pipe.run()[0].as_tensor()) for _ in range(iterations)]
             rates[name].append(iterations * BATCH / (time.perf_counter() - t0))
+            cpu[name].append((time.process_time() - c0) / (iterations * BATCH) * 1e6)
             for k, out in enumerate(outs, start=runs[name]):
                 identical[name] &= bool(np.array_equal(out, reference[k % iterations]))
             runs[name] += iterations
@@ -214,6 +228,7 @@ def throughput(
         ratios = [r / b for r, b in zip(rates[name], base, strict=True)]
         out["by_system"][name] = {
             "samples_per_s": rates[name],
+            "dali_process_cpu_us_per_sample": statistics.median(cpu[name]),
             "ratio_vs_alone": {
                 "median": statistics.median(ratios),
                 "min": min(ratios),
@@ -284,7 +299,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
         log(f"[dali] skipped (not installed): {exc}")
         return {"quick": quick, "skipped": str(exc), "errors": []}
 
-    iterations, rounds = (4, 2) if quick else (12, 5)
+    iterations, rounds = (4, 2) if quick else (12, 7)
     load_before = os.getloadavg()
     commit, dirty = git_state("mpexec", "shm", "benchmarks")
     result: dict[str, Any] = {
@@ -403,6 +418,7 @@ def report(result: dict[str, Any]) -> str:
                     f"{min(rates):.1f} - {max(rates):.1f}",
                     f"{r['median']:.2f}x",
                     f"{r['min']:.2f} - {r['max']:.2f}",
+                    fmt_time(row["dali_process_cpu_us_per_sample"]),
                     "yes" if row["identical"] else "NO",
                 ]
             )
@@ -410,7 +426,18 @@ def report(result: dict[str, Any]) -> str:
         parts.append(
             f"Throughput, {tp['samples_per_round']} samples a round, "
             f"{st['rounds']} rounds\n\n"
-            + table(["system", "samples/s", "range", "vs alone", "ratio range", "identical"], rows)
+            + table(
+                [
+                    "system",
+                    "samples/s",
+                    "range",
+                    "vs alone",
+                    "ratio range",
+                    "DALI process CPU/sample",
+                    "identical",
+                ],
+                rows,
+            )
             + f"\n\nthe host's 2-process ceiling (plain processes, same work, same rounds): "
             f"{c['median']:.2f}x ({c['min']:.2f} - {c['max']:.2f})"
         )

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ._batch import Batch
+from ._codec import writable
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
 
@@ -52,7 +53,7 @@ __all__ = ["DaliFunction", "PipelineSource", "external_source", "python_function
 #: A chunk of a batch should keep a worker busy about this long: short enough that
 #: a worker slowed down by other load leaves a short tail, long enough that the
 #: round trip per chunk (tens of microseconds) is a small part of it.
-_CHUNK_SECONDS = 0.01
+_CHUNK_SECONDS = 0.02
 _MAX_CHUNKS_PER_WORKER = 4
 
 
@@ -94,29 +95,56 @@ def python_function(
 
 
 class _ChunkRunner:
-    """Runs in a worker: ``function`` over rows of a batch (sent once, cached there)."""
+    """Runs in a worker: ``function`` over rows of a batch (sent once, cached there).
+
+    ``out``: per output, the rows of the batch's output block for this chunk
+    (writable shared memory), or None. An output whose samples all fit their
+    rows (shape and dtype) is written there and comes back as None: only the
+    block travels, as one descriptor, and the caller hands DALI its rows.
+    """
 
     def __init__(self, function: Callable[..., Any], num_outputs: int, batch: bool) -> None:
         self.function = function
         self.num_outputs = num_outputs
         self.batch = batch
 
-    def __call__(self, *columns: Sequence[Any]) -> tuple[list[Any], ...]:
+    def __call__(self, *columns: Sequence[Any], out: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+        n = self.num_outputs
+        if n == 0:
+            self._compute(columns)
+            return ()
+        results = self._compute(columns)
+        return tuple(
+            None if block is not None and _write_rows(block, col) else col
+            for col, block in zip(results, out or (None,) * n, strict=True)
+        )
+
+    def _compute(self, columns: Sequence[Sequence[Any]]) -> list[list[Any]]:
         n = self.num_outputs
         if self.batch:
-            out = self.function(*(list(c) for c in columns))  # lists, as DALI gives
-            if n == 0:
-                return ()
-            parts = (out,) if n == 1 else _outputs(out, n)
-            return tuple(list(p) for p in parts)
-        results: tuple[list[Any], ...] = tuple([] for _ in range(n))
+            got = self.function(*(list(c) for c in columns))  # lists, as DALI gives
+            parts = () if n == 0 else (got,) if n == 1 else _outputs(got, n)
+            return [[np.asarray(v) for v in p] for p in parts]
+        results: list[list[Any]] = [[] for _ in range(n)]
         for row in zip(*columns, strict=True):
-            out = self.function(*row)
+            got = self.function(*row)
             if n == 0:
                 continue
-            for col, value in zip(results, (out,) if n == 1 else _outputs(out, n), strict=True):
+            for col, value in zip(results, (got,) if n == 1 else _outputs(got, n), strict=True):
                 col.append(np.asarray(value))
         return results
+
+
+def _write_rows(block: np.ndarray[Any, Any], samples: list[Any]) -> bool:
+    """``samples`` copied into the rows of ``block`` if every one fits its row exactly."""
+    if len(samples) != len(block):
+        return False
+    shape, dtype = block.shape[1:], block.dtype
+    if not all(s.shape == shape and s.dtype == dtype for s in samples):
+        return False
+    for row, s in zip(block, samples, strict=True):
+        row[...] = s
+    return True
 
 
 def _outputs(out: Any, n: int) -> tuple[Any, ...]:
@@ -156,6 +184,9 @@ class DaliFunction:
         self._pool: WorkerPool | None = pool
         self._lock = threading.Lock()
         self._per_sample = 0.0  # seconds per sample seen so far, for the chunk size
+        # Per output: (sample shape, dtype) of the last batch, where all its samples
+        # shared them: the next batch gets an output block of that.
+        self._specs: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = [None] * num_outputs
         self._finalizer: weakref.finalize[Any, DaliFunction] | None = None
 
     @property
@@ -179,20 +210,48 @@ class DaliFunction:
         columns = [_shared_rows(pool, list(x)) for x in inputs]
         workers = max(1, pool.num_workers)
         bounds = _chunks(size, workers, self._per_sample)
-        results = self._run_chunks(pool, workers, columns, bounds)
+        blocks = [None if sp is None else pool.empty((size, *sp[0]), sp[1]) for sp in self._specs]
+        results = self._run_chunks(pool, workers, columns, bounds, blocks)
         if size:  # a worker's seconds per sample, roughly: what the next chunks are cut by
             self._per_sample = (time.perf_counter() - t0) * workers / size
         n = self.num_outputs
         if n == 0:
             return None
-        joined = tuple([x for r in results for x in r[i]] for i in range(n))
-        return joined[0] if n == 1 else joined
+        joined = []
+        for i in range(n):
+            col: list[Any] = []
+            for r, (a, b) in zip(results, bounds, strict=True):
+                if r[i] is None:  # written into the block: its rows
+                    col.extend(blocks[i][a:b])  # type: ignore[index]
+                else:
+                    col.extend(r[i])
+            self._learn(i, col)
+            joined.append(col)
+        return joined[0] if n == 1 else tuple(joined)
+
+    def _learn(self, i: int, col: list[Any]) -> None:
+        """A batch whose samples of output ``i`` share a shape and dtype sets the next
+        batch's block; a ragged batch leaves it as it was."""
+        if not col:
+            return
+        first = col[0]
+        if first.dtype.hasobject:
+            return
+        if all(a.shape == first.shape and a.dtype == first.dtype for a in col):
+            self._specs[i] = (tuple(first.shape), first.dtype)
 
     def _run_chunks(
-        self, pool: WorkerPool, workers: int, columns: list[Any], bounds: list[tuple[int, int]]
+        self,
+        pool: WorkerPool,
+        workers: int,
+        columns: list[Any],
+        bounds: list[tuple[int, int]],
+        blocks: list[Any],
     ) -> list[Any]:
-        """Each chunk's result, in order. A chunk goes to a worker when one is free (not all
-        at once): a worker slowed down by other load takes fewer of them."""
+        """Each chunk's result, in order. Two chunks a worker are in flight (one running,
+        one queued behind it, so that no worker waits for a round trip between
+        chunks); the rest go out as chunks come back, to the least busy worker:
+        one slowed down by other load takes fewer of them."""
         results: list[Any] = [None] * len(bounds)
         todo = iter(enumerate(bounds))
         running: dict[Future[Any], int] = {}
@@ -201,9 +260,10 @@ class DaliFunction:
             nxt = next(todo, None)
             if nxt is not None:
                 i, (a, b) = nxt
-                running[pool.submit(self._runner, *(c[a:b] for c in columns))] = i
+                out = tuple(None if k is None else writable(k[a:b]) for k in blocks)
+                running[pool.submit(self._runner, *(c[a:b] for c in columns), out=out)] = i
 
-        for _ in range(workers):
+        for _ in range(2 * workers):
             submit_next()
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)

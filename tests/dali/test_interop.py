@@ -73,6 +73,17 @@ def test_python_function_takes_ragged_batches_and_batch_functions() -> None:
         assert [float(o[0]) for o in out] == [float(x.sum()) for x in _back_to_back(7, (3,))]
 
 
+def test_python_function_outputs_fill_a_block_and_fall_back_when_ragged() -> None:
+    uniform = _back_to_back(6, (4, 3))
+    ragged = [np.ones((i + 1, 3), np.float32) for i in range(6)]
+    with mpexec.dali.python_function(_work, num_workers=2) as spread:
+        for batch in (uniform, uniform, ragged, uniform):  # learns the shape, then blocks
+            out = spread(batch)
+            assert [o.tolist() for o in out] == [_work(x).tolist() for x in batch]
+        first = spread(uniform)
+        assert all(np.shares_memory(first[0].base, o) for o in first), "one block's rows"
+
+
 def test_python_function_errors_keep_their_type() -> None:
     with mpexec.dali.python_function(_fails, num_workers=1) as spread:
         with pytest.raises(KeyError, match="no key for"):
