@@ -21,10 +21,12 @@ Nothing here imports DALI except :func:`external_source`.
                                      one copy into a shared block
                                      per input (the one copy: DALI's
                                      memory is not shared)
-                                     chunks of rows  --- submit() -->  workers call
-                                                                       f per sample
-                                     results: views of the
-                         <-- lists --  workers' shared memory  <------
+                                     chunks of rows, and their rows
+                                     of an output block  -- submit() -->  workers call
+                                                                          f per sample,
+                                                                          write its result
+                                     the block's rows (or, ragged,         into the block
+                         <-- lists --  the workers' own arrays)  <-------
     DALI copies them into its outputs (DALI's own copy)
 
     mpexec Pipeline.run() --> Batch (shared memory) --> source(pipe) --> DALI
