@@ -52,9 +52,10 @@ from ._pool import WorkerPool
 
 __all__ = ["DaliFunction", "PipelineSource", "external_source", "python_function", "source"]
 
-#: A chunk of a batch should keep a worker busy about this long: short enough that
-#: a worker slowed down by other load leaves a short tail, long enough that the
-#: round trip per chunk (tens of microseconds) is a small part of it.
+#: A chunk of a batch should keep a worker busy about this long (CPU time): short
+#: enough that a worker slowed down by other load leaves a short tail, long enough
+#: that a chunk's cost here (a call: ~0.2 ms of this process's CPU) is a small
+#: part of it.
 _CHUNK_SECONDS = 0.02
 _MAX_CHUNKS_PER_WORKER = 4
 
@@ -110,16 +111,18 @@ class _ChunkRunner:
         self.num_outputs = num_outputs
         self.batch = batch
 
-    def __call__(self, *columns: Sequence[Any], out: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+    def __call__(
+        self, *columns: Sequence[Any], out: tuple[Any, ...] = ()
+    ) -> tuple[float, tuple[Any, ...]]:
+        """(CPU seconds the chunk took here, per output: its samples, or None if written)."""
+        t0 = time.thread_time()
         n = self.num_outputs
-        if n == 0:
-            self._compute(columns)
-            return ()
         results = self._compute(columns)
-        return tuple(
+        written = tuple(
             None if block is not None and _write_rows(block, col) else col
             for col, block in zip(results, out or (None,) * n, strict=True)
         )
+        return time.thread_time() - t0, written
 
     def _compute(self, columns: Sequence[Sequence[Any]]) -> list[list[Any]]:
         n = self.num_outputs
@@ -208,14 +211,14 @@ class DaliFunction:
         size = len(inputs[0])
         if any(len(x) != size for x in inputs):
             raise ValueError("the inputs hold batches of different sizes")
-        t0 = time.perf_counter()
         columns = [_shared_rows(pool, list(x)) for x in inputs]
         workers = max(1, pool.num_workers)
         bounds = _chunks(size, workers, self._per_sample)
         blocks = [None if sp is None else pool.empty((size, *sp[0]), sp[1]) for sp in self._specs]
-        results = self._run_chunks(pool, workers, columns, bounds, blocks)
-        if size:  # a worker's seconds per sample, roughly: what the next chunks are cut by
-            self._per_sample = (time.perf_counter() - t0) * workers / size
+        timed = self._run_chunks(pool, workers, columns, bounds, blocks)
+        results = [r for _, r in timed]
+        if size:  # CPU seconds per sample in the workers, whatever the load: the next cut
+            self._per_sample = sum(t for t, _ in timed) / size
         n = self.num_outputs
         if n == 0:
             return None
