@@ -126,8 +126,9 @@ class Expression:
 
     def __call__(self, *arrays: Any) -> Any:
         it = iter(arrays)
+        # A scalar goes as a NumPy scalar of its type, which device arrays take too.
         values = [
-            next(it) if c is None else c.as_array() if isinstance(c, ScalarConstant) else c
+            next(it) if c is None else c.value if isinstance(c, ScalarConstant) else c
             for c in self.operands
         ]
         if len(values) == 1:

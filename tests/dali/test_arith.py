@@ -255,3 +255,31 @@ def test_types_constant_scalar_and_array() -> None:
     assert (b.dtype, b.as_array()[0].tolist()) == (np.float32, [1.0, 2.0])
     assert (c2.dtype, c2.shape()[0]) == (np.int64, ())
     assert (d.dtype, d.as_array()[0].tolist()) == (np.uint8, [7, 7])
+
+
+def _gpu_source(info: Any) -> np.ndarray[Any, Any]:
+    return np.arange(6, dtype=np.float32) + info.idx_in_epoch
+
+
+def _on_device(x: Any) -> Any:
+    return x * 1
+
+
+def test_arithmetic_on_gpu_outputs_runs_on_the_device() -> None:
+    from mpexec._gpusim import SEEDS, simulated
+
+    with simulated(*SEEDS[0]):
+        pipe = Pipeline(2, 0, None, 1)
+        with pipe:
+            x = fn.external_source(source=_gpu_source, batch=False)
+            g = fn.python_function(x, function=_on_device, device="gpu")
+            pipe.set_outputs(g * 2 + 1, g > 3.0, -g)
+        with pipe:
+            a, b, c = pipe.run()
+            assert a.device == "gpu"
+            got = [np.asarray(o.as_cpu().as_array()) for o in (a, b, c)]
+    base = np.stack([np.arange(6, dtype=np.float32) + i for i in range(2)])
+    assert got[0].dtype == np.float32
+    assert np.array_equal(got[0], base * 2 + 1)
+    assert np.array_equal(got[1], base > 3)
+    assert np.array_equal(got[2], -base)
