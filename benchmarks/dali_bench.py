@@ -470,7 +470,7 @@ def report(result: dict[str, Any]) -> str:
                 f"{ours_kib:.0f} KiB (its one copy: its own memcpy into a shared block)",
             ],
         ]
-        parts.append("Where the copies are\n\n" + table(["", ""], rows, right=set()))
+        parts.append("Where the copies are\n\n" + table(["what", "measured"], rows, right=set()))
     if result.get("targets"):
         parts.append(targets_text(result["targets"]))
     parts.extend(f"error: {e}" for e in result["errors"])
