@@ -40,7 +40,7 @@ from ._errors import (
 )
 from ._graph import DataNode
 from ._pipeline import Pipeline, PipelineStats, pipeline_def
-from ._pool import PoolStats, WorkerPool
+from ._pool import PoolStats, PoolStatus, WorkerPool
 from ._runtime import BatchInfo, SampleInfo, sample_info
 from ._scheduler import OpStats
 from ._tf import default_pool, numpy_function, py_func, py_function, set_default_pool
@@ -65,6 +65,7 @@ __all__ = [
     "PipelineStats",
     "PoolClosedError",
     "PoolStats",
+    "PoolStatus",
     "RemoteTraceback",
     "ResourceLimitError",
     "SampleInfo",
