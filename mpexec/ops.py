@@ -64,7 +64,7 @@ class _Operator:
         return {**self._kwargs, **kwargs}
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        return type(self)._function(*inputs, **self._arguments(kwargs))
+        return self._function(*inputs, **self._arguments(kwargs))
 
     def __repr__(self) -> str:
         return f"ops.{type(self).__name__}({', '.join(map(str, self._kwargs))})"

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._graph import DataNode
 from .._types import DALIImageType, as_numpy_dtype
-from . import _graph_for, python_function
+from ._core import graph_for, python_function
 
 __all__ = ["image"]
 
@@ -55,7 +55,7 @@ def image(
     effect; ``jpeg_fancy_upsampling`` is what Pillow always does.
     """
     del bytes_per_sample_hint, dali_options
-    graph = _graph_for("decoders.image")
+    graph = graph_for("decoders.image")
     name_ = name if name is not None else graph.unique_name("image_decoder")
     what = f"fn.decoders.image '{name_}'"
     if device == "mixed":

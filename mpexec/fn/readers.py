@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._graph import DataNode
-from . import _graph_for, external_source
+from ._core import external_source, graph_for
 
 __all__ = ["file"]
 
@@ -103,7 +103,7 @@ def file(
     """
     del bytes_per_sample_hint, dont_use_mmap, initial_fill, lazy_init, prefetch_queue_depth
     del read_ahead, skip_cached_images, tensor_init_bytes, preserve
-    graph = _graph_for("readers.file")
+    graph = graph_for("readers.file")
     name_ = name if name is not None else graph.unique_name("file_reader")
     what = f"fn.readers.file '{name_}'"
     if device not in (None, "cpu"):

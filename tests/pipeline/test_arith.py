@@ -266,7 +266,7 @@ def _on_device(x: Any) -> Any:
 
 
 def test_arithmetic_on_gpu_outputs_runs_on_the_device() -> None:
-    from mpexec._gpusim import SEEDS, simulated
+    from mpexec.testing import SEEDS, simulated
 
     with simulated(*SEEDS[0]):
         pipe = Pipeline(2, 0, None, 1)
