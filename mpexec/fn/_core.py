@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arith, _codec
-from .._errors import MpexecError, SerializationError
+from .._errors import MpexecError, OpArgumentError, SerializationError
 from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
 from .._types import ScalarConstant, as_numpy_dtype
 
@@ -304,7 +304,7 @@ def _layouts(what: str, layouts: Any, n: int) -> tuple[str | None, ...]:
     if not isinstance(layouts, (list, tuple)):
         raise TypeError(f"{what}: output_layouts must be a string or a list of strings")
     if len(layouts) > n:
-        raise ValueError(
+        raise OpArgumentError(
             f"{what}: the length of output_layouts ({len(layouts)}) is greater than the "
             f"number of outputs ({n}); give at most one per output (a single string "
             "applies to all)"
@@ -320,7 +320,7 @@ def _dtypes(what: str, dtypes: Any, n: int) -> tuple[np.dtype[Any] | None, ...] 
         return None
     items = list(dtypes) if isinstance(dtypes, (list, tuple)) else [dtypes] * n
     if len(items) != n:
-        raise ValueError(f"{what}: {len(items)} output_dtypes given for {n} outputs")
+        raise OpArgumentError(f"{what}: {len(items)} output_dtypes given for {n} outputs")
     out: list[np.dtype[Any] | None] = []
     for d in items:
         if d is None:
@@ -339,7 +339,7 @@ def _shapes(what: str, shapes: Any, n: int) -> tuple[tuple[int | None, ...] | No
     single = isinstance(shapes, tuple) and all(s is None or isinstance(s, int) for s in shapes)
     items = [shapes] * n if single else list(shapes)
     if len(items) != n:
-        raise ValueError(f"{what}: {len(items)} output_shapes given for {n} outputs")
+        raise OpArgumentError(f"{what}: {len(items)} output_shapes given for {n} outputs")
     out: list[tuple[int | None, ...] | None] = []
     for s in items:
         if s is None:

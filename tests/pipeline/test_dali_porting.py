@@ -361,6 +361,24 @@ def test_too_many_layouts_uses_dalis_words() -> None:
     del pipe
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"output_layouts": ["HW", "HWC"]},
+        {"output_dtypes": [types.UINT8, types.INT32]},
+        {"output_shapes": [(1,), (2,)]},
+    ],
+)
+def test_argument_counts_dali_refuses_are_also_its_runtime_error(bad: dict[str, Any]) -> None:
+    # DALI reports these from its backend as RuntimeError (DALI's own
+    # test_invalid_layouts_arg catches that type); ValueError is kept for mpexec's users.
+    with Pipeline(1, 0) as pipe, pytest.raises(mpexec.OpArgumentError) as info:
+        fn.python_function(types.Constant(1), function=_double, **bad)
+    del pipe
+    assert isinstance(info.value, RuntimeError)
+    assert isinstance(info.value, ValueError)
+
+
 # ================================================================ epoch_size
 
 
