@@ -22,6 +22,7 @@ import shm
 
 from .. import _protocol
 from .._errors import PoolClosedError, forked_error
+from ._crash import fresh
 from ._future import Task, cancel_now, cancel_pushed
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
@@ -165,9 +166,9 @@ class PoolState:
             raise PoolClosedError("this pool was shut down: its shared memory is released")
 
     def check_usable(self) -> None:
-        """Raise the stored error once broken, PoolClosedError once closed."""
+        """Raise (a new copy of) the stored error once broken, PoolClosedError once closed."""
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         if self.closed:
             raise PoolClosedError("cannot submit to a pool after shutdown()")
 
