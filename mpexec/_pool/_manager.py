@@ -298,6 +298,10 @@ def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, An
         exc, tb = pickle.loads(body)
         exc.__cause__ = RemoteTraceback(tb)
         return False, exc
+    except MemoryError as exc:
+        # Out of memory or address space mapping the result (shm.ReservationError is
+        # a MemoryError): not a pickling problem, so not disguised as one.
+        return False, exc
     except Exception as exc:
         err = SerializationError(
             f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
