@@ -9,7 +9,9 @@ the data path and the unit of work a pool runs.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import struct
 import sys
 import sysconfig
 import threading
@@ -43,7 +45,10 @@ _PARAMS = (
 )
 # Accepted where parameters are, never serialized: they name live objects.
 _LIVE_PARAMS = ("pool",)
-_FORMAT = 1  # of serialize()
+_FORMAT = 2  # of serialize(): 2 adds the header, checked before anything is unpickled
+# serialize()'s header: magic, format, payload length, the payload's SHA-256.
+_MAGIC = b"MPEXPIPE"
+_HEADER = struct.Struct("<8sIQ32s")
 _STATE_VERSION = 1  # of state_dict()
 
 
@@ -452,7 +457,7 @@ class Pipeline:
         for m in modules:
             cloudpickle.register_pickle_by_value(m)
         try:
-            return bytes(cloudpickle.dumps(payload, protocol=5))
+            body = cloudpickle.dumps(payload, protocol=5)
         except Exception as exc:
             raise SerializationError(
                 _codec.describe_unpicklable(self._graph, "the pipeline graph", exc)
@@ -460,11 +465,21 @@ class Pipeline:
         finally:
             for m in modules:
                 cloudpickle.unregister_pickle_by_value(m)
+        digest = hashlib.sha256(body).digest()
+        return _HEADER.pack(_MAGIC, _FORMAT, len(body), digest) + bytes(body)
 
     @classmethod
     def deserialize(cls, data: bytes, **overrides: Any) -> Pipeline:
-        """A pipeline rebuilt from :meth:`serialize`; ``overrides`` change parameters."""
-        payload = cloudpickle.loads(data)
+        """A pipeline rebuilt from :meth:`serialize`; ``overrides`` change parameters.
+
+        .. warning:: Deserializing runs code: the functions travel by value
+           (pickled), and unpickling can run anything. Load only data you
+           trust, as with ``pickle`` and ``torch.load``. The header (format,
+           length, a SHA-256 of the rest) is checked first, so truncated,
+           corrupted or foreign bytes are refused before anything is
+           unpickled; it is no signature, and does not make untrusted data safe.
+        """
+        payload = cloudpickle.loads(_checked_body(data))
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise MpexecError("not a serialized mpexec pipeline (or from another version)")
         unknown = set(overrides) - set(_PARAMS) - set(_LIVE_PARAMS)
@@ -560,6 +575,28 @@ _SYSTEM_PATHS = tuple(
     os.path.realpath(p)
     for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
+
+
+def _checked_body(data: bytes) -> memoryview:
+    """The pickled body of :meth:`Pipeline.serialize`'s output, once its header checks out."""
+    view = memoryview(data).cast("B")
+    if len(view) < _HEADER.size or bytes(view[:8]) != _MAGIC:
+        raise MpexecError(
+            "not a serialized mpexec pipeline: it lacks the header serialize() writes"
+        )
+    _, version, length, digest = _HEADER.unpack_from(view)
+    if version != _FORMAT:
+        raise MpexecError(
+            f"a serialized mpexec pipeline of format {version}; this version of mpexec reads "
+            f"format {_FORMAT}: serialize it again with this version"
+        )
+    body = view[_HEADER.size :]
+    if len(body) != length or hashlib.sha256(body).digest() != digest:
+        raise MpexecError(
+            f"a serialized mpexec pipeline, truncated or corrupted ({len(body)} bytes where "
+            f"the header says {length}, or its SHA-256 does not match); nothing was unpickled"
+        )
+    return body
 
 
 def _user_modules(graph: Graph) -> list[Any]:
