@@ -125,8 +125,9 @@ class WorkerPool(CallExecutor):
         # What the manager holds of the pool: a weak reference, so that the pool can be collected.
         self._manager = Manager(state, self._factory, self._sender, timeout, weakref.ref(self))
         self._manager.start()
+        # Collected without shutdown(): what it was given still finishes (_stop.dropped).
         self._finalizer = weakref.finalize(
-            self, _stop.shutdown, state, self._lifeline, self._manager, False, True
+            self, _stop.dropped, state, self._lifeline, self._manager
         )
         _stop.track(self, state)
 

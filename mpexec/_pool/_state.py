@@ -300,6 +300,17 @@ class PoolState:
         with self.lock:
             self.pending.extendleft(reversed(tasks))
 
+    def fail_pending_if_no_worker(self, error: BaseException) -> None:
+        """While stopping: fail the waiting calls if no worker is left to run them."""
+        with self.lock:
+            if any(slot.ready for slot in self.slots):
+                return
+            tasks = list(self.pending)
+            self.pending.clear()
+            self.failed += len(tasks)
+        for task in tasks:
+            task.fail(error)
+
     def mark_broken(self, error: BaseException, tasks: list[Task] | None = None) -> None:
         """One step: record the error, fail ``tasks`` and every queued call, stop the workers."""
         with self.lock:

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+import time
 import traceback
 import weakref
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
+import psutil
 import pytest
 
 import mpexec
 from mpexec import WorkerPool
+from tests.conftest import run_python, wait_until
 
 T = 30  # every .result() in this file is bounded by this
 
@@ -61,3 +66,74 @@ def test_a_broken_pool_raises_a_new_error_per_call_and_keeps_no_caller_alive() -
             depths.add(depth)
         assert len(depths) == 1, "the traceback grows with every failed call"
         assert pool.status.state == "broken"
+
+
+# ================================================================ a dropped pool
+def _sleep_then(seconds: float, value: int) -> int:
+    time.sleep(seconds)
+    return value * 2
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_dropped_pool_finishes_the_calls_it_was_given() -> None:
+    # ProcessPoolExecutor(2).submit(f, 21).result() returns 42: so must we.
+    assert WorkerPool(2).submit(_sleep_then, 0, 21).result(T) == 42
+
+    pool = WorkerPool(1)
+    pids = pool.pids
+    futures = [pool.submit(_sleep_then, 0.05, i) for i in range(12)]  # more than in flight
+    state = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert state() is None, "the pool was not collected"
+    assert [f.result(T) for f in futures] == [2 * i for i in range(12)]
+    # ...and then its workers stop, without a shutdown() call.
+    wait_until(lambda: all(_gone(p) for p in pids), 10, "the dropped pool's worker to exit")
+
+
+def _die_soon() -> None:
+    time.sleep(0.2)
+    os._exit(3)
+
+
+@pytest.mark.parametrize("how", ["dropped", "shutdown"])
+def test_a_worker_dying_while_its_pool_stops_fails_every_waiting_call(how: str) -> None:
+    # More calls than a worker takes in flight: some wait in the pool itself,
+    # for a worker that is not replaced while the pool stops.
+    pool = WorkerPool(1, restart=True)
+    assert pool.submit(_identity, 1).result(T) == 1
+    futures = [pool.submit(_die_soon)] + [pool.submit(_identity, i) for i in range(20)]
+    stopper = None
+    if how == "dropped":
+        del pool
+        gc.collect()
+    else:
+        stopper = threading.Thread(target=pool.shutdown, daemon=True)  # never hold up exit
+        stopper.start()
+    _, not_done = wait_futures(futures, timeout=T)
+    assert not not_done, "calls waiting for a worker that never comes"
+    for future in futures:
+        assert isinstance(future.exception(0), mpexec.PoolClosedError)
+    if stopper is not None:
+        stopper.join(T)
+        assert not stopper.is_alive(), "shutdown() hung"
+
+
+_DROPPED_AT_EXIT = """
+import time
+from mpexec import WorkerPool
+future = WorkerPool(1).submit(time.sleep, 120)
+time.sleep(0.5)
+print(future.running())
+"""
+
+
+def test_a_dropped_pool_still_running_at_exit_is_stopped_then() -> None:
+    # Its call finishes only if the process lives on: at exit it is stopped.
+    assert run_python("-c", _DROPPED_AT_EXIT, timeout=60).split() == ["True"]
