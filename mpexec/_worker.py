@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import pickle
 import random
@@ -300,6 +301,11 @@ def main(boot: WorkerBoot) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group: the pool's process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Started daemonic (the pool's process terminates it at exit), but a function
+    # may start processes of its own (a nested pool, a pipeline, a DataLoader), which
+    # multiprocessing refuses a daemonic process. Its own children never outlive it:
+    # ours follow their lifeline, and multiprocessing ends daemonic ones at its exit.
+    multiprocessing.current_process().daemon = False
     if shm.platform_info().backend == "memfd":
         # Named segments must be unlinked on the way out, which SIGKILL forbids:
         # then the lifeline thread alone ends the worker.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
 import time
 import traceback
@@ -12,12 +13,13 @@ import weakref
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 
 import mpexec
 from mpexec import WorkerPool
-from tests.conftest import run_python, wait_until
+from tests.conftest import START_METHODS, run_python, wait_until
 
 T = 30  # every .result() in this file is bounded by this
 
@@ -137,3 +139,53 @@ print(future.running())
 def test_a_dropped_pool_still_running_at_exit_is_stopped_then() -> None:
     # Its call finishes only if the process lives on: at exit it is stopped.
     assert run_python("-c", _DROPPED_AT_EXIT, timeout=60).split() == ["True"]
+
+
+# ================================================================ nested pools
+def _square(x: int) -> int:
+    return x * x
+
+
+def _nested_pool(n: int, start_method: str) -> tuple[int, list[int]]:
+    with WorkerPool(2, start_method=start_method) as inner:
+        return sum(inner.map(_square, range(n))), inner.pids
+
+
+def _nested_pipeline(n: int) -> list[float]:
+    from mpexec import fn
+
+    @mpexec.pipeline_def(batch_size=n, num_workers=2, seed=1)
+    def graph() -> Any:
+        src = fn.external_source(source=lambda info: np.float64(info.idx_in_epoch), batch=False)
+        return fn.python_function(src, function=lambda x: x * 2)
+
+    with graph() as pipe:
+        (out,) = pipe.run()
+        return [float(x) for x in out]
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_a_worker_may_start_a_pool_or_a_pipeline_of_its_own(start_method: str) -> None:
+    # ProcessPoolExecutor allows nesting since 3.9; a daemonic worker could not.
+    with WorkerPool(1, start_method=start_method) as pool:
+        total, inner_pids = pool.submit(_nested_pool, 10, start_method).result(T)
+        assert total == sum(i * i for i in range(10))
+        assert all(_gone(p) for p in inner_pids)
+        assert pool.submit(_nested_pipeline, 4).result(T) == [0.0, 2.0, 4.0, 6.0]
+
+
+def _nested_pool_pids() -> list[int]:
+    inner = WorkerPool(2)
+    _KEEP.append(inner)  # held by this worker until it dies
+    return inner.pids
+
+
+_KEEP: list[Any] = []
+
+
+def test_a_nested_pools_workers_go_with_the_worker_that_made_it() -> None:
+    with WorkerPool(1, restart=True) as pool:
+        outer = pool.pids[0]
+        inner = pool.submit(_nested_pool_pids).result(T)
+        os.kill(outer, signal.SIGKILL)
+        wait_until(lambda: all(_gone(p) for p in [outer, *inner]), 10, "the nested workers to exit")
