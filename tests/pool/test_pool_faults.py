@@ -4,6 +4,7 @@ nested pools, callbacks that raise SystemExit, out-of-memory reporting."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import threading
@@ -189,3 +190,48 @@ def test_a_nested_pools_workers_go_with_the_worker_that_made_it() -> None:
         inner = pool.submit(_nested_pool_pids).result(T)
         os.kill(outer, signal.SIGKILL)
         wait_until(lambda: all(_gone(p) for p in [outer, *inner]), 10, "the nested workers to exit")
+
+
+# ================================================================ callbacks
+def _exit_callback(future: Any) -> None:
+    raise SystemExit(3)
+
+
+def _interrupt_callback(future: Any) -> None:
+    raise KeyboardInterrupt
+
+
+class _Messages(logging.Handler):
+    """Keeps what is logged as text only (a record's traceback would keep the
+    manager's frames, and the rings they hold, alive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(self.format(record))
+
+
+@pytest.mark.parametrize("callback", [_exit_callback, _interrupt_callback])
+def test_a_callback_raising_system_exit_is_logged_and_the_pool_lives_on(callback: Any) -> None:
+    logger = logging.getLogger("concurrent.futures")
+    logged = _Messages()
+    logger.addHandler(logged)
+    try:
+        with WorkerPool(1) as pool:
+            futures = [pool.submit(_sleep_then, 0.05, i) for i in range(3)]
+            for future in futures:
+                future.add_done_callback(callback)  # run by the pool's thread
+            assert [f.result(T) for f in futures] == [0, 2, 4]
+            assert pool.submit(_square, 7).result(T) == 49
+            assert pool.status.state == "running"
+            # In the thread that added it, on a done future, it propagates (as
+            # concurrent.futures does).
+            with pytest.raises((SystemExit, KeyboardInterrupt)):
+                futures[0].add_done_callback(callback)
+    finally:
+        logger.removeHandler(logged)
+    text = "\n".join(logged.texts)
+    assert callback.__name__ in text, "the log names the callback"
+    assert "bug in mpexec" not in text
