@@ -49,7 +49,7 @@ _FORMAT = 2  # of serialize(): 2 adds the header, checked before anything is unp
 # serialize()'s header: magic, format, payload length, the payload's SHA-256.
 _MAGIC = b"MPEXPIPE"
 _HEADER = struct.Struct("<8sIQ32s")
-_STATE_VERSION = 1  # of state_dict()
+_STATE_VERSION = 2  # of state_dict(): 2 adds the graph's fingerprint
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ class Pipeline:
 
         ``epoch`` and ``iteration``: the epoch and how many of its iterations
         :meth:`run` returned; ``seed`` and ``batch_size``, which a resumed
-        pipeline must share.
+        pipeline must share, and ``graph``, a fingerprint of the definition.
         """
         if self._scheduler is not None:
             epoch, iteration = self._scheduler.position()
@@ -324,6 +324,7 @@ class Pipeline:
             "batch_size": self.batch_size,
             "epoch": epoch,
             "iteration": iteration,
+            "graph": self._graph.fingerprint() if self._graph is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -335,8 +336,17 @@ class Pipeline:
         iterables read in this process (``external_source(source=iterable)``)
         are read again from their start up to there. A pipeline with
         ``stateful`` ops is refused: their state cannot be restored.
+
+        Anything that did not come from :meth:`state_dict` of this same
+        definition (another graph, edited fields) raises ``ValueError`` here.
         """
-        if state.get("version") != _STATE_VERSION:
+        keys = {"version", "seed", "batch_size", "epoch", "iteration", "graph"}
+        given: Any = state  # what callers pass is not always what the annotation says
+        if (
+            not isinstance(given, dict)
+            or given.get("version") != _STATE_VERSION
+            or set(given) != keys
+        ):
             raise ValueError(
                 f"load_state_dict() needs a dict from Pipeline.state_dict() "
                 f"(version {_STATE_VERSION}), not {state!r:.200}"
@@ -348,8 +358,14 @@ class Pipeline:
                     f"one has {key}={getattr(self, key)!r}: its iterations would differ; "
                     f"build the pipeline with {key}={state.get(key)!r}"
                 )
+        mine = self._graph.fingerprint() if self._graph is not None else None
+        if state["graph"] != mine:
+            raise ValueError(
+                "the state was taken from another pipeline definition (its graph fingerprint "
+                f"{state['graph']!r} is not this one's, {mine!r}): its iterations would differ"
+            )
         epoch, iteration = state.get("epoch"), state.get("iteration")
-        if not all(isinstance(v, int) and v >= 0 for v in (epoch, iteration)):
+        if not all(type(v) is int and v >= 0 for v in (epoch, iteration)):  # not a bool
             raise ValueError(
                 f"state epoch/iteration must be ints >= 0, not {epoch!r}/{iteration!r}"
             )
