@@ -407,6 +407,28 @@ def test_arguments_cannot_be_written_even_by_reopening_their_fd() -> None:
 @pytest.mark.skipif(
     shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
 )
+def test_a_held_result_passed_to_another_worker_is_read_only_but_not_sealed() -> None:
+    # docs/in-place-mutation.md, "Not prevented": a result lives in its worker's
+    # unsealed arena (the caller maps it read-write). Another worker reads it
+    # through a read-only mapping (a stray write faults), but deliberate code
+    # there can reopen the producing worker's fd read-write and write it.
+    with WorkerPool(2) as pool:
+        held = pool.submit_call(_arange, (BIG // 8,), worker=0).result(T)
+        assert held.flags.writeable  # the caller's to change
+        first = held.copy()
+        with pytest.raises(mpexec.WorkerCrashedError):
+            pool.submit_call(_poke, (held,), worker=1).result(T)
+        assert (held == first).all(), "a stray write reached a held result"
+    with WorkerPool(2) as pool:
+        held = pool.submit_call(_arange, (BIG // 8,), worker=0).result(T)
+        outcomes = pool.submit_call(_reopen_and_write, (held,), worker=1).result(T)
+        assert outcomes == ["pwrite: wrote", "mmap: wrote"]
+        assert (held.view(np.uint8)[:8] == 0xFF).all()
+
+
+@pytest.mark.skipif(
+    shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
+)
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_fds_a_forked_worker_inherits_cannot_write_the_arguments() -> None:
     with WorkerPool(1, start_method="fork") as pool:
