@@ -68,6 +68,7 @@ class WorkerBoot:
     init: bytes | None  # cloudpickled (worker_init, args)
     segment_size: int
     inline_max: int
+    capacity: int | None = None  # the pool's arena_capacity caps our arena too
 
 
 def seed_worker(entropy: int, index: int, generation: int) -> None:
@@ -312,7 +313,7 @@ def main(boot: WorkerBoot) -> None:
         _set_parent_death_signal(boot.main_pid)
     done = boot.done
     try:
-        arena = shm.Arena(segment_size=boot.segment_size, name=f"worker-{boot.index}")
+        arena = shm.Arena(boot.segment_size, boot.capacity, name=f"worker-{boot.index}")
     except BaseException as exc:
         done.push(record(FAILED, _pickle_error(exc)), timeout=10)
         return

@@ -37,6 +37,7 @@ class WorkerFactory:
         worker_arena_size: int,
         inline_max: int,
         start_timeout: float,
+        arena_capacity: int | None = None,
     ) -> None:
         self.state = state  # where a started worker's slot goes
         self.ctx = ctx  # the multiprocessing context (``_launch``'s) that starts them
@@ -44,6 +45,7 @@ class WorkerFactory:
         self.seed_entropy = seed_entropy
         self.init = init  # cloudpickled (worker_init, args), or None
         self.worker_arena_size = worker_arena_size
+        self.arena_capacity = arena_capacity  # each worker's arena's cap (None: the default)
         self.inline_max = inline_max
         self.start_timeout = start_timeout
 
@@ -73,6 +75,7 @@ class WorkerFactory:
             seed_entropy=self.seed_entropy,
             init=self.init,
             segment_size=self.worker_arena_size,
+            capacity=self.arena_capacity,
             inline_max=self.inline_max,
         )
         slot.process = self.ctx.Process(

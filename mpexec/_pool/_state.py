@@ -253,6 +253,14 @@ class PoolState:
         self.bytes_shared += bytes_shared
         self.bytes_copied += bytes_copied
 
+    def count_ran_inline(self, ok: bool) -> None:
+        """A call of an inline pool (``num_workers=0``) returned or raised."""
+        with self.lock:
+            if ok:
+                self.completed += 1
+            else:
+                self.failed += 1
+
     def count_failed(self, n: int = 1) -> None:
         with self.lock:
             self.failed += n

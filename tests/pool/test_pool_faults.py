@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import mpexec
+import shm
 from mpexec import WorkerPool
 from tests.conftest import START_METHODS, run_python, wait_until
 
@@ -235,3 +236,31 @@ def test_a_callback_raising_system_exit_is_logged_and_the_pool_lives_on(callback
     text = "\n".join(logged.texts)
     assert callback.__name__ in text, "the log names the callback"
     assert "bug in mpexec" not in text
+
+
+# ================================================================ small ones
+def _raise(x: int) -> None:
+    raise ValueError(x)
+
+
+def test_an_inline_pool_counts_its_calls() -> None:
+    with WorkerPool(0) as pool:
+        assert pool.submit(_square, 3).result(T) == 9
+        with pytest.raises(ValueError, match="4"):
+            pool.submit(_raise, 4).result(T)
+        stats = pool.stats()
+        assert (stats.submitted, stats.completed, stats.failed) == (2, 1, 1)
+
+
+def _grow_result(nbytes: int) -> Any:
+    return np.ones(nbytes, np.uint8)
+
+
+def test_arena_capacity_caps_the_workers_arenas_too() -> None:
+    with WorkerPool(
+        1, arena_size=1 << 20, arena_capacity=4 << 20, worker_arena_size=1 << 20
+    ) as pool:
+        assert pool.submit(_grow_result, 2 << 20).result(T).sum() == 2 << 20
+        with pytest.raises(shm.ArenaFullError):
+            pool.submit(_grow_result, 8 << 20).result(T)
+        assert pool.submit(_square, 5).result(T) == 25
