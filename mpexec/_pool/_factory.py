@@ -74,7 +74,8 @@ class WorkerFactory:
             main_pid=os.getpid(),
             seed_entropy=self.seed_entropy,
             init=self.init,
-            segment_size=self.worker_arena_size,
+            # A cap below the segment size: segments of the cap's size.
+            segment_size=min(self.worker_arena_size, self.arena_capacity or self.worker_arena_size),
             capacity=self.arena_capacity,
             inline_max=self.inline_max,
         )

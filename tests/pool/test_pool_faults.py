@@ -257,9 +257,8 @@ def _grow_result(nbytes: int) -> Any:
 
 
 def test_arena_capacity_caps_the_workers_arenas_too() -> None:
-    with WorkerPool(
-        1, arena_size=1 << 20, arena_capacity=4 << 20, worker_arena_size=1 << 20
-    ) as pool:
+    # The default worker_arena_size (32 MiB) is above the cap: segments of the cap's size.
+    with WorkerPool(1, arena_size=1 << 20, arena_capacity=4 << 20) as pool:
         assert pool.submit(_grow_result, 2 << 20).result(T).sum() == 2 << 20
         with pytest.raises(shm.ArenaFullError):
             pool.submit(_grow_result, 8 << 20).result(T)
