@@ -371,7 +371,9 @@ class OpRunner:
             columns, written = write_columns(rows, self.num_outputs, out)
         seconds = time.perf_counter() - t0
         faults = thread_faults() - faults
-        return ChunkResult(columns, count, seconds, os.getpid(), stop, written=written, faults=faults)
+        return ChunkResult(
+            columns, count, seconds, os.getpid(), stop, written=written, faults=faults
+        )
 
     # ------------------------------------------------------------ calling
     def _call(self, args: tuple[Any, ...], sample: int | None, np_seed: int, py_seed: int) -> Any:

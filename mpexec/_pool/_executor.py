@@ -89,7 +89,7 @@ class WorkerPool(CallExecutor):
             raise ValueError(f"num_workers must be an int >= 0, not {num_workers!r}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive or None, not {timeout!r}")
-        if isinstance(warm_memory, bool) or not isinstance(warm_memory, int) or warm_memory < 0:
+        if type(warm_memory) is not int or warm_memory < 0:  # bool, float: refused too
             raise ValueError(f"warm_memory must be an int >= 0 (bytes), not {warm_memory!r}")
         if results not in ("copy", "view"):
             raise ValueError(f"results must be 'copy' or 'view', not {results!r}")

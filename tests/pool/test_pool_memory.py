@@ -182,6 +182,73 @@ def test_pages_written_call_after_call_stay_warm_in_the_worker() -> None:
         assert all((b == 2).all() for b in blocks)
 
 
+def _image_sized(n: int) -> np.ndarray[Any, Any]:
+    return np.full(n, 3, np.uint8)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_a_worker_reuses_the_block_of_its_last_released_result() -> None:
+    # Results are released by the caller once copied. Applied only when the
+    # arena ran out, releases let every result take a fresh block until the
+    # worker's segment wrapped: its whole segment faulted in, a page at a time.
+    size = 600 * KiB
+    with WorkerPool(1, worker_arena_size=256 << 20) as pool:
+        for _ in range(10):
+            pool.submit(_image_sized, size).result(T)
+        before = pool.stats().worker_faults
+        calls = 200  # 117 MiB of results: half the segment, were each block fresh
+        for _ in range(calls):
+            pool.submit(_image_sized, size).result(T)
+        per_call = (pool.stats().worker_faults - before) / calls
+        assert per_call < 5, per_call  # 150 pages a result: fresh blocks fault each
+
+
+def _temporaries(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # An augmentation's shape of work: a few image-sized temporaries per call.
+    a = x.astype(np.float32) * 0.5
+    b = np.sqrt(a + 1.0)
+    return (a + b)[::2, ::2].copy()
+
+
+def _keeps_warm_memory() -> bool:
+    from mpexec._host import keep_memory_warm
+
+    return keep_memory_warm(1 << 20)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
+    with WorkerPool(1) as probe:
+        if not probe.submit(_keeps_warm_memory).result(T):
+            pytest.skip("this libc has no mallopt (not glibc)")
+    image = np.ones((224, 224, 3), np.uint8)
+
+    def per_sample(warm_memory: int) -> float:
+        with WorkerPool(2, warm_memory=warm_memory, results="view") as pool:
+            pipe = mpexec.Pipeline(batch_size=16, pool=pool, prefetch_depth=2)
+            with pipe:
+                x = fn.external_source(source=lambda: [image] * 16)
+                pipe.set_outputs(fn.python_function(x, function=_temporaries))
+            with pipe:
+                for _ in range(8):
+                    pipe.run()
+                before = pipe.stats()
+                for _ in range(8):
+                    pipe.run()
+                after = pipe.stats()
+            return (after.worker_faults - before.worker_faults) / (after.samples - before.samples)
+
+    assert per_sample(64 << 20) < 5
+    # glibc's defaults hand the temporaries back after every call: ~150 pages each
+    assert per_sample(0) > 50
+
+
+def test_warm_memory_must_be_a_byte_count() -> None:
+    for bad in (-1, True, 1.5, "64M"):
+        with pytest.raises(ValueError, match="warm_memory"):
+            WorkerPool(0, warm_memory=bad)  # type: ignore[arg-type]
+
+
 _stash: list[Any] = []
 
 
