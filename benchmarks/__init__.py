@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "benchmarks.gpu_bench",
     "ray": "benchmarks.ray_bench",
     "startup": "benchmarks.startup_bench",
+    "mainload": "benchmarks.mainload_bench",
 }
 
 __all__ = ["BENCHMARKS"]
