@@ -461,15 +461,18 @@ class OpRunner:
                     f"or declare num_outputs={len(out)}"
                 )
             return (out[0],)
+        # "must be a tuple", "Unexpected number of outputs": DALI's words, which code
+        # ported from DALI (and DALI's own tests) look for.
         if not isinstance(out, (tuple, list)):
             raise OpOutputError(
-                f"op '{self.name}' has num_outputs={n}, so its function must return a "
+                f"op '{self.name}' has num_outputs={n}, so its function's result must be a "
                 f"tuple of {n} outputs; it returned {type(out).__name__}"
             )
         if len(out) != n:
             raise OpOutputError(
-                f"op '{self.name}' has num_outputs={n}, but its function returned "
-                f"{len(out)} outputs"
+                f"Unexpected number of outputs from op '{self.name}': got {len(out)}, expected "
+                f"{n}. Its function returned {len(out)} outputs, but num_outputs={n}: the "
+                f"result must be a tuple of {n} outputs"
             )
         return tuple(out)
 
