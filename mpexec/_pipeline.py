@@ -89,6 +89,14 @@ class PipelineStats:
     busy: tuple[tuple[int, float], ...]  # (worker pid, busy fraction of wall time)
     merged_ops: int
     pruned_ops: int
+    samples: int = 0  # samples delivered by run()
+    #: Minor page faults the workers took inside this pipeline's chunks (Linux).
+    worker_faults: int = 0
+
+    @property
+    def faults_per_sample(self) -> float:
+        """Workers' minor page faults per delivered sample (0.0 before any)."""
+        return self.worker_faults / self.samples if self.samples else 0.0
 
     def __str__(self) -> str:
         head = (
@@ -111,6 +119,8 @@ class PipelineStats:
                 "workers busy: "
                 + ", ".join(f"pid {pid} {frac:.0%}" for pid, frac in sorted(self.busy))
             )
+        if self.samples:
+            lines.append(f"worker page faults: {self.faults_per_sample:.1f} per sample")
         return "\n".join(lines)
 
 
@@ -236,6 +246,7 @@ class Pipeline:
         self._lock = threading.RLock()
         self._closed = False
         self._iterations = 0
+        self._samples = 0
         self._started = 0.0
         self._finalizer: weakref.finalize[Any, Pipeline] | None = None
 
@@ -406,6 +417,8 @@ class Pipeline:
         assert self._scheduler is not None
         result = self._scheduler.next_result()
         self._iterations += 1
+        if result:
+            self._samples += len(result[0])
         if self._output_checks:
             _check_outputs(result, self._output_checks)
         return result
@@ -611,6 +624,8 @@ class Pipeline:
                 busy=tuple((pid, t / wall if wall else 0.0) for pid, t in busy.items()),
                 merged_ops=merged,
                 pruned_ops=n_defined - len(ops) - merged,
+                samples=self._samples,
+                worker_faults=sched.faults if sched is not None else 0,
             )
 
     # ------------------------------------------------------------ serializing

@@ -31,6 +31,7 @@ import shm
 
 from . import _codec
 from ._errors import SerializationError
+from ._host import keep_memory_warm
 from ._protocol import (
     CALL,
     CANCEL,
@@ -69,6 +70,7 @@ class WorkerBoot:
     segment_size: int
     inline_max: int
     capacity: int | None = None  # the pool's arena_capacity caps our arena too
+    warm_memory: int = 0  # bytes of freed memory malloc may keep (0: glibc's defaults)
 
 
 def seed_worker(entropy: int, index: int, generation: int) -> None:
@@ -307,6 +309,7 @@ def main(boot: WorkerBoot) -> None:
     # multiprocessing refuses a daemonic process. Its own children never outlive it:
     # ours follow their lifeline, and multiprocessing ends daemonic ones at its exit.
     multiprocessing.current_process().daemon = False
+    keep_memory_warm(boot.warm_memory)  # before the first call allocates anything
     if shm.platform_info().backend == "memfd":
         # Named segments must be unlinked on the way out, which SIGKILL forbids:
         # then the lifeline thread alone ends the worker.

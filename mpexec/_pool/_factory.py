@@ -38,6 +38,7 @@ class WorkerFactory:
         inline_max: int,
         start_timeout: float,
         arena_capacity: int | None = None,
+        warm_memory: int = 0,
     ) -> None:
         self.state = state  # where a started worker's slot goes
         self.ctx = ctx  # the multiprocessing context (``_launch``'s) that starts them
@@ -48,6 +49,7 @@ class WorkerFactory:
         self.arena_capacity = arena_capacity  # each worker's arena's cap (None: the default)
         self.inline_max = inline_max
         self.start_timeout = start_timeout
+        self.warm_memory = warm_memory  # malloc's bound in each worker (_host.keep_memory_warm)
 
     def start(self, indices: Iterable[int], generation: int) -> None:
         """Start workers in parallel, then wait for each to say hello."""
@@ -78,6 +80,7 @@ class WorkerFactory:
             segment_size=min(self.worker_arena_size, self.arena_capacity or self.worker_arena_size),
             capacity=self.arena_capacity,
             inline_max=self.inline_max,
+            warm_memory=self.warm_memory,
         )
         slot.process = self.ctx.Process(
             target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
