@@ -9,7 +9,9 @@ the data path and the unit of work a pool runs.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import struct
 import sys
 import sysconfig
 import threading
@@ -72,8 +74,11 @@ _DALI_PARAMS = (
     "concurrency",
 )
 _DEF_PARAMS = frozenset((*_PARAMS, *_LIVE_PARAMS, *_DALI_PARAMS, "enable_conditionals"))
-_FORMAT = 1  # of serialize()
-_STATE_VERSION = 1  # of state_dict()
+_FORMAT = 2  # of serialize(): 2 adds the header, checked before anything is unpickled
+# serialize()'s header: magic, format, payload length, the payload's SHA-256.
+_MAGIC = b"MPEXPIPE"
+_HEADER = struct.Struct("<8sIQ32s")
+_STATE_VERSION = 2  # of state_dict(): 2 adds the graph's fingerprint
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,14 @@ class PipelineStats:
     busy: tuple[tuple[int, float], ...]  # (worker pid, busy fraction of wall time)
     merged_ops: int
     pruned_ops: int
+    samples: int = 0  # samples delivered by run()
+    #: Minor page faults the workers took inside this pipeline's chunks (Linux).
+    worker_faults: int = 0
+
+    @property
+    def faults_per_sample(self) -> float:
+        """Workers' minor page faults per delivered sample (0.0 before any)."""
+        return self.worker_faults / self.samples if self.samples else 0.0
 
     def __str__(self) -> str:
         head = (
@@ -108,6 +121,8 @@ class PipelineStats:
                 "workers busy: "
                 + ", ".join(f"pid {pid} {frac:.0%}" for pid, frac in sorted(self.busy))
             )
+        if self.samples:
+            lines.append(f"worker page faults: {self.faults_per_sample:.1f} per sample")
         return "\n".join(lines)
 
 
@@ -233,6 +248,7 @@ class Pipeline:
         self._lock = threading.RLock()
         self._closed = False
         self._iterations = 0
+        self._samples = 0
         self._started = 0.0
         self._finalizer: weakref.finalize[Any, Pipeline] | None = None
 
@@ -404,6 +420,8 @@ class Pipeline:
         assert self._scheduler is not None
         result = self._scheduler.next_result()
         self._iterations += 1
+        if result:
+            self._samples += len(result[0])
         if self._output_checks:
             _check_outputs(result, self._output_checks)
         return result
@@ -463,7 +481,7 @@ class Pipeline:
 
         ``epoch`` and ``iteration``: the epoch and how many of its iterations
         :meth:`run` returned; ``seed`` and ``batch_size``, which a resumed
-        pipeline must share.
+        pipeline must share, and ``graph``, a fingerprint of the definition.
         """
         if self._scheduler is not None:
             epoch, iteration = self._scheduler.position()
@@ -475,6 +493,7 @@ class Pipeline:
             "batch_size": self.batch_size,
             "epoch": epoch,
             "iteration": iteration,
+            "graph": self._graph.fingerprint() if self._graph is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -486,8 +505,17 @@ class Pipeline:
         iterables read in this process (``external_source(source=iterable)``)
         are read again from their start up to there. A pipeline with
         ``stateful`` ops is refused: their state cannot be restored.
+
+        Anything that did not come from :meth:`state_dict` of this same
+        definition (another graph, edited fields) raises ``ValueError`` here.
         """
-        if state.get("version") != _STATE_VERSION:
+        keys = {"version", "seed", "batch_size", "epoch", "iteration", "graph"}
+        given: Any = state  # what callers pass is not always what the annotation says
+        if (
+            not isinstance(given, dict)
+            or given.get("version") != _STATE_VERSION
+            or set(given) != keys
+        ):
             raise ValueError(
                 f"load_state_dict() needs a dict from Pipeline.state_dict() "
                 f"(version {_STATE_VERSION}), not {state!r:.200}"
@@ -499,8 +527,14 @@ class Pipeline:
                     f"one has {key}={getattr(self, key)!r}: its iterations would differ; "
                     f"build the pipeline with {key}={state.get(key)!r}"
                 )
+        mine = self._graph.fingerprint() if self._graph is not None else None
+        if state["graph"] != mine:
+            raise ValueError(
+                "the state was taken from another pipeline definition (its graph fingerprint "
+                f"{state['graph']!r} is not this one's, {mine!r}): its iterations would differ"
+            )
         epoch, iteration = state.get("epoch"), state.get("iteration")
-        if not all(isinstance(v, int) and v >= 0 for v in (epoch, iteration)):
+        if not all(type(v) is int and v >= 0 for v in (epoch, iteration)):  # not a bool
             raise ValueError(
                 f"state epoch/iteration must be ints >= 0, not {epoch!r}/{iteration!r}"
             )
@@ -593,6 +627,8 @@ class Pipeline:
                 busy=tuple((pid, t / wall if wall else 0.0) for pid, t in busy.items()),
                 merged_ops=merged,
                 pruned_ops=n_defined - len(ops) - merged,
+                samples=self._samples,
+                worker_faults=sched.faults if sched is not None else 0,
             )
 
     # ------------------------------------------------------------ serializing
@@ -608,7 +644,7 @@ class Pipeline:
         for m in modules:
             cloudpickle.register_pickle_by_value(m)
         try:
-            return bytes(cloudpickle.dumps(payload, protocol=5))
+            body = cloudpickle.dumps(payload, protocol=5)
         except Exception as exc:
             raise SerializationError(
                 _codec.describe_unpicklable(self._graph, "the pipeline graph", exc)
@@ -616,11 +652,21 @@ class Pipeline:
         finally:
             for m in modules:
                 cloudpickle.unregister_pickle_by_value(m)
+        digest = hashlib.sha256(body).digest()
+        return _HEADER.pack(_MAGIC, _FORMAT, len(body), digest) + bytes(body)
 
     @classmethod
     def deserialize(cls, data: bytes, **overrides: Any) -> Pipeline:
-        """A pipeline rebuilt from :meth:`serialize`; ``overrides`` change parameters."""
-        payload = cloudpickle.loads(data)
+        """A pipeline rebuilt from :meth:`serialize`; ``overrides`` change parameters.
+
+        .. warning:: Deserializing runs code: the functions travel by value
+           (pickled), and unpickling can run anything. Load only data you
+           trust, as with ``pickle`` and ``torch.load``. The header (format,
+           length, a SHA-256 of the rest) is checked first, so truncated,
+           corrupted or foreign bytes are refused before anything is
+           unpickled; it is no signature, and does not make untrusted data safe.
+        """
+        payload = cloudpickle.loads(_checked_body(data))
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise MpexecError("not a serialized mpexec pipeline (or from another version)")
         unknown = set(overrides) - set(_PARAMS) - set(_LIVE_PARAMS)
@@ -788,6 +834,28 @@ _SYSTEM_PATHS = tuple(
     os.path.realpath(p)
     for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
+
+
+def _checked_body(data: bytes) -> memoryview:
+    """The pickled body of :meth:`Pipeline.serialize`'s output, once its header checks out."""
+    view = memoryview(data).cast("B")
+    if len(view) < _HEADER.size or bytes(view[:8]) != _MAGIC:
+        raise MpexecError(
+            "not a serialized mpexec pipeline: it lacks the header serialize() writes"
+        )
+    _, version, length, digest = _HEADER.unpack_from(view)
+    if version != _FORMAT:
+        raise MpexecError(
+            f"a serialized mpexec pipeline of format {version}; this version of mpexec reads "
+            f"format {_FORMAT}: serialize it again with this version"
+        )
+    body = view[_HEADER.size :]
+    if len(body) != length or hashlib.sha256(body).digest() != digest:
+        raise MpexecError(
+            f"a serialized mpexec pipeline, truncated or corrupted ({len(body)} bytes where "
+            f"the header says {length}, or its SHA-256 does not match); nothing was unpickled"
+        )
+    return body
 
 
 def _user_modules(graph: Graph) -> list[Any]:

@@ -14,6 +14,7 @@ import ctypes
 import inspect
 import os
 import random
+import resource
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -200,6 +201,16 @@ class ChunkResult:
     stop: int | None = None  # a source ended the epoch at this sample (batch index)
     per_op: tuple[tuple[float, int, int], ...] = ()  # a ChainRunner's (s, in, out) per op
     written: tuple[bool, ...] = ()
+    faults: int = 0  # minor page faults the running thread took (Linux; else 0)
+
+
+def thread_faults() -> int:
+    """Minor page faults of the calling thread so far (0 where not measurable)."""
+    return _getrusage(_RUSAGE_THREAD).ru_minflt if _RUSAGE_THREAD is not None else 0
+
+
+_getrusage = resource.getrusage
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 def write_columns(
@@ -356,6 +367,7 @@ class OpRunner:
         """Run the chunk; ``out``: per output, an array to write its rows into, or None."""
         global _current
         t0 = time.perf_counter()
+        faults = thread_faults()
         stop = None
         self._where = (chunk.epoch, chunk.iteration)
         _globals.known = False  # anything may have drawn since the last chunk (the caller)
@@ -383,7 +395,10 @@ class OpRunner:
             count = len(rows)
             columns, written = write_columns(rows, self.num_outputs, out)
         seconds = time.perf_counter() - t0
-        return ChunkResult(columns, count, seconds, os.getpid(), stop, written=written)
+        faults = thread_faults() - faults
+        return ChunkResult(
+            columns, count, seconds, os.getpid(), stop, written=written, faults=faults
+        )
 
     # ------------------------------------------------------------ calling
     def _call(self, args: tuple[Any, ...], sample: int | None, np_seed: int, py_seed: int) -> Any:
@@ -608,6 +623,7 @@ class ChainRunner:
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
         """Run the chunk through every op; ``out`` as :meth:`OpRunner.__call__`."""
         t0 = time.perf_counter()
+        faults = thread_faults()
         spent = [[0.0, 0, 0] for _ in self.runners]
         source = self.runners[0].kind is CallKind.SOURCE
         seeds = []
@@ -684,7 +700,8 @@ class ChainRunner:
         count = len(rows)
         columns, written = write_columns(rows, self.runners[-1].num_outputs, out)
         seconds = time.perf_counter() - t0
-        return ChunkResult(columns, count, seconds, os.getpid(), stop, per_op, written)
+        faults = thread_faults() - faults
+        return ChunkResult(columns, count, seconds, os.getpid(), stop, per_op, written, faults)
 
 
 class _Passed(Exception):

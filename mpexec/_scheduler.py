@@ -212,6 +212,7 @@ class Scheduler:
         self._closed = False
         self._delivered = 0  # iterations of this epoch handed to the caller
         self.busy: dict[int, float] = collections.defaultdict(float)  # pid -> seconds
+        self.faults = 0  # minor page faults in the workers' chunks (ChunkResult.faults)
         self._pos = {id(op): i for i, op in enumerate(plan.ops)}
         self.ops: list[_OpState] = []
         # Each op's executor, by its device: GPU ops run in this process, on the
@@ -346,9 +347,26 @@ class Scheduler:
                 if s.op.source_mode != SourceMode.ITER or s.absorbed:
                     continue
                 per_iteration = 1 if s.op.batch_processing else self.batch_size
-                for _ in range(index * per_iteration):
-                    if self._next_item(s) is None:
-                        break
+                self._skip_items(s, index * per_iteration)
+
+    def _skip_items(self, s: _OpState, count: int) -> None:
+        """Read ``count`` items of an iterable source and drop them, in bounded time.
+
+        A cycling source starts again at its end: once it has, its period is
+        known, and only ``count`` modulo it is read (at most two passes, however
+        large ``count``).
+        """
+        read, period = 0, 0
+        while count > 0:
+            before = s.iterator
+            if self._next_item(s) is None:
+                return
+            count -= 1
+            read += 1
+            if not period and before is not None and s.iterator is not before:
+                # It ran out and began again: that item opened its second pass.
+                period = read - 1
+                count %= period
 
     def feed(self, name: str, data: Any) -> None:
         """Queue ``data`` as the next batch of the external_source ``name``."""
@@ -688,6 +706,7 @@ class Scheduler:
         s.waiting_s += max(0.0, elapsed - res.seconds)
         if s.executor is self.executor:  # per worker of the pipeline's pool
             self.busy[res.pid] += res.seconds
+            self.faults += res.faults
         if it.dropped or it.error is not None:
             return
         parts = it.parts[s.pos]

@@ -265,8 +265,12 @@ class Arena:
         if not peer_writable:
             alloc = self._allocate(nbytes, tag)
             return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
-        # Enough for whole pages from the first page boundary of the block on.
-        span = _round_up(nbytes, PAGE_SIZE) + PAGE_SIZE - ALIGNMENT
+        span = _round_up(nbytes, PAGE_SIZE)
+        if not self.sealed:
+            # Its segments hold packed blocks too: enough for whole pages from the
+            # first page boundary of the block on. In a sealed arena they hold only
+            # these whole-page blocks, so every block starts on a page boundary.
+            span += PAGE_SIZE - ALIGNMENT
         alloc = self._allocate(span, tag, peer_writable=True)
         start = -alloc.offset % PAGE_SIZE
         return self._view(alloc, dt, shp, None, start, writable=True, take_export=False)
@@ -453,14 +457,14 @@ class Arena:
         opened = peer_writable or not self.sealed  # the kind of segment it goes in
         with self._lock:
             self._check_open()
-            if self.discard_min is not None and nbytes >= self.discard_min:
-                # Blocks released by peers meanwhile are freed first: one may be
-                # reused as it is, the rest go back to the system below.
-                self._collect_locked()
-            found = self._fit(nbytes, opened)
-            if found is None:
-                self._collect_locked()
-                found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
+            # Blocks released by peers meanwhile are freed first, so that the
+            # block just released (the last call's result) is taken again: its
+            # pages are mapped, in cache, and written already. Left for later,
+            # every block would be a fresh one until the segment wraps: a
+            # worker's working set becomes its whole segment, and every page
+            # of it faults in once.
+            self._collect_locked()
+            found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
             seg, offset = found
             size = seg.free.round(nbytes)
             if self._discard or seg.holes:

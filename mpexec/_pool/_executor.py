@@ -7,6 +7,7 @@ results, and ``_stop`` stops it all (see the package's docstring for the picture
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import shm
 
 from .. import _codec
 from .._errors import PoolClosedError
-from .._host import ensure_open_files, usable_cpus
+from .._host import ensure_open_files, minor_faults, usable_cpus
 from .._mapping import CallExecutor
 from . import _stop
 from ._factory import WorkerFactory, context
@@ -29,6 +30,9 @@ from ._sender import CallSender
 from ._state import PoolState, PoolStats, PoolStatus
 
 T = TypeVar("T")
+
+#: Default bytes of freed memory a worker's malloc keeps (``warm_memory=``).
+WARM_MEMORY = 64 << 20
 
 
 class WorkerPool(CallExecutor):
@@ -49,11 +53,17 @@ class WorkerPool(CallExecutor):
     - ``restart``: replace a worker that dies; only the call it was running
       fails. Without it a crash breaks the pool (:class:`BrokenPoolError`).
     - ``arena_size``: the size of each shared-memory segment of the pool's
-      arena (it grows by segments up to ``arena_capacity``).
+      arena (it grows by segments up to ``arena_capacity``, which caps each
+      worker's result arena too).
     - ``results``: ``"copy"`` (default) hands every result array back as the
       caller's own; ``"view"`` hands back a result that is a view of shared
       memory (say, a function that returned a slice of its input) as a
       read-only view, uncopied, as :meth:`submit_call` does with ``view=True``.
+    - ``warm_memory``: bytes of freed memory each worker's malloc may keep
+      mapped (default 64 MiB; 0 keeps glibc's defaults). glibc hands large
+      freed blocks back to the kernel, so a function whose temporaries run to
+      hundreds of KiB faults every page in again on every call; kept, they
+      stay warm. Each worker's RSS may stay up to this much above what it uses.
     """
 
     def __init__(
@@ -72,6 +82,7 @@ class WorkerPool(CallExecutor):
         inline_max: int = _codec.INLINE_MAX,
         start_timeout: float = 60.0,
         results: Literal["copy", "view"] = "copy",
+        warm_memory: int = WARM_MEMORY,
     ) -> None:
         if num_workers is None:
             num_workers = usable_cpus()
@@ -79,6 +90,8 @@ class WorkerPool(CallExecutor):
             raise ValueError(f"num_workers must be an int >= 0, not {num_workers!r}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive or None, not {timeout!r}")
+        if type(warm_memory) is not int or warm_memory < 0:  # bool, float: refused too
+            raise ValueError(f"warm_memory must be an int >= 0 (bytes), not {warm_memory!r}")
         if results not in ("copy", "view"):
             raise ValueError(f"results must be 'copy' or 'view', not {results!r}")
         self.num_workers = num_workers
@@ -114,8 +127,10 @@ class WorkerPool(CallExecutor):
             seed_entropy=seed_entropy,
             init=init,
             worker_arena_size=worker_arena_size,
+            arena_capacity=arena_capacity,
             inline_max=inline_max,
             start_timeout=start_timeout,
+            warm_memory=warm_memory,
         )
         try:
             self._factory.start(range(num_workers), generation=0)
@@ -125,8 +140,9 @@ class WorkerPool(CallExecutor):
         # What the manager holds of the pool: a weak reference, so that the pool can be collected.
         self._manager = Manager(state, self._factory, self._sender, timeout, weakref.ref(self))
         self._manager.start()
+        # Collected without shutdown(): what it was given still finishes (_stop.dropped).
         self._finalizer = weakref.finalize(
-            self, _stop.shutdown, state, self._lifeline, self._manager, False, True
+            self, _stop.dropped, state, self._lifeline, self._manager
         )
         _stop.track(self, state)
 
@@ -176,13 +192,20 @@ class WorkerPool(CallExecutor):
 
     def _run_inline(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
-        if self._state.closed:
+        state = self._state
+        if state.closed:
             raise PoolClosedError("cannot submit to a pool after shutdown()")
+        with state.lock:
+            state.count_submitted()
         future.set_running_or_notify_cancel()
         try:
-            future.set_result(fn(*_readonly(args), **_readonly(kwargs)))
+            result = fn(*_readonly(args), **_readonly(kwargs))
         except BaseException as exc:
+            state.count_ran_inline(ok=False)
             future.set_exception(exc)
+        else:
+            state.count_ran_inline(ok=True)
+            future.set_result(result)
         return future
 
     def _before_map(self) -> bool:
@@ -233,7 +256,9 @@ class WorkerPool(CallExecutor):
     def stats(self) -> PoolStats:
         """Counters and the arena's occupancy (a snapshot)."""
         self._state.check_not_forked()
-        return self._state.stats(self.num_workers)
+        stats = self._state.stats(self.num_workers)
+        faults = sum(minor_faults(pid) or 0 for pid in self._state.pids())
+        return dataclasses.replace(stats, worker_faults=faults)
 
     @property
     def status(self) -> PoolStatus:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import mpexec
 import shm
 from mpexec import WorkerPool, fn
-from tests.conftest import wait_until
+from tests.conftest import run_python, wait_until
 
 T = 30  # every .result() in this file is bounded by this
 KiB = 1 << 10
@@ -137,17 +138,146 @@ def test_a_writable_argument_is_mapped_alone_and_only_while_the_call_runs() -> N
         assert writable == [(lo, hi, "rw-s")]
         # The read-only input lies in a read-only mapping.
         assert [m[2] for m in maps if m[0] <= x_at < m[1]] == ["r--s"]
-        # Between calls nothing of the caller's is writable: the mapping of
-        # ``out`` is parked, inaccessible, for the next call that writes it.
+        # Between calls nothing of the caller's is writable: the pages of
+        # ``out`` stay mapped, inaccessible, for the next call that writes them.
         maps, x_at = pool.submit(_read_and_map, x, os.getpid()).result(T)
         assert [m for m in maps if "w" in m[2]] == []
         assert [m[2] for m in maps if m[0] <= x_at < m[1]] == ["r--s"]
-        assert [m for m in maps if m[0] <= out_at < m[1]] == [(lo, hi, "---s")]
-        # ... and the same pages written again reuse it, writable for that call only.
+        assert [m[2] for m in maps if m[0] <= out_at < m[1]] == ["---s"]
+        # ... and the same pages written again reuse them, writable for that call only.
         out[...] = 0
         maps, again, _ = pool.submit(_fill_and_map, x, mpexec.writable(out), os.getpid()).result(T)
         assert (again, (out == 7).all()) == (out_at, True)
         assert [m for m in maps if "w" in m[2]] == [(lo, hi, "rw-s")]
+
+
+def _minor_faults() -> int:
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def _fill_counting_faults(out: np.ndarray[Any, Any], value: int) -> int:
+    before = _minor_faults()
+    out[...] = value
+    return _minor_faults() - before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_pages_written_call_after_call_stay_warm_in_the_worker() -> None:
+    # A pipeline's output blocks come back to a worker call after call, each
+    # time at another place of the pool's memory: every page of them used to
+    # fault again (a fresh mapping each time), ~0.5-2 us a page.
+    pages = 64
+    with WorkerPool(1) as pool:
+        blocks = [pool.empty(pages * PAGE, np.uint8) for _ in range(8)]
+        first = [
+            pool.submit(_fill_counting_faults, mpexec.writable(b), 1).result(T) for b in blocks
+        ]
+        assert min(first) >= pages  # the first write of each page faults it in
+        for round_ in range(3):
+            again = [
+                pool.submit(_fill_counting_faults, mpexec.writable(b), round_).result(T)
+                for b in blocks
+            ]
+            assert max(again) < 8, again  # not one fault a page: the pages stayed mapped
+        assert all((b == 2).all() for b in blocks)
+
+
+def _image_sized(n: int) -> np.ndarray[Any, Any]:
+    return np.full(n, 3, np.uint8)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_a_worker_reuses_the_block_of_its_last_released_result() -> None:
+    # Results are released by the caller once copied. Applied only when the
+    # arena ran out, releases let every result take a fresh block until the
+    # worker's segment wrapped: its whole segment faulted in, a page at a time.
+    size = 600 * KiB
+    with WorkerPool(1, worker_arena_size=256 << 20) as pool:
+        for _ in range(10):
+            pool.submit(_image_sized, size).result(T)
+        before = pool.stats().worker_faults
+        calls = 200  # 117 MiB of results: half the segment, were each block fresh
+        for _ in range(calls):
+            pool.submit(_image_sized, size).result(T)
+        per_call = (pool.stats().worker_faults - before) / calls
+        assert per_call < 5, per_call  # 150 pages a result: fresh blocks fault each
+
+
+def _temporaries(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # An augmentation's shape of work: a few image-sized temporaries per call.
+    a = x.astype(np.float32) * 0.5
+    b = np.sqrt(a + 1.0)
+    return (a + b)[::2, ::2].copy()
+
+
+def _keeps_warm_memory() -> bool:
+    from mpexec._host import keep_memory_warm
+
+    return keep_memory_warm(1 << 20)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
+    with WorkerPool(1) as probe:
+        if not probe.submit(_keeps_warm_memory).result(T):
+            pytest.skip("this libc has no mallopt (not glibc)")
+    image = np.ones((224, 224, 3), np.uint8)
+
+    def per_sample(warm_memory: int) -> float:
+        with WorkerPool(2, warm_memory=warm_memory, results="view") as pool:
+            pipe = mpexec.Pipeline(batch_size=16, pool=pool, prefetch_depth=2)
+            with pipe:
+                x = fn.external_source(source=lambda: [image] * 16)
+                pipe.set_outputs(fn.python_function(x, function=_temporaries))
+            with pipe:
+                for _ in range(8):
+                    pipe.run()
+                before = pipe.stats()
+                for _ in range(8):
+                    pipe.run()
+                after = pipe.stats()
+            return (after.worker_faults - before.worker_faults) / (after.samples - before.samples)
+
+    assert per_sample(64 << 20) < 5
+    # glibc's defaults hand the temporaries back after every call: ~150 pages each
+    assert per_sample(0) > 50
+
+
+def test_warm_memory_must_be_a_byte_count() -> None:
+    for bad in (-1, True, 1.5, "64M"):
+        with pytest.raises(ValueError, match="warm_memory"):
+            WorkerPool(0, warm_memory=bad)  # type: ignore[arg-type]
+
+
+_stash: list[Any] = []
+
+
+def _fill_and_keep(a: np.ndarray[Any, Any]) -> None:
+    a[...] = 1
+    _stash.append(a)  # a view that outlives its call (a user's cache, say)
+
+
+def _write_after_dropping_a_neighbour(b: np.ndarray[Any, Any]) -> int:
+    import gc
+
+    _stash.clear()  # the neighbour's pages become inaccessible, but for the one it shares with b
+    gc.collect()
+    b[...] = 2
+    return int(b.sum())
+
+
+def test_writable_views_sharing_a_page_keep_it_while_either_lives() -> None:
+    # Rows of one block written by one worker in two calls share the page at
+    # their boundary: closing the first view must not take it from the second.
+    with WorkerPool(1) as pool:
+        out = pool.empty(4 * PAGE, np.uint8)
+        cut = 2 * PAGE + 100
+        pool.submit(_fill_and_keep, mpexec.writable(out[:cut])).result(T)
+        total = pool.submit(_write_after_dropping_a_neighbour, mpexec.writable(out[cut:])).result(T)
+        assert total == 2 * (out.size - cut)
+        assert (out[:cut] == 1).all()
+        assert (out[cut:] == 2).all()
 
 
 def test_pool_buffers_have_their_pages_to_themselves() -> None:
@@ -223,6 +353,82 @@ def _big_in_small_worker() -> Any:
     # reports it) the machine has no memory left for that; this worker stays so.
     shm._segment.free_bytes = lambda backend: 1 << 20  # type: ignore[attr-defined]
     return np.ones(8 << 20, np.uint8)
+
+
+def _mapped_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * PAGE
+
+
+def _big_under_a_cap(n: int) -> np.ndarray[Any, Any]:
+    # The result exists; this worker's address space then has no room to map
+    # the arena segment that must carry it back.
+    out = np.ones(n, np.uint8)
+    resource.setrlimit(resource.RLIMIT_AS, (_mapped_bytes() + (16 << 20), resource.RLIM_INFINITY))
+    return out
+
+
+def test_a_worker_out_of_address_space_reports_a_reservation_error() -> None:
+    with WorkerPool(1) as pool:
+        with pytest.raises(shm.ReservationError, match="RLIMIT_AS") as info:
+            pool.submit(_big_under_a_cap, 256 << 20).result(T)
+        assert isinstance(info.value, MemoryError)
+        assert not isinstance(info.value, mpexec.SerializationError)
+
+
+_CALLER_OUT_OF_ADDRESS_SPACE = """
+import resource, sys
+import numpy as np
+import shm
+from mpexec import WorkerPool
+
+def total(a):
+    return float(a.sum())
+
+def big(n):
+    return np.ones(n, np.uint8)
+
+def mapped():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * shm.platform_info().page_size
+
+def report(what, call):
+    try:
+        call()
+    except BaseException as exc:
+        print(what, type(exc).__name__, isinstance(exc, MemoryError), "RLIMIT_AS" in str(exc))
+    else:
+        print(what, "no error")
+
+with WorkerPool(1) as pool:
+    arg = np.ones(300 << 20, np.uint8)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped() + (100 << 20), resource.RLIM_INFINITY))
+    report("argument", lambda: pool.submit(total, arg).result(30))
+    report("empty", lambda: pool.empty(300 << 20, np.uint8))
+    report("result", lambda: pool.submit(big, 256 << 20).result(30))
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+    print("after", pool.submit(total, np.ones(10)).result(30))
+with WorkerPool(1, arena_size=1 << 20) as pool:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.RLIM_INFINITY))
+    try:
+        pool.empty(8 << 20, np.uint8)
+    except shm.ReservationError as exc:
+        print("fsize", "RLIMIT_FSIZE" in str(exc), "free" in str(exc))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+"""
+
+
+def test_the_caller_out_of_address_space_or_file_size_gets_reservation_errors() -> None:
+    # In a process of its own: the limits are process-wide.
+    out = run_python("-c", _CALLER_OUT_OF_ADDRESS_SPACE).split("\n")
+    assert out[:4] == [
+        "argument ReservationError True True",
+        "empty ReservationError True True",
+        "result ReservationError True True",
+        "after 10.0",
+    ]
+    # EFBIG names the file-size limit, not how much memory is free.
+    assert out[4] == "fsize True False"
 
 
 # ---------------------------------------------------------------- broadcasts (17.7)
@@ -325,6 +531,28 @@ def test_arguments_cannot_be_written_even_by_reopening_their_fd() -> None:
         x = pool.put(original)
         assert pool.submit(_reopen_and_write, x).result(T) == ["pwrite: wrote", "mmap: wrote"]
         assert (x.view(np.uint8)[:8] == 0xFF).all()
+
+
+@pytest.mark.skipif(
+    shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
+)
+def test_a_held_result_passed_to_another_worker_is_read_only_but_not_sealed() -> None:
+    # docs/in-place-mutation.md, "Not prevented": a result lives in its worker's
+    # unsealed arena (the caller maps it read-write). Another worker reads it
+    # through a read-only mapping (a stray write faults), but deliberate code
+    # there can reopen the producing worker's fd read-write and write it.
+    with WorkerPool(2) as pool:
+        held = pool.submit_call(_arange, (BIG // 8,), worker=0).result(T)
+        assert held.flags.writeable  # the caller's to change
+        first = held.copy()
+        with pytest.raises(mpexec.WorkerCrashedError):
+            pool.submit_call(_poke, (held,), worker=1).result(T)
+        assert (held == first).all(), "a stray write reached a held result"
+    with WorkerPool(2) as pool:
+        held = pool.submit_call(_arange, (BIG // 8,), worker=0).result(T)
+        outcomes = pool.submit_call(_reopen_and_write, (held,), worker=1).result(T)
+        assert outcomes == ["pwrite: wrote", "mmap: wrote"]
+        assert (held.view(np.uint8)[:8] == 0xFF).all()
 
 
 @pytest.mark.skipif(
