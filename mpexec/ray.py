@@ -52,10 +52,9 @@ try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError as _exc:  # pragma: no cover - exercised without the extra
-    raise ImportError(
-        "mpexec.ray needs Ray: install the extra with `pip install mpexec[ray]` "
-        f"(or `pip install ray`); importing it failed: {_exc}"
-    ) from _exc
+    from ._extras import missing_message
+
+    raise ImportError(missing_message("ray", _exc)) from _exc
 
 from . import _codec
 from ._errors import (

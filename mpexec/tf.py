@@ -12,9 +12,9 @@ from typing import Any
 try:
     import tensorflow as tf
 except ImportError as _exc:  # pragma: no cover - exercised without TensorFlow installed
-    raise ImportError(
-        "mpexec.tf needs TensorFlow, which is not installed: pip install 'mpexec[tf]'"
-    ) from _exc
+    from ._extras import missing_message
+
+    raise ImportError(missing_message("tf", _exc)) from _exc
 
 import numpy as np
 

@@ -1,6 +1,7 @@
 """RayPool: the WorkerPool's semantics over a Ray cluster, and a pipeline run on it.
 
-Run it: ``python docs/examples/ray_basics.py`` (needs ``pip install mpexec[ray]``).
+Run it: ``python docs/examples/ray_basics.py`` (needs the extra: ``pip install -e ".[ray]"``
+in a checkout of mpexec).
 Here it starts a one-node Ray of its own; on a cluster, give ``RayPool`` the cluster's
 address (or call ``ray.init`` first) and every node gets an agent.
 """
