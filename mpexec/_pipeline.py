@@ -57,10 +57,16 @@ class PipelineStats:
     merged_ops: int
     pruned_ops: int
 
+    #: Under the table: how to read the summed columns.
+    READING_GUIDE = (
+        "fn/wait ms: sums over all calls on all workers (can exceed the wall time); "
+        "wait = sent, not yet running; copied should be 0"
+    )
+
     def __str__(self) -> str:
         head = (
-            f"{'op':<28}{'calls':>8}{'fn ms':>10}{'wait ms':>10}"
-            f"{'MiB in':>9}{'MiB out':>9}{'copied':>9}"
+            f"{'op':<28}{'calls':>8}{'fn ms sum':>11}{'wait ms sum':>13}"
+            f"{'MiB in':>9}{'MiB out':>9}{'MiB copied':>12}"
         )
         summary = (
             f"{self.iterations} iterations in {self.wall_s:.2f} s "
@@ -68,9 +74,9 @@ class PipelineStats:
         )
         lines = [summary, head]
         lines += [
-            f"{s.name[:27]:<28}{s.calls:>8}{s.function_s * 1e3:>10.1f}"
-            f"{s.waiting_s * 1e3:>10.1f}{s.bytes_in / 2**20:>9.1f}"
-            f"{s.bytes_out / 2**20:>9.1f}{s.bytes_copied / 2**20:>9.1f}"
+            f"{s.name[:27]:<28}{s.calls:>8}{s.function_s * 1e3:>11.1f}"
+            f"{s.waiting_s * 1e3:>13.1f}{s.bytes_in / 2**20:>9.1f}"
+            f"{s.bytes_out / 2**20:>9.1f}{s.bytes_copied / 2**20:>12.1f}"
             for s in self.ops
         ]
         if self.busy:
@@ -78,6 +84,7 @@ class PipelineStats:
                 "workers busy: "
                 + ", ".join(f"pid {pid} {frac:.0%}" for pid, frac in sorted(self.busy))
             )
+        lines.append(self.READING_GUIDE)
         return "\n".join(lines)
 
 
