@@ -250,3 +250,35 @@ def defining(graph: Graph) -> Iterator[Graph]:
         yield graph
     finally:
         _local.graph = outer
+
+
+def epoch_iterations(graph: Graph, batch_size: int, drop_last: bool) -> int | None:
+    """Iterations in a whole epoch, when every source that ends one has a known length.
+
+    A per-sample source (a callable taking ``SampleInfo``, or an iterable with
+    ``batch=False``) with ``len()`` ends the epoch after that many samples; an
+    iterable of batches, after that many batches. The first source to end
+    ends the epoch. None when a source that could end it has no ``len()`` (a
+    generator, a batch callable, ``feed_input``), or when none can (all cycle).
+    """
+    samples: list[int] = []
+    batches: list[int] = []
+    for op in graph.ops:
+        if not op.is_source:
+            continue
+        if op.source_mode == "iter" and op.cycle not in (False, "raise"):
+            continue  # it starts again instead of ending the epoch
+        if op.source_mode not in ("sample", "iter"):
+            return None
+        try:
+            n = len(op.function)
+        except TypeError:  # no __len__ (a generator, a callable without one)
+            return None
+        if op.source_mode == "iter" and op.batch_processing:
+            batches.append(n)
+        else:
+            samples.append(n)
+    if not samples and not batches:
+        return None
+    counts = [n // batch_size if drop_last else -(-n // batch_size) for n in samples]
+    return min(counts + batches)

@@ -32,10 +32,20 @@ def ragged(x: Any) -> Any:
     return x[: 1 + int(x[0, 0]) % 3]
 
 
-def make(declared: bool = True, with_ragged: bool = False) -> mpexec.Pipeline:
+class SizedImages:
+    """``image`` with a length: the epoch's length is known."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __call__(self, info: Any) -> Any:
+        return image(info)
+
+
+def make(declared: bool = True, with_ragged: bool = False, sized: bool = False) -> mpexec.Pipeline:
     @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=3)
     def pipe() -> Any:
-        x = fn.external_source(source=image, batch=False)
+        x = fn.external_source(source=SizedImages() if sized else image, batch=False)
         kw: dict[str, Any] = (
             {"output_dtypes": np.float32, "output_shapes": (64, 64)} if declared else {}
         )
@@ -123,3 +133,20 @@ def test_tf_declared_spec_needs_no_iteration() -> None:
 
 def test_tf_ragged_output_is_a_clear_error() -> None:
     run_check("tensorflow", "check_tf_ragged")
+
+
+def test_tf_dataset_cardinality_from_sized_sources() -> None:
+    run_check("tensorflow", "check_tf_cardinality")
+
+
+def test_tf_keras_fit_does_not_run_out_of_data() -> None:
+    run_check("keras", "check_tf_keras_fit_needs_no_steps")
+
+
+@pytest.mark.parametrize("sized", ["yes", ""])  # a known length (range), or not (generator)
+def test_tf_hand_off_aliases_the_batch_memory(sized: str) -> None:
+    run_check("tensorflow", "check_tf_hand_off_aliases_the_batch", sized)
+
+
+def test_tf_epoch_not_as_long_as_said_is_an_error() -> None:
+    run_check("tensorflow", "check_tf_wrong_length")
