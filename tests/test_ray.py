@@ -316,7 +316,59 @@ def test_no_agent_left_is_a_typed_error(ray_setup: Any) -> None:
 def test_joins_running_ray_and_leaves_it_running(ray_setup: Any) -> None:
     with RayPool() as p:
         assert p.submit(os.getpid).result(T) != os.getpid()
+        assert p.address == ray.get_runtime_context().gcs_address
+        assert f"address={p.address}" in repr(p)
     assert ray.is_initialized()
+
+
+def test_an_address_other_than_the_connected_ray_is_an_error(ray_setup: Any) -> None:
+    here = ray.get_runtime_context().gcs_address
+    for address in ("local", "127.0.0.1:1"):
+        with pytest.raises(ValueError, match="already connected to the Ray at"):
+            RayPool(address=address)
+    with RayPool(address=here, watch_interval=None) as p:  # the same Ray: fine
+        assert p.address == here
+    with pytest.raises(ValueError, match="watch_interval"):
+        RayPool(watch_interval=0)
+
+
+def test_stats_count_calls_and_nodes(pool: RayPool) -> None:
+    before = pool.stats()
+    assert list(pool.map(_square, range(6), timeout=T)) == [i * i for i in range(6)]
+    with pytest.raises(KeyError):
+        pool.submit(_fail, 1).result(T)
+    after = pool.stats()
+    assert after.submitted - before.submitted == 7
+    assert after.completed - before.completed == 6
+    assert after.failed - before.failed == 1
+    assert (after.nodes, after.workers) == (len(pool.nodes), pool.num_workers)
+    assert after.lost_nodes == ()
+    assert after.in_flight == after.pending == 0
+
+
+def test_a_node_that_joins_gets_an_agent(ray_setup: Any) -> None:
+    """Elastic growth: the pool starts an agent on a node added while it runs."""
+    if ray_setup is None:
+        pytest.skip("the local set-up has one node and cannot add one")
+    with RayPool(workers_per_node=1, watch_interval=0.2) as p:
+        assert p.stats().nodes == 2
+        node = ray_setup.add_node(num_cpus=1, object_store_memory=STORE)
+        try:
+            wait_until(lambda: p.stats().nodes == 3, 90, "an agent on the new node")
+            assert node.node_id in p.nodes
+            assert (p.num_workers, p.stats().joined_nodes) == (3, 1)
+            assert list(p.map(_slow_square, range(30), timeout=T)) == [i * i for i in range(30)]
+            ray_setup.remove_node(node)
+            node = None
+            wait_until(lambda: p.stats().nodes == 2, 90, "the removed node to count as lost")
+            stats = p.stats()
+            assert (stats.workers, len(stats.lost_nodes)) == (2, 1)
+            assert "nodes=2 workers=2" in repr(p)
+            assert list(p.map(_square, range(10), timeout=T)) == [i * i for i in range(10)]
+        finally:
+            if node is not None:
+                ray_setup.remove_node(node)
+    assert_gone(p)
 
 
 # ---------------------------------------------------------------- pipelines on a RayPool
