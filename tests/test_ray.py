@@ -313,6 +313,43 @@ def test_no_agent_left_is_a_typed_error(ray_setup: Any) -> None:
     assert_gone(p, processes)
 
 
+def test_callbacks_of_failed_calls_run_outside_the_pools_lock(ray_setup: Any) -> None:
+    """A future's callback that waits for a lock held by a thread that is submitting
+    (a pipeline's scheduler does that) must not deadlock when the last agent dies."""
+    if ray_setup is not None:
+        pytest.skip("needs the one-node set-up: its only agent dies")
+    scheduler_lock = threading.Lock()
+    in_callback = threading.Event()
+
+    def callback(_: Any) -> None:
+        in_callback.set()
+        with scheduler_lock:
+            pass
+
+    p = RayPool()
+    processes = p._agent_processes()
+    future = p.submit(_slow_square, 1)
+    future.add_done_callback(callback)
+    submitted = threading.Event()
+
+    def submit_more() -> None:
+        with contextlib.suppress(NodeLostError):
+            p.submit(_square, 2)
+        submitted.set()
+
+    with scheduler_lock:
+        ray.kill(ray.get_actor(p.agent_names()[0], namespace="mpexec"), no_restart=True)
+        assert in_callback.wait(T), "the call never failed"
+        threading.Thread(target=submit_more, daemon=True).start()
+        # Before the fix the pool's manager ran the callback under the pool's lock:
+        # submit() waited for that lock, the callback for ours, forever.
+        assert submitted.wait(T), "submit() is stuck behind a callback holding the pool's lock"
+    with pytest.raises(NodeLostError):
+        future.result(T)
+    p.shutdown()
+    assert_gone(p, processes)
+
+
 def test_joins_running_ray_and_leaves_it_running(ray_setup: Any) -> None:
     with RayPool() as p:
         assert p.submit(os.getpid).result(T) != os.getpid()
