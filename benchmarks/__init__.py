@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "peers": "benchmarks.peers_bench",
     "gpu": "benchmarks.gpu_bench",
     "ray": "benchmarks.ray_bench",
+    "tf": "benchmarks.tf_bench",
 }
 
 __all__ = ["BENCHMARKS"]
