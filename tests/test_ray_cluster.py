@@ -239,6 +239,20 @@ def test_two_raylets_grow_and_lose_a_node(cluster: Cluster) -> None:
         assert (started["nodes"], started["workers"]) == (2, 2), started
         assert "nodes=2 workers=2" in started["repr"]
 
+        # A driver without the cluster's token is turned away, as docs/ray.md says.
+        tokenless = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH")}
+        code = f"import ray; ray.init(address={cluster.address!r})"
+        refused = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**tokenless, "HOME": str(cluster.tmp)},  # no ~/.ray/auth_token either
+            capture_output=True,
+            text=True,
+            timeout=T,
+            check=False,
+        )
+        assert refused.returncode != 0
+        assert "Authentication token is missing or incorrect" in refused.stderr, refused.stderr
+
         cluster.start(head=False)  # a node joins while the pool runs
         driver.tell("added")
         grown = driver.expect("grown")
