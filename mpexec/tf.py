@@ -58,15 +58,19 @@ def dataset(pipe: Pipeline) -> Any:
                 "one: declare output_dtypes and output_shapes on its outputs' ops"
             ) from None
         spec = _spec_of(first[0])
+    peeked_at = _position(pipe)
     epochs = [0]
 
     def generate() -> Iterator[tuple[np.ndarray[Any, Any], ...]]:
-        if epochs[0] > 0 or not first:
-            if epochs[0] > 0:
-                pipe.reset()
-            source: Iterator[tuple[Batch, ...]] = iter(pipe)
+        if first and epochs[0] == 0 and _position(pipe) == peeked_at:
+            source: Iterator[tuple[Batch, ...]] = _chain(first.pop(), pipe)
         else:
-            source = _chain(first.pop(), pipe)
+            # The kept iteration is stale if the pipeline was read meanwhile: a new epoch.
+            stale = bool(first)
+            first.clear()
+            if epochs[0] > 0 or stale:
+                pipe.reset()
+            source = iter(pipe)
         epochs[0] += 1
         for outputs in source:
             yield tuple(_dense(b, i) for i, b in enumerate(outputs))
@@ -172,6 +176,11 @@ def _dense(batch: Batch, i: int) -> np.ndarray[Any, Any]:
             "a tf.data element is one dense tensor per output; pad or crop to one shape"
         )
     return np.asarray(batch.as_array())
+
+
+def _position(pipe: Pipeline) -> tuple[int, int]:
+    state = pipe.state_dict()
+    return int(state["epoch"]), int(state["iteration"])
 
 
 def _chain(first: tuple[Batch, ...], pipe: Pipeline) -> Iterator[tuple[Batch, ...]]:

@@ -254,3 +254,18 @@ def check_tf_wrong_length() -> None:
             ds = mtf.dataset(p)
             with pytest.raises(tf.errors.InvalidArgumentError, match=message):
                 list(ds)
+
+
+def check_tf_pipeline_read_between() -> None:
+    """The iteration kept for the spec is not yielded once the pipeline was read since."""
+    from mpexec import tf as mtf
+
+    for sized in (False, True):
+        with make(declared=False, sized=sized) as pipe:
+            ds = mtf.dataset(pipe)  # reads iteration 0 for the spec, and keeps it
+            assert len(list(pipe)) == 2  # the rest of the epoch, read directly
+            passes = [[a.numpy() for a, _ in ds] for _ in range(2)]
+        for got in passes:
+            assert len(got) == 3, (sized, len(got))
+            for a, want in zip(got, expected(), strict=True):
+                np.testing.assert_array_equal(a, want * 2)

@@ -150,3 +150,7 @@ def test_tf_hand_off_aliases_the_batch_memory(sized: str) -> None:
 
 def test_tf_epoch_not_as_long_as_said_is_an_error() -> None:
     run_check("tensorflow", "check_tf_wrong_length")
+
+
+def test_tf_dataset_after_the_pipeline_was_read() -> None:
+    run_check("tensorflow", "check_tf_pipeline_read_between")
