@@ -132,7 +132,7 @@ def epoch_length(pipe: Pipeline) -> int | None:
 
 def _built_graph(pipe: Pipeline) -> Graph:
     pipe.build()
-    graph = pipe._graph  # private: Pipeline has no public face for its definition
+    graph = pipe._graph  # noqa: SLF001 - the pipeline's graph has no public face yet
     assert graph is not None
     return graph
 

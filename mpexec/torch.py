@@ -52,8 +52,8 @@ import numpy as np
 
 from . import _launch, _worker
 from ._batch import Batch
-from ._doctor import default_start_method
 from ._errors import BrokenPoolError, LoaderTimeoutError
+from ._host import default_start_method
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
 
@@ -101,7 +101,7 @@ class DataLoader(_dl.DataLoader):  # type: ignore[misc]
         kept = self._iterator
         if self.persistent_workers and self.num_workers > 0 and kept is not None and kept.alive:
             it = kept
-            it._reset(self, skip=skip)
+            it._reset(self, skip=skip)  # noqa: SLF001 - torch's iterator protocol
         else:
             it = self._make_iterator(skip)
             if self.persistent_workers and self.num_workers > 0:
@@ -193,7 +193,7 @@ def _set_rng_states(loader: DataLoader, states: dict[str, str]) -> None:
 
 
 # ------------------------------------------------------------------ iterators
-class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]
+class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001 - torch's
     """What an epoch needs beyond torch's base iterator: skipping and counting."""
 
     finished = False
@@ -205,7 +205,7 @@ class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]
 
     def _skip(self, skip: int) -> None:
         """Drop the first ``skip`` batches (see DataLoader.load_state_dict)."""
-        if skip and self._dataset_kind == _dl._DatasetKind.Map:
+        if skip and self._dataset_kind == _dl._DatasetKind.Map:  # noqa: SLF001 - torch's
             # The sampler's indices alone decide a map-style batch: skip them unfetched.
             self._sampler_iter = itertools.islice(self._sampler_iter, skip, None)
             self._num_yielded = skip
@@ -225,7 +225,8 @@ class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]
             raise
 
 
-class _InlineIter(_EpochIter, _dl._SingleProcessDataLoaderIter):  # type: ignore[misc]
+# torch's single-process iterator: a private class of torch, subclassed as its own loader does.
+class _InlineIter(_EpochIter, _dl._SingleProcessDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001
     """``num_workers=0``: torch's own single-process iterator."""
 
     def __init__(self, loader: DataLoader, skip: int) -> None:
@@ -301,7 +302,7 @@ class _WorkersIter(_EpochIter):
             # Behind whatever the last epoch left on each worker (calls pinned
             # to a worker run in order), a fresh fetcher for the new epoch.
             resumed = [
-                self._pool._submit(_resume_worker, (), {}, w) for w in range(self._num_workers)
+                self._pool.submit_call(_resume_worker, worker=w) for w in range(self._num_workers)
             ]
             for worker, future in enumerate(resumed):
                 self._result(future, -1, worker)
@@ -324,7 +325,7 @@ class _WorkersIter(_EpochIter):
                 break
         else:
             return
-        future = self._pool._submit(_fetch, (index,), {}, worker)
+        future = self._pool.submit_call(_fetch, (index,), worker=worker)
         self._tasks[self._send_idx] = (worker, future)
         self._workers_num_tasks[worker] += 1
         self._send_idx += 1
@@ -456,7 +457,7 @@ class _WorkerState:
         self.ended = self.exhausted = False
         self.fetched = 0
         self.iterator = None
-        if self.config.kind == _dl._DatasetKind.Iterable:
+        if self.config.kind == _dl._DatasetKind.Iterable:  # noqa: SLF001 - torch's
             self.iterator = iter(self.config.dataset)
 
 
@@ -487,8 +488,9 @@ def _start_worker(config: _WorkerConfig | int) -> None:
 
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(_torch_worker._generate_state(config.base_seed, index))
-    _torch_worker._worker_info = _torch_worker.WorkerInfo(
+    # torch's own worker seeding and worker info (no public setter): as in its workers.
+    np.random.seed(_torch_worker._generate_state(config.base_seed, index))  # noqa: SLF001
+    _torch_worker._worker_info = _torch_worker.WorkerInfo(  # noqa: SLF001
         id=index, num_workers=config.num_workers, seed=seed, dataset=config.dataset
     )
     # torch's default collation stacks tensors into torch's own shared memory
@@ -517,7 +519,7 @@ def _fetch(index: Any) -> Any:
     if state.ended:
         return _SKIPPED
     config = state.config
-    if config.kind == _dl._DatasetKind.Iterable:
+    if config.kind == _dl._DatasetKind.Iterable:  # noqa: SLF001 - torch's
         data = _next_samples(state, index)
         if data is _ENDED:
             return _ENDED
@@ -593,7 +595,7 @@ def _get_stacked(state: _WorkerState, indices: list[Any]) -> Any:
             return [*kept, sample, *(_get_one(state, j) for j in indices[row + 1 :])]
         _copy_row(block, out, row, sample)
         del sample
-    out._mpexec_array = block  # travels back by descriptor (see _shared_array)
+    out._mpexec_array = block  # noqa: SLF001 - our tag: travels back by descriptor
     return _Stacked(out)
 
 
@@ -696,7 +698,7 @@ def _collate_tensors(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any
     out = torch.stack(list(batch), 0, out=torch.from_numpy(array))
     # tensor.numpy() would be a view whose base is the tensor, not the arena's
     # array: keep the array, so the tensor travels back by descriptor.
-    out._mpexec_array = array
+    out._mpexec_array = array  # noqa: SLF001 - our tag (see _shared_array)
     return out
 
 
@@ -762,7 +764,7 @@ def _shared_array(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
 
 def _tensor_in(t: _Tensor) -> torch.Tensor:
     tensor = torch.from_numpy(t.array)
-    tensor._mpexec_array = t.array  # the view of shared memory it is (see _shared_array)
+    tensor._mpexec_array = t.array  # noqa: SLF001 - our tag: the view of shared memory it is
     return tensor
 
 

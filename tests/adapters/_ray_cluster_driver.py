@@ -1,6 +1,6 @@
-"""The driver of tests/test_ray_cluster.py: a RayPool on a cluster started with `ray start`.
+"""The driver of tests/adapters/test_ray_cluster.py: a RayPool on a `ray start` cluster.
 
-Run as ``python -m tests._ray_cluster_driver ADDRESS`` with the cluster's
+Run as ``python -m tests.adapters._ray_cluster_driver ADDRESS`` with the cluster's
 environment (auth token, PYTHONPATH). It talks with the test through lines: it
 prints one JSON object per step and waits for the test's word on stdin before
 the next, while the test adds and kills nodes.

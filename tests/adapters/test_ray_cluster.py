@@ -35,7 +35,7 @@ pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaks")]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 T = 180  # every step of the test is bounded by this
 
 
@@ -151,11 +151,11 @@ def kill_tree(root: int) -> None:
 
 
 class Driver:
-    """The driver process (tests/_ray_cluster_driver.py): JSON lines out, words in."""
+    """The driver process (tests/adapters/_ray_cluster_driver.py): JSON lines out, words in."""
 
     def __init__(self, address: str, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._ray_cluster_driver", address],
+            [sys.executable, "-m", "tests.adapters._ray_cluster_driver", address],
             env=env,
             cwd=ROOT,
             stdin=subprocess.PIPE,
