@@ -29,6 +29,7 @@ from ._graph import DataNode, Graph, Plan, defining
 from ._host import usable_cpus
 from ._pool import WorkerPool
 from ._scheduler import CallPool, OpStats, Scheduler, pool_executor
+from ._tracebacks import for_caller
 
 _PARAMS = (
     "batch_size",
@@ -287,19 +288,29 @@ class Pipeline:
         :meth:`reset`), and re-raises an op's exception for the iteration it
         broke (later iterations go on).
         """
+        __tracebackhide__ = True  # an op's error is raised from here, for the caller
         self._check_not_forked()
         self.build()
         assert self._scheduler is not None
-        result = self._scheduler.next_result()
+        try:
+            result = self._scheduler.next_result()
+        except StopIteration:
+            raise
+        except Exception as exc:
+            # The op's exception, its traceback where it was raised (not the scheduler's).
+            raise for_caller(exc)  # noqa: B904
         self._iterations += 1
         return result
 
     def __iter__(self) -> Iterator[tuple[Batch, ...]]:
+        __tracebackhide__ = True
         while True:
             try:
                 out = self.run()
             except StopIteration:
                 return
+            except Exception as exc:
+                raise for_caller(exc)  # noqa: B904 - the same exception, as run() raised it
             yield out
 
     def reset(self) -> None:

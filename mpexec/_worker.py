@@ -19,7 +19,6 @@ import signal
 import struct
 import sys
 import threading
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +47,7 @@ from ._protocol import (
     spill,
     spin_until,
 )
+from ._tracebacks import FULL_TRACEBACK_ENV, format_exception
 
 
 @dataclass
@@ -67,6 +67,9 @@ class WorkerBoot:
     init: bytes | None  # cloudpickled (worker_init, args)
     segment_size: int
     inline_max: int
+    #: The caller's MPEXEC_FULL_TRACEBACK: a fork server's children have the
+    #: environment of its start, not the caller's now.
+    full_traceback: bool = False
 
 
 def seed_worker(entropy: int, index: int, generation: int) -> None:
@@ -256,7 +259,7 @@ class _LoadFailure:
 
 def _pickle_error(exc: BaseException) -> bytes:
     """The exception and its traceback as text; a stand-in if it does not pickle."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = format_exception(exc)  # mpexec's own frames left out (and counted)
     exc.__traceback__ = None
     try:
         try:
@@ -300,6 +303,8 @@ def main(boot: WorkerBoot) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group: the pool's process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if boot.full_traceback:
+        os.environ[FULL_TRACEBACK_ENV] = "1"
     if shm.platform_info().backend == "memfd":
         # Named segments must be unlinked on the way out, which SIGKILL forbids:
         # then the lifeline thread alone ends the worker.

@@ -41,7 +41,6 @@ import os
 import pickle
 import queue
 import threading
-import traceback
 import uuid
 import weakref
 from collections.abc import Callable
@@ -70,6 +69,7 @@ from ._errors import (
 )
 from ._mapping import CallExecutor, settle
 from ._pool import PoolStatus, WorkerPool
+from ._tracebacks import format_exception
 
 __all__ = ["RayPool", "RayPoolStats"]
 
@@ -145,10 +145,7 @@ class _Agent:
 def _failure(exc: BaseException) -> tuple[Any, ...]:
     """An exception as the driver can rebuild it: its own type, the worker's traceback."""
     cause = exc.__cause__
-    if isinstance(cause, RemoteTraceback):
-        tb = cause.tb
-    else:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = cause.tb if isinstance(cause, RemoteTraceback) else format_exception(exc)
     try:
         data = cloudpickle.dumps(exc)
         pickle.loads(data)

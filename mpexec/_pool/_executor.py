@@ -22,6 +22,7 @@ from .. import _codec
 from .._errors import PoolClosedError
 from .._host import ensure_open_files, usable_cpus
 from .._mapping import CallExecutor
+from .._tracebacks import for_caller
 from . import _stop
 from ._factory import WorkerFactory, context
 from ._manager import Manager
@@ -182,7 +183,8 @@ class WorkerPool(CallExecutor):
         try:
             future.set_result(fn(*_readonly(args), **_readonly(kwargs)))
         except BaseException as exc:
-            future.set_exception(exc)
+            # A plain Future's result() raises it: its traceback starts at the user's code.
+            future.set_exception(for_caller(exc))
         return future
 
     def _before_map(self) -> bool:

@@ -19,6 +19,7 @@ from .. import _launch, _worker
 from .._errors import BrokenPoolError, RemoteTraceback
 from .._host import cuda_initialised, default_start_method
 from .._protocol import FAILED, HEADER, HELLO, body_of
+from .._tracebacks import full_tracebacks
 from ._crash import describe_exit
 from ._state import PoolState, Slot
 
@@ -74,6 +75,7 @@ class WorkerFactory:
             init=self.init,
             segment_size=self.worker_arena_size,
             inline_max=self.inline_max,
+            full_traceback=full_tracebacks(),
         )
         slot.process = self.ctx.Process(
             target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True

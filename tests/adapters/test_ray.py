@@ -10,6 +10,7 @@ import contextlib
 import os
 import pickle
 import threading
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import BrokenExecutor
 from typing import Any
@@ -231,8 +232,13 @@ def test_user_error_keeps_type_and_remote_traceback(pool: RayPool) -> None:
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
     assert "_fail" in cause.tb
-    with pytest.raises(KeyError):
+    assert "_worker.py" not in cause.tb  # mpexec's frames hidden, and said so
+    assert "frames of mpexec hidden" in cause.tb
+    with pytest.raises(KeyError) as mapped:
         list(pool.map(_fail, [1, 2], timeout=T))
+    # Raised by map() itself, not from concurrent.futures' Future.result().
+    frames = [f.filename for f in traceback.extract_tb(mapped.value.__traceback__)]
+    assert not [f for f in frames if f"concurrent{os.sep}futures" in f], frames
     assert pool.submit(_square, 4).result(T) == 16  # the pool is still fine
 
 
