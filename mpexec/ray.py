@@ -80,6 +80,9 @@ _NAMESPACE = "mpexec"
 _FN_CACHE = 1024  # functions kept with their object-store refs; older ones are forgotten
 _STOP_GRACE = 10.0  # seconds an agent gets to stop its pool before it is killed
 _WATCH_INTERVAL = 5.0  # seconds between two looks at Ray's node list
+# While calls are out, the manager looks this often whether Ray is still this
+# process's (ray.shutdown() leaves Ray's futures pending forever).
+_RAY_CHECK = 0.5
 # What a lost agent or node does to a call in flight: the call runs again elsewhere.
 _LOST = (
     ray.exceptions.RayActorError,  # ActorDiedError, ActorUnavailableError
@@ -222,6 +225,7 @@ class _State:
         self.joined = 0  # agents started on nodes that joined after the pool started
         self.pins: dict[int, _AgentInfo] = {}  # a pinned call's worker -> its agent
         self.stop_watching = threading.Event()
+        self.session: str | None = None  # the Ray connection the agents belong to
         # Outcomes to give to callers' futures once the lock is released (_flush).
         self.to_settle: list[tuple[_Call, Any, BaseException | None]] = []
 
@@ -325,6 +329,7 @@ class RayPool(CallExecutor):
             self._owns_ray = True
         #: The GCS address of the Ray cluster the pool runs on ("host:port").
         self.address: str | None = _gcs_address()
+        self._state.session = _session()
         self._token = uuid.uuid4().hex[:12]
         self._launcher = _Launcher(self._state, self._token, workers_per_node, pool_kwargs)
         try:
@@ -457,6 +462,8 @@ class RayPool(CallExecutor):
                 _codec.describe_unpicklable((args, kwargs), "the arguments", exc)
             ) from exc
         state = self._state
+        if _session() != state.session:
+            _ray_gone(state)
         with state.lock:
             self._check_usable()
             _fn_entry(state, fn)
@@ -538,6 +545,44 @@ def _alive_nodes() -> list[dict[str, Any]]:
     return [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
 
 
+def _session() -> str | None:
+    """This process's Ray connection (its job id), or None when it has none.
+
+    ``ray.shutdown()`` (another library's ``atexit`` can call it) ends it, and
+    a later ``ray.init()`` makes a new one: the agents and the calls out to
+    them belong to the old one, whose futures Ray never completes.
+    """
+    if not ray.is_initialized():
+        return None
+    try:
+        return str(ray.get_runtime_context().get_job_id())
+    except Exception:  # disconnecting meanwhile
+        return None
+
+
+def _ray_gone(state: _State) -> None:
+    """Ray was shut down under the pool: it is broken, every call waiting fails now."""
+    with state.lock:
+        if state.broken is None:
+            nodes = [a.node_id for a in state.agents if a.alive]
+            state.broken = NodeLostError(
+                "Ray was shut down in this process (ray.shutdown(), perhaps from another "
+                "library's atexit) while the RayPool ran: its agents and their calls are "
+                "gone. Create a new pool once Ray is running again.",
+                nodes=nodes,
+            )
+            for agent in state.agents:
+                agent.alive = False
+        error = state.broken
+        _fail_pending(state, error)
+        futures = list(state.outstanding)
+        state.outstanding.clear()
+        state.failed += sum(not f.done() for f in futures)
+    _flush(state)
+    for future in futures:  # in flight: Ray's callbacks for them never come
+        settle(future, exc=error)
+
+
 def _gcs_address() -> str | None:
     """The address of the cluster this process is connected to (None if Ray cannot say)."""
     try:
@@ -608,6 +653,8 @@ def _watch(state: _State, launcher: _Launcher, interval: float, timeout: float) 
     the wait is on the pool's stop event, so shutdown never waits for a turn.
     """
     while not state.stop_watching.wait(interval):
+        if state.broken is not None:
+            return
         try:
             alive = {n["NodeID"]: n for n in _alive_nodes()}
         except Exception as exc:  # the GCS briefly away: look again next time
@@ -790,7 +837,12 @@ def _queue_done(done: queue.SimpleQueue[Any], call: _Call, ray_future: Future[An
 def _manage(state: _State) -> None:
     """Settle finished calls; requeue a lost agent's calls; runs until the pool stops."""
     while True:
-        item = state.done.get()
+        try:
+            item = state.done.get(timeout=_RAY_CHECK)
+        except queue.Empty:
+            if state.outstanding and _session() != state.session:
+                _ray_gone(state)
+            continue
         if item is None:
             return
         call, ray_future = item
@@ -915,7 +967,7 @@ def _abandon(state: _State, agents: list[_AgentInfo], owns_ray: bool) -> None:
     with state.lock:
         state.closed = True
     state.stop_watching.set()
-    if ray.is_initialized():
+    if _session() == state.session:  # else Ray went, and the agents with it
         _kill_agents(agents)
     error = PoolClosedError("the pool was shut down before this call finished")
     with state.lock:
@@ -928,5 +980,5 @@ def _abandon(state: _State, agents: list[_AgentInfo], owns_ray: bool) -> None:
             with contextlib.suppress(Exception):
                 future.set_exception(error)
     state.done.put(None)
-    if owns_ray and ray.is_initialized():
+    if owns_ray and _session() == state.session:  # not a Ray someone started since
         ray.shutdown()

@@ -7,6 +7,7 @@ torn down, with a check that it left no process behind, before the next.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import threading
@@ -31,7 +32,7 @@ from mpexec import (  # noqa: E402
     fn,
 )
 from mpexec.ray import RayPool  # noqa: E402
-from tests.conftest import _children, wait_until  # noqa: E402
+from tests.conftest import _children, run_python, wait_until  # noqa: E402
 from tests.pipeline.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
 
 T = 60  # every .result() here is bounded by this
@@ -559,3 +560,22 @@ def test_node_removed_mid_run(ray_setup: Any) -> None:
     finally:
         if node is not None:
             ray_setup.remove_node(node)
+
+
+@pytest.mark.parametrize("mode", ["map", "in_flight"])
+def test_ray_shutdown_under_a_running_pool_fails_its_calls(mode: str) -> None:
+    """``ray.shutdown()`` (another library's atexit) while a pool runs: nothing hangs.
+
+    A running map or calls in flight, a new submit: NodeLostError; the pool's
+    own shutdown returns (and leaves alone a Ray started since). Each step
+    counts as hung after 60 s (the driver, tests/adapters/_ray_shutdown_driver.py,
+    runs a Ray of its own).
+    """
+    out = run_python("-m", "tests.adapters._ray_shutdown_driver", mode, timeout=400)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["running"] == "NodeLostError", report
+    assert report["submit"] == "NodeLostError", report
+    assert report["shutdown"] == "returned", report
+    assert report["status"] == "broken", report
+    # in_flight: a Ray started after the shutdown is not the pool's to stop
+    assert report["ray_after"] is (mode == "in_flight"), report
