@@ -38,7 +38,8 @@ class Extra:
 
 
 #: The frameworks mpexec can use, in the order ``doctor`` lists them. DALI has
-#: no extra (its wheel depends on the CUDA version): ``name`` is empty.
+#: no extra here (its row in doctor predates the `dali` extra of pyproject.toml,
+#: which docs/install.md lists): ``name`` is empty.
 EXTRAS: tuple[Extra, ...] = (
     Extra("torch", "torch", "PyTorch", "mpexec.torch", "2.6", ("torch",)),
     Extra("jax", "jax", "JAX", "mpexec.jax", "0.4.31", ("jax",)),

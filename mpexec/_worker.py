@@ -29,6 +29,7 @@ import shm
 
 from . import _codec
 from ._errors import SerializationError
+from ._host import keep_memory_warm
 from ._protocol import (
     CALL,
     CANCEL,
@@ -70,6 +71,7 @@ class WorkerBoot:
     #: The caller's MPEXEC_FULL_TRACEBACK: a fork server's children have the
     #: environment of its start, not the caller's now.
     full_traceback: bool = False
+    warm_memory: int = 0  # bytes of freed memory malloc may keep (0: glibc's defaults)
 
 
 def seed_worker(entropy: int, index: int, generation: int) -> None:
@@ -303,6 +305,7 @@ def main(boot: WorkerBoot) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group: the pool's process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_memory_warm(boot.warm_memory)  # before the first call allocates anything
     if boot.full_traceback:
         os.environ[FULL_TRACEBACK_ENV] = "1"
     if shm.platform_info().backend == "memfd":
