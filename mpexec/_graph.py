@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -315,8 +316,46 @@ class Graph:
             nodes.append(out)
         self.outputs = tuple(nodes)
 
+    def fingerprint(self) -> str:
+        """A digest of the definition: ops, their wiring and parameters, function names.
+
+        The same definition gives the same digest in any process (no ids, no
+        code objects: a fixed function body still matches); a state from
+        another graph (``Pipeline.state_dict``) does not. Taken before
+        :meth:`plan` rewires merged ops, and kept.
+        """
+        cached: str | None = getattr(self, "_fingerprint", None)
+        if cached is not None:
+            return cached
+        h = hashlib.sha256()
+        for op in self.ops:
+            fields = (
+                op.kind,
+                op.name,
+                op.index,
+                tuple((n.op.name, n.index) for n in op.inputs),
+                op.num_outputs,
+                op.batch_processing,
+                op.output_layouts,
+                op.preserve,
+                op.seed,
+                op.device,
+                op.stateful,
+                op.output_dtypes,
+                op.output_shapes,
+                op.dlpack,
+                op.source_mode,
+                op.cycle,
+                _name_of(op.function),
+            )
+            h.update(repr(fields).encode())
+        h.update(repr(tuple((n.op.name, n.index) for n in self.outputs)).encode())
+        self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
     def plan(self) -> Plan:
         """Prune, merge and order the ops for running."""
+        self.fingerprint()  # before merged ops are rewired
         canon: dict[int, Op] = {}  # id(op) -> the op that runs in its place
         seen: dict[tuple[Any, ...], Op] = {}
         for op in self.ops:
@@ -347,6 +386,17 @@ class Graph:
             stack.extend(n.op for n in op.inputs)
         ops = [op for op in self.ops if id(op) in live]  # definition order is topological
         return Plan(ops, outputs, merged=sum(1 for o in self.ops if canon[id(o)] is not o))
+
+
+def _name_of(function: Any) -> str:
+    """A function's qualified name; for data (a list given as a source), its type.
+
+    Not its module's: a script's functions live in ``__main__`` when it runs,
+    and in a module of its name when another process imports it.
+    """
+    if callable(function):
+        return str(getattr(function, "__qualname__", None) or type(function).__qualname__)
+    return f"<{type(function).__qualname__}>"
 
 
 @dataclass

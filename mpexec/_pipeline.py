@@ -9,7 +9,9 @@ the data path and the unit of work a pool runs.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import struct
 import sys
 import sysconfig
 import threading
@@ -71,8 +73,11 @@ _DALI_PARAMS = (
     "concurrency",
 )
 _DEF_PARAMS = frozenset((*_PARAMS, *_LIVE_PARAMS, *_DALI_PARAMS, "enable_conditionals"))
-_FORMAT = 1  # of serialize()
-_STATE_VERSION = 1  # of state_dict()
+_FORMAT = 2  # of serialize(): 2 adds the header, checked before anything is unpickled
+# serialize()'s header: magic, format, payload length, the payload's SHA-256.
+_MAGIC = b"MPEXPIPE"
+_HEADER = struct.Struct("<8sIQ32s")
+_STATE_VERSION = 2  # of state_dict(): 2 adds the graph's fingerprint
 
 
 @dataclass(frozen=True)
@@ -491,7 +496,7 @@ class Pipeline:
 
         ``epoch`` and ``iteration``: the epoch and how many of its iterations
         :meth:`run` returned; ``seed`` and ``batch_size``, which a resumed
-        pipeline must share.
+        pipeline must share, and ``graph``, a fingerprint of the definition.
         """
         if self._scheduler is not None:
             epoch, iteration = self._scheduler.position()
@@ -503,6 +508,7 @@ class Pipeline:
             "batch_size": self.batch_size,
             "epoch": epoch,
             "iteration": iteration,
+            "graph": self._graph.fingerprint() if self._graph is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -514,8 +520,17 @@ class Pipeline:
         iterables read in this process (``external_source(source=iterable)``)
         are read again from their start up to there. A pipeline with
         ``stateful`` ops is refused: their state cannot be restored.
+
+        Anything that did not come from :meth:`state_dict` of this same
+        definition (another graph, edited fields) raises ``ValueError`` here.
         """
-        if state.get("version") != _STATE_VERSION:
+        keys = {"version", "seed", "batch_size", "epoch", "iteration", "graph"}
+        given: Any = state  # what callers pass is not always what the annotation says
+        if (
+            not isinstance(given, dict)
+            or given.get("version") != _STATE_VERSION
+            or set(given) != keys
+        ):
             raise ValueError(
                 f"load_state_dict() needs a dict from Pipeline.state_dict() "
                 f"(version {_STATE_VERSION}), not {state!r:.200}"
@@ -527,8 +542,14 @@ class Pipeline:
                     f"one has {key}={getattr(self, key)!r}: its iterations would differ; "
                     f"build the pipeline with {key}={state.get(key)!r}"
                 )
+        mine = self._graph.fingerprint() if self._graph is not None else None
+        if state["graph"] != mine:
+            raise ValueError(
+                "the state was taken from another pipeline definition (its graph fingerprint "
+                f"{state['graph']!r} is not this one's, {mine!r}): its iterations would differ"
+            )
         epoch, iteration = state.get("epoch"), state.get("iteration")
-        if not all(isinstance(v, int) and v >= 0 for v in (epoch, iteration)):
+        if not all(type(v) is int and v >= 0 for v in (epoch, iteration)):  # not a bool
             raise ValueError(
                 f"state epoch/iteration must be ints >= 0, not {epoch!r}/{iteration!r}"
             )
@@ -638,7 +659,7 @@ class Pipeline:
         for m in modules:
             cloudpickle.register_pickle_by_value(m)
         try:
-            return bytes(cloudpickle.dumps(payload, protocol=5))
+            body = cloudpickle.dumps(payload, protocol=5)
         except Exception as exc:
             raise SerializationError(
                 _codec.describe_unpicklable(self._graph, "the pipeline graph", exc)
@@ -646,11 +667,21 @@ class Pipeline:
         finally:
             for m in modules:
                 cloudpickle.unregister_pickle_by_value(m)
+        digest = hashlib.sha256(body).digest()
+        return _HEADER.pack(_MAGIC, _FORMAT, len(body), digest) + bytes(body)
 
     @classmethod
     def deserialize(cls, data: bytes, **overrides: Any) -> Pipeline:
-        """A pipeline rebuilt from :meth:`serialize`; ``overrides`` change parameters."""
-        payload = cloudpickle.loads(data)
+        """A pipeline rebuilt from :meth:`serialize`; ``overrides`` change parameters.
+
+        .. warning:: Deserializing runs code: the functions travel by value
+           (pickled), and unpickling can run anything. Load only data you
+           trust, as with ``pickle`` and ``torch.load``. The header (format,
+           length, a SHA-256 of the rest) is checked first, so truncated,
+           corrupted or foreign bytes are refused before anything is
+           unpickled; it is no signature, and does not make untrusted data safe.
+        """
+        payload = cloudpickle.loads(_checked_body(data))
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise MpexecError("not a serialized mpexec pipeline (or from another version)")
         unknown = set(overrides) - set(_PARAMS) - set(_LIVE_PARAMS)
@@ -818,6 +849,28 @@ _SYSTEM_PATHS = tuple(
     os.path.realpath(p)
     for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
+
+
+def _checked_body(data: bytes) -> memoryview:
+    """The pickled body of :meth:`Pipeline.serialize`'s output, once its header checks out."""
+    view = memoryview(data).cast("B")
+    if len(view) < _HEADER.size or bytes(view[:8]) != _MAGIC:
+        raise MpexecError(
+            "not a serialized mpexec pipeline: it lacks the header serialize() writes"
+        )
+    _, version, length, digest = _HEADER.unpack_from(view)
+    if version != _FORMAT:
+        raise MpexecError(
+            f"a serialized mpexec pipeline of format {version}; this version of mpexec reads "
+            f"format {_FORMAT}: serialize it again with this version"
+        )
+    body = view[_HEADER.size :]
+    if len(body) != length or hashlib.sha256(body).digest() != digest:
+        raise MpexecError(
+            f"a serialized mpexec pipeline, truncated or corrupted ({len(body)} bytes where "
+            f"the header says {length}, or its SHA-256 does not match); nothing was unpickled"
+        )
+    return body
 
 
 def _user_modules(graph: Graph) -> list[Any]:

@@ -492,9 +492,26 @@ class Scheduler:
                 if s.op.source_mode != "iter" or s.absorbed:
                     continue
                 per_iteration = 1 if s.op.batch_processing else self.batch_size
-                for _ in range(index * per_iteration):
-                    if self._next_item(s) is None:
-                        break
+                self._skip_items(s, index * per_iteration)
+
+    def _skip_items(self, s: _OpState, count: int) -> None:
+        """Read ``count`` items of an iterable source and drop them, in bounded time.
+
+        A cycling source starts again at its end: once it has, its period is
+        known, and only ``count`` modulo it is read (at most two passes, however
+        large ``count``).
+        """
+        read, period = 0, 0
+        while count > 0:
+            before = s.iterator
+            if self._next_item(s) is None:
+                return
+            count -= 1
+            read += 1
+            if not period and before is not None and s.iterator is not before:
+                # It ran out and began again: that item opened its second pass.
+                period = read - 1
+                count %= period
 
     def feed(self, name: str, data: Any) -> None:
         """Queue ``data`` as the next batch of the external_source ``name``."""

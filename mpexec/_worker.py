@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import pickle
 import random
@@ -68,6 +69,7 @@ class WorkerBoot:
     init: bytes | None  # cloudpickled (worker_init, args)
     segment_size: int
     inline_max: int
+    capacity: int | None = None  # the pool's arena_capacity caps our arena too
     #: The caller's MPEXEC_FULL_TRACEBACK: a fork server's children have the
     #: environment of its start, not the caller's now.
     full_traceback: bool = False
@@ -305,6 +307,11 @@ def main(boot: WorkerBoot) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group: the pool's process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Started daemonic (the pool's process terminates it at exit), but a function
+    # may start processes of its own (a nested pool, a pipeline, a DataLoader), which
+    # multiprocessing refuses a daemonic process. Its own children never outlive it:
+    # ours follow their lifeline, and multiprocessing ends daemonic ones at its exit.
+    multiprocessing.current_process().daemon = False
     keep_memory_warm(boot.warm_memory)  # before the first call allocates anything
     if boot.full_traceback:
         os.environ[FULL_TRACEBACK_ENV] = "1"
@@ -314,7 +321,7 @@ def main(boot: WorkerBoot) -> None:
         _set_parent_death_signal(boot.main_pid)
     done = boot.done
     try:
-        arena = shm.Arena(segment_size=boot.segment_size, name=f"worker-{boot.index}")
+        arena = shm.Arena(boot.segment_size, boot.capacity, name=f"worker-{boot.index}")
     except BaseException as exc:
         done.push(record(FAILED, _pickle_error(exc)), timeout=10)
         return

@@ -265,8 +265,12 @@ class Arena:
         if not peer_writable:
             alloc = self._allocate(nbytes, tag)
             return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
-        # Enough for whole pages from the first page boundary of the block on.
-        span = _round_up(nbytes, PAGE_SIZE) + PAGE_SIZE - ALIGNMENT
+        span = _round_up(nbytes, PAGE_SIZE)
+        if not self.sealed:
+            # Its segments hold packed blocks too: enough for whole pages from the
+            # first page boundary of the block on. In a sealed arena they hold only
+            # these whole-page blocks, so every block starts on a page boundary.
+            span += PAGE_SIZE - ALIGNMENT
         alloc = self._allocate(span, tag, peer_writable=True)
         start = -alloc.offset % PAGE_SIZE
         return self._view(alloc, dt, shp, None, start, writable=True, take_export=False)

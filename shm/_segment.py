@@ -32,6 +32,7 @@ import fcntl
 import mmap
 import os
 import re
+import resource
 import secrets
 import stat
 import sys
@@ -78,10 +79,41 @@ def map_fd(
     than a page fault at the first touch of each page.
     """
     kw: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-    if populate and access == mmap.ACCESS_WRITE and hasattr(mmap, "MAP_POPULATE"):
-        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
-        return mmap.mmap(fd, length, flags=flags, offset=offset, **kw)
-    return mmap.mmap(fd, length, access=access, offset=offset, **kw)
+    try:
+        if populate and access == mmap.ACCESS_WRITE and hasattr(mmap, "MAP_POPULATE"):
+            flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+            return mmap.mmap(fd, length, flags=flags, offset=offset, **kw)
+        return mmap.mmap(fd, length, access=access, offset=offset, **kw)
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise ReservationError(_no_address_space(length)) from exc
+
+
+def _no_address_space(length: int) -> str:
+    """Why a mapping of ``length`` bytes failed with ENOMEM: the memory is there,
+    this process's address space is not (``ulimit -v``, or too many mappings)."""
+    text = f"cannot map {format_bytes(length)} of shared memory: this process is out of "
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        return text + (
+            f"address space: its RLIMIT_AS (ulimit -v) is {format_bytes(limit)}, of which "
+            f"{format_bytes(_mapped_bytes())} is mapped already; raise the limit, or pass "
+            "and return smaller arrays"
+        )
+    return text + (
+        "address space (ENOMEM from mmap: vm.max_map_count or the kernel's overcommit "
+        "policy); hold fewer results, or pass and return smaller arrays"
+    )
+
+
+def _mapped_bytes() -> int:
+    """This process's mapped address space (what RLIMIT_AS counts)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):  # pragma: no cover - no /proc
+        return 0
 
 
 def buffer_address(buf: Any) -> int:
@@ -118,12 +150,29 @@ def _reserve(fd: int, size: int, backend: str) -> None:
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
             raise ReservationError(
-                f"cannot reserve {format_bytes(size)} of shared memory "
+                _file_too_big(size)
+                if exc.errno == errno.EFBIG
+                else f"cannot reserve {format_bytes(size)} of shared memory "
                 f"({errno.errorcode.get(exc.errno or 0, exc.errno)}): "
                 f"{format_bytes(free_bytes(backend))} of {where} is free"
             ) from exc
     else:  # macOS has no fallocate: the size is set but pages are not committed
         os.ftruncate(fd, size)
+
+
+def _file_too_big(size: int) -> str:
+    """Why reserving ``size`` bytes failed with EFBIG: a file-size limit, not memory."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return (
+            f"cannot reserve {format_bytes(size)} of shared memory (EFBIG): larger than "
+            "the file system allows for one file; use smaller segments (arena_size)"
+        )
+    return (
+        f"cannot reserve {format_bytes(size)} of shared memory (EFBIG): a segment is a "
+        f"file, and this process's RLIMIT_FSIZE (ulimit -f) is {format_bytes(limit)}; "
+        "raise it (ulimit -f unlimited), or use smaller segments (arena_size)"
+    )
 
 
 def _shm_module() -> Any:
@@ -368,6 +417,8 @@ class Segment:
         try:
             os.posix_fallocate(self._fd, start, length)
         except OSError as exc:
+            if exc.errno == errno.EFBIG:
+                raise ReservationError(_file_too_big(start + length)) from exc
             raise ReservationError(
                 f"cannot commit {format_bytes(length)} of shared memory again "
                 f"({errno.errorcode.get(exc.errno or 0, exc.errno)}): "

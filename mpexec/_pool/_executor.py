@@ -54,7 +54,8 @@ class WorkerPool(CallExecutor):
     - ``restart``: replace a worker that dies; only the call it was running
       fails. Without it a crash breaks the pool (:class:`BrokenPoolError`).
     - ``arena_size``: the size of each shared-memory segment of the pool's
-      arena (it grows by segments up to ``arena_capacity``).
+      arena (it grows by segments up to ``arena_capacity``, which caps each
+      worker's result arena too).
     - ``results``: ``"copy"`` (default) hands every result array back as the
       caller's own; ``"view"`` hands back a result that is a view of shared
       memory (say, a function that returned a slice of its input) as a
@@ -127,6 +128,7 @@ class WorkerPool(CallExecutor):
             seed_entropy=seed_entropy,
             init=init,
             worker_arena_size=worker_arena_size,
+            arena_capacity=arena_capacity,
             inline_max=inline_max,
             start_timeout=start_timeout,
             warm_memory=warm_memory,
@@ -139,8 +141,9 @@ class WorkerPool(CallExecutor):
         # What the manager holds of the pool: a weak reference, so that the pool can be collected.
         self._manager = Manager(state, self._factory, self._sender, timeout, weakref.ref(self))
         self._manager.start()
+        # Collected without shutdown(): what it was given still finishes (_stop.dropped).
         self._finalizer = weakref.finalize(
-            self, _stop.shutdown, state, self._lifeline, self._manager, False, True
+            self, _stop.dropped, state, self._lifeline, self._manager
         )
         _stop.track(self, state)
 
@@ -190,14 +193,21 @@ class WorkerPool(CallExecutor):
 
     def _run_inline(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
-        if self._state.closed:
+        state = self._state
+        if state.closed:
             raise PoolClosedError("cannot submit to a pool after shutdown()")
+        with state.lock:
+            state.count_submitted()
         future.set_running_or_notify_cancel()
         try:
-            future.set_result(fn(*_readonly(args), **_readonly(kwargs)))
+            result = fn(*_readonly(args), **_readonly(kwargs))
         except BaseException as exc:
+            state.count_ran_inline(ok=False)
             # A plain Future's result() raises it: its traceback starts at the user's code.
             future.set_exception(for_caller(exc))
+        else:
+            state.count_ran_inline(ok=True)
+            future.set_result(result)
         return future
 
     def _before_map(self) -> bool:

@@ -38,6 +38,7 @@ class WorkerFactory:
         worker_arena_size: int,
         inline_max: int,
         start_timeout: float,
+        arena_capacity: int | None = None,
         warm_memory: int = 0,
     ) -> None:
         self.state = state  # where a started worker's slot goes
@@ -46,6 +47,7 @@ class WorkerFactory:
         self.seed_entropy = seed_entropy
         self.init = init  # cloudpickled (worker_init, args), or None
         self.worker_arena_size = worker_arena_size
+        self.arena_capacity = arena_capacity  # each worker's arena's cap (None: the default)
         self.inline_max = inline_max
         self.start_timeout = start_timeout
         self.warm_memory = warm_memory  # malloc's bound in each worker (_host.keep_memory_warm)
@@ -75,7 +77,9 @@ class WorkerFactory:
             main_pid=os.getpid(),
             seed_entropy=self.seed_entropy,
             init=self.init,
-            segment_size=self.worker_arena_size,
+            # A cap below the segment size: segments of the cap's size.
+            segment_size=min(self.worker_arena_size, self.arena_capacity or self.worker_arena_size),
+            capacity=self.arena_capacity,
             inline_max=self.inline_max,
             full_traceback=full_tracebacks(),
             warm_memory=self.warm_memory,

@@ -9,9 +9,11 @@ a future the caller keeps never keeps the pool's rings alive.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,6 +32,7 @@ T = TypeVar("T")
 
 _POLL_SECONDS = 1e-3  # how long result() polls for a quick call's result
 _PUSH_SECONDS = 5.0  # how long a cancellation waits for room in a task ring
+_LOGGER = logging.getLogger("concurrent.futures")  # where Future logs its callbacks' errors
 
 
 class CallLink:
@@ -147,6 +150,17 @@ class PoolFuture(Future[T]):
                 return cancel_now(self)
             return cancel_pushed(slot, link.seq, self)
 
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        """As ``Future``'s; a callback run by the pool's thread cannot stop the pool.
+
+        ``concurrent.futures`` logs an ``Exception`` from a callback and goes on;
+        a ``SystemExit`` or ``KeyboardInterrupt`` would escape into the thread
+        that completed the future, the pool's manager: that is logged too,
+        naming the callback, and the pool lives on. In the thread that added
+        the callback (a callback run at once, or by ``cancel()``) it propagates.
+        """
+        super().add_done_callback(_GuardedCallback(fn))
+
     def result(self, timeout: float | None = None) -> T:
         __tracebackhide__ = True  # the caller sees the call's error, not this re-raise
         try:
@@ -178,6 +192,35 @@ class PoolFuture(Future[T]):
         if timeout is None:
             return None
         return max(0.0, timeout - (time.perf_counter() - start))
+
+
+class _GuardedCallback:
+    """A done-callback whose ``BaseException`` is logged outside the thread that added it."""
+
+    __slots__ = ("fn", "owner")
+
+    def __init__(self, fn: Callable[[Future[Any]], object]) -> None:
+        self.fn = fn
+        self.owner = threading.get_ident()
+
+    def __call__(self, future: Future[Any]) -> None:
+        try:
+            self.fn(future)
+            return
+        except Exception:
+            raise  # concurrent.futures logs it and goes on
+        except BaseException as exc:
+            if threading.get_ident() == self.owner:
+                raise
+            # As text: a record holding the traceback would keep the manager's
+            # frames (and the rings they hold) alive in any handler that keeps it.
+            trace = "".join(traceback.format_exception(exc))
+        _LOGGER.error(
+            "a done-callback of %r, %r, raised; it is ignored and the pool goes on\n%s",
+            future,
+            self.fn,
+            trace,
+        )
 
 
 def cancel_now(future: Future[Any]) -> bool:

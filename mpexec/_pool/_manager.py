@@ -30,7 +30,7 @@ from .._errors import (
 )
 from .._mapping import settle
 from .._protocol import HEADER, OK, SKIPPED, body_of
-from . import _crash
+from . import _crash, _stop
 from ._factory import WorkerFactory, died_starting, hello
 from ._future import cancel_now
 from ._sender import CallSender
@@ -62,6 +62,15 @@ class Manager(threading.Thread):
         # Local, as every slot it polls: the rings go with the pool's stop, not with
         # this thread object (which the pool keeps).
         watcher = Watcher(state)
+        try:
+            self.loop(watcher)
+        finally:
+            # The pool was collected without shutdown(): nobody else stops the workers.
+            _stop.drained(state)
+
+    def loop(self, watcher: Watcher) -> None:
+        """Manage until stopped; a failure breaks the pool (nothing else would settle it)."""
+        state = self.state
         try:
             while self.manage_once(watcher):
                 pass
@@ -192,6 +201,9 @@ class Manager(threading.Thread):
                 rerun.append(task)
         state.requeue_first(rerun)
         if state.stopping:
+            # No replacement while stopping: with no worker left, the calls still
+            # waiting would wait forever (and shutdown with them).
+            state.fail_pending_if_no_worker(error)
             return
         if restart and pool is not None:
             try:
@@ -222,8 +234,7 @@ class Manager(threading.Thread):
 
     def dispatch_pending(self) -> None:
         """Calls waiting in the pool go to workers that have room now."""
-        if self.pool_ref() is None:
-            return  # collected: its finalizer is stopping everything
+        # A collected pool's calls are dispatched too: it finishes what it was given.
         with self.state.lock:
             self.sender.dispatch_pending()
 
@@ -297,6 +308,10 @@ def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, An
             return True, _codec.decode(body, True, view_ok)
         exc, tb = pickle.loads(body)
         exc.__cause__ = RemoteTraceback(tb)
+        return False, exc
+    except MemoryError as exc:
+        # Out of memory or address space mapping the result (shm.ReservationError is
+        # a MemoryError): not a pickling problem, so not disguised as one.
         return False, exc
     except Exception as exc:
         err = SerializationError(

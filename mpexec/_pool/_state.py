@@ -22,6 +22,7 @@ import shm
 
 from .. import _protocol
 from .._errors import PoolClosedError, forked_error
+from ._crash import fresh
 from ._future import Task, cancel_now, cancel_pushed
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
@@ -168,9 +169,9 @@ class PoolState:
             raise PoolClosedError("this pool was shut down: its shared memory is released")
 
     def check_usable(self) -> None:
-        """Raise the stored error once broken, PoolClosedError once closed."""
+        """Raise (a new copy of) the stored error once broken, PoolClosedError once closed."""
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         if self.closed:
             raise PoolClosedError("cannot submit to a pool after shutdown()")
 
@@ -255,6 +256,14 @@ class PoolState:
         self.bytes_shared += bytes_shared
         self.bytes_copied += bytes_copied
 
+    def count_ran_inline(self, ok: bool) -> None:
+        """A call of an inline pool (``num_workers=0``) returned or raised."""
+        with self.lock:
+            if ok:
+                self.completed += 1
+            else:
+                self.failed += 1
+
     def count_failed(self, n: int = 1) -> None:
         with self.lock:
             self.failed += n
@@ -301,6 +310,17 @@ class PoolState:
         """Put calls a lost worker never started first in line, in their order."""
         with self.lock:
             self.pending.extendleft(reversed(tasks))
+
+    def fail_pending_if_no_worker(self, error: BaseException) -> None:
+        """While stopping: fail the waiting calls if no worker is left to run them."""
+        with self.lock:
+            if any(slot.ready for slot in self.slots):
+                return
+            tasks = list(self.pending)
+            self.pending.clear()
+            self.failed += len(tasks)
+        for task in tasks:
+            task.fail(error)
 
     def mark_broken(self, error: BaseException, tasks: list[Task] | None = None) -> None:
         """One step: record the error, fail ``tasks`` and every queued call, stop the workers."""

@@ -52,6 +52,42 @@ def shutdown(
             stop(state, lifeline, manager, wait)
 
 
+#: Pools collected without ``shutdown`` whose calls still run: their manager
+#: threads stop the workers once the last call is delivered.
+_draining: dict[PoolState, tuple[shm.Lifeline, threading.Thread]] = {}
+
+
+def dropped(state: PoolState, lifeline: shm.Lifeline, manager: threading.Thread | None) -> None:
+    """A pool was collected without ``shutdown``: let what it was given finish.
+
+    As with ``ProcessPoolExecutor``, a future that is running cannot be
+    cancelled, nor are queued calls dropped: the pool closes to new calls, and
+    its manager thread stops the workers once the last result is delivered
+    (:func:`drained`). It takes no time here (a finalizer may run anywhere);
+    at interpreter exit the exit hook stops whatever still runs.
+    """
+    if state.pid != os.getpid():
+        return  # a forked child's: the workers are the parent's
+    if _exiting or manager is None or not manager.is_alive():
+        # At exit (finalizers run then too) nothing is left to wait for the calls.
+        shutdown(state, lifeline, manager, wait=False, cancel=True)
+        return
+    _draining[state] = (lifeline, manager)
+    if state.begin_shutdown(cancel=False) and not manager.is_alive():
+        drained(state)  # it ended meanwhile: nobody else will stop the workers
+
+
+def drained(state: PoolState) -> None:
+    """The manager of a collected pool delivered its last call (or failed): stop it."""
+    entry = _draining.pop(state, None)
+    if entry is None:
+        return
+    lifeline, manager = entry
+    with state.stop_lock:
+        if not state.stopped:
+            stop(state, lifeline, manager, wait=True)
+
+
 def stop(
     state: PoolState,
     lifeline: shm.Lifeline,
@@ -118,6 +154,7 @@ def descendants(pid: int | None) -> list[psutil.Process]:
 _live_pools: weakref.WeakSet[Any] = weakref.WeakSet()  # each WorkerPool, until shut down
 _live_states: weakref.WeakSet[PoolState] = weakref.WeakSet()  # and its state
 _exit_hook_registered = False
+_exiting = False  # set by the exit hook: a pool collected now is stopped, not drained
 
 
 def register_exit_hook() -> None:
@@ -156,6 +193,12 @@ def _disown_workers() -> None:
 
 
 def _stop_all_pools() -> None:
+    global _exiting
+    _exiting = True
     for pool in list(_live_pools):
         with contextlib.suppress(Exception):
             pool.shutdown(wait=False, cancel_futures=True)
+    for state, (lifeline, manager) in list(_draining.items()):
+        with contextlib.suppress(Exception):
+            shutdown(state, lifeline, manager, wait=False, cancel=True)
+        _draining.pop(state, None)

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -1401,6 +1402,41 @@ def test_serialize_and_rebuild_in_a_fresh_process(tmp_path: Path) -> None:
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout.strip() == want
+
+
+_RAN: list[str] = []
+
+
+class _Trap:
+    """Unpickling it runs code: what crafted data does."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_RAN.append, ("code ran",))
+
+
+def test_deserialize_checks_the_header_before_unpickling_anything() -> None:
+    @mpexec.pipeline_def(batch_size=2, num_workers=0, seed=5)
+    def graph() -> Any:
+        src = fn.external_source(source=_index_source, batch=False)
+        return fn.python_function(src, function=_as_float64)
+
+    data = graph().serialize()
+    header = 8 + 4 + 8 + 32
+    trap = pickle.dumps({"format": 2, "params": {}, "graph": _Trap()})
+    crafted = [
+        trap,  # plain pickle, no header
+        data[:header] + trap,  # a real header over other bytes
+        data[:-1],  # truncated
+        data[:-1] + bytes([data[-1] ^ 1]),  # one bit flipped
+        data[:8] + (1).to_bytes(4, "little") + data[12:],  # another format
+        b"",
+    ]
+    for bad in crafted:
+        with pytest.raises(mpexec.MpexecError, match="serialized mpexec pipeline"):
+            mpexec.Pipeline.deserialize(bad)
+    assert _RAN == [], "crafted bytes ran code before the format check"
+    with mpexec.Pipeline.deserialize(data) as pipe:
+        assert len(pipe.run()[0]) == 2
 
 
 def test_worker_killed_during_run(killed: list[int]) -> None:

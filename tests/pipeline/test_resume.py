@@ -89,11 +89,12 @@ def test_resume_in_a_new_process(tmp_path: Any) -> None:
     k = 4
     state = run("save", str(k))
     assert json.loads(state) == {
-        "version": 1,
+        "version": 2,
         "seed": 17,
         "batch_size": 4,
         "epoch": 0,
         "iteration": k,
+        "graph": build().state_dict()["graph"],
     }
     assert json.loads(run("load", str(k), stdin=state)) == full[k:]
 
@@ -119,7 +120,7 @@ def test_state_of_a_later_epoch_and_before_build() -> None:
         full = epochs(pipe, 2)
         assert pipe.state_dict()["epoch"] == 1
     pipe = build(0)
-    pipe.load_state_dict({"version": 1, "seed": 17, "batch_size": 4, "epoch": 1, "iteration": 5})
+    pipe.load_state_dict({**pipe.state_dict(), "epoch": 1, "iteration": 5})
     assert pipe.state_dict()["iteration"] == 5
     with pipe:
         assert [digest(o) for o in pipe] == full[6 + 5 :]
@@ -129,12 +130,11 @@ def test_bad_states_are_refused() -> None:
     pipe = build(0)
     with pytest.raises(ValueError, match="state_dict"):
         pipe.load_state_dict({"epoch": 0})
+    good = pipe.state_dict()
     with pytest.raises(ValueError, match="seed=3"):
-        pipe.load_state_dict({"version": 1, "seed": 3, "batch_size": 4, "epoch": 0, "iteration": 0})
+        pipe.load_state_dict({**good, "seed": 3})
     with pytest.raises(ValueError, match="ints >= 0"):
-        pipe.load_state_dict(
-            {"version": 1, "seed": 17, "batch_size": 4, "epoch": -1, "iteration": 0}
-        )
+        pipe.load_state_dict({**good, "epoch": -1})
 
     @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=17)
     def counting() -> Any:
@@ -142,7 +142,64 @@ def test_bad_states_are_refused() -> None:
             fn.external_source(source=noisy, batch=False), function=np.copy, stateful=True
         )
 
+    stateful = counting()
     with pytest.raises(mpexec.MpexecError, match="stateful"):
-        counting().load_state_dict(
-            {"version": 1, "seed": 17, "batch_size": 4, "epoch": 0, "iteration": 1}
-        )
+        stateful.load_state_dict({**stateful.state_dict(), "iteration": 1})
+
+
+def _other() -> mpexec.Pipeline:
+    # The same seed and batch size as build(), another graph.
+    @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=17)
+    def pipe() -> Any:
+        x = fn.external_source(source=noisy, batch=False)
+        return (fn.python_function(x, function=np.copy),)
+
+    return pipe()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["not", "a", "dict"],
+        None,
+        {"iteration": True},  # a bool is no iteration count
+        {"epoch": 1.0},
+        {"graph": "0" * 32},
+        {"extra": 1},
+        {"version": 1},
+    ],
+    ids=["list", "none", "bool", "float", "graph", "extra-key", "version-1"],
+)
+def test_only_a_state_of_this_definition_is_accepted(bad: Any) -> None:
+    pipe = build(0)
+    state = {**pipe.state_dict(), **bad} if isinstance(bad, dict) else bad
+    with pytest.raises(ValueError, match="state"):
+        pipe.load_state_dict(state)
+
+
+def test_a_state_of_another_graph_is_refused_even_with_the_same_seed() -> None:
+    with pytest.raises(ValueError, match="another pipeline definition"):
+        _other().load_state_dict(build(0).state_dict())
+    # The same definition, built again (or in another process): accepted.
+    assert build(0).state_dict()["graph"] == build(2).state_dict()["graph"]
+    build(0).load_state_dict(build(2).state_dict())
+
+
+def _cycling(iteration: int) -> list[float]:
+    @mpexec.pipeline_def(batch_size=2, num_workers=0, seed=1)
+    def pipe() -> Any:
+        return fn.external_source(source=[np.float64(i) for i in range(5)], batch=False, cycle=True)
+
+    p = pipe()
+    p.load_state_dict({**p.state_dict(), "iteration": iteration})
+    with p:
+        (out,) = p.run()
+        return [float(x) for x in out]
+
+
+def test_resuming_a_cycling_source_far_ahead_takes_bounded_time() -> None:
+    # Iteration 10**15 of a 5-item cycle: 2 * 10**15 items to skip, read as
+    # 2 * 10**15 mod 5 after one pass (an unbounded spin before).
+    assert _cycling(3) == [1.0, 2.0]  # items 6 and 7: 1 and 2 of the second pass
+    assert _cycling(10**15) == [0.0, 1.0]
+    assert _cycling(10**15 + 1) == [2.0, 3.0]

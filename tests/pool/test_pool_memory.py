@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import mpexec
 import shm
 from mpexec import WorkerPool, fn
-from tests.conftest import wait_until
+from tests.conftest import run_python, wait_until
 
 T = 30  # every .result() in this file is bounded by this
 KiB = 1 << 10
@@ -224,22 +225,29 @@ def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
     image = np.ones((224, 224, 3), np.uint8)
 
     def per_sample(warm_memory: int) -> float:
+        """Workers' faults a sample in the quietest of three stretches of 8 batches."""
         with WorkerPool(2, warm_memory=warm_memory, results="view") as pool:
             pipe = mpexec.Pipeline(batch_size=16, pool=pool, prefetch_depth=2)
             with pipe:
                 x = fn.external_source(source=lambda: [image] * 16)
                 pipe.set_outputs(fn.python_function(x, function=_temporaries))
+            stretches = []
             with pipe:
                 for _ in range(8):
                     pipe.run()
-                before = pipe.stats()
-                for _ in range(8):
-                    pipe.run()
-                after = pipe.stats()
-            return (after.worker_faults - before.worker_faults) / (after.samples - before.samples)
+                for _ in range(3):
+                    before = pipe.stats()
+                    for _ in range(8):
+                        pipe.run()
+                    after = pipe.stats()
+                    faults = after.worker_faults - before.worker_faults
+                    stretches.append(faults / (after.samples - before.samples))
+            return min(stretches)
 
-    assert per_sample(64 << 20) < 5
-    # glibc's defaults hand the temporaries back after every call: ~150 pages each
+    # Under load a stretch may still meet an output block a worker has not
+    # written before (~7-14 faults a sample); the others see none.
+    assert per_sample(64 << 20) < 3
+    # glibc's defaults hand the temporaries back after every call: ~90 faults each
     assert per_sample(0) > 50
 
 
@@ -354,6 +362,82 @@ def _big_in_small_worker() -> Any:
     return np.ones(8 << 20, np.uint8)
 
 
+def _mapped_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * PAGE
+
+
+def _big_under_a_cap(n: int) -> np.ndarray[Any, Any]:
+    # The result exists; this worker's address space then has no room to map
+    # the arena segment that must carry it back.
+    out = np.ones(n, np.uint8)
+    resource.setrlimit(resource.RLIMIT_AS, (_mapped_bytes() + (16 << 20), resource.RLIM_INFINITY))
+    return out
+
+
+def test_a_worker_out_of_address_space_reports_a_reservation_error() -> None:
+    with WorkerPool(1) as pool:
+        with pytest.raises(shm.ReservationError, match="RLIMIT_AS") as info:
+            pool.submit(_big_under_a_cap, 256 << 20).result(T)
+        assert isinstance(info.value, MemoryError)
+        assert not isinstance(info.value, mpexec.SerializationError)
+
+
+_CALLER_OUT_OF_ADDRESS_SPACE = """
+import resource, sys
+import numpy as np
+import shm
+from mpexec import WorkerPool
+
+def total(a):
+    return float(a.sum())
+
+def big(n):
+    return np.ones(n, np.uint8)
+
+def mapped():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * shm.platform_info().page_size
+
+def report(what, call):
+    try:
+        call()
+    except BaseException as exc:
+        print(what, type(exc).__name__, isinstance(exc, MemoryError), "RLIMIT_AS" in str(exc))
+    else:
+        print(what, "no error")
+
+with WorkerPool(1) as pool:
+    arg = np.ones(300 << 20, np.uint8)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped() + (100 << 20), resource.RLIM_INFINITY))
+    report("argument", lambda: pool.submit(total, arg).result(30))
+    report("empty", lambda: pool.empty(300 << 20, np.uint8))
+    report("result", lambda: pool.submit(big, 256 << 20).result(30))
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+    print("after", pool.submit(total, np.ones(10)).result(30))
+with WorkerPool(1, arena_size=1 << 20) as pool:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.RLIM_INFINITY))
+    try:
+        pool.empty(8 << 20, np.uint8)
+    except shm.ReservationError as exc:
+        print("fsize", "RLIMIT_FSIZE" in str(exc), "free" in str(exc))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+"""
+
+
+def test_the_caller_out_of_address_space_or_file_size_gets_reservation_errors() -> None:
+    # In a process of its own: the limits are process-wide.
+    out = run_python("-c", _CALLER_OUT_OF_ADDRESS_SPACE).split("\n")
+    assert out[:4] == [
+        "argument ReservationError True True",
+        "empty ReservationError True True",
+        "result ReservationError True True",
+        "after 10.0",
+    ]
+    # EFBIG names the file-size limit, not how much memory is free.
+    assert out[4] == "fsize True False"
+
+
 # ---------------------------------------------------------------- broadcasts (17.7)
 def _describe(a: np.ndarray[Any, Any]) -> tuple[tuple[int, ...], tuple[int, ...], float, float]:
     return a.shape, a.strides, float(a[0]), float(a[-1])
@@ -454,6 +538,28 @@ def test_arguments_cannot_be_written_even_by_reopening_their_fd() -> None:
         x = pool.put(original)
         assert pool.submit(_reopen_and_write, x).result(T) == ["pwrite: wrote", "mmap: wrote"]
         assert (x.view(np.uint8)[:8] == 0xFF).all()
+
+
+@pytest.mark.skipif(
+    shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
+)
+def test_a_held_result_passed_to_another_worker_is_read_only_but_not_sealed() -> None:
+    # docs/in-place-mutation.md, "Not prevented": a result lives in its worker's
+    # unsealed arena (the caller maps it read-write). Another worker reads it
+    # through a read-only mapping (a stray write faults), but deliberate code
+    # there can reopen the producing worker's fd read-write and write it.
+    with WorkerPool(2) as pool:
+        held = pool.submit_call(_arange, (BIG // 8,), worker=0).result(T)
+        assert held.flags.writeable  # the caller's to change
+        first = held.copy()
+        with pytest.raises(mpexec.WorkerCrashedError):
+            pool.submit_call(_poke, (held,), worker=1).result(T)
+        assert (held == first).all(), "a stray write reached a held result"
+    with WorkerPool(2) as pool:
+        held = pool.submit_call(_arange, (BIG // 8,), worker=0).result(T)
+        outcomes = pool.submit_call(_reopen_and_write, (held,), worker=1).result(T)
+        assert outcomes == ["pwrite: wrote", "mmap: wrote"]
+        assert (held.view(np.uint8)[:8] == 0xFF).all()
 
 
 @pytest.mark.skipif(

@@ -455,6 +455,20 @@ def test_a_sealed_arena_is_writable_only_here_but_for_peer_writable_blocks() -> 
         arena.unshare(d2)
 
 
+def test_peer_writable_blocks_of_whole_pages_pack_in_a_sealed_arena() -> None:
+    # Issue 23: with 16 MiB segments, each 8 MiB pool.put() took a segment of its own
+    # (padded for a page boundary that a sealed arena's open segments always have).
+    page = shm.platform_info().page_size
+    with shm.Arena(16 * MiB, sealed=True) as arena:
+        before = arena.stats().segments
+        blocks = [arena.put(np.ones(8 * MiB, np.uint8), peer_writable=True) for _ in range(2)]
+        assert arena.stats().segments == before + 1
+        assert all(b.ctypes.data % page == 0 for b in blocks)
+        odd = arena.empty(page + 1, np.uint8, peer_writable=True)  # pages to itself
+        assert odd.ctypes.data % page == 0
+        del blocks, odd
+
+
 def test_a_broadcast_is_shared_with_its_real_bytes_only(backend: str) -> None:
     with shm.Arena(1 * MiB, backend=backend) as arena:
         huge = np.broadcast_to(np.arange(3.0), (1 << 28, 4, 3))  # 24 GiB shown, 24 B real
