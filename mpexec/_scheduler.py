@@ -103,6 +103,7 @@ from ._runtime import (
     derive_seed,
     is_string_array,
 )
+from ._tracebacks import reraise
 
 if TYPE_CHECKING:
     from ._gpu import GpuExecutor, GpuOpRunner
@@ -455,7 +456,7 @@ class Scheduler:
         with self._lock:
             self._delivered += 1  # a failed iteration counts: the next run() is the next one
         if it.error is not None:
-            raise it.error
+            reraise(it.error)  # a stored error: run() shows where it was raised
         assert it.result is not None
         return it.result
 
