@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "peers": "benchmarks.peers_bench",
     "gpu": "benchmarks.gpu_bench",
     "ray": "benchmarks.ray_bench",
+    "tf": "benchmarks.tf_bench",
     "startup": "benchmarks.startup_bench",
     "mainload": "benchmarks.mainload_bench",
     "dali": "benchmarks.dali_bench",

@@ -33,7 +33,7 @@ back to back?), what the pool copied as arguments, and whether DALI copies
 what the function returns.
 
 Run with ``python -m benchmarks dali`` (``--quick`` for a smoke test); needs
-DALI (``pip install mpexec[dali]``; the wheel is for Linux x86_64).
+DALI (``pip install -e ".[dali]"`` in a checkout; the wheel is for Linux x86_64).
 """
 
 from __future__ import annotations

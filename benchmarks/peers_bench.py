@@ -78,6 +78,7 @@ import psutil
 from benchmarks import _peers
 from benchmarks import _workloads as wl
 from benchmarks._common import RESULTS, Watchdog, fmt_size, fmt_time, git_state, log, targets_text
+from mpexec._cpuload import CpuMeter
 
 NAME = "peers"
 ROOT = Path(__file__).resolve().parent.parent
@@ -761,45 +762,20 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _own_cpu_s() -> float:
-    total = 0.0
-    me = psutil.Process()
-    try:
-        procs = [me, *me.children(recursive=True)]
-    except psutil.Error:
-        procs = [me]
-    for p in procs:
-        with suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
-def _machine_cpu_s() -> float:
-    t = psutil.cpu_times()
-    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
-
-
 @contextmanager
 def section(name: str, errors: list[str], load: dict[str, Any]) -> Iterator[None]:
     """Run a workload; record its failure, and the CPU that other processes used meanwhile."""
     log(f"[{NAME}] {name} ...")
-    t0 = time.monotonic()
-    own0, busy0 = _own_cpu_s(), _machine_cpu_s()
+    meter = CpuMeter()
     try:
         yield
     except Exception:
         errors.append(f"{name}: {traceback.format_exc()}")
         log(f"[{NAME}] {name} FAILED:\n{traceback.format_exc()}")
     finally:
-        wall = time.monotonic() - t0
-        other = max(0.0, (_machine_cpu_s() - busy0) - (_own_cpu_s() - own0))
-        capacity = wall * (os.cpu_count() or 1)
-        load[name] = {
-            "wall_s": round(wall, 1),
-            "other_share": other / capacity if capacity else None,
-        }
-        log(f"[{NAME}] {name} done in {wall:.1f} s")
+        used = meter.stop()
+        load[name] = {"wall_s": round(used.wall_s, 1), "other_share": used.other_share}
+        log(f"[{NAME}] {name} done in {used.wall_s:.1f} s")
 
 
 # ============================================================ summaries

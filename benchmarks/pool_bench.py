@@ -84,6 +84,7 @@ from benchmarks._common import (
     targets_text,
     write,
 )
+from mpexec._cpuload import CpuMeter
 from shm._views import KEEP_MAPPED
 
 NAME = "pool"
@@ -1086,48 +1087,27 @@ def environment() -> dict[str, Any]:
 
 
 # ============================================================ entry points
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and its descendants, live and reaped."""
-    total = 0.0
-    me = psutil.Process()
-    for p in [me, *_descendants().values()]:
-        with suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
-def _machine_cpu_s() -> tuple[float, float]:
-    """CPU seconds the machine spent busy (all processes), and stolen by the host."""
-    t = psutil.cpu_times()
-    busy = sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq"))
-    return busy, getattr(t, "steal", 0.0)
-
-
 @contextmanager
 def _section(name: str, errors: list[str], load: dict[str, Any]) -> Iterator[None]:
-    """Run a section; record its failure, and the CPU other processes used meanwhile."""
+    """Run a section; record its failure, and the CPU other processes used meanwhile
+    (steal included: ``steal_share`` is how much of ``other_share`` it was)."""
     log(f"[{NAME}] {name} ...")
-    t0 = time.monotonic()
-    own0, (busy0, steal0) = _own_cpu_s(), _machine_cpu_s()
+    meter = CpuMeter()
     try:
         yield
     except Exception:
         errors.append(f"{name}: {traceback.format_exc()}")
         log(f"[{NAME}] {name} FAILED:\n{traceback.format_exc()}")
     else:
-        log(f"[{NAME}] {name} done in {time.monotonic() - t0:.1f} s")
+        log(f"[{NAME}] {name} done in {meter.stop().wall_s:.1f} s")
     finally:
-        wall = time.monotonic() - t0
-        own1, (busy1, steal1) = _own_cpu_s(), _machine_cpu_s()
-        capacity = wall * (os.cpu_count() or 1)
-        other = max(0.0, (busy1 - busy0) - (own1 - own0))
+        used = meter.stop()
         load[name] = {
-            "wall_s": wall,
-            "own_cpu_s": own1 - own0,
-            "other_cpu_s": other,
-            "other_share": other / capacity if capacity else None,
-            "steal_share": (steal1 - steal0) / capacity if capacity else None,
+            "wall_s": used.wall_s,
+            "own_cpu_s": used.own_cpu_s,
+            "other_cpu_s": used.other_cpu_s,
+            "other_share": used.other_share,
+            "steal_share": used.steal_share,
         }
 
 

@@ -35,7 +35,7 @@ The model of docs/ray.md (throughput against nodes; where the driver becomes
 the bottleneck) is computed from these figures and printed at the end.
 
 Run with ``python -m benchmarks ray`` (``--quick`` for a smoke test); needs
-Ray (``pip install mpexec[ray]``).
+Ray (``pip install -e ".[ray]"``).
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ Commands:
 ``demo``
     Run a CPU-bound image augmentation pipeline over generated images and
     compare its throughput with the same functions run serially in this
-    process; print the pipeline's per-op statistics (``--json`` for a summary).
+    process, with the share of the CPUs other processes used meanwhile; print
+    the pipeline's per-op statistics (``--json`` for a summary).
 
 ``doctor``
-    Report versions, CPUs, the start method and the shared-memory and GPU
-    facilities of this machine (``--json`` for a machine-readable report).
+    Report versions, CPUs, the start method, the shared-memory and GPU
+    facilities of this machine, and the frameworks mpexec works with (their
+    versions, and which extras are usable); ``--json`` for a machine-readable
+    report.
 """
 
 from __future__ import annotations
@@ -83,7 +86,9 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--seed", type=_non_negative_int, default=0, help="seed of images and pipeline (default: 0)"
     )
     demo.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (none unless stderr is a TTY)"
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, else a line every 2 s)",
     )
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
@@ -101,7 +106,10 @@ def _build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser(
         "doctor",
         help="report what this machine offers mpexec",
-        description="Report versions, CPUs, start method, shared memory and GPU of this machine.",
+        description=(
+            "Report versions, CPUs, start method, shared memory, GPU and the frameworks "
+            "(installed versions, usable extras) of this machine."
+        ),
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser

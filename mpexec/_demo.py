@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import fn
+from ._cpuload import CpuLoad, CpuMeter
 from ._host import usable_cpus
 from ._pipeline import Pipeline, pipeline_def
 
@@ -257,31 +258,43 @@ def augment_one(encoded: U8, seed: int, index: int) -> F32:
 
 
 class Progress:
-    """A one-line text progress bar on a terminal; does nothing elsewhere.
+    """Progress: a one-line bar on a terminal, a line every few seconds elsewhere.
 
-    Redraws at most ten times a second with ``\\r``; :meth:`close` ends the line.
-    The rate counts from creation, or from the last :meth:`restart`.
+    On a terminal it redraws at most ten times a second with ``\\r``, and
+    :meth:`close` ends the line. Elsewhere (a log file, a pipe, CI) it writes
+    a plain line every :attr:`LINE_EVERY_S` seconds and one at :meth:`close`,
+    so a redirected run still shows that it is alive. The rate counts from
+    creation, or from the last :meth:`restart`.
     """
 
     WIDTH = 30
+    #: Seconds between two progress lines when the stream is not a terminal.
+    LINE_EVERY_S = 2.0
 
     def __init__(self, label: str, total: int, stream: TextIO, *, enabled: bool) -> None:
         self.label = label
         self.total = max(1, total)
         self.stream = stream
         self.enabled = enabled
+        self.bar = enabled and self.is_terminal(stream)
         self.done = 0
         self._start = time.perf_counter()
-        self._drawn_at = -math.inf
+        self._drawn_at = -math.inf if self.bar else self._start
         self._drawn_done = -1
 
     @staticmethod
-    def wanted(stream: TextIO, *, disabled: bool = False) -> bool:
-        """Whether to draw: not ``disabled`` and ``stream`` is a terminal."""
-        if disabled:
-            return False
+    def is_terminal(stream: TextIO) -> bool:
         isatty = getattr(stream, "isatty", None)
         return bool(isatty is not None and isatty())
+
+    @staticmethod
+    def wanted(stream: TextIO, *, disabled: bool = False) -> bool:
+        """Whether to show progress on ``stream`` at all: unless ``disabled``.
+
+        (A bar on a terminal, lines elsewhere: see the class.)
+        """
+        del stream
+        return not disabled
 
     def restart(self) -> None:
         """Start the clock again (after a startup that the rate should not count)."""
@@ -293,27 +306,44 @@ class Progress:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if now - self._drawn_at >= 0.1 or self.done >= self.total:
-            self._draw(now)
+        if self.bar:
+            if now - self._drawn_at >= 0.1 or self.done >= self.total:
+                self._draw(now)
+        elif now - self._drawn_at >= self.LINE_EVERY_S:
+            self._line(now)
+
+    def _rate(self, now: float) -> float:
+        elapsed = now - self._start
+        return self.done / elapsed if elapsed > 0 else 0.0
 
     def _draw(self, now: float) -> None:
         self._drawn_at, self._drawn_done = now, self.done
         filled = int(min(1.0, self.done / self.total) * self.WIDTH)
         bar = "#" * filled + "." * (self.WIDTH - filled)
-        elapsed = now - self._start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
         self.stream.write(
-            f"\r{self.label:<9}[{bar}] {self.done}/{self.total} images  {rate:7.1f} images/s"
+            f"\r{self.label:<9}[{bar}] {self.done}/{self.total} images  "
+            f"{self._rate(now):7.1f} images/s"
+        )
+        self.stream.flush()
+
+    def _line(self, now: float) -> None:
+        self._drawn_at, self._drawn_done = now, self.done
+        self.stream.write(
+            f"{self.label:<9}{self.done}/{self.total} images  {self._rate(now):7.1f} images/s\n"
         )
         self.stream.flush()
 
     def close(self) -> None:
-        """Draw the final count if not yet drawn, and end the line (when enabled)."""
-        if self.enabled:
+        """Show the final count if not yet shown; end the bar's line (when enabled)."""
+        if not self.enabled:
+            return
+        if self.bar:
             if self._drawn_done != self.done:
                 self._draw(time.perf_counter())
             self.stream.write("\n")
             self.stream.flush()
+        elif self._drawn_done != self.done:
+            self._line(time.perf_counter())
 
 
 @dataclass(frozen=True)
@@ -388,6 +418,8 @@ class PipelineRun:
     batches: int
     digest: str
     stats: Any
+    #: Who used the CPUs during the epoch (startup not counted, as in ``timing``).
+    load: CpuLoad | None = None
 
 
 def run_pipeline(
@@ -403,6 +435,7 @@ def run_pipeline(
     start = time.perf_counter()
     with build_pipeline(source, config) as pipe:
         started = time.perf_counter()
+        meter = CpuMeter()  # while the workers live: their CPU time is ours
         if progress is not None:
             progress.restart()
         for (batch,) in pipe:
@@ -414,6 +447,7 @@ def run_pipeline(
             if progress is not None:
                 progress.update(len(batch))
         done = time.perf_counter()
+        load = meter.stop()
         stats = pipe.stats()
     return PipelineRun(
         timing=Timing(images, done - started),
@@ -421,6 +455,7 @@ def run_pipeline(
         batches=batches,
         digest=digest.hexdigest(),
         stats=stats,
+        load=load,
     )
 
 
@@ -444,10 +479,18 @@ class DemoResult:
     serial: Timing
     serial_digest: str
     pipeline: PipelineRun
+    #: Who used the CPUs during the serial loop.
+    serial_load: CpuLoad | None = None
 
     @property
     def speedup(self) -> float:
         return self.pipeline.timing.images_per_s / self.serial.images_per_s
+
+    @property
+    def other_share(self) -> float | None:
+        """The larger share of the CPUs other processes used in the two timed runs."""
+        shares = [x.other_share for x in (self.serial_load, self.pipeline.load) if x is not None]
+        return max(shares) if shares else None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready summary (``--json``)."""
@@ -464,6 +507,10 @@ class DemoResult:
                 "digest": self.pipeline.digest,
             },
             "speedup": self.speedup,
+            "host_load": {
+                name: None if load is None else load.to_json()
+                for name, load in (("serial", self.serial_load), ("pipeline", self.pipeline.load))
+            },
             "stats": _stats_json(self.pipeline.stats),
         }
 
@@ -494,7 +541,9 @@ def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
 
     bar = Progress("serial", len(encoded), err, enabled=config.progress)
     try:
+        meter = CpuMeter()
         serial, serial_digest = run_serial(encoded, config.seed, bar)
+        serial_load = meter.stop()
     finally:
         bar.close()
 
@@ -513,11 +562,39 @@ def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
         serial=serial,
         serial_digest=serial_digest,
         pipeline=pipeline,
+        serial_load=serial_load,
     )
 
 
 def _plural(n: int, word: str, words: str = "") -> str:
     return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
+
+
+#: Other processes' share of the CPUs from which the speed-up is flagged, and from
+#: which it is called meaningless (the peers benchmark flags figures from 10%).
+NOT_QUIET_SHARE = 0.10
+BUSY_SHARE = 0.25
+
+
+def host_load_text(result: DemoResult) -> tuple[str, str]:
+    """What to say after the speed-up, and the host-load line ("" when unmeasured)."""
+    share = result.other_share
+    if share is None:
+        return "", ""
+    loads = [
+        (name, load)
+        for name, load in (("serial loop", result.serial_load), ("pipeline", result.pipeline.load))
+        if load is not None
+    ]
+    cpus = _plural(loads[0][1].cpus, "CPU")
+    parts = [f"{100 * load.other_share:.0f}% during the {name}" for name, load in loads]
+    parts[0] = parts[0].replace(" during", f" of the {cpus} during", 1)
+    line = f"other processes used {' and '.join(parts)}"
+    if share >= BUSY_SHARE:
+        return ": not meaningful, the host was busy", line
+    if share >= NOT_QUIET_SHARE:
+        return ": the host was not quiet, take it as approximate", line
+    return "", line + " (a quiet host)"
 
 
 def format_result(result: DemoResult) -> str:
@@ -544,6 +621,7 @@ def format_result(result: DemoResult) -> str:
         f"{result.speedup:8.2f}x          "
         f"({_plural(c.workers, 'worker')}, {_plural(result.usable_cpus, 'usable CPU')})"
     )
+    verdict, load = host_load_text(result)
     return "\n".join(
         [
             f"mpexec demo: {images}",
@@ -551,7 +629,8 @@ def format_result(result: DemoResult) -> str:
             "throughput",
             f"  serial    {serial}",
             f"  pipeline  {pipeline}",
-            f"  speed-up  {speedup}",
+            f"  speed-up  {speedup}{verdict}",
+            *([f"  host load {load}"] if load else []),
             f"output digest  {p.digest}  (SHA-1 of the pipeline's outputs, in order)",
             "per-op stats",
             str(p.stats),

@@ -22,6 +22,7 @@ import numpy as np
 
 from shm import PlatformInfo, platform_info
 
+from ._extras import FrameworkStatus, frameworks
 from ._host import cgroup_cpu_quota, default_start_method, usable_cpus
 from ._version import __version__
 
@@ -83,6 +84,8 @@ class DoctorReport:
     gpu: GpuReport
     #: Findings a person should act on, one sentence each.
     notes: tuple[str, ...]
+    #: torch, JAX, TensorFlow, Ray, CuPy and DALI: installed versions, usable extras.
+    frameworks: tuple[FrameworkStatus, ...] = ()
 
 
 def _describe(exc: BaseException) -> str:
@@ -190,6 +193,7 @@ def collect(*, measure: bool = True) -> DoctorReport:
         shm_error=shm_error,
         gpu=gpu_report(measure=measure),
         notes=_notes(shm_info, start_method, cpus, quota),
+        frameworks=frameworks(),
     )
 
 
@@ -255,10 +259,37 @@ def format_report(report: DoctorReport) -> str:
     if gpu.h2d_gbps:
         rates = ", ".join(f"{kind} {gbps:.1f}" for kind, gbps in gpu.h2d_gbps)
         lines.append(f"  H2D GB/s      {rates}")
+    lines += format_frameworks(report.frameworks)
     if report.notes:
         lines.append("notes")
         lines += [f"  - {note}" for note in report.notes]
     return "\n".join(lines)
+
+
+def format_frameworks(found: tuple[FrameworkStatus, ...]) -> list[str]:
+    """The ``frameworks`` section: each one's version, and whether its extra is usable."""
+    rows = []
+    for f in found:
+        label = "DALI" if f.imports == "nvidia.dali" else f.imports
+        if f.version is None:
+            version = "not installed"
+        else:
+            version = (
+                f.version
+                if f.distribution in (None, f.imports)
+                else (f"{f.version} ({f.distribution})")
+            )
+        if not f.extra:
+            use = "no extra" + (f" ({f.advice})" if f.advice else "")
+        elif f.usable:
+            use = f"extra {f.extra} usable ({f.enables})"
+        else:
+            use = f"extra {f.extra} not usable: {f.advice} (for {f.enables})"
+        rows.append((label, version, use))
+    width = max((len(v) for _, v, _ in rows), default=0)
+    lines = ["frameworks"] if rows else []
+    lines += [f"  {label:<13} {version:<{width}}  {use}" for label, version, use in rows]
+    return lines
 
 
 def _cuda_version(v: int | None) -> str:

@@ -52,6 +52,7 @@ import shm
 
 from ._batch import Batch
 from ._errors import GpuError, GpuUnavailableError, OpOutputError
+from ._extras import INSTALL_DOC, install_command
 from ._runtime import BatchInfo, Chunk, takes_keyword
 
 #: Every CuPy name this module uses (attribute paths from the ``cupy`` module).
@@ -138,8 +139,9 @@ def require(what: str, device_id: int | None = None) -> Any:
     except Exception as exc:  # ImportError, or CUDA libraries that fail to load
         raise GpuUnavailableError(
             f"{what}: device='gpu' needs CuPy, which does not import here "
-            f"({type(exc).__name__}: {exc}). Install it (pip install 'mpexec[cupy]', or the "
-            "cupy-cudaXXx wheel for your CUDA), or use device='cpu'"
+            f"({type(exc).__name__}: {exc}). From a checkout of mpexec: "
+            f"{install_command('cupy')} (CUDA 12; for another CUDA, the cupy-cudaXXx wheel "
+            f"of yours; see {INSTALL_DOC}), or use device='cpu'"
         ) from exc
     try:
         count = int(xp.cuda.runtime.getDeviceCount())

@@ -9,6 +9,7 @@ no output needs, merges identical stateless ops and orders the rest.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 from collections.abc import Iterator
@@ -228,6 +229,21 @@ class Op:
         )
 
 
+def callable_name(function: Any) -> str | None:
+    """The name an op takes from its function: ``random_crop``, a class's name for an
+    instance, the wrapped function's for a ``functools.partial``; None without one."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if function is None:
+        return None
+    name = getattr(function, "__name__", None)
+    if not isinstance(name, str) and callable(function):
+        name = type(function).__name__
+    if not isinstance(name, str) or not name.isidentifier():  # "<lambda>", "<genexpr>"
+        return None
+    return name
+
+
 class Graph:
     """The ops of one pipeline definition, in definition order."""
 
@@ -235,29 +251,56 @@ class Graph:
         self.ops: list[Op] = []
         self.outputs: tuple[DataNode, ...] = ()
         self.names: set[str] = set()
+        self.auto_names: set[str] = set()  # names mpexec chose (unique_name), not the user
         self.device_id: int | None = None  # the pipeline's, for GPU ops' definition checks
         # The pipeline's, for ops that need them when defined (readers).
         self.seed: int | None = None
         self.batch_size: int | None = None
         self.frozen = False  # built: no more ops
 
-    def add(self, op: Op) -> Op:
+    def add(self, op: Op, *, auto_named: bool = False) -> Op:
+        """Add ``op``; ``auto_named``: its name came from :meth:`unique_name`."""
         if self.frozen:
             raise MpexecError(
                 f"cannot add {op.describe()}: this pipeline was already built from its graph"
             )
+        if not auto_named and op.name in self.auto_names:
+            # A name the user gives wins over one mpexec chose: that op is renamed.
+            earlier = next(o for o in self.ops if o.name == op.name)
+            self.auto_names.discard(op.name)
+            earlier.name = self.unique_name(earlier.kind, earlier.function)  # not op.name
+            self.names.add(earlier.name)
+            self.auto_names.add(earlier.name)
+            self.names.discard(op.name)
         if op.name in self.names:
             raise ValueError(f"two ops are named {op.name!r}; op names must be unique")
         self.names.add(op.name)
+        if auto_named:
+            self.auto_names.add(op.name)
         self.ops.append(op)
         op.outputs = tuple(DataNode(op, i) for i in range(op.num_outputs))
         return op
 
-    def unique_name(self, kind: str) -> str:
-        n = sum(1 for op in self.ops if op.kind == kind)
-        while f"{kind}_{n}" in self.names:
-            n += 1
-        return f"{kind}_{n}"
+    def unique_name(self, kind: str, function: Any = None) -> str:
+        """A name for an op the user left unnamed: its function's, made unique.
+
+        ``random_crop``, then ``random_crop_1``, ...; ``kind_N`` for a function
+        without a usable name (a lambda, a list as a source). Give the op to
+        :meth:`add` with ``auto_named=True``: a later op the user gives that
+        name takes it, and this one is renamed.
+        """
+        base = callable_name(function)
+        if base is None:
+            n = sum(1 for op in self.ops if op.kind == kind)
+            while f"{kind}_{n}" in self.names:
+                n += 1
+            name = f"{kind}_{n}"
+        else:
+            name, n = base, 0
+            while name in self.names:
+                n += 1
+                name = f"{base}_{n}"
+        return name
 
     def set_outputs(self, outputs: tuple[Any, ...]) -> None:
         nodes: list[DataNode] = []
@@ -431,3 +474,35 @@ def defining(graph: Graph) -> Iterator[Graph]:
         yield graph
     finally:
         _local.graph = outer
+
+
+def epoch_iterations(graph: Graph, batch_size: int, drop_last: bool) -> int | None:
+    """Iterations in a whole epoch, when every source that ends one has a known length.
+
+    A per-sample source (a callable taking ``SampleInfo``, or an iterable with
+    ``batch=False``) with ``len()`` ends the epoch after that many samples; an
+    iterable of batches, after that many batches. The first source to end
+    ends the epoch. None when a source that could end it has no ``len()`` (a
+    generator, a batch callable, ``feed_input``), or when none can (all cycle).
+    """
+    samples: list[int] = []
+    batches: list[int] = []
+    for op in graph.ops:
+        if not op.is_source:
+            continue
+        if op.source_mode == "iter" and op.cycle not in (False, "raise"):
+            continue  # it starts again instead of ending the epoch
+        if op.source_mode not in ("sample", "iter"):
+            return None
+        try:
+            n = len(op.function)
+        except TypeError:  # no __len__ (a generator, a callable without one)
+            return None
+        if op.source_mode == "iter" and op.batch_processing:
+            batches.append(n)
+        else:
+            samples.append(n)
+    if not samples and not batches:
+        return None
+    counts = [n // batch_size if drop_last else -(-n // batch_size) for n in samples]
+    return min(counts + batches)

@@ -20,6 +20,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
 
 from . import _codec
+from ._tracebacks import for_caller
 
 T = TypeVar("T")
 
@@ -134,9 +135,13 @@ def run_chunk(fn: Callable[..., T], calls: tuple[tuple[Any, ...], ...]) -> list[
 
 def flatten(chunks: Generator[list[T], None, None]) -> Iterator[T]:
     """The results of each chunk in turn; closing it cancels the chunks in flight."""
+    __tracebackhide__ = True  # a call's error is raised from here, for the caller
     try:
         for results in chunks:
             yield from results
+    except Exception as exc:
+        # The same exception, its own __cause__ kept (a user sees this line).
+        raise for_caller(exc)  # noqa: B904
     finally:
         chunks.close()  # now, not when collected: it cancels the chunks in flight
 
@@ -150,6 +155,7 @@ def map_results(
     ordered: bool,
 ) -> Generator[T, None, None]:
     """Results of ``fn(*call)`` for each call, with at most ``limit`` submitted at once."""
+    __tracebackhide__ = True  # a call's error is raised from here, for the caller
     window: collections.deque[Future[T]] = collections.deque()
     try:
         for call in itertools.islice(calls, limit):
@@ -159,15 +165,21 @@ def map_results(
             if left is not None and left <= 0:
                 raise TimeoutError("map() ran past its timeout")
             if ordered:
-                result = window[0].result(left)
-                window.popleft()
+                future, timeout = window[0], left
             else:
                 done, _ = wait_futures(window, left, return_when=FIRST_COMPLETED)
                 if not done:
                     raise TimeoutError("map() ran past its timeout")
-                first = next(iter(done))
-                window.remove(first)
-                result = first.result()
+                future, timeout = next(iter(done)), None
+            try:
+                result = future.result(timeout)
+            except Exception as exc:
+                # The same exception, its own __cause__ kept (a user sees this line).
+                raise for_caller(exc)  # noqa: B904
+            if ordered:
+                window.popleft()
+            else:
+                window.remove(future)
             for call in itertools.islice(calls, 1):
                 window.append(pool.submit(fn, *call))
             yield result

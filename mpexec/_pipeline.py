@@ -33,6 +33,7 @@ from ._host import usable_cpus
 from ._modes import Device, LastBatch
 from ._pool import WorkerPool
 from ._scheduler import OpStats, Scheduler
+from ._tracebacks import for_caller
 
 _PARAMS = (
     "batch_size",
@@ -100,10 +101,16 @@ class PipelineStats:
         """Workers' minor page faults per delivered sample (0.0 before any)."""
         return self.worker_faults / self.samples if self.samples else 0.0
 
+    #: Under the table: how to read the summed columns.
+    READING_GUIDE = (
+        "fn/wait ms: sums over all calls on all workers (can exceed the wall time); "
+        "wait = sent, not yet running; copied should be 0"
+    )
+
     def __str__(self) -> str:
         head = (
-            f"{'op':<28}{'calls':>8}{'fn ms':>10}{'wait ms':>10}"
-            f"{'MiB in':>9}{'MiB out':>9}{'copied':>9}"
+            f"{'op':<28}{'calls':>8}{'fn ms sum':>11}{'wait ms sum':>13}"
+            f"{'MiB in':>9}{'MiB out':>9}{'MiB copied':>12}"
         )
         summary = (
             f"{self.iterations} iterations in {self.wall_s:.2f} s "
@@ -111,9 +118,9 @@ class PipelineStats:
         )
         lines = [summary, head]
         lines += [
-            f"{s.name[:27]:<28}{s.calls:>8}{s.function_s * 1e3:>10.1f}"
-            f"{s.waiting_s * 1e3:>10.1f}{s.bytes_in / 2**20:>9.1f}"
-            f"{s.bytes_out / 2**20:>9.1f}{s.bytes_copied / 2**20:>9.1f}"
+            f"{s.name[:27]:<28}{s.calls:>8}{s.function_s * 1e3:>11.1f}"
+            f"{s.waiting_s * 1e3:>13.1f}{s.bytes_in / 2**20:>9.1f}"
+            f"{s.bytes_out / 2**20:>9.1f}{s.bytes_copied / 2**20:>12.1f}"
             for s in self.ops
         ]
         if self.busy:
@@ -123,6 +130,7 @@ class PipelineStats:
             )
         if self.samples:
             lines.append(f"worker page faults: {self.faults_per_sample:.1f} per sample")
+        lines.append(self.READING_GUIDE)
         return "\n".join(lines)
 
 
@@ -415,10 +423,17 @@ class Pipeline:
         :meth:`reset`), and re-raises an op's exception for the iteration it
         broke (later iterations go on).
         """
+        __tracebackhide__ = True  # an op's error is raised from here, for the caller
         self._check_not_forked()
         self.build()
         assert self._scheduler is not None
-        result = self._scheduler.next_result()
+        try:
+            result = self._scheduler.next_result()
+        except StopIteration:
+            raise
+        except Exception as exc:
+            # The op's exception, its traceback where it was raised (not the scheduler's).
+            raise for_caller(exc)  # noqa: B904
         self._iterations += 1
         if result:
             self._samples += len(result[0])
@@ -427,11 +442,14 @@ class Pipeline:
         return result
 
     def __iter__(self) -> Iterator[tuple[Batch, ...]]:
+        __tracebackhide__ = True
         while True:
             try:
                 out = self.run()
             except StopIteration:
                 return
+            except Exception as exc:
+                raise for_caller(exc)  # noqa: B904 - the same exception, as run() raised it
             yield out
 
     def epoch_size(self, name: str | None = None) -> Any:

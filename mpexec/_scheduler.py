@@ -74,6 +74,7 @@ from ._runtime import (
     derive_seed,
     is_string_array,
 )
+from ._tracebacks import reraise
 
 _CHUNK_SECONDS = 0.05  # what a chunk of a slow op should take (see _chunk_count)
 _MAX_CHUNKS_PER_WORKER = 4
@@ -311,7 +312,7 @@ class Scheduler:
         with self._lock:
             self._delivered += 1  # a failed iteration counts: the next run() is the next one
         if it.error is not None:
-            raise it.error
+            reraise(it.error)  # a stored error: run() shows where it was raised
         assert it.result is not None
         return it.result
 

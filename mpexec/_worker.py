@@ -20,7 +20,6 @@ import signal
 import struct
 import sys
 import threading
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +49,7 @@ from ._protocol import (
     spill,
     spin_until,
 )
+from ._tracebacks import FULL_TRACEBACK_ENV, format_exception
 
 
 @dataclass
@@ -70,6 +70,9 @@ class WorkerBoot:
     segment_size: int
     inline_max: int
     capacity: int | None = None  # the pool's arena_capacity caps our arena too
+    #: The caller's MPEXEC_FULL_TRACEBACK: a fork server's children have the
+    #: environment of its start, not the caller's now.
+    full_traceback: bool = False
     warm_memory: int = 0  # bytes of freed memory malloc may keep (0: glibc's defaults)
 
 
@@ -260,7 +263,7 @@ class _LoadFailure:
 
 def _pickle_error(exc: BaseException) -> bytes:
     """The exception and its traceback as text; a stand-in if it does not pickle."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = format_exception(exc)  # mpexec's own frames left out (and counted)
     exc.__traceback__ = None
     try:
         try:
@@ -310,6 +313,8 @@ def main(boot: WorkerBoot) -> None:
     # ours follow their lifeline, and multiprocessing ends daemonic ones at its exit.
     multiprocessing.current_process().daemon = False
     keep_memory_warm(boot.warm_memory)  # before the first call allocates anything
+    if boot.full_traceback:
+        os.environ[FULL_TRACEBACK_ENV] = "1"
     if shm.platform_info().backend == "memfd":
         # Named segments must be unlinked on the way out, which SIGKILL forbids:
         # then the lifeline thread alone ends the worker.

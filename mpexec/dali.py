@@ -47,6 +47,7 @@ import numpy as np
 
 from ._batch import Batch
 from ._codec import writable
+from ._extras import INSTALL_DOC, install_command
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
 
@@ -412,8 +413,9 @@ def external_source(
         from nvidia.dali import fn as dali_fn
     except ImportError as exc:
         raise ImportError(
-            "mpexec.dali.external_source needs NVIDIA DALI: pip install 'mpexec[dali]' "
-            "(or feed mpexec.dali.source(pipe) to your own DALI external_source)"
+            "mpexec.dali.external_source needs NVIDIA DALI: from a checkout of mpexec, "
+            f"{install_command('dali')} (see {INSTALL_DOC}; or feed mpexec.dali.source(pipe) "
+            "to your own DALI external_source)"
         ) from exc
     src = source(pipe, outputs, keep)
     n = len(outputs) if outputs is not None else pipe.num_outputs

@@ -13,9 +13,9 @@ try:
     import jax
     import jax.numpy as jnp
 except ImportError as _exc:  # pragma: no cover - exercised without JAX installed
-    raise ImportError(
-        "mpexec.jax needs JAX, which is not installed: pip install 'mpexec[jax]'"
-    ) from _exc
+    from ._extras import missing_message
+
+    raise ImportError(missing_message("jax", _exc)) from _exc
 
 import numpy as np
 

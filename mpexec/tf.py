@@ -6,22 +6,23 @@ and friends, in ``_tf.py``), which never import TensorFlow; this module does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
     import tensorflow as tf
 except ImportError as _exc:  # pragma: no cover - exercised without TensorFlow installed
-    raise ImportError(
-        "mpexec.tf needs TensorFlow, which is not installed: pip install 'mpexec[tf]'"
-    ) from _exc
+    from ._extras import missing_message
+
+    raise ImportError(missing_message("tf", _exc)) from _exc
 
 import numpy as np
 
 from ._batch import Batch
+from ._graph import Graph, epoch_iterations
 from ._pipeline import Pipeline
 
-__all__ = ["dataset", "element_spec"]
+__all__ = ["dataset", "element_spec", "epoch_length"]
 
 
 def dataset(pipe: Pipeline) -> Any:
@@ -32,8 +33,21 @@ def dataset(pipe: Pipeline) -> Any:
     from the pipeline's first iteration (which is kept and yielded first).
     Every iteration of the dataset after the first starts a new epoch of the
     pipeline (``pipe.reset()``). Outputs must be dense (one shape per batch).
+
+    Its cardinality is the epoch's iterations when the sources tell it (each
+    has a ``len()``; see :func:`epoch_length`) and the pipeline stands at the
+    start of an epoch, so Keras knows its steps per epoch; else unknown. An
+    epoch that does not end where the lengths say is an error.
+
+    No copy of a dense output: the dataset's tensors alias the batch's
+    shared memory, which TensorFlow takes as it is when 64-byte aligned
+    (mpexec's arenas are). An output made sample by sample is stacked once
+    into one aligned block (``Batch.as_array``); an array small enough to
+    have ridden inside a ring record (16 KiB or less) is not aligned, and
+    TensorFlow copies it.
     """
     first: list[tuple[Batch, ...]] = []
+    length = epoch_length(pipe) if pipe.state_dict()["iteration"] == 0 else None
     spec = _declared_spec(pipe)
     if spec is None:
         try:
@@ -44,20 +58,83 @@ def dataset(pipe: Pipeline) -> Any:
                 "one: declare output_dtypes and output_shapes on its outputs' ops"
             ) from None
         spec = _spec_of(first[0])
+    peeked_at = _position(pipe)
     epochs = [0]
 
     def generate() -> Iterator[tuple[np.ndarray[Any, Any], ...]]:
-        if epochs[0] > 0 or not first:
-            if epochs[0] > 0:
-                pipe.reset()
-            source: Iterator[tuple[Batch, ...]] = iter(pipe)
+        if first and epochs[0] == 0 and _position(pipe) == peeked_at:
+            source: Iterator[tuple[Batch, ...]] = _chain(first.pop(), pipe)
         else:
-            source = _chain(first.pop(), pipe)
+            # The kept iteration is stale if the pipeline was read meanwhile: a new epoch.
+            stale = bool(first)
+            first.clear()
+            if epochs[0] > 0 or stale:
+                pipe.reset()
+            source = iter(pipe)
         epochs[0] += 1
         for outputs in source:
             yield tuple(_dense(b, i) for i, b in enumerate(outputs))
 
-    return tf.data.Dataset.from_generator(generate, output_signature=spec)
+    if length is None:
+        return tf.data.Dataset.from_generator(generate, output_signature=spec)
+    return _counted(generate, length, spec)
+
+
+def _counted(
+    generate: Callable[[], Iterator[tuple[np.ndarray[Any, Any], ...]]],
+    length: int,
+    spec: tuple[Any, ...],
+) -> Any:
+    """``length`` iterations a pass, each fetched by one ``numpy_function`` call.
+
+    Half the per-batch cost of ``from_generator`` (which checks every element's
+    structure in Python), and the cardinality is the range's. Iteration 0
+    starts a pass; the last one also checks that the epoch ends there.
+    """
+    passes: list[Iterator[tuple[np.ndarray[Any, Any], ...]]] = []
+
+    def fetch(i: np.int64) -> list[np.ndarray[Any, Any]]:
+        if i == 0:
+            passes[:] = [generate()]
+        try:
+            out = next(passes[0])
+        except StopIteration:
+            raise ValueError(
+                f"the pipeline's epoch ended after {int(i)} iterations, but its sources' "
+                f"len() says {length}"
+            ) from None
+        if i == length - 1 and next(passes[0], None) is not None:
+            raise ValueError(
+                f"the pipeline's epoch goes on past {length} iterations, the number its "
+                "sources' len() says"
+            )
+        return list(out)
+
+    def element(i: Any) -> tuple[Any, ...]:
+        tensors = tf.numpy_function(fetch, [i], [s.dtype for s in spec], stateful=True)
+        for t, s in zip(tensors, spec, strict=True):
+            t.set_shape(s.shape)
+        return tuple(tensors)
+
+    return tf.data.Dataset.range(length).map(element)
+
+
+def epoch_length(pipe: Pipeline) -> int | None:
+    """Iterations in one epoch of ``pipe``, if its sources' lengths tell; else None.
+
+    Every source that can end the epoch needs a ``len()``: a callable taking
+    ``SampleInfo`` with ``__len__`` (samples), a list or another sized
+    iterable (samples, or batches with ``batch=True``). With
+    ``last_batch="drop"`` a short last batch does not count.
+    """
+    return epoch_iterations(_built_graph(pipe), pipe.batch_size, pipe.last_batch == "drop")
+
+
+def _built_graph(pipe: Pipeline) -> Graph:
+    pipe.build()
+    graph = pipe._graph  # noqa: SLF001 - the pipeline's graph has no public face yet
+    assert graph is not None
+    return graph
 
 
 def element_spec(pipe: Pipeline) -> tuple[Any, ...] | None:
@@ -70,11 +147,8 @@ def element_spec(pipe: Pipeline) -> tuple[Any, ...] | None:
 
 
 def _declared_spec(pipe: Pipeline) -> tuple[Any, ...] | None:
-    pipe.build()
-    graph = pipe._graph  # noqa: SLF001 - the pipeline's graph has no public face yet
-    assert graph is not None
     specs = []
-    for node in graph.outputs:
+    for node in _built_graph(pipe).outputs:
         op = node.op
         if op.output_dtypes is None or op.output_shapes is None:
             return None
@@ -102,6 +176,11 @@ def _dense(batch: Batch, i: int) -> np.ndarray[Any, Any]:
             "a tf.data element is one dense tensor per output; pad or crop to one shape"
         )
     return np.asarray(batch.as_array())
+
+
+def _position(pipe: Pipeline) -> tuple[int, int]:
+    state = pipe.state_dict()
+    return int(state["epoch"]), int(state["iteration"])
 
 
 def _chain(first: tuple[Batch, ...], pipe: Pipeline) -> Iterator[tuple[Batch, ...]]:

@@ -76,6 +76,9 @@ LAYERS: dict[str, int] = {
     "mpexec._host": 0,
     "mpexec._modes": 0,
     "mpexec._version": 0,
+    "mpexec._extras": 0,  # extras' install hints and framework versions, from metadata
+    "mpexec._cpuload": 0,  # other processes' CPU share (demo, benchmarks)
+    "mpexec._tracebacks": 0,  # a worker's exception shown without mpexec's frames
     # 1: the wire: records, codec, the worker process, launching it, map() windows
     "mpexec._protocol": 1,
     "mpexec._codec": 1,

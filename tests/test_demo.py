@@ -5,10 +5,12 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -17,6 +19,7 @@ import pytest
 
 from mpexec import _demo
 from mpexec.__main__ import main as cli_main
+from mpexec._cpuload import CpuLoad
 
 CROP = _demo.CROP
 
@@ -221,10 +224,34 @@ class FakeTerminal(io.StringIO):
         return True
 
 
-def test_progress_draws_only_on_a_terminal() -> None:
-    assert not _demo.Progress.wanted(io.StringIO())
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _demo.Progress.wanted(io.StringIO())
     assert _demo.Progress.wanted(FakeTerminal())
     assert not _demo.Progress.wanted(FakeTerminal(), disabled=True)
+    assert not _demo.Progress.wanted(io.StringIO(), disabled=True)
+
+    # Not a terminal: a plain line every LINE_EVERY_S seconds, and one at the end.
+    clock = [100.0]
+    monkeypatch.setattr(_demo.time, "perf_counter", lambda: clock[0])
+    log = io.StringIO()
+    bar = _demo.Progress("pipeline", 8, log, enabled=True)
+    assert not bar.bar
+    bar.update(2)  # no time has passed: nothing yet
+    assert log.getvalue() == ""
+    clock[0] += _demo.Progress.LINE_EVERY_S
+    bar.update(2)
+    clock[0] += 1.0
+    bar.update(2)  # within the interval: no line
+    bar.update(2)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert lines == [
+        "pipeline 4/8 images      2.0 images/s",
+        "pipeline 8/8 images      2.7 images/s",
+    ]
+    assert "\r" not in log.getvalue()
 
     quiet = io.StringIO()
     bar = _demo.Progress("serial", 4, quiet, enabled=False)
@@ -319,6 +346,45 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["pipeline"]["batches"] == 1
     assert summary["speedup"] > 0
     assert summary["stats"] == "FAKE STATS 2 calls"
+    for phase in ("serial", "pipeline"):
+        load = summary["host_load"][phase]
+        assert 0.0 <= load["other_share"] <= 1.0
+        assert load["wall_s"] > 0
+        assert load["own_cpu_s"] >= 0
+
+
+def _result(serial_other: float, pipeline_other: float) -> _demo.DemoResult:
+    """A result whose serial loop and pipeline saw other processes use these shares."""
+
+    def load(share: float) -> CpuLoad:
+        return CpuLoad(wall_s=10.0, cpus=2, own_cpu_s=5.0, other_cpu_s=20.0 * share, steal_cpu_s=0)
+
+    config = _demo.DemoConfig(images=4, workers=2, progress=False)
+    run = _demo.PipelineRun(_demo.Timing(8, 2.0), 0.5, 1, "ab" * 20, "STATS", load(pipeline_other))
+    return _demo.DemoResult(
+        config, 2, 1000, 0.1, _demo.Timing(4, 2.0), "cd" * 20, run, load(serial_other)
+    )
+
+
+@pytest.mark.parametrize(
+    ("serial", "pipeline", "verdict"),
+    [
+        (0.61, 0.58, ": not meaningful, the host was busy"),
+        (0.02, 0.30, ": not meaningful, the host was busy"),
+        (0.12, 0.03, ": the host was not quiet, take it as approximate"),
+        (0.02, 0.03, ""),
+    ],
+)
+def test_demo_says_how_busy_the_host_was(serial: float, pipeline: float, verdict: str) -> None:
+    lines = _demo.format_result(_result(serial, pipeline)).splitlines()
+    speedup = next(line for line in lines if line.startswith("  speed-up"))
+    assert speedup.endswith("(2 workers, 2 usable CPUs)" + verdict), speedup
+    load = lines[lines.index(speedup) + 1]
+    assert load.startswith(
+        f"  host load other processes used {100 * serial:.0f}% of the 2 CPUs during the "
+        f"serial loop and {100 * pipeline:.0f}% during the pipeline"
+    ), load
+    assert load.endswith("(a quiet host)") == (verdict == "")
 
 
 @pytest.mark.usefixtures("fake_pipeline")
@@ -405,7 +471,7 @@ def test_cli_passes_options_through(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["config"].workers == usable_cpus()
     assert seen["config"].images == 256
     assert seen["config"].batch_size == 32
-    assert seen["config"].progress is False  # stderr is not a terminal under pytest
+    assert seen["config"].progress is True  # lines, since stderr is not a terminal here
     assert seen["as_json"] is False
 
 
@@ -428,4 +494,71 @@ def test_cli_demo_runs_the_pipeline() -> None:
     assert "throughput" in done.stdout
     assert "images/s" in done.stdout
     assert "speed-up" in done.stdout
+    assert "host load other processes used" in done.stdout
     assert "Traceback" not in done.stderr
+    assert done.stderr == "", done.stderr  # --no-progress
+    # docs/demo.md shows what the demo prints: the same lines, only the numbers differ.
+    doc = _doc_block("## Reading the output")
+    assert [_shape(line) for line in doc] == [_shape(line) for line in done.stdout.splitlines()]
+
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "demo.md"
+
+
+def _doc_block(heading: str) -> list[str]:
+    """The lines of the first ```text block after ``heading`` in docs/demo.md."""
+    text = DOC.read_text().split(f"\n{heading}\n", 1)[1]
+    return text.split("```text\n", 1)[1].split("\n```", 1)[0].splitlines()
+
+
+def _shape(line: str) -> str:
+    """A report line less what varies from run to run: numbers, the digest, and what
+    the speed-up and host-load lines say about the machine's load."""
+    if line.startswith("  speed-up"):
+        line = line.split(")", 1)[0]
+    if line.startswith("  host load"):
+        line = line.split(" during the pipeline", 1)[0]
+    line = re.sub(r"\b[0-9a-f]{40}\b", "DIGEST", line)
+    line = re.sub(r"\d+(\.\d+)?", "N", line)
+    return " ".join(line.split())
+
+
+def _doctor_shape(lines: list[str]) -> list[str]:
+    """Sections and row labels of the doctor's report, less the machine-dependent
+    ones (the GPU section's rows, the notes)."""
+    out, section = [], ""
+    for line in lines:
+        if not line.startswith("  "):
+            section = line.split()[0] if line.startswith("mpexec ") else line
+            out.append(section)
+        elif section not in ("gpu", "notes"):
+            out.append(f"{section}: {line.split('  ')[1].strip()}")
+    return [x for x in out if x != "notes"]
+
+
+def test_doc_shows_what_doctor_prints() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mpexec", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    doc = _doc_block("## `python -m mpexec doctor`")
+    assert _doctor_shape(doc) == _doctor_shape(done.stdout.splitlines())
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_cli_demo_shows_progress_lines_when_not_on_a_terminal() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mpexec", "demo", "--images", "8", "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    for label, total in (("images", 8), ("serial", 8), ("pipeline", 16)):
+        assert any(line.startswith(f"{label:<9}{total}/{total} images") for line in lines), lines
+    assert "\r" not in done.stderr

@@ -23,3 +23,25 @@ def test_example_runs(example: Path, no_leaks: None) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
+
+
+#: Each optional framework's example, and the module it cannot do without.
+OPTIONAL = [("torch_loader.py", "torch"), ("ray_basics.py", "ray")]
+
+
+@pytest.mark.parametrize(("name", "framework"), OPTIONAL, ids=[n for n, _ in OPTIONAL])
+def test_example_skips_politely_without_its_framework(name: str, framework: str) -> None:
+    """Run as a user without the extra would: a one-line skip, status 0, no traceback."""
+    example = next(p for p in EXAMPLES if p.name == name)
+    code = (
+        "import runpy, sys\n"
+        f"sys.modules[{framework!r}] = None  # import {framework} fails, as when not installed\n"
+        f"runpy.run_path({str(example)!r}, run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.startswith("skipping the example: "), done.stdout
+    assert 'pip install -e ".[' in done.stdout or framework == "torch", done.stdout

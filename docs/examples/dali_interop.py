@@ -3,7 +3,7 @@
 1. DALI's python_function, spread over mpexec's worker processes.
 2. An mpexec pipeline as the source of a DALI pipeline, epoch by epoch.
 
-Needs NVIDIA DALI (``pip install 'mpexec[dali]'``, Linux x86_64; CPU-only
+Needs NVIDIA DALI (``pip install -e ".[dali]"`` in a checkout, Linux x86_64; CPU-only
 pipelines need no GPU). Without it, this says so and exits.
 """
 
@@ -23,7 +23,10 @@ from mpexec import fn as mfn
 try:
     from nvidia.dali import fn, pipeline_def
 except ImportError:
-    print("NVIDIA DALI is not installed (pip install 'mpexec[dali]'): nothing to show here")
+    print(
+        'skipping the example: NVIDIA DALI is not installed (pip install -e ".[dali]" '
+        "in a checkout of mpexec)"
+    )
     sys.exit(0)
 
 

@@ -2,7 +2,9 @@
 
 Batches are fetched and collated in mpexec's workers, straight into shared
 memory; the tensors you get are views of it. Then: resuming an epoch where it
-stopped, from a JSON-able state. Needs the extra: pip install 'mpexec[torch]'.
+stopped, from a JSON-able state. Needs the extra: pip install -e ".[torch]" in a
+checkout of mpexec (docs/install.md: for a CPU-only torch, install it first from PyTorch's CPU
+wheel index).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from .. import _codec
 from .._errors import PoolClosedError
 from .._host import ensure_open_files, minor_faults, usable_cpus
 from .._mapping import CallExecutor
+from .._tracebacks import for_caller
 from . import _stop
 from ._factory import WorkerFactory, context
 from ._manager import Manager
@@ -202,7 +203,8 @@ class WorkerPool(CallExecutor):
             result = fn(*_readonly(args), **_readonly(kwargs))
         except BaseException as exc:
             state.count_ran_inline(ok=False)
-            future.set_exception(exc)
+            # A plain Future's result() raises it: its traceback starts at the user's code.
+            future.set_exception(for_caller(exc))
         else:
             state.count_ran_inline(ok=True)
             future.set_result(result)

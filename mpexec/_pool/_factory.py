@@ -19,6 +19,7 @@ from .. import _launch, _worker
 from .._errors import BrokenPoolError, RemoteTraceback
 from .._host import cuda_initialised, default_start_method
 from .._protocol import FAILED, HEADER, HELLO, body_of
+from .._tracebacks import full_tracebacks
 from ._crash import describe_exit
 from ._state import PoolState, Slot
 
@@ -80,6 +81,7 @@ class WorkerFactory:
             segment_size=min(self.worker_arena_size, self.arena_capacity or self.worker_arena_size),
             capacity=self.arena_capacity,
             inline_max=self.inline_max,
+            full_traceback=full_tracebacks(),
             warm_memory=self.warm_memory,
         )
         slot.process = self.ctx.Process(

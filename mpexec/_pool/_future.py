@@ -23,6 +23,7 @@ import shm
 from .._errors import forked_error
 from .._mapping import settle
 from .._protocol import CANCEL, VERDICT, record
+from .._tracebacks import for_caller
 
 if TYPE_CHECKING:
     from ._state import PoolState, Slot
@@ -161,7 +162,12 @@ class PoolFuture(Future[T]):
         super().add_done_callback(_GuardedCallback(fn))
 
     def result(self, timeout: float | None = None) -> T:
-        return super().result(self._poll(timeout))
+        __tracebackhide__ = True  # the caller sees the call's error, not this re-raise
+        try:
+            return super().result(self._poll(timeout))
+        except Exception as exc:
+            # The same exception, its own __cause__ kept (a user sees this line).
+            raise for_caller(exc)  # noqa: B904
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return super().exception(self._poll(timeout))

@@ -126,8 +126,14 @@ class Manager(threading.Thread):
                 return
             kind, flags, _, task_id = HEADER.unpack_from(rec)
             skipped = kind == SKIPPED
-            # Only this thread takes tasks off the head of the queue.
-            view = state.view_results or (bool(slot.queue) and slot.queue[0].view)
+            # Only this thread takes tasks off the head of the queue. The sender
+            # pushes a call and then queues its task, both under the state lock: a
+            # quick worker's answer can come in between, so wait for the lock then.
+            head = slot.queue[0] if slot.queue else None
+            if head is None or head.task_id != task_id:
+                with state.lock:
+                    head = slot.queue[0] if slot.queue else None
+            view = state.view_results or (head is not None and head.view)
             ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, view)
             task = state.complete(slot, task_id, skipped, ok)
             task.release()

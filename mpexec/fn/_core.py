@@ -82,7 +82,7 @@ def dl_tensor_python_function(
 
 def _python_function(kind: OpKind, inputs: tuple[Any, ...], **kw: Any) -> Any:
     graph = graph_for(kind)
-    name = kw["name"] if kw["name"] is not None else graph.unique_name(kind)
+    name = kw["name"] if kw["name"] is not None else graph.unique_name(kind, kw["function"])
     what = f"fn.{kind} '{name}'"
     if not isinstance(name, str) or not name:
         raise TypeError(f"fn.{kind}: name must be a non-empty string, not {name!r}")
@@ -118,7 +118,7 @@ def _python_function(kind: OpKind, inputs: tuple[Any, ...], **kw: Any) -> Any:
         output_shapes=_shapes(what, kw["output_shapes"], num_outputs),
         dlpack=kw["dlpack"],
     )
-    return _outputs(graph.add(op))
+    return _outputs(graph.add(op, auto_named=kw["name"] is None))
 
 
 def external_source(
@@ -161,7 +161,7 @@ def external_source(
     ``no_copy`` and ``blocking`` are accepted for DALI compatibility.
     """
     graph = graph_for("external_source")
-    name_ = name if name is not None else graph.unique_name("external_source")
+    name_ = name if name is not None else graph.unique_name("external_source", source)
     what = f"fn.external_source '{name_}'"
     del prefetch_queue_depth, no_copy, blocking
     n: object = 1 if num_outputs is None else num_outputs
@@ -204,7 +204,7 @@ def external_source(
         source_mode=mode,
         cycle=cycle,
     )
-    return _outputs(graph.add(op))
+    return _outputs(graph.add(op, auto_named=name is None))
 
 
 class _BatchCallable:

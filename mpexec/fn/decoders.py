@@ -1,6 +1,6 @@
 """Decoders, DALI style: ``fn.decoders.image`` decodes in the workers, with Pillow.
 
-Pillow is an optional extra (``pip install mpexec[image]``), imported by the
+Pillow is an optional extra (``pip install -e ".[image]"`` in a checkout), imported by the
 workers when they decode and checked for when the op is defined. Measured
 against DALI 2.4's CPU decoder (docs/pipeline.md, "Porting from DALI"): RGB
 and BGR pixels are identical (JPEG baseline and progressive, 4:4:4, 4:2:2,
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._extras import INSTALL_DOC, install_command
 from .._graph import DataNode
 from .._types import DALIImageType, as_numpy_dtype
 from ._core import graph_for, python_function
@@ -131,5 +132,6 @@ def _require_pillow(what: str) -> None:
         import PIL  # noqa: F401
     except ImportError as exc:
         raise ImportError(
-            f"{what} decodes with Pillow, which is not installed: pip install 'mpexec[image]'"
+            f"{what} decodes with Pillow, which is not installed: from a checkout of mpexec, "
+            f"{install_command('image')} (see {INSTALL_DOC})"
         ) from exc

@@ -6,7 +6,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
 from typing import Any
 
 import numpy as np
@@ -33,10 +32,20 @@ def ragged(x: Any) -> Any:
     return x[: 1 + int(x[0, 0]) % 3]
 
 
-def make(declared: bool = True, with_ragged: bool = False) -> mpexec.Pipeline:
+class SizedImages:
+    """``image`` with a length: the epoch's length is known."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __call__(self, info: Any) -> Any:
+        return image(info)
+
+
+def make(declared: bool = True, with_ragged: bool = False, sized: bool = False) -> mpexec.Pipeline:
     @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=3)
     def pipe() -> Any:
-        x = fn.external_source(source=image, batch=False)
+        x = fn.external_source(source=SizedImages() if sized else image, batch=False)
         kw: dict[str, Any] = (
             {"output_dtypes": np.float32, "output_shapes": (64, 64)} if declared else {}
         )
@@ -126,24 +135,22 @@ def test_tf_ragged_output_is_a_clear_error() -> None:
     run_check("tensorflow", "check_tf_ragged")
 
 
-@pytest.mark.parametrize(("module", "extra"), [("jax", "jax"), ("tf", "tf"), ("torch", "torch")])
-def test_missing_framework_names_the_extra(module: str, extra: str) -> None:
-    real = {"jax": "jax", "tf": "tensorflow", "torch": "torch"}[module]
-    code = textwrap.dedent(
-        f"""
-        import sys
-        import mpexec
-        assert {real!r} not in sys.modules, "import mpexec imported {real}"
-        sys.modules[{real!r}] = None
-        try:
-            import mpexec.{module}
-        except ImportError as exc:
-            assert "mpexec[{extra}]" in str(exc), exc
-        else:
-            raise SystemExit("no ImportError")
-        """
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
+def test_tf_dataset_cardinality_from_sized_sources() -> None:
+    run_check("tensorflow", "check_tf_cardinality")
+
+
+def test_tf_keras_fit_does_not_run_out_of_data() -> None:
+    run_check("keras", "check_tf_keras_fit_needs_no_steps")
+
+
+@pytest.mark.parametrize("sized", ["yes", ""])  # a known length (range), or not (generator)
+def test_tf_hand_off_aliases_the_batch_memory(sized: str) -> None:
+    run_check("tensorflow", "check_tf_hand_off_aliases_the_batch", sized)
+
+
+def test_tf_epoch_not_as_long_as_said_is_an_error() -> None:
+    run_check("tensorflow", "check_tf_wrong_length")
+
+
+def test_tf_dataset_after_the_pipeline_was_read() -> None:
+    run_check("tensorflow", "check_tf_pipeline_read_between")

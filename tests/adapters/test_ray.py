@@ -7,9 +7,11 @@ torn down, with a check that it left no process behind, before the next.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import threading
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import BrokenExecutor
 from typing import Any
@@ -30,7 +32,7 @@ from mpexec import (  # noqa: E402
     fn,
 )
 from mpexec.ray import RayPool  # noqa: E402
-from tests.conftest import _children, wait_until  # noqa: E402
+from tests.conftest import _children, run_python, wait_until  # noqa: E402
 from tests.pipeline.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
 
 T = 60  # every .result() here is bounded by this
@@ -231,8 +233,13 @@ def test_user_error_keeps_type_and_remote_traceback(pool: RayPool) -> None:
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
     assert "_fail" in cause.tb
-    with pytest.raises(KeyError):
+    assert "_worker.py" not in cause.tb  # mpexec's frames hidden, and said so
+    assert "frames of mpexec hidden" in cause.tb
+    with pytest.raises(KeyError) as mapped:
         list(pool.map(_fail, [1, 2], timeout=T))
+    # Raised by map() itself, not from concurrent.futures' Future.result().
+    frames = [f.filename for f in traceback.extract_tb(mapped.value.__traceback__)]
+    assert not [f for f in frames if f"concurrent{os.sep}futures" in f], frames
     assert pool.submit(_square, 4).result(T) == 16  # the pool is still fine
 
 
@@ -341,10 +348,99 @@ def test_no_agent_left_is_a_typed_error(ray_setup: Any) -> None:
     assert_gone(p, processes)
 
 
+def test_callbacks_of_failed_calls_run_outside_the_pools_lock(ray_setup: Any) -> None:
+    """A future's callback that waits for a lock held by a thread that is submitting
+    (a pipeline's scheduler does that) must not deadlock when the last agent dies."""
+    if ray_setup is not None:
+        pytest.skip("needs the one-node set-up: its only agent dies")
+    scheduler_lock = threading.Lock()
+    in_callback = threading.Event()
+
+    def callback(_: Any) -> None:
+        in_callback.set()
+        with scheduler_lock:
+            pass
+
+    p = RayPool()
+    processes = p._agent_processes()
+    future = p.submit(_slow_square, 1)
+    future.add_done_callback(callback)
+    submitted = threading.Event()
+
+    def submit_more() -> None:
+        with contextlib.suppress(NodeLostError):
+            p.submit(_square, 2)
+        submitted.set()
+
+    with scheduler_lock:
+        ray.kill(ray.get_actor(p.agent_names()[0], namespace="mpexec"), no_restart=True)
+        assert in_callback.wait(T), "the call never failed"
+        threading.Thread(target=submit_more, daemon=True).start()
+        # Before the fix the pool's manager ran the callback under the pool's lock:
+        # submit() waited for that lock, the callback for ours, forever.
+        assert submitted.wait(T), "submit() is stuck behind a callback holding the pool's lock"
+    with pytest.raises(NodeLostError):
+        future.result(T)
+    p.shutdown()
+    assert_gone(p, processes)
+
+
 def test_joins_running_ray_and_leaves_it_running(ray_setup: Any) -> None:
     with RayPool() as p:
         assert p.submit(os.getpid).result(T) != os.getpid()
+        assert p.address == ray.get_runtime_context().gcs_address
+        assert f"address={p.address}" in repr(p)
     assert ray.is_initialized()
+
+
+def test_an_address_other_than_the_connected_ray_is_an_error(ray_setup: Any) -> None:
+    here = ray.get_runtime_context().gcs_address
+    for address in ("local", "127.0.0.1:1"):
+        with pytest.raises(ValueError, match="already connected to the Ray at"):
+            RayPool(address=address)
+    with RayPool(address=here, watch_interval=None) as p:  # the same Ray: fine
+        assert p.address == here
+    with pytest.raises(ValueError, match="watch_interval"):
+        RayPool(watch_interval=0)
+
+
+def test_stats_count_calls_and_nodes(pool: RayPool) -> None:
+    before = pool.stats()
+    assert list(pool.map(_square, range(6), timeout=T)) == [i * i for i in range(6)]
+    with pytest.raises(KeyError):
+        pool.submit(_fail, 1).result(T)
+    after = pool.stats()
+    assert after.submitted - before.submitted == 7
+    assert after.completed - before.completed == 6
+    assert after.failed - before.failed == 1
+    assert (after.nodes, after.workers) == (len(pool.nodes), pool.num_workers)
+    assert after.lost_nodes == ()
+    assert after.in_flight == after.pending == 0
+
+
+def test_a_node_that_joins_gets_an_agent(ray_setup: Any) -> None:
+    """Elastic growth: the pool starts an agent on a node added while it runs."""
+    if ray_setup is None:
+        pytest.skip("the local set-up has one node and cannot add one")
+    with RayPool(workers_per_node=1, watch_interval=0.2) as p:
+        assert p.stats().nodes == 2
+        node = ray_setup.add_node(num_cpus=1, object_store_memory=STORE)
+        try:
+            wait_until(lambda: p.stats().nodes == 3, 90, "an agent on the new node")
+            assert node.node_id in p.nodes
+            assert (p.num_workers, p.stats().joined_nodes) == (3, 1)
+            assert list(p.map(_slow_square, range(30), timeout=T)) == [i * i for i in range(30)]
+            ray_setup.remove_node(node)
+            node = None
+            wait_until(lambda: p.stats().nodes == 2, 90, "the removed node to count as lost")
+            stats = p.stats()
+            assert (stats.workers, len(stats.lost_nodes)) == (2, 1)
+            assert "nodes=2 workers=2" in repr(p)
+            assert list(p.map(_square, range(10), timeout=T)) == [i * i for i in range(10)]
+        finally:
+            if node is not None:
+                ray_setup.remove_node(node)
+    assert_gone(p)
 
 
 # ---------------------------------------------------------------- pipelines on a RayPool
@@ -464,3 +560,22 @@ def test_node_removed_mid_run(ray_setup: Any) -> None:
     finally:
         if node is not None:
             ray_setup.remove_node(node)
+
+
+@pytest.mark.parametrize("mode", ["map", "in_flight"])
+def test_ray_shutdown_under_a_running_pool_fails_its_calls(mode: str) -> None:
+    """``ray.shutdown()`` (another library's atexit) while a pool runs: nothing hangs.
+
+    A running map or calls in flight, a new submit: NodeLostError; the pool's
+    own shutdown returns (and leaves alone a Ray started since). Each step
+    counts as hung after 60 s (the driver, tests/adapters/_ray_shutdown_driver.py,
+    runs a Ray of its own).
+    """
+    out = run_python("-m", "tests.adapters._ray_shutdown_driver", mode, timeout=400)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["running"] == "NodeLostError", report
+    assert report["submit"] == "NodeLostError", report
+    assert report["shutdown"] == "returned", report
+    assert report["status"] == "broken", report
+    # in_flight: a Ray started after the shutdown is not the pool's to stop
+    assert report["ray_after"] is (mode == "in_flight"), report

@@ -225,22 +225,29 @@ def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
     image = np.ones((224, 224, 3), np.uint8)
 
     def per_sample(warm_memory: int) -> float:
+        """Workers' faults a sample in the quietest of three stretches of 8 batches."""
         with WorkerPool(2, warm_memory=warm_memory, results="view") as pool:
             pipe = mpexec.Pipeline(batch_size=16, pool=pool, prefetch_depth=2)
             with pipe:
                 x = fn.external_source(source=lambda: [image] * 16)
                 pipe.set_outputs(fn.python_function(x, function=_temporaries))
+            stretches = []
             with pipe:
                 for _ in range(8):
                     pipe.run()
-                before = pipe.stats()
-                for _ in range(8):
-                    pipe.run()
-                after = pipe.stats()
-            return (after.worker_faults - before.worker_faults) / (after.samples - before.samples)
+                for _ in range(3):
+                    before = pipe.stats()
+                    for _ in range(8):
+                        pipe.run()
+                    after = pipe.stats()
+                    faults = after.worker_faults - before.worker_faults
+                    stretches.append(faults / (after.samples - before.samples))
+            return min(stretches)
 
-    assert per_sample(64 << 20) < 5
-    # glibc's defaults hand the temporaries back after every call: ~150 pages each
+    # Under load a stretch may still meet an output block a worker has not
+    # written before (~7-14 faults a sample); the others see none.
+    assert per_sample(64 << 20) < 3
+    # glibc's defaults hand the temporaries back after every call: ~90 faults each
     assert per_sample(0) > 50
 
 

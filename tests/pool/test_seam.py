@@ -8,6 +8,7 @@ TensorFlow functions and RayPool's agents build on.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,35 @@ def test_view_results_are_read_only_views_uncopied(how: str) -> None:
             assert own.flags.writeable
             assert not shm.in_shared_memory(own)
             assert np.array_equal(own, x[1:])
+
+
+def test_a_view_result_is_a_view_even_when_it_beats_its_task_to_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The sender pushes a call, then queues its task (under the pool's lock). A
+    # worker quick enough answers in between: the manager then read no task at
+    # the head of the queue, took the result for a copy-mode one, and copied it.
+    from mpexec._pool._state import Slot
+
+    enqueue = Slot.enqueue
+
+    def slow_enqueue(self: Slot, task: Any, fn_id: int) -> None:
+        popped, deadline = self.done.stats().popped, time.monotonic() + 10
+        while self.done.stats().popped == popped and time.monotonic() < deadline:
+            time.sleep(0.001)  # the worker answers, and the manager takes the answer...
+        time.sleep(0.02)  # ... and decides how to decode it
+        enqueue(self, task, fn_id)
+
+    with WorkerPool(1) as pool:
+        x = pool.put(np.arange(100_000, dtype=np.float64))
+        pool.submit_call(_tail, (x,), view=True).result(T)  # the function is known
+        time.sleep(0.2)  # the manager is back waiting for results, not for the lock
+        monkeypatch.setattr(Slot, "enqueue", slow_enqueue)
+        view = pool.submit_call(_tail, (x,), view=True).result(T)
+        monkeypatch.undo()
+        assert not view.flags.writeable
+        assert shm.in_shared_memory(view)
+        assert np.array_equal(view, x[1:])
 
 
 def test_results_must_be_copy_or_view() -> None:

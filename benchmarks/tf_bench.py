@@ -1,0 +1,169 @@
+"""``python -m benchmarks tf``: what handing a pipeline's batches to tf.data costs.
+
+One pipeline, whose source yields dense batches of a given size (float32, made
+once, copied into shared memory as any source's arrays are), is read side by
+side, round after round, four ways (the tests check that the tensors are the
+batches' shared memory, uncopied):
+
+- ``pipeline``: iterating the pipeline itself (the batches as NumPy arrays);
+- ``tf, len known``: ``mpexec.tf.dataset(pipe)`` when the source has a ``len()``
+  (``Dataset.range`` and one ``numpy_function`` call a batch);
+- ``tf, len unknown``: the same through ``Dataset.from_generator`` (a source
+  without ``len()``);
+- ``pipeline + copy``: the pipeline with one ``np.copy`` of each batch, the
+  least a hand-off that copies would cost.
+
+Per batch size: the median time a batch (spread over rounds) and each way's
+ratio to ``pipeline``. The CPU that other processes used during
+the run is reported: figures from a busy machine are flagged. Only the ratios
+travel between machines.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mpexec
+from benchmarks._common import RESULTS, cli, fmt_size, log, table, write
+from mpexec import fn
+from mpexec._cpuload import CpuMeter
+
+NAME = "tf"
+WAYS = ("pipeline", "tf, len known", "tf, len unknown", "pipeline + copy")
+
+
+class Batches:
+    """``n`` dense float32 batches of ``nbytes`` each, sized (``len``) or not."""
+
+    def __init__(self, n: int, nbytes: int) -> None:
+        self.batches = [
+            np.full((4, nbytes // 16), i, np.float32) for i in range(n)
+        ]  # 4 samples a batch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+
+def make(batches: Batches, sized: bool) -> mpexec.Pipeline:
+    def unsized() -> Iterator[np.ndarray[Any, Any]]:
+        yield from batches.batches
+
+    source: Any = batches if sized else unsized
+
+    @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=0)
+    def pipe() -> Any:
+        return fn.external_source(source=source, batch=True)
+
+    return pipe()  # type: ignore[no-any-return]
+
+
+def epoch(way: str, pipes: dict[str, Any], datasets: dict[str, Any]) -> float:
+    """Seconds a batch, over one epoch read ``way`` (the epoch's start included)."""
+    n = 0
+    t0 = time.perf_counter()
+    if way in ("pipeline", "pipeline + copy"):
+        pipes["sized"].reset()  # as each pass of a dataset does, timed alike
+        for (batch,) in pipes["sized"]:
+            a = np.asarray(batch.as_array())
+            if way == "pipeline + copy":
+                a = a.copy()
+            n += 1
+    else:
+        for (t,) in datasets[way]:
+            del t
+            n += 1
+    return (time.perf_counter() - t0) / max(1, n)
+
+
+def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
+    """Run the benchmark, print its table, write ``tf.json`` and ``tf.md``."""
+    result: dict[str, Any] = {
+        "benchmark": NAME,
+        "quick": quick,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": os.getloadavg(),
+        "errors": [],
+    }
+    try:
+        from mpexec import tf as mtf
+    except ImportError as exc:
+        print(f"tf: skipped: {exc}")
+        result["skipped"] = str(exc)
+        return result
+    sizes = [1 << 20] if quick else [64 << 10, 1 << 20, 16 << 20]
+    n, rounds = (10, 2) if quick else (40, 7)
+    meter = CpuMeter()
+    rows = []
+    for nbytes in sizes:
+        log(f"[{NAME}] batches of {fmt_size(nbytes)} ...")
+        data = Batches(n, nbytes)
+        # Three pipelines alike: one read directly, one behind each dataset (a dataset
+        # starts its pipeline's epochs itself).
+        with (
+            make(data, sized=True) as plain,
+            make(data, sized=True) as sized,
+            make(data, sized=False) as unsized,
+        ):
+            pipes = {"sized": plain}
+            known = mtf.dataset(sized)
+            datasets = {"tf, len known": known, "tf, len unknown": mtf.dataset(unsized)}
+            assert int(known.cardinality()) == n
+            times: dict[str, list[float]] = {w: [] for w in WAYS}
+            for _ in range(rounds):
+                for way in WAYS:
+                    times[way].append(epoch(way, pipes, datasets))
+        med = {w: statistics.median(v) for w, v in times.items()}
+        rows.append(
+            {
+                "batch_bytes": nbytes,
+                "median_s": med,
+                "min_s": {w: min(v) for w, v in times.items()},
+                "max_s": {w: max(v) for w, v in times.items()},
+                "vs_pipeline": {w: med[w] / med["pipeline"] for w in WAYS},
+            }
+        )
+    load = meter.stop()
+    result.update(rows=rows, host_load=load.to_json())
+    text = (
+        "Time a batch, median over rounds (min - max), and its ratio to iterating the "
+        "pipeline itself\n\n"
+    )
+    text += table(
+        ["batch", *WAYS],
+        [
+            [
+                fmt_size(r["batch_bytes"]),
+                *(
+                    f"{r['median_s'][w] * 1e6:.0f} us ({r['min_s'][w] * 1e6:.0f} - "
+                    f"{r['max_s'][w] * 1e6:.0f}) {r['vs_pipeline'][w]:.2f}x"
+                    for w in WAYS
+                ),
+            ]
+            for r in rows
+        ],
+    )
+    text += (
+        f"\n\n{n} batches an epoch, {rounds} rounds, the ways interleaved; load average "
+        f"{result['load_average'][0]:.1f} at the start; other processes used "
+        f"{100 * load.other_share:.0f}% of the {load.cpus} CPUs during the run"
+        + (" (busy: take the ratios as approximate)" if load.other_share >= 0.1 else "")
+        + "\n"
+    )
+    print(text)
+    write(NAME, result, text, out_dir, "ways of reading one pipeline")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(cli(NAME, run, None))
