@@ -20,6 +20,9 @@
       (a CPU op or the user reads it    cudaMemcpyAsync D2H; the event is
        only after the event synced)     synchronized before anyone reads
 
+The pipeline's GPU thread that drives the stage, and queues each GPU op's calls and
+the host copies CPU ops need, is ``_executors.GpuExecutor``.
+
 Who owns what: the arenas belong to the workers (the stage only registers
 their segments and holds views until copies complete); the staging ring, the
 streams, the events and the registrations belong to the stage, and
@@ -36,13 +39,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +51,9 @@ import numpy as np
 import shm
 
 from ._batch import Batch
-from ._errors import GpuError, GpuUnavailableError, OpOutputError, forked_error
+from ._errors import GpuError, GpuUnavailableError, OpOutputError
 from ._extras import INSTALL_DOC, install_command
-from ._runtime import BatchInfo, Chunk, ChunkResult, SampleInfo, takes_keyword
+from ._runtime import BatchInfo, Chunk, takes_keyword
 
 #: Every CuPy name this module uses (attribute paths from the ``cupy`` module).
 CUPY_NAMES = (
@@ -249,7 +249,6 @@ def measure_h2d(xp: Any, nbytes: int = 64 << 20, repeat: int = 5) -> dict[str, f
     Each copy is one ``cudaMemcpyAsync`` on a non-blocking stream, timed to that
     stream's synchronization.
     """
-    import time
 
     seg = shm.Segment.create(nbytes, tag="mpx-probe")
     shared = np.ndarray((nbytes,), np.uint8, buffer=seg.buf)
@@ -671,25 +670,18 @@ class GpuOpRunner:
                 return tuple(
                     self._batch_column(xp, v, i, size) for i, v in enumerate(self._split(out))
                 )
-            columns: tuple[list[Any], ...] = tuple([] for _ in range(self.num_outputs))
             np_seeds, py_seeds = _runtime.call_seeds(
                 self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, size
             )
-            for j in range(size):
-                b = chunk.start + j
-                args = tuple(self._arg(col[j], stream) for col in inputs)
-                _runtime.set_call_info(
-                    SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
-                )
-                try:
-                    out = self._call(
-                        args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
-                    )
-                finally:
-                    _runtime.set_call_info(None)
-                for i, v in enumerate(self._split(out)):
-                    columns[i].append(self._device_array(xp, v, i, b))
-            return columns
+
+            def one(args: tuple[Any, ...], j: int, b: int) -> list[Any]:
+                args = tuple([self._arg(a, stream) for a in args])
+                key = (chunk.epoch, chunk.iteration, b + 1)
+                out = self._call(args, key, b, np_seeds[j], py_seeds[j])
+                return [self._device_array(xp, v, i, b) for i, v in enumerate(self._split(out))]
+
+            rows, _ = _runtime.each_sample(chunk, inputs, False, one)
+            return tuple([row[i] for row in rows] for i in range(self.num_outputs))
 
     def _arg(self, value: Any, stream: Any) -> Any:
         if not self.dlpack:
@@ -770,174 +762,6 @@ class GpuOpRunner:
                 f"output needs its first dimension to be the batch size {size}"
             )
         return [dense[j] for j in range(size)]
-
-
-# ---------------------------------------------------------------- the executor
-
-
-class GpuExecutor:
-    """Runs GPU ops' calls in this process, on one thread that owns the device.
-
-    :meth:`submit` queues one call (a chunk through a :class:`GpuOpRunner`) and
-    returns a future of its :class:`ChunkResult` (outputs are device arrays).
-    The thread copies host inputs to the device (the op's stream waits on the
-    copy), makes the op's stream wait on the events of the GPU ops that
-    produced its device inputs (and on nothing else), runs the function, and
-    records the op's event. It never synchronizes the device: calls of later
-    iterations are queued while earlier ones still run on the GPU, which is
-    what overlaps the copy of iteration i+1 with the compute of iteration i.
-    """
-
-    workers = 1
-
-    def __init__(self, xp: Any, device_id: int = 0, *, register: bool = True) -> None:
-        self.xp = xp
-        self.pid = os.getpid()  # the process whose thread and device context these are
-        self.stage = GpuStage(xp, device_id, register=register)
-        self._lock = threading.Lock()  # the stage is shared with to_host callers
-        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._events: dict[tuple[str, int, int], Any] = {}
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def submit(
-        self, runner: GpuOpRunner, chunk: Chunk, inputs: Sequence[Sequence[Any]]
-    ) -> Future[ChunkResult]:
-        if self.pid != os.getpid():
-            # Forked: the thread is the parent's (a call queued here would wait forever),
-            # and so is the device context.
-            raise forked_error(self.pid, "this GPU stage")
-        future: Future[ChunkResult] = Future()
-        with self._lock:
-            if self._closed:
-                raise GpuError("the GPU stage is closed")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="mpexec-gpu", daemon=True)
-                self._thread.start()
-        self._tasks.put((runner, chunk, inputs, future))
-        return future
-
-    def runner(self, op: Any, entropy: int) -> GpuOpRunner:
-        """The runner of GPU op ``op`` (an ``_graph.Op``)."""
-        return GpuOpRunner(
-            op.name,
-            op.function,
-            op.batch_processing,
-            op.num_outputs,
-            entropy,
-            op.dlpack,
-            tuple(n.op.name for n in op.inputs),
-        )
-
-    def submit_unit(self, unit: Any) -> Future[ChunkResult]:
-        """The scheduler's entry point (a ``_scheduler.WorkUnit`` of a GPU op)."""
-        return self.submit(unit.runner, unit.chunk, unit.inputs)
-
-    def share(self, array: Any) -> Any:
-        """A read-only copy (GPU ops are never sources; here for the executor protocol)."""
-        out = np.array(array, copy=True)
-        out.flags.writeable = False
-        return out
-
-    def batch(self, samples: Sequence[Any], layout: str | None, producer: str) -> GpuBatch:
-        """A GPU op's output as a :class:`GpuBatch` on that op's stream."""
-        return GpuBatch(samples, layout, self.xp, self.stage.stream(producer))
-
-    def is_device_column(self, column: Sequence[Any]) -> bool:
-        return bool(column) and isinstance(column[0], self.xp.ndarray)
-
-    def to_host(
-        self,
-        columns: Sequence[Sequence[Any]],
-        producer: str,
-        alloc: Callable[[int], np.ndarray[Any, Any]] | None = None,
-    ) -> list[list[Any]]:
-        """Host copies of GPU op ``producer``'s output columns, complete on return."""
-        with self._lock:
-            stream = self.stage.stream(producer)
-            return self.stage.to_host(columns, stream, alloc)
-
-    def _loop(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            runner, chunk, inputs, future = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = self._run(runner, chunk, inputs)
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-    def _run(
-        self, runner: GpuOpRunner, chunk: Chunk, inputs: Sequence[Sequence[Any]]
-    ) -> ChunkResult:
-        t0 = time.perf_counter()
-        with self._lock:
-            stage = self.stage
-            stream = stage.stream(runner.name)
-            host = [i for i, col in enumerate(inputs) if not self.is_device_column(col)]
-            args = [list(col) for col in inputs]
-            if host:
-                try:
-                    copied = stage.to_device([inputs[i] for i in host], stream)
-                except self.xp.cuda.runtime.CUDARuntimeError as exc:
-                    raise GpuError(
-                        f"copying the inputs of GPU op '{runner.name}' to device "
-                        f"{stage.device_id} failed: {exc}"
-                    ) from exc
-                for i, col in zip(host, copied, strict=True):
-                    args[i] = col
-            for i, producer in enumerate(runner.producers):
-                if i not in host:
-                    event = self._events.get((producer, chunk.epoch, chunk.iteration))
-                    if event is not None:
-                        stream.wait_event(event)
-        with stage.device:
-            columns = runner(self.xp, stream, chunk, args)
-        with self._lock:
-            self._events[(runner.name, chunk.epoch, chunk.iteration)] = stream.record()
-            stage.hold(stream, args)
-            stage.reap()
-            for key in [k for k, e in self._events.items() if e.done]:
-                del self._events[key]  # complete: consumers need not wait on it
-        seconds = time.perf_counter() - t0
-        return ChunkResult(tuple(columns), chunk.count, seconds, os.getpid())
-
-    def on_own_thread(self) -> bool:
-        """Whether the caller is the stage's own thread (which cannot join itself)."""
-        return threading.current_thread() is self._thread
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stop the thread (after queued calls, unless cancelled) and close the stage.
-
-        In a process forked from the owner's it does nothing: the stage's device
-        memory and registrations are the parent's.
-        """
-        if self.pid != os.getpid():
-            return
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            thread = self._thread
-        if cancel_futures:
-            while True:
-                try:
-                    task = self._tasks.get_nowait()
-                except queue.Empty:
-                    break
-                if task is not None:
-                    task[3].cancel()
-        self._tasks.put(None)
-        if thread is not None and wait:
-            thread.join(timeout=60)
-        with self._lock:
-            self._events.clear()
-            self.stage.close()
 
 
 # ---------------------------------------------------------------- outputs

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _arith
 from ._errors import MpexecError
+from ._modes import Device, OpKind, SourceMode
 
 #: DALI's limit on the inputs of one python_function.
 MAX_INPUTS = 256
@@ -176,7 +177,7 @@ class DataNode:
 class Op:
     """One op of the graph, as defined (see ``fn.python_function``)."""
 
-    kind: str  # "python_function" | "external_source"
+    kind: OpKind
     name: str
     index: int  # position in the definition: the op's identity for seeding
     inputs: tuple[DataNode, ...]
@@ -186,21 +187,19 @@ class Op:
     output_layouts: tuple[str | None, ...] = ()
     preserve: bool = False
     seed: int = -1
-    device: str = "cpu"
+    device: Device = Device.CPU
     bytes_per_sample_hint: int = 0
     stateful: bool = False
     output_dtypes: tuple[np.dtype[Any] | None, ...] | None = None
     output_shapes: tuple[tuple[int | None, ...] | None, ...] | None = None
     dlpack: bool = False
-    # external_source: "sample" (callable in workers), "batch" (callable here),
-    # "iter" (iterable or generator here), "feed" (pipe.feed_input)
-    source_mode: str = ""
+    source_mode: SourceMode = SourceMode.NONE  # external_source: how it gives data
     cycle: Any = False
     outputs: tuple[DataNode, ...] = field(default=(), repr=False)
 
     @property
     def is_source(self) -> bool:
-        return self.kind == "external_source"
+        return self.kind == OpKind.EXTERNAL_SOURCE
 
     def describe(self) -> str:
         return f"{self.kind} '{self.name}'"
@@ -447,13 +446,13 @@ def _add_op(kind: str, inputs: tuple[DataNode, ...], function: Any, layout: str 
         if x.op not in graph.ops:
             raise ValueError(f"{kind}: {x!r} belongs to another pipeline")
     op = Op(
-        kind="python_function",
+        kind=OpKind.PYTHON_FUNCTION,
         name=graph.unique_name(kind),
         index=len(graph.ops),
         inputs=inputs,
         function=function,
         output_layouts=(layout,),
-        device="gpu" if any(x.op.device == "gpu" for x in inputs) else "cpu",
+        device=Device.GPU if any(x.op.device == Device.GPU for x in inputs) else Device.CPU,
     )
     return graph.add(op).outputs[0]
 

@@ -27,10 +27,12 @@ import numpy as np
 from . import _codec
 from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError, SerializationError, forked_error
+from ._executors import CallPool, pool_executor
 from ._graph import DataNode, Graph, Plan, defining
 from ._host import usable_cpus
+from ._modes import Device, LastBatch
 from ._pool import WorkerPool
-from ._scheduler import CallPool, OpStats, Scheduler, pool_executor
+from ._scheduler import OpStats, Scheduler
 from ._tracebacks import for_caller
 
 _PARAMS = (
@@ -228,7 +230,7 @@ class Pipeline:
         if prefetch_depth is None:
             prefetch_depth = _prefetch_from_dali(prefetch_queue_depth, exec_pipelined)
         _check_int("prefetch_depth", prefetch_depth, 1)
-        if last_batch not in ("partial", "drop"):
+        if last_batch not in (LastBatch.PARTIAL, LastBatch.DROP):
             raise ValueError(f"last_batch must be 'partial' or 'drop', not {last_batch!r}")
         if seed is None or seed == -1:
             seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0]) >> 1
@@ -249,7 +251,7 @@ class Pipeline:
         self._given_pool = pool
         self._pool: CallPool | None = None
         self._scheduler: Scheduler | None = None
-        self._gpu: Any = None  # the GPU stage (_gpu.GpuExecutor), when the graph has GPU ops
+        self._gpu: Any = None  # the GPU stage (_executors.GpuExecutor), when the graph has GPU ops
         self._resume_at: tuple[int, int] | None = None  # load_state_dict() before build()
         self._lock = threading.RLock()
         self._closed = False
@@ -386,8 +388,9 @@ class Pipeline:
                 pool = own
             self._finalizer = weakref.finalize(self, _close_stages, stages)
             try:
-                if any(op.device == "gpu" for op in plan.ops):
-                    from ._gpu import GpuExecutor, require
+                if any(op.device == Device.GPU for op in plan.ops):
+                    from ._executors import GpuExecutor
+                    from ._gpu import require
 
                     device = self.device_id or 0
                     xp = require(f"a pipeline with GPU ops on device {device}", device)

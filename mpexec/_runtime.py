@@ -17,13 +17,14 @@ import random
 import resource
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ._errors import InputMutatedError, OpOutputError
+from ._modes import CallKind
 
 
 class SampleInfo(NamedTuple):
@@ -277,6 +278,41 @@ def call_seeds(
     return (h >> np.uint64(32)).tolist(), h2.tolist()
 
 
+def each_sample(
+    chunk: Chunk,
+    inputs: Sequence[Sequence[Any]],
+    source: bool,
+    call: Callable[[tuple[Any, ...], int, int], Any],
+) -> tuple[list[Any], int | None]:
+    """The per-sample loop of every runner (CPU, chained, GPU): one row per sample.
+
+    For sample ``j`` of the chunk (``b``, its index in the batch), sets what
+    :func:`sample_info` returns, takes the sample's arguments (its
+    ``SampleInfo`` for a ``source``, else row ``j`` of each input column) and
+    appends ``call(args, j, b)``. A ``source`` that raises StopIteration ends
+    the epoch at that sample: returns (rows, ``b``); else (rows, None).
+    """
+    global _current
+    rows = []
+    stop = None
+    iteration, epoch, first, start = chunk.iteration, chunk.epoch, chunk.epoch_start, chunk.start
+    try:
+        for j in range(chunk.count):
+            b = start + j
+            info = _current = _new_tuple(SampleInfo, (first + b, b, iteration, epoch))
+            args = (info,) if source else tuple([x[j] for x in inputs])
+            try:
+                rows.append(call(args, j, b))
+            except StopIteration:
+                if not source:
+                    raise
+                stop = b
+                break
+    finally:
+        _current = None
+    return rows, stop
+
+
 def derive_seed(pipeline_seed: int, op_index: int, op_seed: int) -> int:
     """The entropy of an op's randomness: its own seed, or one from its position."""
     if op_seed != -1:
@@ -288,8 +324,9 @@ def derive_seed(pipeline_seed: int, op_index: int, op_seed: int) -> int:
 class OpRunner:
     """An op's function and declaration, shipped once to each worker.
 
-    ``kind``: ``"sample"`` (one call per sample), ``"batch"`` (one call with
-    lists), ``"source"`` (a per-sample source callable taking SampleInfo).
+    ``kind``: a :class:`CallKind` (or its string): ``"sample"`` (one call per
+    sample), ``"batch"`` (one call with lists), ``"source"`` (a per-sample
+    source callable taking SampleInfo).
     ``repeatable``: a call may run twice (see :meth:`_call`); False for
     stateful ops and ops kept for their side effects.
     """
@@ -298,7 +335,7 @@ class OpRunner:
         self,
         name: str,
         function: Any,
-        kind: str,
+        kind: CallKind | str,
         num_outputs: int,
         entropy: int,
         output_dtypes: tuple[np.dtype[Any] | None, ...] | None = None,
@@ -309,7 +346,7 @@ class OpRunner:
     ) -> None:
         self.name = name
         self.function = function
-        self.kind = kind
+        self.kind = CallKind(kind)
         self.num_outputs = num_outputs
         self.entropy = entropy
         self.output_dtypes = output_dtypes
@@ -334,7 +371,7 @@ class OpRunner:
         stop = None
         self._where = (chunk.epoch, chunk.iteration)
         _globals.known = False  # anything may have drawn since the last chunk (the caller)
-        if self.kind == "batch":
+        if self.kind is CallKind.BATCH:
             (np_seed,), (py_seed,) = call_seeds(self.entropy, chunk.epoch, chunk.iteration, 0, 1)
             # A batch function gets lists of samples, also of a batch held as one block.
             inputs = tuple(list(x) if isinstance(x, np.ndarray) else x for x in inputs)
@@ -346,27 +383,15 @@ class OpRunner:
             count = len(inputs[0]) if inputs else chunk.count
             columns, written = self._batch_outputs(outputs, count, out)
         else:
-            rows = []
             np_seeds, py_seeds = call_seeds(
                 self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count
             )
-            source = self.kind == "source"
-            iteration, epoch, first = chunk.iteration, chunk.epoch, chunk.epoch_start
-            try:
-                for j in range(chunk.count):
-                    b = chunk.start + j
-                    info = _current = _new_tuple(SampleInfo, (first + b, b, iteration, epoch))
-                    args = (info,) if source else tuple([x[j] for x in inputs])
-                    try:
-                        result = self._call(args, b, np_seeds[j], py_seeds[j])
-                    except StopIteration:
-                        if not source:
-                            raise
-                        stop = b
-                        break
-                    rows.append(self._sample_outputs(result, b))
-            finally:
-                _current = None
+            call, outputs_of = self._call, self._sample_outputs
+
+            def one(args: tuple[Any, ...], j: int, b: int) -> tuple[Any, ...]:
+                return outputs_of(call(args, b, np_seeds[j], py_seeds[j]), b)
+
+            rows, stop = each_sample(chunk, inputs, self.kind is CallKind.SOURCE, one)
             count = len(rows)
             columns, written = write_columns(rows, self.num_outputs, out)
         seconds = time.perf_counter() - t0
@@ -418,7 +443,7 @@ class OpRunner:
             key = (*self._where, 0 if sample is None else sample + 1)
             seq = np.random.SeedSequence(self.entropy, spawn_key=key)
             kwargs["rng"] = np.random.Generator(np.random.PCG64(seq))
-        if self.dlpack and self.kind != "source":
+        if self.dlpack and self.kind is not CallKind.SOURCE:
             args = tuple(_from_dlpack_inputs(a) for a in args)
         sums = _checksums(args) if self.debug else None
         try:
@@ -449,7 +474,7 @@ class OpRunner:
         if n == 0:
             return ()
         if n == 1:
-            if self.kind != "sample" or not isinstance(out, (tuple, list)):
+            if self.kind is not CallKind.SAMPLE or not isinstance(out, (tuple, list)):
                 return (out,)
             # DALI's rule: a tuple or list returned is the op's outputs, never
             # one array to stack (which would hide a num_outputs mistake).
@@ -597,13 +622,10 @@ class ChainRunner:
 
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
         """Run the chunk through every op; ``out`` as :meth:`OpRunner.__call__`."""
-        global _current
         t0 = time.perf_counter()
         faults = thread_faults()
         spent = [[0.0, 0, 0] for _ in self.runners]
-        rows = []
-        stop = None
-        source = self.runners[0].kind == "source"
+        source = self.runners[0].kind is CallKind.SOURCE
         seeds = []
         for r in self.runners:
             r._where = (chunk.epoch, chunk.iteration)  # noqa: SLF001 - a chain runs its runners' steps
@@ -625,20 +647,14 @@ class ChainRunner:
             )
             for k, (r, p) in enumerate(zip(self.runners, self.picks, strict=True))
         ]
-        epoch, iteration = chunk.epoch, chunk.iteration
-        start, first = chunk.start, chunk.epoch_start
         perf = time.perf_counter
-        runner = self.runners[0]
-        try:
-            for j in range(chunk.count):
-                b = start + j
-                info = _current = _new_tuple(SampleInfo, (first + b, b, iteration, epoch))
-                if source:
-                    values: tuple[Any, ...] = (info,)
-                    nbytes = 0
-                else:
-                    values = tuple([x[j] for x in inputs])
-                    nbytes = 0
+        head = self.runners[0]
+
+        def one(values: tuple[Any, ...], j: int, b: int) -> tuple[Any, ...]:
+            runner = head
+            try:
+                nbytes = 0
+                if not source:
                     for v in values:
                         nbytes += v.nbytes
                 t = perf()
@@ -653,11 +669,12 @@ class ChainRunner:
                         # The chain runs its op runners' steps itself (same module).
                         called = runner._call(values, b, np_seeds[j], py_seeds[j])  # noqa: SLF001
                         values = runner._sample_outputs(called, b)  # noqa: SLF001
-                    except StopIteration:
-                        if k or not source:
-                            raise
-                        stop = b
-                        break
+                    except StopIteration as exc:
+                        if k:  # not the source's end: the loop must not take it for one
+                            with contextlib.suppress(AttributeError):
+                                exc.mpexec_op = runner.name  # type: ignore[attr-defined]
+                            raise _Passed(exc) from None
+                        raise
                     if feeds:  # the next op gets them as inputs: read-only views
                         values = tuple([v.view() for v in values])
                         for v in values:
@@ -669,21 +686,26 @@ class ChainRunner:
                     for v in values:
                         nbytes += v.nbytes
                     counts[2] += nbytes
-                if stop is not None:
-                    break
-                rows.append(values)
-        except BaseException as exc:
-            with contextlib.suppress(AttributeError):
-                exc.mpexec_op = runner.name  # type: ignore[attr-defined]
-            raise
-        finally:
-            _current = None
+            except BaseException as exc:
+                with contextlib.suppress(AttributeError):
+                    exc.mpexec_op = runner.name  # type: ignore[attr-defined]
+                raise
+            return values
+
+        try:
+            rows, stop = each_sample(chunk, inputs, source, one)
+        except _Passed as passed:
+            raise passed.args[0] from None
         per_op = tuple((float(c[0]), int(c[1]), int(c[2])) for c in spent)
         count = len(rows)
         columns, written = write_columns(rows, self.runners[-1].num_outputs, out)
         seconds = time.perf_counter() - t0
         faults = thread_faults() - faults
         return ChunkResult(columns, count, seconds, os.getpid(), stop, per_op, written, faults)
+
+
+class _Passed(Exception):
+    """Carries a chained op's StopIteration through :func:`each_sample` unchanged."""
 
 
 def write_block(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:

@@ -12,6 +12,9 @@
                             all sources in: batch size known;
                             iterations compute in order
                           dispatch: an op whose inputs are in
+                            (another executor's column it   -->  handoff(column): a
+                            cannot read: handed off first)        Future (a GPU thread's
+                                                                  D2H copy)
                             chunking: k chunks of the batch
                             one WorkUnit per chunk  ----------->  submit_unit(unit)
                                                                     its runner on its rows:
@@ -29,42 +32,13 @@
     its GPU stage; the Scheduler owns the iterations in flight and each op's state;
     a Batch owns (keeps alive) the views of shared memory it hands out.
 
-The unit of work is a :class:`WorkUnit`: one chunk (samples ``start ..
-start+count`` of one iteration) through one op, or through a chain of
-per-sample ops fused into one call (:class:`ChainRunner`), given the chunk's
-rows of each input column. ``unit.runner(unit.chunk, *unit.inputs)`` (what
-``unit.run()`` does) is the whole computation, the same in any process:
-seeding, ``SampleInfo``, calls, output checks. It returns a
-:class:`ChunkResult` (outputs, seconds, pid, where a source stopped).
-
-A :class:`UnitExecutor` is anything that runs units and returns futures:
-
-- ``workers``: how many units it runs at once (the scheduler cuts an op into
-  about that many chunks); ``0`` means it runs them in the caller, at once.
-- ``submit_unit(unit)``: a ``Future[ChunkResult]``; raising here fails the
-  iteration. The future's callback may run in any thread. An executor that
-  ships units elsewhere sends each runner once and keeps it there (by
-  identity, as WorkerPool does): a stateful op's state lives in its runner.
-  A unit with ``worker`` set (a stateful op) must run after that index's
-  earlier units, in submission order.
-- ``share(array)``: a read-only copy of a source's array that later units can
-  take as input cheaply (the one copy where data enters the pipeline).
-- ``shutdown(wait, cancel_futures)``: stop (its owner calls it, not the
-  scheduler); pending futures are cancelled.
-- optional, ``empty(shape, dtype)``: a writable array its units can write
-  to. Where an executor has it, an output whose samples share one shape and
-  dtype (declared by ``output_shapes``/``output_dtypes``, or learned from an
-  earlier batch) is one block per batch: each unit gets its rows of it as
-  ``unit.out`` and fills them (an executor that runs units elsewhere copies
-  the rows back into ``unit.out`` before it completes the future). The
-  batch's column is then the block itself: one allocation and one
-  descriptor, not one per sample. A chunk whose samples do not fit returns
-  its arrays, and that batch is assembled from them instead.
-
-:class:`PoolExecutor` adapts a pool (a :class:`WorkerPool` or a ``RayPool``;
-:class:`LocalPoolExecutor` adds ``empty`` for a local one); each op's
-``_OpState.executor`` names the executor its units go to: the pool's, or the
-GPU stage's for ``device="gpu"`` ops (a chain never spans two executors).
+The unit of work is a ``WorkUnit`` (one chunk of an iteration through an op
+or a fused chain of per-sample ops); what runs units is a ``UnitExecutor``.
+Both live in :mod:`mpexec._executors`, whose docstring is the protocol. The
+scheduler knows nothing of devices: it picks each op's executor once, by the
+op's device, and from then on asks that executor for what differs (its
+runner, the bytes it copies, a column handed to another executor, the
+columns and ``Batch`` of its results). A chain never spans two executors.
 Arrays never pass through the scheduler by value: a result is a view of a
 worker's arena, and handing it to the next op sends its descriptor on.
 Randomness depends only on (seed, op, epoch, iteration, sample), so results do
@@ -80,147 +54,31 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 
-import shm
-
-from . import _codec
 from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
-from ._graph import DataNode, Op, Plan
-from ._pool import WorkerPool
+from ._executors import UnitExecutor, WorkUnit, op_runner
+from ._graph import Op, Plan
+from ._modes import Device, LastBatch, SourceMode
 from ._runtime import (
     ChainRunner,
     Chunk,
     ChunkResult,
-    OpRunner,
     check_consistent,
     derive_seed,
     is_string_array,
 )
 from ._tracebacks import reraise
 
-if TYPE_CHECKING:
-    from ._gpu import GpuExecutor, GpuOpRunner
-
 _CHUNK_SECONDS = 0.05  # what a chunk of a slow op should take (see _chunk_count)
 _MAX_CHUNKS_PER_WORKER = 4
 _WAIT_SECONDS = 1.0  # how often a waiting run() looks whether the pipeline closed
-
-
-@dataclass(frozen=True)
-class WorkUnit:
-    """One chunk of an iteration's samples through an op (or a fused chain of ops).
-
-    ``runner(chunk, *inputs)`` computes it; ``inputs`` holds, per input column
-    of the chain's head, the chunk's rows (read-only arrays). ``worker`` pins
-    the unit to one worker index (stateful ops), else None. ``ops`` names the
-    ops it runs, head first. ``out`` (empty, or one entry per output of the
-    last op): a writable array of ``chunk.count`` rows in the batch's block
-    (from the executor's ``empty``), which the unit fills where its samples
-    fit; the result says which outputs it wrote (``ChunkResult.written``).
-    """
-
-    runner: OpRunner | ChainRunner  # or, for a GPU op, a GpuOpRunner its executor calls
-    chunk: Chunk
-    inputs: tuple[Sequence[Any], ...]
-    worker: int | None = None
-    ops: tuple[str, ...] = ()
-    out: tuple[Any, ...] = ()  # per output: rows of the batch's block to write, or None
-
-    def run(self) -> ChunkResult:
-        """Compute the unit here (what an executor's worker does with it)."""
-        return self.runner(self.chunk, *self.inputs, out=self.out)
-
-
-class UnitExecutor(Protocol):
-    """Something that runs :class:`WorkUnit` s and returns futures (see the module doc)."""
-
-    @property
-    def workers(self) -> int: ...
-
-    def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]: ...
-
-    def share(self, array: Any) -> Any: ...
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
-
-
-class CallPool(Protocol):
-    """What :class:`PoolExecutor` needs of a pool: a :class:`WorkerPool` or a ``RayPool``.
-
-    Their public low-level seam (docs/pool.md, "Building on the pool").
-    """
-
-    @property
-    def num_workers(self) -> int: ...
-
-    def submit_call(
-        self,
-        fn: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        *,
-        worker: int | None = None,
-        view: bool = False,
-    ) -> Future[Any]: ...
-
-    def share(self, array: Any) -> Any: ...
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
-
-
-class PoolExecutor:
-    """The :class:`UnitExecutor` over a pool (:class:`CallPool`): units as pool calls.
-
-    The runner travels once per worker (the pool caches functions by
-    identity); a unit's input rows travel as descriptors of shared memory
-    (within a node, for a ``RayPool``; through Ray's object store between
-    nodes). Results come back uncopied (``view=True``), so a pool the
-    pipeline does not own keeps its promise to its other callers.
-    """
-
-    def __init__(self, pool: CallPool) -> None:
-        self.pool = pool
-        self.workers = pool.num_workers
-
-    def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
-        kwargs: dict[str, Any] = {}
-        if unit.out:
-            kwargs["out"] = tuple(None if o is None else _codec.writable(o) for o in unit.out)
-        return self.pool.submit_call(
-            unit.runner, (unit.chunk, *unit.inputs), kwargs, worker=unit.worker, view=True
-        )
-
-    def share(self, array: Any) -> Any:
-        return self.pool.share(array)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self.pool.shutdown(wait, cancel_futures=cancel_futures)
-
-
-class LocalPoolExecutor(PoolExecutor):
-    """A :class:`PoolExecutor` over this machine's :class:`WorkerPool`.
-
-    Its shared memory is the workers' too, so it also offers ``empty``: the
-    dense block a batch's chunks write their rows into (and where a GPU
-    stage copies a GPU op's outputs for CPU ops).
-    """
-
-    pool: WorkerPool
-
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
-        return self.pool.empty(shape, dtype)
-
-
-def pool_executor(pool: CallPool) -> PoolExecutor:
-    """The executor for ``pool``: with shared-memory blocks where the pool is local."""
-    return LocalPoolExecutor(pool) if isinstance(pool, WorkerPool) else PoolExecutor(pool)
 
 
 @dataclass(frozen=True)
@@ -244,18 +102,23 @@ class _OpState:
         self,
         op: Op,
         pos: int,
-        runner: OpRunner | None,
+        runner: Any,
         worker: int | None,
         executor: UnitExecutor,
     ) -> None:
         self.op = op
         self.pos = pos
-        self.runner: OpRunner | ChainRunner | GpuOpRunner | None = runner
+        self.runner: Any = runner  # what its executor runs (None: a source read here)
         self.inputs = op.inputs  # of the chain's head, when ops are chained into this one
         self.members = [self]  # the chain this op ends (itself alone if none)
         self.absorbed = False  # runs inside a later op's chain
         self.worker = worker  # pinned worker index (stateful ops)
         self.executor = executor  # where its units run
+        # What the executor offers beyond the protocol (_executors' doc), looked up once.
+        self.copied_bytes = getattr(executor, "copied_bytes", None)
+        self.handoff = getattr(executor, "handoff", None)
+        self.columns = getattr(executor, "columns", None)
+        self.batch = getattr(executor, "batch", None)
         # Per output: (sample shape, dtype) of the batch's dense block, or None.
         self.declared = _declared_blocks(op)
         self.blocks: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = list(self.declared)
@@ -301,7 +164,9 @@ class _Iteration:
         self.bounds: dict[int, list[tuple[int, int]]] = {}  # op -> its chunks' rows
         self.blocks: dict[int, list[Any]] = {}  # op -> per output: the batch's block, or None
         self.dispatched: set[int] = set()
-        self.host: dict[tuple[int, int], list[Any]] = {}  # GPU outputs copied for CPU ops
+        # (op, output) -> its column handed off to another executor (a GPU op's
+        # output copied to the host for CPU ops), as a future.
+        self.host: dict[tuple[int, int], Future[list[Any]]] = {}
         self.sources_left = 0
         self.ops_left = 0
         self.error: BaseException | None = None
@@ -331,11 +196,11 @@ class Scheduler:
         seed: int,
         last_batch: str,
         debug: bool,
-        gpu: GpuExecutor | None = None,
+        gpu: UnitExecutor | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.prefetch_depth = prefetch_depth
-        self.last_batch = last_batch
+        self.last_batch = LastBatch(last_batch)
         self.executor = executor  # the default one of each op
         self._workers = executor.workers
         self._plan = plan
@@ -351,34 +216,23 @@ class Scheduler:
         self.faults = 0  # minor page faults in the workers' chunks (ChunkResult.faults)
         self._pos = {id(op): i for i, op in enumerate(plan.ops)}
         self.ops: list[_OpState] = []
-        n_stateful = 0
+        # Each op's executor, by its device: GPU ops run in this process, on the
+        # GPU stage's thread. Stateful ops take that executor's workers in turn.
+        executors: dict[str, UnitExecutor] = {Device.CPU: executor}
+        if gpu is not None:
+            executors[Device.GPU] = gpu
+        n_stateful: dict[int, int] = collections.defaultdict(int)
         for i, op in enumerate(plan.ops):
-            if op.device == "gpu":  # runs in this process, on the GPU stage's thread
-                assert gpu is not None
-                state = _OpState(op, i, None, 0 if op.stateful else None, gpu)
-                state.runner = gpu.runner(op, derive_seed(seed, op.index, op.seed))
-                self.ops.append(state)
-                continue
+            ex = executors[op.device]
             runner = None
-            if not op.is_source or op.source_mode == "sample":
-                kind = "source" if op.is_source else "batch" if op.batch_processing else "sample"
-                runner = OpRunner(
-                    op.name,
-                    op.function,
-                    kind,
-                    op.num_outputs,
-                    derive_seed(seed, op.index, op.seed),
-                    op.output_dtypes,
-                    op.output_shapes,
-                    op.dlpack,
-                    debug,
-                    repeatable=not (op.stateful or op.preserve or op.num_outputs == 0),
-                )
+            if not op.is_source or op.source_mode == SourceMode.SAMPLE:
+                make = getattr(ex, "runner", None) or op_runner
+                runner = make(op, derive_seed(seed, op.index, op.seed), debug=debug)
             worker = None
             if op.stateful:
-                worker = n_stateful % max(1, self._workers)
-                n_stateful += 1
-            self.ops.append(_OpState(op, i, runner, worker, executor))
+                worker = n_stateful[id(ex)] % max(1, ex.workers)
+                n_stateful[id(ex)] += 1
+            self.ops.append(_OpState(op, i, runner, worker, ex))
         self._consumers = [
             sorted({self._pos[id(c)] for c in plan.ops if any(n.op is op for n in c.inputs)})
             for op in plan.ops
@@ -411,7 +265,7 @@ class Scheduler:
             # A per-sample source in the workers may head a chain too: its ops
             # then run before the batch size is known, on samples a StopIteration
             # may drop (they are stateless: the waste is one partial chunk).
-            head_ok = chainable(p) or p.op.source_mode == "sample"
+            head_ok = chainable(p) or p.op.source_mode == SourceMode.SAMPLE
             if (
                 head_ok
                 and self._consumers[p.pos] == [s.pos]
@@ -425,7 +279,7 @@ class Scheduler:
         for s in self.ops:
             if len(s.members) > 1 and not s.absorbed:
                 picks = [tuple(n.index for n in m.op.inputs) for m in s.members]
-                s.runner = ChainRunner([m.runner for m in s.members], picks)  # type: ignore[misc]
+                s.runner = ChainRunner([m.runner for m in s.members], picks)
 
     # ------------------------------------------------------------ running
     def next_result(self) -> tuple[Batch, ...]:
@@ -435,7 +289,9 @@ class Scheduler:
             if not self._window:
                 if self._ending:
                     raise StopIteration
-                fed = [s.op.name for s in self.ops if s.op.source_mode == "feed" and not s.fed]
+                fed = [
+                    s.op.name for s in self.ops if s.op.source_mode == SourceMode.FEED and not s.fed
+                ]
                 raise MpexecError(
                     f"external_source {', '.join(map(repr, fed))} has no data for the next "
                     "iteration: call pipe.feed_input(name, batch) before run()"
@@ -489,7 +345,7 @@ class Scheduler:
         with self._lock:
             self._restart(epoch, index)
             for s in self.ops:
-                if s.op.source_mode != "iter" or s.absorbed:
+                if s.op.source_mode != SourceMode.ITER or s.absorbed:
                     continue
                 per_iteration = 1 if s.op.batch_processing else self.batch_size
                 self._skip_items(s, index * per_iteration)
@@ -517,8 +373,8 @@ class Scheduler:
         """Queue ``data`` as the next batch of the external_source ``name``."""
         with self._lock:
             state = next((s for s in self.ops if s.op.name == name), None)
-            if state is None or state.op.source_mode != "feed":
-                names = [s.op.name for s in self.ops if s.op.source_mode == "feed"]
+            if state is None or state.op.source_mode != SourceMode.FEED:
+                names = [s.op.name for s in self.ops if s.op.source_mode == SourceMode.FEED]
                 raise KeyError(
                     f"no external_source named {name!r} takes feed_input "
                     f"(those that do: {names or 'none'})"
@@ -546,7 +402,7 @@ class Scheduler:
 
     def _launch(self) -> bool:
         """Start the next iteration: run the sources here, dispatch those in workers."""
-        if any(s.op.source_mode == "feed" and not s.fed for s in self.ops):
+        if any(s.op.source_mode == SourceMode.FEED and not s.fed for s in self.ops):
             return False
         it = _Iteration(self._epoch, self._next_index, self.batch_size, len(self.ops))
         self._next_index += 1
@@ -561,9 +417,15 @@ class Scheduler:
                 self._fail(it, _annotate(exc, s.op, it, None))
                 return True
             # Fed batches were copied when fed: the caller may reuse its arrays.
-            it.values[s.pos] = samples if s.op.source_mode == "feed" else self._own(s, samples)
+            it.values[s.pos] = (
+                samples if s.op.source_mode == SourceMode.FEED else self._own(s, samples)
+            )
             n = len(samples[0])
-            if n < self.batch_size and s.op.source_mode == "iter" and not s.op.batch_processing:
+            if (
+                n < self.batch_size
+                and s.op.source_mode == SourceMode.ITER
+                and not s.op.batch_processing
+            ):
                 it.stop = n if it.stop is None else min(it.stop, n)
             it.size = min(it.size, n)
             it.sources_left -= 1
@@ -577,9 +439,9 @@ class Scheduler:
     def _pull(self, s: _OpState, it: _Iteration) -> tuple[list[Any], ...]:
         """A batch from a source that runs here; ([], ...) when it ended the epoch."""
         op = s.op
-        if op.source_mode == "feed":
+        if op.source_mode == SourceMode.FEED:
             rows = s.fed.popleft()
-        elif op.source_mode == "batch":
+        elif op.source_mode == SourceMode.BATCH:
             try:
                 rows = _batch_samples(op, op.function(it.index, it.epoch), self.batch_size)
             except StopIteration:
@@ -653,7 +515,7 @@ class Scheduler:
                 for later in [x for x in self._window if x.index > it.index]:
                     self._window.remove(later)
                     self._drop(later)
-                if size == 0 or (size < self.batch_size and self.last_batch == "drop"):
+                if size == 0 or (size < self.batch_size and self.last_batch is LastBatch.DROP):
                     it.result = None
                     it.done.set()
                     return
@@ -679,6 +541,8 @@ class Scheduler:
                 continue
             if any(it.values[self._pos[id(n.op)]] is None for n in s.inputs):
                 continue
+            if not self._handed_off(it, s) or s.pos in it.dispatched:
+                continue  # (dispatched already: by a handoff that completed meanwhile)
             if s.worker is not None and s.turn != it.seq:
                 continue  # a stateful op: an earlier iteration goes first
             self._dispatch(it, s)
@@ -699,31 +563,21 @@ class Scheduler:
         it.dispatched.add(s.pos)
         op = s.op
         assert s.runner is not None
-        gpu = op.device == "gpu"
         inputs = []
         for n in s.inputs:
-            vals = it.values[self._pos[id(n.op)]]
+            p = self.ops[self._pos[id(n.op)]]
+            vals = it.values[p.pos]
             assert vals is not None
             column = vals[n.index]
-            if n.op.device == "gpu" and not gpu:
-                column = self._host_column(it, s, n, column)
-            elif gpu and isinstance(column, np.ndarray):
-                # A dense block's rows: adjacent, so the GPU stage copies them in one run.
-                column = list(column)
+            if p.handoff is not None and p.executor is not s.executor:
+                column = it.host[(p.pos, n.index)].result()  # done: see _handed_off
             inputs.append(column)
         chained = len(s.members) > 1  # the chain counts its ops' bytes itself
         for column in inputs:
-            arrays = (column,) if isinstance(column, np.ndarray) else column
-            for a in arrays:
-                if not chained:
-                    s.bytes_in += a.nbytes
-                if (
-                    self._workers
-                    and not gpu
-                    and a.nbytes > _codec.INLINE_MAX
-                    and not shm.in_shared_memory(a)
-                ):
-                    s.bytes_copied += a.nbytes
+            if not chained:
+                s.bytes_in += _nbytes(column)
+            if s.copied_bytes is not None:
+                s.bytes_copied += s.copied_bytes(column)
         size = it.size
         if op.batch_processing or op.stateful or s.executor.workers <= 1:
             bounds = [(0, size)]
@@ -737,7 +591,7 @@ class Scheduler:
         it.blocks[s.pos] = blocks
         submit = s.executor.submit_unit
         names = tuple(m.op.name for m in s.members)
-        runner: Any = s.runner  # a GpuOpRunner goes only to the GPU executor
+        runner = s.runner
         for ci, (a, b) in enumerate(bounds):
             chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start)
             out = tuple(None if k is None else k[a:b] for k in blocks) if blocks else ()
@@ -751,23 +605,47 @@ class Scheduler:
                 return
             future.add_done_callback(functools.partial(self._on_chunk, it, s, ci, t0))
 
-    def _host_column(
-        self, it: _Iteration, s: _OpState, n: DataNode, column: list[Any]
-    ) -> list[Any]:
-        """A GPU op's output for CPU op ``s``: copied to the host once per iteration.
+    def _handed_off(self, it: _Iteration, s: _OpState) -> bool:
+        """Whether ``s``'s inputs from other executors are readable by its own.
 
-        Into the consumer's shared memory where its executor offers it (so its
-        workers read the bytes with no further copy), else into pinned memory.
+        An executor whose outputs others cannot read as they are (the GPU's)
+        hands each column off once per iteration (``handoff``: a copy to the
+        host, queued on its own thread); ``s`` is dispatched when every one
+        it needs has landed (:meth:`_on_handoff` looks again).
         """
-        key = (self._pos[id(n.op)], n.index)
-        host = it.host.get(key)
-        if host is None:
-            producer = self.ops[key[0]].executor
-            empty = getattr(s.executor, "empty", None) if self._workers else None
-            alloc = None if empty is None else functools.partial(_bytes_from, empty)
-            (host,) = producer.to_host([column], n.op.name, alloc)  # type: ignore[attr-defined]
-            it.host[key] = host
-        return host
+        ready = True
+        for n in s.inputs:
+            p = self.ops[self._pos[id(n.op)]]
+            if p.handoff is None or p.executor is s.executor:
+                continue
+            key = (p.pos, n.index)
+            future = it.host.get(key)
+            if future is None:
+                vals = it.values[p.pos]
+                assert vals is not None
+                future = p.handoff(vals[n.index], n.op.name, s.executor)
+                it.host[key] = future
+                future.add_done_callback(functools.partial(self._on_handoff, it))
+            if not future.done() or future.exception() is not None:
+                ready = False
+        return ready
+
+    def _on_handoff(self, it: _Iteration, future: Future[Any]) -> None:
+        """A column handed off to another executor landed (in any thread, or inline)."""
+        with self._lock:
+            if it.dropped or it.error is not None:
+                return
+            if future.cancelled():
+                self._fail(it, PoolClosedError("the pipeline was closed"))
+                return
+            exc = future.exception()
+            if exc is not None:
+                self._fail(it, exc)
+                return
+            try:
+                self._dispatch_ready(it)
+            except Exception as bug:  # a bug here must not hang run()
+                self._fail(it, bug)
 
     def _blocks(self, s: _OpState, size: int) -> list[Any]:
         """Per output of ``s``: a dense block for the batch, or None; [] if none."""
@@ -827,7 +705,7 @@ class Scheduler:
             m.bytes_in += b_in
             m.bytes_out += b_out
         s.waiting_s += max(0.0, elapsed - res.seconds)
-        if s.op.device != "gpu":  # per worker; GPU ops run in this process
+        if s.executor is self.executor:  # per worker of the pipeline's pool
             self.busy[res.pid] += res.seconds
             self.faults += res.faults
         if it.dropped or it.error is not None:
@@ -877,8 +755,8 @@ class Scheduler:
                 if p.stop is not None:
                     break  # samples past a source's end are not in the epoch
             parts, bounds = parts[: len(counts)], bounds[: len(counts)]
-        if s.op.device == "gpu":  # device arrays the GPU runner made and checked
-            return self._gpu_columns(s, parts)
+        if s.columns is not None:  # not host arrays: its executor knows them
+            return s.columns(parts, s.op.num_outputs, s.op.describe())  # type: ignore[no-any-return]
         total = sum(counts)
         columns: list[Any] = []
         for i in range(s.op.num_outputs):
@@ -906,13 +784,6 @@ class Scheduler:
             columns.append(col)
         return tuple(columns)
 
-    def _gpu_columns(self, s: _OpState, parts: list[ChunkResult]) -> tuple[Any, ...]:
-        """A GPU op's outputs: device arrays, one list per output (no blocks)."""
-        columns = tuple([x for p in parts for x in p.outputs[i]] for i in range(s.op.num_outputs))
-        for i, col in enumerate(columns):
-            check_consistent(s.op.describe(), i, col)
-        return columns
-
     def _learn(self, s: _OpState, i: int, col: list[Any]) -> None:
         """Output ``i`` of ``s`` came back as arrays: a block for the next batches?
 
@@ -933,14 +804,14 @@ class Scheduler:
         assert plan is not None
         out = []
         for n in plan.outputs:
-            vals = it.values[self._pos[id(n.op)]]
+            p = self.ops[self._pos[id(n.op)]]
+            vals = it.values[p.pos]
             assert vals is not None
             layout = n.op.output_layouts[n.index]
-            if n.op.device == "gpu":
-                gpu: Any = self.ops[self._pos[id(n.op)]].executor
-                out.append(gpu.batch(vals[n.index], layout, n.op.name))
-            else:
+            if p.batch is None:
                 out.append(Batch(vals[n.index], layout))
+            else:
+                out.append(p.batch(vals[n.index], layout, n.op.name))
         it.result = tuple(out)
         it.values = []
         it.host = {}
@@ -994,11 +865,6 @@ def _declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | Non
         else:
             found.append((tuple(int(d) for d in shape), np.dtype(dtype)))  # type: ignore[arg-type]
     return found
-
-
-def _bytes_from(empty: Any, nbytes: int) -> np.ndarray[Any, Any]:
-    """``nbytes`` of an executor's shared memory, as bytes (where a GPU stage copies)."""
-    return empty((nbytes,), np.dtype(np.uint8))  # type: ignore[no-any-return]
 
 
 def _nbytes(column: Any) -> int:

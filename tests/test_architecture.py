@@ -70,10 +70,11 @@ MAX_FOREIGN = 23
 #: underscore, e.g. a framework adapter) is in the adapters layer; a private
 #: one must be placed here.
 LAYERS: dict[str, int] = {
-    # 0: shared memory, host facts, errors
+    # 0: shared memory, host facts, errors, modes
     "shm": 0,
     "mpexec._errors": 0,
     "mpexec._host": 0,
+    "mpexec._modes": 0,
     "mpexec._version": 0,
     "mpexec._extras": 0,  # extras' install hints and framework versions, from metadata
     "mpexec._cpuload": 0,  # other processes' CPU share (demo, benchmarks)
@@ -86,29 +87,31 @@ LAYERS: dict[str, int] = {
     "mpexec._mapping": 1,
     # 2: the pool
     "mpexec._pool": 2,
-    # 3: executors and what they run
+    # 3: what a unit of work runs: op runners, the GPU stage, batches
     "mpexec._runtime": 3,
     "mpexec._batch": 3,
     "mpexec._gpu": 3,
     "mpexec._arith": 3,  # DataNode arithmetic: the expressions the workers run
     "mpexec._types": 3,  # DALI's type names and NumPy dtypes, for _arith and the ops
-    # 4: the scheduler and the graph it walks
-    "mpexec._scheduler": 4,
-    "mpexec._graph": 4,
-    # 5: the pipeline and the ops that build it
-    "mpexec._pipeline": 5,
-    "mpexec.fn": 5,
-    "mpexec._tf": 5,
-    "mpexec.contrib": 5,
-    # 6: adapters, the package's face, test doubles
-    "mpexec": 6,
-    "mpexec.testing": 6,
-    # 7: the command line
-    "mpexec.__main__": 7,
-    "mpexec._doctor": 7,
-    "mpexec._demo": 7,
+    # 4: the executors that run units (a pool's, the GPU's)
+    "mpexec._executors": 4,
+    # 5: the scheduler and the graph it walks
+    "mpexec._scheduler": 5,
+    "mpexec._graph": 5,
+    # 6: the pipeline and the ops that build it
+    "mpexec._pipeline": 6,
+    "mpexec.fn": 6,
+    "mpexec._tf": 6,
+    "mpexec.contrib": 6,
+    # 7: adapters, the package's face, test doubles
+    "mpexec": 7,
+    "mpexec.testing": 7,
+    # 8: the command line
+    "mpexec.__main__": 8,
+    "mpexec._doctor": 8,
+    "mpexec._demo": 8,
 }
-ADAPTERS = 6
+ADAPTERS = 7
 
 
 def layer_of(module: str) -> int:

@@ -11,6 +11,7 @@ import numpy as np
 from .. import _arith, _codec
 from .._errors import MpexecError, OpArgumentError, SerializationError
 from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
+from .._modes import Device, OpKind, SourceMode
 from .._types import ScalarConstant, as_numpy_dtype
 
 
@@ -49,7 +50,7 @@ def python_function(
     """
     kw = dict(locals())
     del kw["inputs"]
-    return _python_function("python_function", inputs, dlpack=False, **kw)
+    return _python_function(OpKind.PYTHON_FUNCTION, inputs, dlpack=False, **kw)
 
 
 def dl_tensor_python_function(
@@ -76,10 +77,10 @@ def dl_tensor_python_function(
     """
     kw = dict(locals())
     del kw["inputs"], kw["synchronize_stream"]
-    return _python_function("dl_tensor_python_function", inputs, dlpack=True, **kw)
+    return _python_function(OpKind.DL_TENSOR_PYTHON_FUNCTION, inputs, dlpack=True, **kw)
 
 
-def _python_function(kind: str, inputs: tuple[Any, ...], **kw: Any) -> Any:
+def _python_function(kind: OpKind, inputs: tuple[Any, ...], **kw: Any) -> Any:
     graph = graph_for(kind)
     name = kw["name"] if kw["name"] is not None else graph.unique_name(kind, kw["function"])
     what = f"fn.{kind} '{name}'"
@@ -97,7 +98,7 @@ def _python_function(kind: str, inputs: tuple[Any, ...], **kw: Any) -> Any:
     seed = kw["seed"]
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < -1:
         raise ValueError(f"{what}: seed must be an int >= 0 (or -1 for derived), not {seed!r}")
-    if device == "cpu":  # a GPU op's function runs here, in this process
+    if device is Device.CPU:  # a GPU op's function runs here, in this process
         _check_picklable(what, function, "function")
     op = Op(
         kind=kind,
@@ -166,7 +167,7 @@ def external_source(
     n: object = 1 if num_outputs is None else num_outputs
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{what}: num_outputs must be an int >= 1, not {num_outputs!r}")
-    if _check_device(what, device, graph) == "gpu":
+    if _check_device(what, device, graph) is Device.GPU:
         raise ValueError(
             f"{what}: device='gpu' sources are not supported; a source yields host "
             "arrays, and a GPU op that consumes them gets them on the device"
@@ -179,9 +180,9 @@ def external_source(
             f"{what}: a source without source= is fed by pipe.feed_input(name, data): "
             "give it a name="
         )
-    if mode == "sample":
+    if mode is SourceMode.SAMPLE:
         _check_picklable(what, source, "source")
-    if mode == "batch":
+    if mode is SourceMode.BATCH:
         source = _BatchCallable(source, batch_info)
     dtypes = None
     if dtype is not None:
@@ -190,7 +191,7 @@ def external_source(
     if ndim is not None:
         shapes = tuple((None,) * ndim for _ in range(n))
     op = Op(
-        kind="external_source",
+        kind=OpKind.EXTERNAL_SOURCE,
         name=name_,
         index=len(graph.ops),
         inputs=(),
@@ -265,26 +266,27 @@ def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
         )
 
 
-def _check_device(what: str, device: Any, graph: Graph | None = None) -> str:
-    """``"cpu"`` or ``"gpu"``; a GPU op is checked here, where it is defined.
+def _check_device(what: str, device: Any, graph: Graph | None = None) -> Device:
+    """``device=`` (``"cpu"``, ``"gpu"`` or ``"cuda"``) as a :class:`Device`; a GPU op
+    is checked here, where it is defined.
 
     No CuPy, no driver or no device is one clear error naming the op now,
     rather than a CUDA traceback at the first iteration.
     """
-    if device in ("cpu", None):
-        return "cpu"
+    if device in (Device.CPU, None):
+        return Device.CPU
     if device == "mixed":
         raise ValueError(
             f"{what}: device='mixed' is DALI's decoding on the GPU: mpexec's ops run on the "
             "CPU (device='cpu') or on the GPU (device='gpu'); to keep DALI's GPU decoder, "
             "run it in DALI and call mpexec from there (mpexec.dali)"
         )
-    if device not in ("gpu", "cuda"):
+    if device not in (Device.GPU, "cuda"):
         raise ValueError(f"{what}: device must be 'cpu' or 'gpu', not {device!r}")
     from .. import _gpu  # CuPy is imported only from here on
 
     _gpu.require(what, None if graph is None else graph.device_id)
-    return "gpu"
+    return Device.GPU
 
 
 def _check_picklable(what: str, function: Any, role: str) -> None:
@@ -357,24 +359,24 @@ def _hint(hint: Any) -> int:
     return int(hint)
 
 
-def _source_mode(what: str, source: Any, batch: bool, parallel: bool | None) -> str:
+def _source_mode(what: str, source: Any, batch: bool, parallel: bool | None) -> SourceMode:
     if source is None:
-        return "feed"
+        return SourceMode.FEED
     if inspect.isgeneratorfunction(source):
-        return "iter"
+        return SourceMode.ITER
     if callable(source):
         if not batch:
-            return "sample"
+            return SourceMode.SAMPLE
         if parallel:
             raise ValueError(
                 f"{what}: parallel=True runs a per-sample callable in the workers; "
                 "give batch=False (a callable taking SampleInfo)"
             )
-        return "batch"
+        return SourceMode.BATCH
     if hasattr(source, "__iter__"):
         if isinstance(source, (str, bytes)):
             raise TypeError(f"{what}: source is a {type(source).__name__}, not an iterable")
-        return "iter"
+        return SourceMode.ITER
     raise TypeError(
         f"{what}: source must be a callable, an iterable, a generator function or None, "
         f"not {type(source).__name__}"
@@ -470,7 +472,7 @@ def _constant(
     graph = graph_for("constant")
     name_ = name if name is not None else graph.unique_name("constant")
     what = f"fn.constant '{name_}'"
-    if _check_device(what, device, graph) == "gpu":
+    if _check_device(what, device, graph) is Device.GPU:
         raise ValueError(f"{what}: constants are made on the CPU; a GPU op takes them as input")
     if dtype is not None:
         value = value.astype(as_numpy_dtype(dtype))

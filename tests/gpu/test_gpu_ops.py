@@ -11,7 +11,7 @@ import pytest
 
 import mpexec
 import shm
-from mpexec import _gpu, fn
+from mpexec import _executors, _gpu, fn
 from mpexec._doctor import GpuReport, format_report
 from mpexec._runtime import Chunk, np_from_dlpack
 from mpexec.testing import GARBAGE, SEEDS, SimCuPy, simulated
@@ -36,7 +36,7 @@ def _runner(function: Any, *, batch: bool = False, n: int = 1, **kw: Any) -> _gp
 
 def test_executor_runs_ops_on_their_streams_and_chains_by_events(sim: SimCuPy) -> None:
     arena = shm.Arena(capacity=1 << 24, segment_size=1 << 22)
-    ex = _gpu.GpuExecutor(sim, 0)
+    ex = _executors.GpuExecutor(sim, 0)
     try:
         first = _runner(lambda x: x * 2)
         first.name = "first"
@@ -71,7 +71,7 @@ def test_executor_batch_mode_and_sample_info(sim: SimCuPy) -> None:
         seen.append(mpexec.sample_info())
         return sim.stack(xs) * 10
 
-    ex = _gpu.GpuExecutor(sim, 0)
+    ex = _executors.GpuExecutor(sim, 0)
     try:
         res = ex.submit(_runner(batch_fn, batch=True), _chunk(2, 5), [[np.ones(3), np.zeros(3)]])
         (col,) = res.result(timeout=30).outputs
@@ -88,7 +88,7 @@ def test_gpu_user_errors_come_back_typed_with_op_and_sample(sim: SimCuPy) -> Non
             raise sim.cuda.memory.OutOfMemoryError(1 << 40, 0)
         return x
 
-    ex = _gpu.GpuExecutor(sim, 0)
+    ex = _executors.GpuExecutor(sim, 0)
     try:
         fut = ex.submit(_runner(oom_on_second), _chunk(2), [[np.zeros(4), np.ones(4)]])
         with pytest.raises(sim.cuda.memory.OutOfMemoryError) as info:
@@ -117,7 +117,7 @@ def test_gpu_user_errors_come_back_typed_with_op_and_sample(sim: SimCuPy) -> Non
 )
 def test_gpu_op_outputs_are_checked(sim: SimCuPy, n: int, result: Any, match: str) -> None:
     runner = _runner(result, n=n)
-    ex = _gpu.GpuExecutor(sim, 0)
+    ex = _executors.GpuExecutor(sim, 0)
     try:
         fut = ex.submit(runner, _chunk(1), [[np.zeros(3)]])
         with pytest.raises(
@@ -135,7 +135,7 @@ def test_dl_tensor_variant_gets_dlpack_capsules(sim: SimCuPy) -> None:
         kinds.append(type(capsule).__name__)
         return sim.from_dlpack(capsule) + 1
 
-    ex = _gpu.GpuExecutor(sim, 0)
+    ex = _executors.GpuExecutor(sim, 0)
     try:
         res = ex.submit(_runner(f, dlpack=True), _chunk(1), [[np.arange(4.0)]]).result(30)
         (host,) = ex.to_host([[res.outputs[0][0]]], "gpu_op")
@@ -146,7 +146,7 @@ def test_dl_tensor_variant_gets_dlpack_capsules(sim: SimCuPy) -> None:
 
 
 def test_shutdown_cancels_queued_calls_and_refuses_new_ones(sim: SimCuPy) -> None:
-    ex = _gpu.GpuExecutor(sim, 0)
+    ex = _executors.GpuExecutor(sim, 0)
     ex.shutdown()
     ex.shutdown()
     with pytest.raises(mpexec.GpuError, match="closed"):

@@ -164,6 +164,36 @@ def test_gpu_to_cpu_lands_in_shared_memory_with_no_further_copy(sim: SimCuPy) ->
         assert cpu_op.bytes_copied == 0
 
 
+def test_the_copy_to_the_host_runs_with_the_scheduler_free(sim: SimCuPy) -> None:
+    """A GPU op's output for a CPU op is copied off the scheduler's lock.
+
+    (It used to be copied, and waited for, in the thread that completed the
+    GPU op's chunk, under the scheduler's lock: every other completion waited.)
+    """
+
+    @mpexec.pipeline_def(batch_size=4, num_workers=2, seed=0)
+    def pipe() -> Any:
+        a = fn.external_source(source=_big_source, batch=False)
+        b = fn.python_function(a, function=lambda x: x * 2, device="gpu")
+        return fn.python_function(b, function=_cpu_after, name="cpu_after")
+
+    held: list[bool] = []
+    with pipe() as p:
+        lock = p._scheduler._lock  # an RLock: it knows whether this thread holds it
+        stage = p._gpu.stage
+        to_host = stage.to_host
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            held.append(lock._is_owned())
+            return to_host(*args, **kwargs)
+
+        stage.to_host = spy
+        (out,) = p.run()
+        np.testing.assert_array_equal(out[1], (_big_source(_info(1)) * 2).sum(axis=0)[None])
+    assert held
+    assert not any(held)
+
+
 def test_independent_gpu_ops_share_no_stream_and_wait_only_on_their_producers(
     sim: SimCuPy,
 ) -> None:

@@ -271,7 +271,9 @@ def _names_used_in(path: pathlib.Path) -> set[str]:
 
 
 def test_cupy_names_lists_every_name_the_gpu_module_uses() -> None:
+    # The stage and runners in _gpu, the GPU executor in _executors.
     used = _names_used_in(pathlib.Path(_gpu.__file__))
+    used |= _names_used_in(pathlib.Path(_gpu.__file__).with_name("_executors.py"))
     listed = set(_gpu.CUPY_NAMES)
     # A longer chain (xp.cuda.runtime.memcpyAsync) implies its prefixes are used too.
     prefixes = {".".join(n.split(".")[:k]) for n in listed for k in range(1, n.count(".") + 1)}

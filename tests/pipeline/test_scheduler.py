@@ -1,4 +1,4 @@
-"""The scheduler's unit of work and executor interface (mpexec/_scheduler.py).
+"""The scheduler's unit of work and executor interface (mpexec/_executors.py, _scheduler.py).
 
 Another executor (a Ray pool, a GPU stage) plugs in behind ``UnitExecutor``: these
 tests drive the scheduler with one that sends every unit through a pickle round trip,
@@ -20,8 +20,9 @@ import pytest
 
 import mpexec
 from mpexec import fn
+from mpexec._executors import UnitExecutor, WorkUnit
 from mpexec._runtime import ChunkResult
-from mpexec._scheduler import Scheduler, UnitExecutor, WorkUnit
+from mpexec._scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

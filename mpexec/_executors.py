@@ -1,0 +1,464 @@
+"""Executors: what runs the scheduler's units of work, behind one protocol.
+
+::
+
+    Scheduler                 UnitExecutor                      where the unit runs
+    ---------                 ------------                      -------------------
+    WorkUnit (a chunk    -->  PoolExecutor.submit_unit   -->    WorkerPool.submit_call
+      through an op or          (LocalPoolExecutor: also          (view=True): a worker;
+      a fused chain)            ``empty``, the batch's            RayPool: a node's pool;
+                                dense blocks)                     num_workers=0: here
+                          -->  GpuExecutor.submit_unit   -->    the GPU thread: H2D copy,
+                                                                  the op on its stream
+    Future[ChunkResult]  <--  completed on the pool's manager thread, or the GPU thread
+    a GPU op's column    -->  GpuExecutor.handoff        -->    queued on the GPU thread:
+      for a CPU op              Future[host column]               D2H into the CPU
+                                                                  executor's shared memory
+
+    who owns what: an executor owns nothing of the pool's (the pipeline owns
+    the pool and the GPU executor; a pool given with ``pool=`` stays its
+    owner's). The GPU executor owns its thread, its stage (streams, staging,
+    registrations) and the events of the ops it ran.
+
+The unit of work is a :class:`WorkUnit`: one chunk (samples ``start ..
+start+count`` of one iteration) through one op, or through a chain of
+per-sample ops fused into one call (``_runtime.ChainRunner``), given the
+chunk's rows of each input column. ``unit.runner(unit.chunk, *unit.inputs)``
+(what ``unit.run()`` does) is the whole computation, the same in any process:
+seeding, ``SampleInfo``, calls, output checks. It returns a ``ChunkResult``
+(outputs, seconds, pid, where a source stopped).
+
+A :class:`UnitExecutor` is anything that runs units and returns futures:
+
+- ``workers``: how many units it runs at once (the scheduler cuts an op into
+  about that many chunks); ``0`` means it runs them in the caller, at once.
+- ``submit_unit(unit)``: a ``Future[ChunkResult]``; raising here fails the
+  iteration. The future's callback may run in any thread. An executor that
+  ships units elsewhere sends each runner once and keeps it there (by
+  identity, as WorkerPool does): a stateful op's state lives in its runner.
+  A unit with ``worker`` set (a stateful op) must run after that index's
+  earlier units, in submission order.
+- ``share(array)``: a read-only copy of a source's array that later units can
+  take as input cheaply (the one copy where data enters the pipeline).
+- ``shutdown(wait, cancel_futures)``: stop (its owner calls it, not the
+  scheduler); pending futures are cancelled.
+
+and may offer (the scheduler looks for each once per op; without it, the
+default said here):
+
+- ``empty(shape, dtype)``: a writable array its units can write to. Where an
+  executor has it, an output whose samples share one shape and dtype
+  (declared by ``output_shapes``/``output_dtypes``, or learned from an
+  earlier batch) is one block per batch: each unit gets its rows of it as
+  ``unit.out`` and fills them (an executor that runs units elsewhere copies
+  the rows back into ``unit.out`` before it completes the future). The
+  batch's column is then the block itself: one allocation and one
+  descriptor, not one per sample. A chunk whose samples do not fit returns
+  its arrays, and that batch is assembled from them instead. Default: none.
+- ``runner(op, entropy, *, debug)``: what its units of ``op`` run. Default:
+  :func:`op_runner`, an ``OpRunner`` (host arrays in, host arrays out).
+- ``copied_bytes(column)``: how many bytes of a unit's input column it copies
+  to reach its units (an op's ``bytes_copied``). Default: 0.
+- ``handoff(column, producer, consumer)``: a ``Future`` of output ``column``
+  of op ``producer`` made readable by the units of executor ``consumer``.
+  Default: host arrays, which every executor reads as they are.
+- ``columns(parts, num_outputs, what)``: an op's columns from its chunks'
+  results, checked, where its outputs are not host arrays. Default: the
+  scheduler's assembly (blocks, or lists of read-only host arrays).
+- ``batch(samples, layout, producer)``: an output ``Batch``. Default:
+  ``Batch(samples, layout)``.
+
+:class:`PoolExecutor` adapts a pool (a ``WorkerPool`` or a ``RayPool``;
+:class:`LocalPoolExecutor` adds ``empty`` for a local one);
+:class:`GpuExecutor` runs ``device="gpu"`` ops on the GPU thread. Each op's
+executor is picked once, by its device; a chain never spans two executors.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+import shm
+
+from . import _codec
+from ._errors import GpuError, forked_error
+from ._modes import CallKind
+from ._pool import WorkerPool
+from ._runtime import ChainRunner, Chunk, ChunkResult, OpRunner, check_consistent
+
+if TYPE_CHECKING:
+    from ._gpu import GpuBatch, GpuOpRunner
+    from ._graph import Op
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """One chunk of an iteration's samples through an op (or a fused chain of ops).
+
+    ``runner(chunk, *inputs)`` computes it; ``inputs`` holds, per input column
+    of the chain's head, the chunk's rows (read-only arrays). ``worker`` pins
+    the unit to one worker index (stateful ops), else None. ``ops`` names the
+    ops it runs, head first. ``out`` (empty, or one entry per output of the
+    last op): a writable array of ``chunk.count`` rows in the batch's block
+    (from the executor's ``empty``), which the unit fills where its samples
+    fit; the result says which outputs it wrote (``ChunkResult.written``).
+    """
+
+    runner: OpRunner | ChainRunner  # or, for a GPU op, a GpuOpRunner its executor calls
+    chunk: Chunk
+    inputs: tuple[Sequence[Any], ...]
+    worker: int | None = None
+    ops: tuple[str, ...] = ()
+    out: tuple[Any, ...] = ()  # per output: rows of the batch's block to write, or None
+
+    def run(self) -> ChunkResult:
+        """Compute the unit here (what an executor's worker does with it)."""
+        return self.runner(self.chunk, *self.inputs, out=self.out)
+
+
+class UnitExecutor(Protocol):
+    """Something that runs :class:`WorkUnit` s and returns futures (see the module doc)."""
+
+    @property
+    def workers(self) -> int: ...
+
+    def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]: ...
+
+    def share(self, array: Any) -> Any: ...
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
+
+
+def op_runner(op: Op, entropy: int, *, debug: bool) -> OpRunner:
+    """The runner of a host op ``op``: its function, declaration and seed."""
+    kind = (
+        CallKind.SOURCE
+        if op.is_source
+        else CallKind.BATCH
+        if op.batch_processing
+        else CallKind.SAMPLE
+    )
+    return OpRunner(
+        op.name,
+        op.function,
+        kind,
+        op.num_outputs,
+        entropy,
+        op.output_dtypes,
+        op.output_shapes,
+        op.dlpack,
+        debug,
+        repeatable=not (op.stateful or op.preserve or op.num_outputs == 0),
+    )
+
+
+# ---------------------------------------------------------------- pools
+
+
+class CallPool(Protocol):
+    """What :class:`PoolExecutor` needs of a pool: a :class:`WorkerPool` or a ``RayPool``.
+
+    Their public low-level seam (docs/pool.md, "Building on the pool").
+    """
+
+    @property
+    def num_workers(self) -> int: ...
+
+    def submit_call(
+        self,
+        fn: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        worker: int | None = None,
+        view: bool = False,
+    ) -> Future[Any]: ...
+
+    def share(self, array: Any) -> Any: ...
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
+
+
+class PoolExecutor:
+    """The :class:`UnitExecutor` over a pool (:class:`CallPool`): units as pool calls.
+
+    The runner travels once per worker (the pool caches functions by
+    identity); a unit's input rows travel as descriptors of shared memory
+    (within a node, for a ``RayPool``; through Ray's object store between
+    nodes). Results come back uncopied (``view=True``), so a pool the
+    pipeline does not own keeps its promise to its other callers.
+    """
+
+    def __init__(self, pool: CallPool) -> None:
+        self.pool = pool
+        self.workers = pool.num_workers
+
+    def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
+        kwargs: dict[str, Any] = {}
+        if unit.out:
+            kwargs["out"] = tuple(None if o is None else _codec.writable(o) for o in unit.out)
+        return self.pool.submit_call(
+            unit.runner, (unit.chunk, *unit.inputs), kwargs, worker=unit.worker, view=True
+        )
+
+    def runner(self, op: Op, entropy: int, *, debug: bool) -> OpRunner:
+        return op_runner(op, entropy, debug=debug)
+
+    def copied_bytes(self, column: Any) -> int:
+        """Bytes of ``column`` the pool copies into shared memory to send them."""
+        if not self.workers:
+            return 0  # run here: nothing crosses a process boundary
+        arrays = (column,) if isinstance(column, np.ndarray) else column
+        return sum(
+            a.nbytes for a in arrays if a.nbytes > _codec.INLINE_MAX and not shm.in_shared_memory(a)
+        )
+
+    def share(self, array: Any) -> Any:
+        return self.pool.share(array)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.pool.shutdown(wait, cancel_futures=cancel_futures)
+
+
+class LocalPoolExecutor(PoolExecutor):
+    """A :class:`PoolExecutor` over this machine's :class:`WorkerPool`.
+
+    Its shared memory is the workers' too, so it also offers ``empty``: the
+    dense block a batch's chunks write their rows into (and where a GPU
+    stage copies a GPU op's outputs for CPU ops).
+    """
+
+    pool: WorkerPool
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
+        return self.pool.empty(shape, dtype)
+
+
+def pool_executor(pool: CallPool) -> PoolExecutor:
+    """The executor for ``pool``: with shared-memory blocks where the pool is local."""
+    return LocalPoolExecutor(pool) if isinstance(pool, WorkerPool) else PoolExecutor(pool)
+
+
+# ---------------------------------------------------------------- the GPU
+
+
+class GpuExecutor:
+    """Runs GPU ops' calls in this process, on one thread that owns the device.
+
+    :meth:`submit` queues one call (a chunk through a :class:`GpuOpRunner`) and
+    returns a future of its :class:`ChunkResult` (outputs are device arrays).
+    The thread copies host inputs to the device (the op's stream waits on the
+    copy), makes the op's stream wait on the events of the GPU ops that
+    produced its device inputs (and on nothing else), runs the function, and
+    records the op's event. It never synchronizes the device: calls of later
+    iterations are queued while earlier ones still run on the GPU, which is
+    what overlaps the copy of iteration i+1 with the compute of iteration i.
+    """
+
+    workers = 1
+
+    def __init__(self, xp: Any, device_id: int = 0, *, register: bool = True) -> None:
+        self.xp = xp
+        self.pid = os.getpid()  # the process whose thread and device context these are
+        from ._gpu import GpuStage  # imported where a pipeline has GPU ops, not before
+
+        self.stage = GpuStage(xp, device_id, register=register)
+        self._lock = threading.Lock()  # the stage is shared with to_host callers
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._events: dict[tuple[str, int, int], Any] = {}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(
+        self, runner: GpuOpRunner, chunk: Chunk, inputs: Sequence[Sequence[Any]]
+    ) -> Future[ChunkResult]:
+        """Queue one call of ``runner`` over ``chunk``; a future of its result."""
+        return self._queue(functools.partial(self._run, runner, chunk, inputs))
+
+    def _queue(self, task: Callable[[], Any]) -> Future[Any]:
+        """Run ``task`` on the GPU thread, after the tasks queued before it."""
+        if self.pid != os.getpid():
+            # Forked: the thread is the parent's (a call queued here would wait forever),
+            # and so is the device context.
+            raise forked_error(self.pid, "this GPU stage")
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise GpuError("the GPU stage is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="mpexec-gpu", daemon=True)
+                self._thread.start()
+        self._tasks.put((task, future))
+        return future
+
+    def runner(self, op: Op, entropy: int, *, debug: bool = False) -> GpuOpRunner:
+        """The runner of GPU op ``op`` (``debug``'s input checks are the CPU runner's)."""
+        from ._gpu import GpuOpRunner
+
+        return GpuOpRunner(
+            op.name,
+            op.function,
+            op.batch_processing,
+            op.num_outputs,
+            entropy,
+            op.dlpack,
+            tuple(n.op.name for n in op.inputs),
+        )
+
+    def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
+        """The scheduler's entry point: a unit of a GPU op."""
+        # A dense block's rows, as samples: adjacent, so the stage copies them in one run.
+        columns: tuple[Any, ...] = unit.inputs
+        inputs = [list(c) if isinstance(c, np.ndarray) else c for c in columns]
+        return self.submit(unit.runner, unit.chunk, inputs)  # type: ignore[arg-type]
+
+    def share(self, array: Any) -> Any:
+        """A read-only copy (GPU ops are never sources; here for the executor protocol)."""
+        out = np.array(array, copy=True)
+        out.flags.writeable = False
+        return out
+
+    def batch(self, samples: Sequence[Any], layout: str | None, producer: str) -> GpuBatch:
+        """A GPU op's output as a ``GpuBatch`` on that op's stream."""
+        from ._gpu import GpuBatch
+
+        return GpuBatch(samples, layout, self.xp, self.stage.stream(producer))
+
+    def is_device_column(self, column: Sequence[Any]) -> bool:
+        return bool(column) and isinstance(column[0], self.xp.ndarray)
+
+    def to_host(
+        self,
+        columns: Sequence[Sequence[Any]],
+        producer: str,
+        alloc: Callable[[int], np.ndarray[Any, Any]] | None = None,
+    ) -> list[list[Any]]:
+        """Host copies of GPU op ``producer``'s output columns, complete on return."""
+        with self._lock:
+            stream = self.stage.stream(producer)
+            return self.stage.to_host(columns, stream, alloc)
+
+    def handoff(
+        self, column: Sequence[Any], producer: str, consumer: UnitExecutor
+    ) -> Future[list[Any]]:
+        """GPU op ``producer``'s output ``column`` in host memory, for ``consumer``'s units.
+
+        Into the consumer's shared memory where it offers it (so its workers
+        read the bytes with no further copy), else into pinned memory. The copy
+        is queued on the GPU thread, after the work that made the column: the
+        thread that completed the producer's chunk never waits on the device.
+        """
+        empty = getattr(consumer, "empty", None) if consumer.workers else None
+        alloc = None if empty is None else functools.partial(_bytes_from, empty)
+
+        def copy() -> list[Any]:
+            (host,) = self.to_host([column], producer, alloc)
+            return host
+
+        return self._queue(copy)
+
+    def columns(
+        self, parts: Sequence[ChunkResult], num_outputs: int, what: str
+    ) -> tuple[list[Any], ...]:
+        """A GPU op's outputs: device arrays, one list per output (no blocks)."""
+        columns = tuple([x for p in parts for x in p.outputs[i]] for i in range(num_outputs))
+        for i, col in enumerate(columns):
+            check_consistent(what, i, col)
+        return columns
+
+    def _loop(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            task, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = task()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def _run(
+        self, runner: GpuOpRunner, chunk: Chunk, inputs: Sequence[Sequence[Any]]
+    ) -> ChunkResult:
+        t0 = time.perf_counter()
+        with self._lock:
+            stage = self.stage
+            stream = stage.stream(runner.name)
+            host = [i for i, col in enumerate(inputs) if not self.is_device_column(col)]
+            args = [list(col) for col in inputs]
+            if host:
+                try:
+                    copied = stage.to_device([inputs[i] for i in host], stream)
+                except self.xp.cuda.runtime.CUDARuntimeError as exc:
+                    raise GpuError(
+                        f"copying the inputs of GPU op '{runner.name}' to device "
+                        f"{stage.device_id} failed: {exc}"
+                    ) from exc
+                for i, col in zip(host, copied, strict=True):
+                    args[i] = col
+            for i, producer in enumerate(runner.producers):
+                if i not in host:
+                    event = self._events.get((producer, chunk.epoch, chunk.iteration))
+                    if event is not None:
+                        stream.wait_event(event)
+        with stage.device:
+            columns = runner(self.xp, stream, chunk, args)
+        with self._lock:
+            self._events[(runner.name, chunk.epoch, chunk.iteration)] = stream.record()
+            stage.hold(stream, args)
+            stage.reap()
+            for key in [k for k, e in self._events.items() if e.done]:
+                del self._events[key]  # complete: consumers need not wait on it
+        seconds = time.perf_counter() - t0
+        return ChunkResult(tuple(columns), chunk.count, seconds, os.getpid())
+
+    def on_own_thread(self) -> bool:
+        """Whether the caller is the stage's own thread (which cannot join itself)."""
+        return threading.current_thread() is self._thread
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop the thread (after queued calls, unless cancelled) and close the stage.
+
+        In a process forked from the owner's it does nothing: the stage's device
+        memory and registrations are the parent's.
+        """
+        if self.pid != os.getpid():
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if cancel_futures:
+            while True:
+                try:
+                    task = self._tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if task is not None:
+                    task[1].cancel()
+        self._tasks.put(None)
+        if thread is not None and wait:
+            thread.join(timeout=60)
+        with self._lock:
+            self._events.clear()
+            self.stage.close()
+
+
+def _bytes_from(empty: Any, nbytes: int) -> np.ndarray[Any, Any]:
+    """``nbytes`` of an executor's shared memory, as bytes (where a GPU stage copies)."""
+    return empty((nbytes,), np.dtype(np.uint8))  # type: ignore[no-any-return]

@@ -1,0 +1,65 @@
+"""The modes a pipeline's parts switch on, as enums whose members are their strings.
+
+Public arguments take the strings (``device="gpu"``, ``last_batch="drop"``);
+the code that defines an op turns them into these members once, and the code
+that acts on them compares with members, so a misspelt mode is a NameError at
+import, not a branch silently never taken. Each member *is* its string
+(``Device.GPU == "gpu"``, same hash, prints as ``gpu``), so an op built with a
+plain string still behaves the same.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Mode(str, Enum):
+    """A mode named by a string: equal to, hashed and printed as its value."""
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+
+class Device(Mode):
+    """Where an op's function runs: in the workers (``cpu``) or on the GPU stage."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+class OpKind(Mode):
+    """What an op of the graph is."""
+
+    PYTHON_FUNCTION = "python_function"
+    DL_TENSOR_PYTHON_FUNCTION = "dl_tensor_python_function"
+    EXTERNAL_SOURCE = "external_source"
+
+
+class SourceMode(Mode):
+    """How an ``external_source`` gives its data (empty for other ops)."""
+
+    NONE = ""
+    SAMPLE = "sample"  # a callable of SampleInfo, run in the workers
+    BATCH = "batch"  # a callable of (iteration, epoch), run here
+    ITER = "iter"  # an iterable or generator, read here
+    FEED = "feed"  # batches given with pipe.feed_input
+
+
+class CallKind(Mode):
+    """How a runner calls an op's function over a chunk."""
+
+    SAMPLE = "sample"  # once per sample, with its arrays
+    BATCH = "batch"  # once, with lists of the chunk's samples
+    SOURCE = "source"  # once per sample, with its SampleInfo (a per-sample source)
+
+
+class LastBatch(Mode):
+    """What an epoch's short last batch becomes."""
+
+    PARTIAL = "partial"  # returned as it is
+    DROP = "drop"  # dropped
