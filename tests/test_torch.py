@@ -639,7 +639,7 @@ def test_load_state_dict_rejects_garbage() -> None:
     with pytest.raises(ValueError, match="state_dict"):
         loader.load_state_dict({"batches": 2})
     with pytest.raises(ValueError, match="batches"):
-        loader.load_state_dict({"version": 1, "rng": {}, "batches": -1})
+        loader.load_state_dict({"version": 1, "rng": loader.state_dict()["rng"], "batches": -1})
 
 
 def test_state_between_epochs_starts_the_next_epoch() -> None:
