@@ -27,10 +27,13 @@ import base64
 import collections.abc
 import contextlib
 import copy
+import ctypes
 import functools
 import itertools
+import mmap
 import multiprocessing as mp
 import os
+import resource
 import signal
 import time
 import weakref
@@ -53,6 +56,8 @@ except ImportError as _exc:  # pragma: no cover - exercised without torch instal
     ) from _exc
 
 import numpy as np
+
+import shm
 
 from . import _launch, _worker
 from ._batch import Batch
@@ -1112,6 +1117,7 @@ _NUMPY_DTYPES = {
 }
 
 _STACKED_NUMPY = {np.dtype(t) for t in _NUMPY_DTYPES.values()}
+_TORCH_DTYPES = {np.dtype(n): t for t, n in _NUMPY_DTYPES.items()}
 
 
 # ------------------------------------------------------------------ tensors on the wire
@@ -1158,9 +1164,174 @@ def _shared_array(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
 
 
 def _tensor_in(t: _Tensor) -> torch.Tensor:
-    tensor = torch.from_numpy(t.array)
-    tensor._mpexec_array = t.array  # the view of shared memory it is (see _shared_array)
+    tensor = _shared_tensor(t.array)
+    if tensor is None:
+        tensor = torch.from_numpy(t.array)
+        tensor._mpexec_array = t.array  # the view of shared memory it is (see _shared_array)
     return tensor
+
+
+# ------------------------------------------------------------------ tensors over shared memory
+#: Live batch tensors that hold an fd (see _shared_tensor), and their budget.
+_fds_held = 0
+_fds_budget: int | None = None
+
+
+def _segment_fd(array: np.ndarray[Any, Any], writable: bool) -> tuple[int, int] | None:
+    """An fd of the shared-memory segment ``array`` is a view of, and where its data starts.
+
+    The caller closes the fd. None if ``array`` is in no segment, or the
+    segment can no longer be opened (its owner has exited).
+    """
+    seg = shm.segment_of(array)
+    if seg is None:
+        return None
+    h = seg.handle
+    path = f"/proc/{h.owner_pid}/fd/{h.fd}" if h.backend == "memfd" else f"/dev/shm{h.name}"
+    try:
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if os.fstat(fd).st_ino != h.inode:  # the owner is gone, its fd number reused
+        os.close(fd)
+        return None
+    return fd, seg.offset + (array.ctypes.data - seg.address)
+
+
+def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
+    """A tensor over ``array``'s shared pages that torch knows are shared (``is_shared()``).
+
+    torch's own batches are in a shared-memory mapping of torch's (one fd
+    each), which torch.multiprocessing sends on by fd, uncopied. This maps the
+    worker's segment the same way, so a batch goes on to other processes
+    without a copy too, and holds ``array`` (so its memory) for as long as
+    the storage lives. Each such tensor holds an fd, as torch's do: past a
+    quarter of the open-files limit, batches come as plain tensors over the
+    same memory instead (None here), rather than leaving the process
+    without fds ("Too many open files", torch's well-known failure).
+    """
+    global _fds_held, _fds_budget
+    dtype = _TORCH_DTYPES.get(array.dtype)
+    size = array.itemsize
+    if (
+        dtype is None
+        or not array.flags.writeable
+        or array.nbytes == 0
+        or any(st < 0 or st % size for st in array.strides)
+    ):
+        return None
+    if _fds_budget is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        _fds_budget = (soft if soft != resource.RLIM_INFINITY else 1 << 16) // 4
+    if _fds_held >= _fds_budget:
+        return None
+    found = _segment_fd(array, writable=True)
+    if found is None:
+        return None
+    fd, start = found
+    try:
+        if start % size:
+            return None
+        end = start + _extent(array)
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, end)  # maps a dup of fd
+    except RuntimeError:  # out of fds, or of address space: the plain tensor will do
+        return None
+    finally:
+        os.close(fd)
+    _fds_held += 1
+    # The storage's Python object lives as long as the storage (torch keeps it):
+    # so does what it holds, the array (the memory) and the fd's count.
+    storage._mpexec_keep = _Held(array)
+    out = torch.empty(0, dtype=dtype)
+    out.set_(storage, start // size, array.shape, tuple(st // size for st in array.strides))
+    return out
+
+
+class _Held:
+    """What a shared batch tensor's storage holds: its array, and one fd of the budget."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.array = array
+
+    def __del__(self) -> None:
+        global _fds_held
+        _fds_held -= 1
+
+
+def _private_tensor(
+    first: np.ndarray[Any, Any], shape: tuple[int, ...], strides: tuple[int, ...], keep: Any
+) -> torch.Tensor | None:
+    """A writable tensor of ``shape`` and byte ``strides`` from ``first``'s data, copy-on-write.
+
+    Reads share the pages of the segment ``first`` is in, uncopied; a write
+    copies the page it touches into memory of this tensor's own
+    (``MAP_PRIVATE``), so it changes this tensor only, never the shared memory
+    that other batches, consumers or the pipeline read. ``keep`` (the arrays
+    the tensor spans) is held as long as the tensor. None if ``first`` is in
+    no segment that can be opened.
+    """
+    dtype = _TORCH_DTYPES.get(first.dtype)
+    if dtype is None or any(st < 0 for st in strides) or 0 in shape:
+        return None
+    found = _segment_fd(first, writable=False)
+    if found is None:
+        return None
+    fd, start = found
+    end = start + first.itemsize + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+    try:
+        base = start // mmap.PAGESIZE * mmap.PAGESIZE
+        pages = _map_private(fd, base, end - base)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    pages._mpexec_keep = keep  # the shared memory stays allocated while the copy reads it
+    view: np.ndarray[Any, Any] = np.ndarray(
+        shape, first.dtype, buffer=pages, offset=start - base, strides=strides
+    )
+    return torch.from_numpy(view)
+
+
+def _extent(array: np.ndarray[Any, Any]) -> int:
+    """Bytes from an array's first element to the end of its last (strides >= 0)."""
+    last = sum((n - 1) * st for n, st in zip(array.shape, array.strides, strict=True))
+    return int(array.itemsize + last)
+
+
+def _map_private(fd: int, offset: int, length: int) -> Any:
+    """``length`` bytes of ``fd`` mapped copy-on-write (``MAP_PRIVATE``); unmapped when dropped.
+
+    libc's mmap, not Python's: Python's keeps a duplicate of the fd for each
+    mapping (before 3.13), an open file per tensor.
+    """
+    libc = _libc()
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    address = libc.mmap(None, length, prot, mmap.MAP_PRIVATE, fd, offset)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    pages = (ctypes.c_char * length).from_address(address)
+    weakref.finalize(pages, libc.munmap, address, length)
+    return pages
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.mmap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.munmap.restype = ctypes.c_int
+    return libc
 
 
 def _walk(data: Any, kind: type, fn: Any) -> Any:
@@ -1202,19 +1373,54 @@ def _walk(data: Any, kind: type, fn: Any) -> Any:
 
 # ------------------------------------------------------------------ pipelines
 def iterate(pipe: Pipeline) -> Iterator[tuple[Any, ...]]:
-    """A pipeline's iterations as tuples of torch tensors, through DLPack, no copy.
+    """A pipeline's iterations as tuples of torch tensors over the batches' memory, no copy.
 
-    A dense output becomes one tensor over the batch's memory (stacked first
-    if its op made it sample by sample: ``Batch.as_array``); a ragged one, a
-    list of per-sample tensors. The tensors are read-only memory of the
-    pipeline: copy one to write to it.
+    A dense output becomes one tensor (stacked first if its op made it sample
+    by sample: ``Batch.as_array``); a ragged one, a list of per-sample
+    tensors. See :func:`to_torch` for what writing to them does.
     """
     for outputs in pipe:
         yield tuple(to_torch(b) for b in outputs)
 
 
 def to_torch(batch: Batch) -> Any:
-    """One batch as a tensor over its memory (a list of per-sample tensors if ragged)."""
-    if batch.is_dense() and len(batch):
-        return torch.from_dlpack(batch)
-    return [torch.from_dlpack(s) for s in batch]
+    """One batch as a tensor over its memory (a list of per-sample tensors if ragged).
+
+    The pipeline's memory is read-only (other outputs, later consumers may
+    share it). The tensors are writable, as torch's are, and copy-on-write:
+    reading shares the pages, a write copies the pages it touches first, so
+    it changes that tensor alone, never the batch or anything else. GPU
+    batches come through DLPack, on the consumer's stream.
+    """
+    if batch.device != "cpu":
+        if batch.is_dense() and len(batch):
+            return torch.from_dlpack(batch)
+        return [torch.from_dlpack(s) for s in batch]
+    samples = list(batch)
+    if not (batch.is_dense() and samples):
+        return [_sample_tensor(s) for s in samples]
+    first = samples[0]
+    step = samples[1].ctypes.data - first.ctypes.data if len(samples) > 1 else first.nbytes
+    seg = shm.segment_of(first)
+    if seg is not None and all(
+        s.ctypes.data == first.ctypes.data + i * step
+        and s.strides == first.strides
+        and s.dtype == first.dtype
+        and shm.segment_of(s) is seg
+        for i, s in enumerate(samples)
+    ):
+        # Rows of one block (the op made the batch dense, or its samples lie
+        # end to end): that memory, copy-on-write.
+        shape = (len(samples), *first.shape)
+        tensor = _private_tensor(first, shape, (step, *first.strides), samples)
+        if tensor is not None:
+            return tensor
+    # Separate samples, or memory that is not shared: stacked, into a block of the tensor's own.
+    return torch.from_numpy(np.stack(samples))
+
+
+def _sample_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    tensor = _private_tensor(array, array.shape, array.strides, array)
+    if tensor is None:  # not in shared memory (a small array rides in its record): a copy
+        tensor = torch.from_numpy(np.array(array))
+    return tensor

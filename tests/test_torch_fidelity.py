@@ -14,6 +14,7 @@ import time
 import typing
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 
@@ -24,7 +25,7 @@ from torch.utils.data.datapipes.iter import IterableWrapper  # noqa: E402
 import mpexec  # noqa: E402
 from mpexec import torch as mt  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
-from tests.test_torch import assert_same, check_parity  # noqa: E402
+from tests.test_torch import assert_same, check_parity, mapping_of  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -380,3 +381,66 @@ def test_stats_tell_the_loader_from_the_model() -> None:
     assert stats.wait_per_batch_s == stats.wait_s / 12
     assert "worker 1: 6 batches" in str(stats)
     del it
+
+
+# ------------------------------------------------------------------ batches as torch sees them
+class Images(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.full((3, 32, 32), float(i)), i
+
+
+def test_loader_batches_are_shared_memory_as_torch_knows_it() -> None:
+    batches = list(mt.DataLoader(Images(), batch_size=4, num_workers=2))
+    for x, _ in batches:
+        assert x.is_shared()  # as torch's own batches: sent on by fd, uncopied
+        assert mapping_of(x.data_ptr()) == ("rw-s", True)  # the worker's pages, not a copy
+    assert [int(x[0, 0, 0, 0]) for x, _ in batches] == [0, 4, 8]
+    x = batches[0][0]
+    x.add_(100)  # the batch is the caller's: written in place, no one else reads it
+    assert int(x[1, 0, 0, 0]) == 101
+
+
+def test_shared_batches_stay_within_a_budget_of_fds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each shared batch tensor holds an fd, as torch's do; past the budget, plain tensors.
+    monkeypatch.setattr(mt, "_fds_budget", 2)
+    monkeypatch.setattr(mt, "_fds_held", 0)
+    batches = [x for x, _ in mt.DataLoader(Images(), batch_size=2, num_workers=2)]
+    assert [x.is_shared() for x in batches] == [True, True, False, False, False, False]
+    assert [int(x[0, 0, 0, 0]) for x in batches] == [0, 2, 4, 6, 8, 10]
+    del batches
+    gc.collect()
+    assert mt._fds_held == 0
+
+
+def _twice(xs: list[Any]) -> Any:
+    return np.stack(xs) * 2
+
+
+def test_pipeline_tensors_are_copy_on_write() -> None:
+    @mpexec.pipeline_def(batch_size=4, num_workers=2, seed=1)
+    def pipe() -> Any:
+        src = mpexec.fn.external_source(
+            source=lambda info: np.full((128, 128), info.idx_in_epoch, np.float32), batch=False
+        )
+        out = mpexec.fn.python_function(src, function=_twice, batch_processing=True)
+        return out, out, src
+
+    with pipe() as p:
+        a, b, src = p.run()
+        t = mt.to_torch(a)
+        assert mapping_of(t.data_ptr()) == ("rw-p", True)  # the batch's pages, no copy
+        rows = [mt.to_torch(src)[i] for i in range(4)]
+        t.add_(1)  # writable, as torch's tensors are: it changes this tensor alone
+        for r in rows:
+            r.mul_(0)
+        assert float(t[1, 0, 0]) == 3.0
+        assert float(a.as_array()[1, 0, 0]) == 2.0  # not the batch
+        assert float(b.as_array()[1, 0, 0]) == 2.0  # nor another output over the same memory
+        assert float(mt.to_torch(a)[1, 0, 0]) == 2.0  # nor a later export
+        assert [float(x[0, 0]) for x in src] == [0.0, 1.0, 2.0, 3.0]
+        ragged = mt.to_torch(src[1:2])
+        assert float(ragged[0, 0, 0]) == 1.0
+        del t, rows, ragged
