@@ -762,6 +762,8 @@ def _start_pool(config: _WorkerConfig, start_method: str) -> WorkerPool:
                 start_method=start_method,
                 worker_init=_start_worker,
                 worker_init_args=(key,),
+                arena_size=_ARGS_ARENA,
+                worker_arena_size=_WORKER_ARENA,
             )
         finally:
             del _inherited[key]  # every worker has forked (or failed to)
@@ -771,7 +773,18 @@ def _start_pool(config: _WorkerConfig, start_method: str) -> WorkerPool:
             start_method=start_method,
             worker_init=_start_worker,
             worker_init_args=(token,),
+            arena_size=_ARGS_ARENA,
+            worker_arena_size=_WORKER_ARENA,
         )
+
+
+#: The pool's own arena carries only the batches' indices to the workers:
+#: reserved (committed) memory the default 64 MiB would waste (it grows if needed).
+_ARGS_ARENA = 1 << 20
+#: Each worker's arena starts this size (committed at once) and grows by a
+#: segment per batch that does not fit: batches of a few MiB fit; larger
+#: ones (the ones that matter) get segments their size.
+_WORKER_ARENA = 8 << 20
 
 
 def _start_method(context: Any) -> str:
@@ -928,12 +941,38 @@ def _fetch_batch(index: Any) -> Any:
         data = _get_samples(state, index)
         where = f"sample indices {index}"
     if isinstance(data, _Stacked):
-        return _to_wire(data.tensor)
+        return _sent(_to_wire(data.tensor))
     try:
-        return _to_wire(config.collate_fn(data))
+        return _sent(_to_wire(config.collate_fn(data)))
     except Exception as exc:
         _note(exc, f"in DataLoader worker {state.index} (pid {os.getpid()}), collating {where}")
         raise
+
+
+def _sent(wire: Any) -> Any:
+    """A finished batch: the worker lets go of its pages in the arena (they stay shared).
+
+    The worker never reads a batch again once it is made; only the caller
+    does. Dropping the worker's own mapping of its pages (``MADV_DONTNEED``
+    on shared memory keeps the data: it is the memfd's) leaves them mapped by
+    the caller alone, as torch's batches are once sent, instead of counting
+    in both processes' memory while the batch waits to be taken.
+    """
+    _walk(wire, _Tensor, _unmap_own)
+    return wire
+
+
+def _unmap_own(t: _Tensor) -> _Tensor:
+    here = _worker.current()
+    array = t.array
+    if here is not None and array.nbytes >= _DISCARD_MIN and here[1].owns(array):
+        start = array.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+        end = array.ctypes.data + _extent(array)
+        _libc().madvise(start, end - start, _MADV_DONTNEED)
+    return t
+
+
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
 def _get_samples(state: _WorkerState, index: Any) -> Any:
@@ -1331,6 +1370,8 @@ def _libc() -> Any:
     libc.mmap.restype = ctypes.c_void_p
     libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     libc.munmap.restype = ctypes.c_int
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise.restype = ctypes.c_int
     return libc
 
 
