@@ -9,14 +9,18 @@
     task k: a batch of indices  --- task ring i (round robin, pinned) --> get_worker_info() set
                                                                           dataset[idx] ...
                                                                           collate_fn: torch's
-                                                  worker arena i  <------ stack writes there
-    tensors = torch.from_numpy(view) <-- descriptors --- done ring i ---  (no copy, no pickle)
+                                                  worker arena i  <------ stack writes there,
+                                                                          then unmaps the pages
+    tensors over those pages, mapped by  <------ descriptors --- done ring i  (no copy, no pickle)
+      torch's allocator (is_shared())
 
 Batch ``k`` goes to worker ``k mod n`` (skipping workers whose iterable
 dataset ended), exactly as in ``torch.utils.data.DataLoader``, so the same
 sampler and generator give the same batches, bit for bit. The caller's
-tensors are views of the worker's arena: they stay valid for as long as they
-are held, after the loader and its workers are gone.
+tensors map the worker's arena pages: they stay valid for as long as they
+are held, after the loader and its workers are gone. The loader keeps an
+epoch's progress (for ``state_dict()``), never its iterator: dropping the
+iterator stops the epoch's workers.
 
 Importing this module imports torch; ``mpexec`` itself never does.
 """
