@@ -482,4 +482,4 @@ def test_workers_let_go_of_made_batches_and_reserve_little() -> None:
     # The pool's own arena carries only indices: it commits 1 MiB, not 64.
     assert it._pool.stats().arena.reserved <= 1 << 20
     assert [int(b[0, 0, 0]) for b in it] == [8, 16, 24]
-    del first, it
+    del first, it, futures
