@@ -39,6 +39,7 @@ import multiprocessing as mp
 import os
 import resource
 import signal
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -557,7 +558,10 @@ class _WorkersIter(_EpochIter):
             worker_init_fn=init_fn,
         )
         self._pool = _start_pool(config, _start_method(loader.multiprocessing_context))
-        self._closer = weakref.finalize(self, _close_pool, self._pool)
+        # batch position -> (worker, future of the batch, its indices), in the
+        # order sent: one dict for the iterator's life (its finalizer holds it).
+        self._tasks: dict[int, tuple[int, Future[Any], Any]] = {}
+        self._closer = weakref.finalize(self, _close_pool, self._pool, self._tasks, True)
         # torch's iterator lists its worker processes; code written for it
         # joins them, or reads their pids and exit codes.
         self._workers = _processes(self._pool)
@@ -575,8 +579,7 @@ class _WorkersIter(_EpochIter):
             super()._reset(loader, first_iter)  # torch's: the sampler, a datapipe's seed
         self.finished = False
         self._start_at(resume)
-        # batch position -> (worker, future of the batch, its indices), in the order sent
-        self._tasks: dict[int, tuple[int, Future[Any], Any]] = {}
+        self._tasks.clear()
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         # Batch k goes to worker k mod n; a resumed epoch starts where it stopped.
@@ -612,7 +615,12 @@ class _WorkersIter(_EpochIter):
                 break
         else:
             return
-        future = self._pool._submit(_fetch, (index,), {}, worker)
+        try:
+            future = self._pool._submit(_fetch, (index,), {}, worker)
+        except BrokenPoolError as exc:  # a worker died since the last result
+            err = self._crashed(exc, -1, worker, None)
+            self._shutdown_workers()
+            raise err from exc
         self._tasks[self._position] = (worker, future, index)
         self._workers_num_tasks[worker] += 1
 
@@ -682,8 +690,13 @@ class _WorkersIter(_EpochIter):
             return exc
         pids = self._pool.pids
         worker = pids.index(exc.pid) if exc.pid in pids else task_worker
-        # Calls pinned to a worker run in order: the dead one was running its first.
-        mine = [(p, i) for p, (w, _, i) in self._tasks.items() if w == worker]
+        # Calls pinned to a worker run in order: the dead one was running the
+        # first of its calls that had not finished.
+        mine = [
+            (p, i)
+            for p, (w, f, i) in self._tasks.items()
+            if w == worker and not (f.done() and f.exception() is None)
+        ]
         if position >= 0 and task_worker == worker:
             mine.append((position, index))
         what = "starting its epoch"
@@ -726,18 +739,61 @@ class _WorkersIter(_EpochIter):
         return bool(self._closer.alive)
 
     def _shutdown_workers(self) -> None:
+        """Stop the workers now (torch's name): they finish the batch they make, then exit."""
         self.finished = True
-        self._tasks = {}
-        self._closer()
+        if self._closer.detach() is not None:
+            _close_pool(self._pool, self._tasks, False)
 
     def __len__(self) -> int:
         return len(self._index_sampler)
 
 
-def _processes(pool: WorkerPool) -> list[Any]:
-    """The pool's worker processes (``multiprocessing`` Process objects), by worker index."""
-    # A deliberate reach: WorkerPool has no public seam for its processes yet.
-    return [slot.process for slot in pool._state.slots]
+def _processes(pool: WorkerPool) -> list[_WorkerProcess]:
+    """The pool's worker processes, by worker index (what torch's ``it._workers`` lists)."""
+    # A deliberate private reach (SLF001): WorkerPool has no seam for its processes.
+    return [_WorkerProcess(slot.process) for slot in pool._state.slots]
+
+
+class _WorkerProcess:
+    """A worker's ``multiprocessing.Process``, still readable once the pool has closed it.
+
+    The pool joins and closes its processes when it shuts down; torch's
+    ``it._workers`` are Process objects that code reads afterwards (``pid``,
+    ``exitcode``, ``join()``, ``is_alive()``, ``terminate()``).
+    """
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid: int = process.pid
+        self.name: str = process.name
+        self._popen = process._popen  # keeps the exit code after Process.close()
+
+    def is_alive(self) -> bool:
+        with contextlib.suppress(ValueError):  # closed: joined, so not alive
+            return bool(self._process.is_alive())
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(ValueError):  # closed: joined already
+            self._process.join(timeout)
+
+    @property
+    def exitcode(self) -> int | None:
+        try:
+            return self._process.exitcode  # type: ignore[no-any-return]
+        except ValueError:  # closed after it exited
+            return self._popen.returncode  # type: ignore[no-any-return]
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ValueError):  # closed: nothing left to stop
+            self._process.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ValueError):
+            self._process.kill()
+
+    def __repr__(self) -> str:
+        return f"<DataLoader worker {self.name} pid={self.pid} exitcode={self.exitcode}>"
 
 
 def _signal_text(signum: int) -> str:
@@ -819,8 +875,33 @@ def _preload_torch(start_method: str | None) -> None:
         _launch.preload("torch")
 
 
-def _close_pool(pool: WorkerPool) -> None:
-    pool.shutdown(wait=False, cancel_futures=True)
+def _close_pool(pool: WorkerPool, tasks: dict[int, Any], background: bool) -> None:
+    """An epoch's end: batches not started are cancelled, prefetched ones dropped, workers stopped.
+
+    As torch's iterator does, a worker gets a grace (5 s) to finish the batch
+    it is making and exit by itself (exit code 0), and is terminated after.
+    Called as the iterator's finalizer (``background``), the waiting happens
+    in a thread of its own: dropping an iterator never blocks.
+    """
+    running = [f for _, f, _ in tasks.values() if not f.cancel() and not f.done()]
+    tasks.clear()  # the prefetched batches go now
+    if background:
+        threading.Thread(
+            target=_stop_pool, args=(pool, running), name="mpexec-loader-stop", daemon=True
+        ).start()
+    else:
+        _stop_pool(pool, running)
+
+
+def _stop_pool(pool: WorkerPool, running: list[Future[Any]]) -> None:
+    _, stuck = wait(running, timeout=_STOP_GRACE)
+    running.clear()  # their batches too
+    # Nothing left to run: shutdown(wait=True) gives the idle workers their grace.
+    pool.shutdown(wait=not stuck, cancel_futures=True)
+
+
+#: Seconds a worker gets to finish its batch when an epoch is stopped (torch's 5).
+_STOP_GRACE = 5.0
 
 
 # ------------------------------------------------------------------ in the workers

@@ -509,7 +509,10 @@ def test_dead_worker_is_worker_crashed_error(how: str) -> None:
 
 
 def test_persistent_workers_restart_after_a_crash() -> None:
-    loader = mt.DataLoader(Failing(6, "exit"), batch_size=2, num_workers=2, persistent_workers=True)
+    # The crash comes in the epoch's last batch: the next epoch's first is made long before.
+    loader = mt.DataLoader(
+        Failing(38, "exit"), batch_size=2, num_workers=2, persistent_workers=True
+    )
     with pytest.raises(mpexec.WorkerCrashedError):
         list(loader)
     it = iter(loader)  # a new pool: the crashed one is not reused
