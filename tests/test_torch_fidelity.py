@@ -6,6 +6,7 @@ and early exits that lose nothing, errors and telemetry a torch user expects.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import multiprocessing as mp
@@ -469,12 +470,16 @@ def _arena_rss(pid: int) -> int:
     return total
 
 
+def _all_done(futures: list[Any]) -> bool:
+    return all(f.done() for f in futures)
+
+
 def test_workers_let_go_of_made_batches_and_reserve_little() -> None:
     loader = mt.DataLoader(Big(), batch_size=8, num_workers=1, prefetch_factor=1)
     it = iter(loader)
     first = next(it)  # batch 1 is being made meanwhile
     futures = [f for _, f, _ in it._tasks.values()]
-    wait_until(lambda: all(f.done() for f in futures), 30, "batch 1")
+    wait_until(functools.partial(_all_done, futures), 30, "batch 1")
     # Made and waiting, like the one the caller holds: mapped by the caller
     # alone (as torch's batches in transit are), not counted in the worker too.
     assert _arena_rss(it._pool.pids[0]) < first.nbytes // 2
