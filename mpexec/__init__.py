@@ -37,7 +37,7 @@ from ._errors import (
 )
 from ._graph import DataNode
 from ._pipeline import Pipeline, PipelineStats, pipeline_def
-from ._pool import PoolStats, WorkerPool
+from ._pool import PoolStats, PoolStatus, WorkerPool
 from ._runtime import BatchInfo, SampleInfo, sample_info
 from ._scheduler import OpStats
 from ._tf import default_pool, numpy_function, py_func, py_function, set_default_pool
@@ -62,6 +62,7 @@ __all__ = [
     "PipelineStats",
     "PoolClosedError",
     "PoolStats",
+    "PoolStatus",
     "RemoteTraceback",
     "ResourceLimitError",
     "SampleInfo",

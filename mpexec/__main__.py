@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from mpexec import _demo  # lazy: keeps --help fast
-    from mpexec._pool import usable_cpus
+    from mpexec._host import usable_cpus
 
     config = _demo.DemoConfig(
         images=int(args.images),

@@ -35,8 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import fn
+from ._host import usable_cpus
 from ._pipeline import Pipeline, pipeline_def
-from ._pool import usable_cpus
 
 #: Side of the square crop the pipeline produces.
 CROP = 224

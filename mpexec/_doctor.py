@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import platform
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from shm._platform import PlatformInfo, platform_info
+from shm import PlatformInfo, platform_info
 
+from ._host import cgroup_cpu_quota, default_start_method, usable_cpus
 from ._version import __version__
 
 _KiB = 1 << 10
@@ -84,49 +83,6 @@ class DoctorReport:
     gpu: GpuReport
     #: Findings a person should act on, one sentence each.
     notes: tuple[str, ...]
-
-
-def default_start_method() -> str:
-    """``"forkserver"`` on Linux, ``"spawn"`` elsewhere.
-
-    ``fork`` is never the default: forking after threads or CUDA exist can
-    deadlock or corrupt the child.
-    """
-    if sys.platform.startswith("linux") and "forkserver" in multiprocessing.get_all_start_methods():
-        return "forkserver"
-    return "spawn"
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, else ``os.cpu_count()``."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def cgroup_cpu_quota() -> float | None:
-    """CPUs' worth of time a Linux cgroup quota allows, or None when unlimited.
-
-    Containers often cap CPU time without narrowing the affinity mask, so a
-    pool sized by affinity alone would oversubscribe.
-    """
-    v2 = Path("/sys/fs/cgroup/cpu.max")
-    v1_quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
-    v1_period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
-    try:
-        if v2.is_file():
-            quota, period = v2.read_text().split()[:2]
-            if quota == "max":
-                return None
-            return int(quota) / int(period)
-        if v1_quota.is_file() and v1_period.is_file():
-            quota_us = int(v1_quota.read_text())
-            if quota_us <= 0:
-                return None
-            return quota_us / int(v1_period.read_text())
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def _describe(exc: BaseException) -> str:

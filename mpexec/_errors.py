@@ -30,6 +30,7 @@ under its public name, which matters because exceptions cross processes.
 
 from __future__ import annotations
 
+import os
 import signal
 from concurrent.futures import BrokenExecutor
 
@@ -157,6 +158,18 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return f'\n"""\n{self.tb}"""'
+
+
+def forked_error(owner_pid: int, what: str) -> ForkedPoolError:
+    """The error for using, in a forked child, ``what`` made by process ``owner_pid``."""
+    return ForkedPoolError(
+        f"{what} belongs to process {owner_pid}; this process ({os.getpid()}) inherited "
+        "it through os.fork() and cannot use it: its workers, rings and shared memory "
+        "are the parent's, which goes on using them. Make a new WorkerPool (or "
+        "pipeline) in the child, or start children with the 'spawn' or 'forkserver' "
+        "method (a prefork server: create the pool after the fork, e.g. in gunicorn's "
+        "post_fork hook)"
+    )
 
 
 def signal_name(signum: int) -> str:

@@ -28,7 +28,7 @@ streams, the events and the registrations belong to the stage, and
 CuPy is imported only here and only when a GPU op is defined; every name the
 stage uses is listed in :data:`CUPY_NAMES` (a test checks the list is complete,
 and the API-conformance tox environment checks each name against real CuPy).
-Without a GPU the stage runs on ``mpexec._gpusim``, a simulated device whose
+Without a GPU the stage runs on ``mpexec.testing.SimCuPy``, a simulated device whose
 streams run deferred work only when waited on.
 """
 
@@ -51,9 +51,8 @@ import numpy as np
 import shm
 
 from ._batch import Batch
-from ._errors import GpuError, GpuUnavailableError, OpOutputError
-from ._pool import forked_error
-from ._runtime import BatchInfo, Chunk, ChunkResult, SampleInfo, _takes_keyword
+from ._errors import GpuError, GpuUnavailableError, OpOutputError, forked_error
+from ._runtime import BatchInfo, Chunk, ChunkResult, SampleInfo, takes_keyword
 
 #: Every CuPy name this module uses (attribute paths from the ``cupy`` module).
 CUPY_NAMES = (
@@ -108,7 +107,7 @@ _pinned_live = 0
 
 @contextlib.contextmanager
 def use_backend(xp: Any) -> Iterator[Any]:
-    """Run GPU ops on ``xp`` (a :class:`mpexec._gpusim.SimCuPy`) instead of CuPy."""
+    """Run GPU ops on ``xp`` (a :class:`mpexec.testing.SimCuPy`) instead of CuPy."""
     global _override
     with _lock:
         old, _override = _override, xp
@@ -645,7 +644,7 @@ class GpuOpRunner:
         self.num_outputs = num_outputs
         self.entropy = entropy
         self.dlpack = dlpack
-        self.takes_rng = _takes_keyword(function, "rng")
+        self.takes_rng = takes_keyword(function, "rng")
 
     def __call__(
         self, xp: Any, stream: Any, chunk: Chunk, inputs: Sequence[Sequence[Any]]
@@ -657,7 +656,7 @@ class GpuOpRunner:
         with stream:
             if self.batch_processing:
                 args = tuple(self._arg(list(col), stream) for col in inputs)
-                _runtime._current = BatchInfo(chunk.iteration, chunk.epoch)
+                _runtime.set_call_info(BatchInfo(chunk.iteration, chunk.epoch))
                 (np_seed,), (py_seed,) = _runtime.call_seeds(
                     self.entropy, chunk.epoch, chunk.iteration, 0, 1
                 )
@@ -666,7 +665,7 @@ class GpuOpRunner:
                         args, (chunk.epoch, chunk.iteration, 0), None, np_seed, py_seed
                     )
                 finally:
-                    _runtime._current = None
+                    _runtime.set_call_info(None)
                 return tuple(
                     self._batch_column(xp, v, i, size) for i, v in enumerate(self._split(out))
                 )
@@ -677,15 +676,15 @@ class GpuOpRunner:
             for j in range(size):
                 b = chunk.start + j
                 args = tuple(self._arg(col[j], stream) for col in inputs)
-                _runtime._current = SampleInfo(
-                    chunk.epoch_start + b, b, chunk.iteration, chunk.epoch
+                _runtime.set_call_info(
+                    SampleInfo(chunk.epoch_start + b, b, chunk.iteration, chunk.epoch)
                 )
                 try:
                     out = self._call(
                         args, (chunk.epoch, chunk.iteration, b + 1), b, np_seeds[j], py_seeds[j]
                     )
                 finally:
-                    _runtime._current = None
+                    _runtime.set_call_info(None)
                 for i, v in enumerate(self._split(out)):
                     columns[i].append(self._device_array(xp, v, i, b))
             return columns
@@ -905,6 +904,10 @@ class GpuExecutor:
                 del self._events[key]  # complete: consumers need not wait on it
         seconds = time.perf_counter() - t0
         return ChunkResult(tuple(columns), chunk.count, seconds, os.getpid())
+
+    def on_own_thread(self) -> bool:
+        """Whether the caller is the stage's own thread (which cannot join itself)."""
+        return threading.current_thread() is self._thread
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop the thread (after queued calls, unless cancelled) and close the stage.

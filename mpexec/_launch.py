@@ -106,7 +106,7 @@ def _process_data(popen: Any, process_obj: Any) -> io.BytesIO:
     buf = io.BytesIO()
     mp_context.set_spawning_popen(popen)
     try:
-        reduction.dump(preparation_data(process_obj._name), buf)
+        reduction.dump(preparation_data(process_obj.name), buf)
         reduction.dump(process_obj, buf)
     finally:
         mp_context.set_spawning_popen(None)
@@ -228,7 +228,8 @@ class _Bootstrapped:
         state["_kwargs"] = {}
         # copyreg's reconstructor (what pickle protocols 0 and 1 use) builds the
         # standard class, which the child can load before mpexec is importable.
-        return (copyreg._reconstructor, (self._base, object, None), state)  # type: ignore[attr-defined]
+        rebuild = copyreg._reconstructor  # type: ignore[attr-defined]  # noqa: SLF001 - see above
+        return (rebuild, (self._base, object, None), state)
 
 
 # ------------------------------------------------------------------ values sent with workers

@@ -24,9 +24,10 @@ import numpy as np
 
 from . import _codec
 from ._batch import Batch
-from ._errors import MpexecError, PoolClosedError, SerializationError
+from ._errors import MpexecError, PoolClosedError, SerializationError, forked_error
 from ._graph import DataNode, Graph, Plan, defining
-from ._pool import WorkerPool, forked_error, usable_cpus
+from ._host import usable_cpus
+from ._pool import WorkerPool
 from ._scheduler import CallPool, OpStats, Scheduler, pool_executor
 
 _PARAMS = (
@@ -239,8 +240,8 @@ class Pipeline:
                     start_method=self.start_method,
                     seed=self.seed,
                     timeout=self.timeout,
+                    results="view",  # outputs are read-only anyway: no copies of results
                 )
-                own._keep_results_shared()
                 stages.append(own)
                 pool = own
             self._finalizer = weakref.finalize(self, _close_stages, stages)
@@ -408,11 +409,10 @@ class Pipeline:
         if gpu is not None and gpu.pid != os.getpid():
             return int(gpu.pid)
         pool = self._pool
-        if not isinstance(pool, WorkerPool) or pool._state.pid == os.getpid():
+        if not isinstance(pool, WorkerPool):
             return None  # a RayPool is Ray's to fork-check
-        if pool.num_workers == 0:
-            return None
-        return pool._state.pid
+        status = pool.status  # an inline pool (num_workers=0) is never "forked"
+        return status.owner_pid if status.state == "forked" else None
 
     def _check_not_forked(self) -> None:
         # Before any lock: another thread of the parent may have held one at the fork.
@@ -494,7 +494,7 @@ def _close_stages(stages: list[Any]) -> None:
             stage.shutdown(wait=False, cancel_futures=True)
         else:
             # Joining the GPU thread from itself (a collection it triggered) would raise.
-            current = threading.current_thread() is stage._thread
+            current = stage.on_own_thread()
             stage.shutdown(wait=not current, cancel_futures=True)
 
 
@@ -502,7 +502,9 @@ def _check_pool(
     pool: object, num_workers: int | None, start_method: str | None, timeout: float | None
 ) -> int:
     """The number of workers of a pool given to a pipeline, checked."""
-    if not (callable(getattr(pool, "_submit", None)) and callable(getattr(pool, "put", None))):
+    if not (
+        callable(getattr(pool, "submit_call", None)) and callable(getattr(pool, "share", None))
+    ):
         raise TypeError(
             f"pool must be an mpexec.WorkerPool or an mpexec.ray.RayPool, not {type(pool).__name__}"
         )

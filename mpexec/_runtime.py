@@ -53,7 +53,8 @@ _new_tuple: Any = tuple.__new__
 # legacy RandomState's method; ``random.seed`` is reached without its Python
 # wrapper (which, for an int, only forwards it and clears ``gauss_next``).
 _np_seed = np.random.seed
-_np_inst: Any = np.random.mtrand._rand  # the RandomState behind np.random.*
+# NumPy's own RandomState behind np.random.* (no public name): reseeded and watched in place.
+_np_inst: Any = np.random.mtrand._rand  # noqa: SLF001 - see above
 _py_inst: Any = random.seed.__self__  # type: ignore[attr-defined]
 _py_seed: Any = type(_py_inst).__mro__[1].seed  # type: ignore[attr-defined]
 
@@ -68,10 +69,11 @@ def _np_words(state: Any) -> Any:
     a private generator first. None where it cannot be.
     """
     with contextlib.suppress(Exception):
-        bg = state._bit_generator
+        bg = state._bit_generator  # noqa: SLF001 - RandomState's generator (no public name)
         if type(bg) is np.random.MT19937:
             probe = np.random.RandomState(np.random.MT19937())
-            w = ctypes.c_uint64.from_address(probe._bit_generator.ctypes.state_address + 4 * 623)
+            gen = probe._bit_generator  # noqa: SLF001 - as above
+            w = ctypes.c_uint64.from_address(gen.ctypes.state_address + 4 * 623)
             probe.seed(5)
             seeded = w.value
             probe.random_sample()  # two words: pos 2, key regenerated
@@ -133,7 +135,7 @@ class _GlobalRandom:
         _py_seed(_py_inst, py_seed)
         _py_inst.gauss_next = None
         if self.watch:
-            if _np_inst._bit_generator is not self.bit_generator:
+            if _np_inst._bit_generator is not self.bit_generator:  # noqa: SLF001 - as above
                 self.watch = False  # np.random.set_bit_generator: not the state watched
             self.np_key, self.py_key = self.np.value, self.py.value
 
@@ -147,7 +149,7 @@ class _GlobalRandom:
             self.np.value == self.np_key
             and self.py.value == self.py_key
             and _py_inst.gauss_next is None
-            and _np_inst._bit_generator is self.bit_generator
+            and _np_inst._bit_generator is self.bit_generator  # noqa: SLF001 - as above
         )
 
 
@@ -162,6 +164,12 @@ def reseed(np_seed: int, py_seed: int) -> None:
 def sample_info() -> SampleInfo | BatchInfo | None:
     """Inside a pipeline op's call: where it is; None elsewhere."""
     return _current
+
+
+def set_call_info(info: SampleInfo | BatchInfo | None) -> None:
+    """What :func:`sample_info` returns from now on (for runners outside this module)."""
+    global _current
+    _current = info
 
 
 @dataclass(frozen=True)
@@ -297,7 +305,7 @@ class OpRunner:
         self.output_shapes = output_shapes
         self.dlpack = dlpack
         self.debug = debug
-        self.takes_rng = _takes_keyword(function, "rng")
+        self.takes_rng = takes_keyword(function, "rng")
         # Calls with nothing around them but the reseeding, and outputs with no
         # declaration to check, take a short path (most ops of most pipelines).
         self._plain = not (self.takes_rng or self.dlpack or self.debug)
@@ -516,7 +524,7 @@ class OpRunner:
         if isinstance(value, np.ndarray):
             arr = value
         elif hasattr(value, "__dlpack__") and not isinstance(value, (bytes, str)):
-            arr = _np_from_dlpack(value)
+            arr = np_from_dlpack(value)
         else:
             arr = np.asarray(value)
         if arr.dtype.hasobject and not is_string_array(arr):
@@ -579,7 +587,7 @@ class ChainRunner:
         source = self.runners[0].kind == "source"
         seeds = []
         for r in self.runners:
-            r._where = (chunk.epoch, chunk.iteration)
+            r._where = (chunk.epoch, chunk.iteration)  # noqa: SLF001 - a chain runs its runners' steps
             seeds.append(
                 call_seeds(r.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
             )
@@ -623,9 +631,9 @@ class ChainRunner:
                             nbytes += v.nbytes
                     counts[1] += nbytes
                     try:
-                        values = runner._sample_outputs(
-                            runner._call(values, b, np_seeds[j], py_seeds[j]), b
-                        )
+                        # The chain runs its op runners' steps itself (same module).
+                        called = runner._call(values, b, np_seeds[j], py_seeds[j])  # noqa: SLF001
+                        values = runner._sample_outputs(called, b)  # noqa: SLF001
                     except StopIteration:
                         if k or not source:
                             raise
@@ -723,14 +731,14 @@ def _checksums(args: tuple[Any, ...]) -> list[int]:
 
 
 #: ``np.from_dlpack`` (NumPy 1.22 called it ``np._from_dlpack``).
-_np_from_dlpack: Any = getattr(np, "from_dlpack", None) or getattr(np, "_from_dlpack", None)
+np_from_dlpack: Any = getattr(np, "from_dlpack", None) or getattr(np, "_from_dlpack", None)
 
 
 def _from_dlpack_inputs(value: Any) -> Any:
     return value  # NumPy arrays are DLPack producers already; lists stay lists
 
 
-def _takes_keyword(function: Any, name: str) -> bool:
+def takes_keyword(function: Any, name: str) -> bool:
     try:
         params = inspect.signature(function).parameters
     except (TypeError, ValueError):

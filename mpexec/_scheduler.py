@@ -151,22 +151,25 @@ class UnitExecutor(Protocol):
 
 
 class CallPool(Protocol):
-    """What :class:`PoolExecutor` needs of a pool: a :class:`WorkerPool` or a ``RayPool``."""
+    """What :class:`PoolExecutor` needs of a pool: a :class:`WorkerPool` or a ``RayPool``.
+
+    Their public low-level seam (docs/pool.md, "Building on the pool").
+    """
 
     @property
     def num_workers(self) -> int: ...
 
-    def _submit(
+    def submit_call(
         self,
         fn: Any,
-        args: Any,
-        kwargs: Any,
-        worker: int | None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
         *,
-        shared: bool = False,
+        worker: int | None = None,
+        view: bool = False,
     ) -> Future[Any]: ...
 
-    def put(self, array: Any) -> Any: ...
+    def share(self, array: Any) -> Any: ...
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
 
@@ -177,7 +180,7 @@ class PoolExecutor:
     The runner travels once per worker (the pool caches functions by
     identity); a unit's input rows travel as descriptors of shared memory
     (within a node, for a ``RayPool``; through Ray's object store between
-    nodes). Results come back uncopied (``shared=True``), so a pool the
+    nodes). Results come back uncopied (``view=True``), so a pool the
     pipeline does not own keeps its promise to its other callers.
     """
 
@@ -189,12 +192,12 @@ class PoolExecutor:
         kwargs: dict[str, Any] = {}
         if unit.out:
             kwargs["out"] = tuple(None if o is None else _codec.writable(o) for o in unit.out)
-        return self.pool._submit(
-            unit.runner, (unit.chunk, *unit.inputs), kwargs, unit.worker, shared=True
+        return self.pool.submit_call(
+            unit.runner, (unit.chunk, *unit.inputs), kwargs, worker=unit.worker, view=True
         )
 
     def share(self, array: Any) -> Any:
-        return self.pool.put(array)
+        return self.pool.share(array)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.pool.shutdown(wait, cancel_futures=cancel_futures)
@@ -209,11 +212,6 @@ class LocalPoolExecutor(PoolExecutor):
     """
 
     pool: WorkerPool
-
-    def share(self, array: Any) -> Any:
-        # Packed with others: a source's arrays are never passed writable, so they
-        # need no pages of their own (as pool.put's buffers have).
-        return self.pool._copy_in(array)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         return self.pool.empty(shape, dtype)

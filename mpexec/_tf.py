@@ -821,8 +821,7 @@ def set_default_pool(pool: WorkerPool | None) -> None:
 
 
 def _unusable(pool: WorkerPool) -> bool:
-    state = getattr(pool, "_state", None)
-    return bool(getattr(state, "broken", None)) or bool(getattr(state, "closed", False))
+    return pool.status.state in ("broken", "closed")
 
 
 def _shutdown_default() -> None:

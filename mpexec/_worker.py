@@ -1,30 +1,10 @@
-"""The worker process: a loop over its task ring, and the records both sides speak.
+"""The worker process: a loop over its task ring, calling functions on shared arrays.
 
-Records (one ring slot each) start with a 16-byte header::
-
-    kind u8 | flags u8 | pad u16 | fn_id u32 | task_id u64 | body ...
-
-main -> worker (task ring):   FUNC    body = a cloudpickled function for fn_id
-                              CALL    body = encoded (args, kwargs) for fn_id
-                              FORGET  body = fn ids (u32) to drop from the cache
-                              CANCEL  task_id = the call's number n (see below)
-                              VERDICT task_id = n, body = 1 byte: 1 cancel, 0 run
-worker -> main (done ring):   HELLO   body = pickled (pid, arena id)
-                              FAILED  body = pickled start failure
-                              OK      body = encoded result
-                              ERROR   body = pickled (exception, traceback text)
-                              SKIPPED the call was cancelled before it started
-
-Cancellation: calls are numbered 1, 2, ... in the order their CALL records
-enter a worker's ring. Before the n-th call, the worker publishes n as its
-done ring's progress, then looks at its task ring. The pool, to cancel call
-n, pushes CANCEL n, reads the progress, and pushes its VERDICT: cancel if the
-worker had not reached n. A worker that finds CANCEL n before starting call n
-waits for the verdict: so the pool's ``cancel()`` answer and the worker's
-skipping always agree (``Ring.publish_progress`` says when the handshake holds).
-
-A body too large for a slot is *spilled*: put into the sender's arena as bytes,
-and the record carries that array's packed descriptor (flag ``SPILLED``).
+A worker pops records (the format and the cancellation handshake are in
+``_protocol``), runs each call on read-only views of its arguments, writes the
+result into its own arena and pushes the OK or ERROR record back. While idle
+it gives back the memory the pool lets go of; it exits when its task ring is
+closed, or at once when the pool's process dies (its lifeline).
 """
 
 from __future__ import annotations
@@ -39,7 +19,6 @@ import signal
 import struct
 import sys
 import threading
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -51,36 +30,24 @@ import shm
 
 from . import _codec
 from ._errors import SerializationError
-
-HEADER = struct.Struct("<BBxxIQ")
-FUNC, CALL, FORGET, CANCEL, VERDICT = 1, 2, 3, 4, 5
-HELLO, FAILED, OK, ERROR, SKIPPED = 10, 11, 12, 13, 14
-SPILLED = 1
-
-#: Ring record size: a call with arrays up to the inline limit (16 KiB) fits in
-#: one slot. A record that does not is spilled through the arena, which costs
-#: 40-100 us at each end (allocation, descriptor, mapping, release), several
-#: times what the bytes cost to copy through a slot.
-RECORD_SIZE = 20 * 1024 - 4 - 60  # slot stride 20 KiB with the ring's length word
-
-
-#: How long an idle worker polls its ring before it sleeps. A sleeping process
-#: takes 10-50 us to wake, as much as a small call costs altogether; polling
-#: (yielding the CPU to anything runnable) for a moment after each call keeps a
-#: caller that submits call after call from paying that every time.
-SPIN_SECONDS = 200e-6
-
-
-def _spin_until(ready: Any, seconds: float) -> bool:
-    """Poll ``ready()`` for up to ``seconds``, yielding the CPU between polls."""
-    if ready():
-        return True
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        os.sched_yield()
-        if ready():
-            return True
-    return False
+from ._protocol import (
+    CALL,
+    CANCEL,
+    ERROR,
+    FAILED,
+    FORGET,
+    FUNC,
+    HEADER,
+    HELLO,
+    OK,
+    SKIPPED,
+    SPIN_SECONDS,
+    VERDICT,
+    body_of,
+    record,
+    spill,
+    spin_until,
+)
 
 
 @dataclass
@@ -100,33 +67,6 @@ class WorkerBoot:
     init: bytes | None  # cloudpickled (worker_init, args)
     segment_size: int
     inline_max: int
-
-
-def record(kind: int, body: bytes, task_id: int = 0, fn_id: int = 0, flags: int = 0) -> bytes:
-    return HEADER.pack(kind, flags, fn_id, task_id) + body
-
-
-def spill(
-    kind: int,
-    body: bytes,
-    arena: shm.Arena,
-    peer: shm.Ring | None,
-    task_id: int = 0,
-    fn_id: int = 0,
-) -> bytes:
-    """A record for ``body``, through the arena if it does not fit a slot."""
-    if HEADER.size + len(body) <= RECORD_SIZE:
-        return record(kind, body, task_id, fn_id)
-    desc = arena.share(np.frombuffer(body, np.uint8), peer=peer)
-    return record(kind, desc.pack(), task_id, fn_id, SPILLED)
-
-
-def body_of(rec: bytes, flags: int) -> bytes | memoryview:
-    """The body of a record, mapped from the sender's arena if it was spilled."""
-    if not flags & SPILLED:
-        return memoryview(rec)[HEADER.size :]
-    view = shm.open_array(shm.ArrayDescriptor.unpack(memoryview(rec)[HEADER.size :]))
-    return view.data  # keeps the view, and so the memory, alive while used
 
 
 def seed_worker(entropy: int, index: int, generation: int) -> None:
@@ -190,7 +130,7 @@ class _Worker:
             if not self.backlog:
                 if self.closed:
                     return
-                if not _spin_until(tasks.may_have_records, SPIN_SECONDS):
+                if not spin_until(tasks.may_have_records, SPIN_SECONDS):
                     self.idle()
                 self.take(None)
             while self.backlog:

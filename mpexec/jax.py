@@ -61,7 +61,8 @@ def _exportable(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     if not array.flags.c_contiguous:
         return np.ascontiguousarray(array)  # a copy either way
     raw = (ctypes.c_char * array.nbytes).from_address(array.ctypes.data)
-    raw._mpexec_owner = array  # type: ignore[attr-defined]  # keeps the memory mapped
+    # Our own tag on JAX's object: it keeps the memory mapped.
+    raw._mpexec_owner = array  # type: ignore[attr-defined]  # noqa: SLF001
     alias: np.ndarray[Any, Any] = np.frombuffer(memoryview(raw).cast("B"), array.dtype).reshape(
         array.shape
     )

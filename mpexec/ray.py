@@ -10,7 +10,7 @@
       call -> pending deque
       dispatch: least-loaded live agent,
         at most 2 x its workers in flight
-      agent.run.remote(args) --------> args: object store -------->  local WorkerPool._submit
+      agent.run.remote(args) --------> args: object store -------->  local WorkerPool.submit_call
                                          (arrays out of band;          shared-memory rings:
                                           zero-copy on the node)       zero-copy in the node
     manager thread  <---------------- (True, result) or  <---------- await the local future
@@ -37,13 +37,12 @@ import os
 import pickle
 import queue
 import threading
-import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future
-from typing import Any, TypeVar
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Literal, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -65,7 +64,8 @@ from ._errors import (
     RemoteTraceback,
     SerializationError,
 )
-from ._pool import WorkerPool, _flatten, _map_results, _run_chunk
+from ._mapping import CallExecutor, settle
+from ._pool import PoolStatus, WorkerPool
 
 __all__ = ["RayPool"]
 
@@ -87,9 +87,8 @@ class _Agent:
     """A Ray actor on one node: a local shared-memory ``WorkerPool`` that runs calls."""
 
     def __init__(self, num_workers: int, pool_kwargs: dict[str, Any]) -> None:
-        self._pool = WorkerPool(num_workers, restart=True, **pool_kwargs)
         # Results go straight into Ray's object store: no copy of our own first.
-        self._pool._keep_results_shared()
+        self._pool = WorkerPool(num_workers, restart=True, results="view", **pool_kwargs)
         self._fns: dict[int, Callable[..., Any]] = {}
         self._turn = 0  # the sequence number of the next call to start
         self._turns: asyncio.Condition | None = None
@@ -121,7 +120,7 @@ class _Agent:
                 self._fns.pop(old, None)
             if fn_data is not None:
                 self._fns[key] = pickle.loads(fn_data)
-            future = self._pool._submit(self._fns[key], args, kwargs, worker)
+            future = self._pool.submit_call(self._fns[key], args, kwargs, worker=worker)
         except Exception as exc:
             return _failure(exc)
         finally:
@@ -223,7 +222,7 @@ class _State:
         return [a for a in self.agents if a.alive]
 
 
-class RayPool(Executor):
+class RayPool(CallExecutor):
     """Run functions on every node of a Ray cluster, with ``WorkerPool``'s semantics.
 
     One agent (a Ray actor) per node owns a local shared-memory
@@ -242,6 +241,9 @@ class RayPool(Executor):
       node's ``WorkerPool``; a worker that dies is replaced there, and only
       the call it ran fails (:class:`~mpexec.WorkerCrashedError`).
     - ``ray_init``: more keyword arguments for ``ray.init`` when it is called.
+    - ``results``: ``"copy"`` (default) hands result arrays back writable, the
+      caller's own; ``"view"`` hands back Ray's read-only arrays, uncopied (as
+      :meth:`submit_call` does with ``view=True``).
 
     Agents take no Ray CPUs (``num_cpus=0``): their workers are processes of
     their own, outside Ray's accounting.
@@ -254,6 +256,7 @@ class RayPool(Executor):
         *,
         ray_init: dict[str, Any] | None = None,
         start_timeout: float = 120.0,
+        results: Literal["copy", "view"] = "copy",
         **pool_kwargs: Any,
     ) -> None:
         if workers_per_node is not None and (
@@ -263,6 +266,10 @@ class RayPool(Executor):
         for bad in ("num_workers", "restart"):
             if bad in pool_kwargs:
                 raise TypeError(f"RayPool sets {bad} of each node's WorkerPool itself")
+        if results not in ("copy", "view"):
+            raise ValueError(f"results must be 'copy' or 'view', not {results!r}")
+        self._view = results == "view"
+        self._pid = os.getpid()
         self._state = _State()
         self._owns_ray = False
         if not ray.is_initialized():
@@ -346,29 +353,23 @@ class RayPool(Executor):
         return [(pid, pids) for pid, pids, _ in hellos]
 
     # ------------------------------------------------------------ calls
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        """Schedule ``fn(*args, **kwargs)`` on some node; a Future of its result.
-
-        Raises :class:`SerializationError` here if ``fn`` or an argument
-        cannot be pickled; :class:`PoolClosedError` after ``shutdown``; the
-        stored :class:`BrokenPoolError` once every agent is lost.
-        """
-        return self._submit(fn, args, kwargs, None)
-
-    def _submit(
+    def submit_call(
         self,
         fn: Callable[..., T],
-        args: Any,
-        kwargs: Any,
-        worker: int | None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
         *,
-        shared: bool = False,
+        worker: int | None = None,
+        view: bool = False,
     ) -> Future[T]:
-        """``submit``; ``worker`` pins the call (in order) to one agent and worker there.
+        """``submit``, for code built on the pool (:meth:`WorkerPool.submit_call`'s seam).
 
-        ``shared``: result arrays come back as Ray's read-only arrays, uncopied
-        (what a pipeline takes); otherwise writable arrays of the caller's own.
+        ``worker`` pins the call (in order) to one agent and one worker there;
+        ``view``: result arrays come back as Ray's read-only arrays, uncopied
+        (what a pipeline takes), not as the caller's own.
         """
+        if kwargs is None:
+            kwargs = {}
         if not callable(fn):
             raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
         try:
@@ -382,7 +383,7 @@ class RayPool(Executor):
         with state.lock:
             self._check_usable()
             _fn_entry(state, fn)
-            call = _Call(fn, args, kwargs, worker, own=not shared)
+            call = _Call(fn, args, kwargs, worker, own=not (view or self._view))
             state.pending.append(call)
             state.outstanding.add(call.future)
             state.submitted += 1
@@ -396,37 +397,24 @@ class RayPool(Executor):
         if state.closed:
             raise PoolClosedError("cannot submit to a RayPool after shutdown()")
 
-    def map(
-        self,
-        fn: Callable[..., T],
-        *iterables: Iterable[Any],
-        timeout: float | None = None,
-        chunksize: int = 1,
-        ordered: bool = True,
-        prefetch: int | None = None,
-    ) -> Iterator[T]:
-        """:meth:`WorkerPool.map`'s meaning: ordered, ``chunksize``, bounded prefetch.
+    def share(self, array: Any) -> Any:
+        """A read-only copy of ``array`` (what a pipeline does with a source's data).
 
-        ``prefetch`` (calls, or chunks, in flight) defaults to twice the
-        workers of all nodes together.
+        It reaches each node through Ray's object store with the calls that take it.
         """
-        if type(chunksize) is not int or chunksize < 1:
-            raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
-        limit = max(1, prefetch or 2 * max(1, self.num_workers))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        calls = zip(*iterables, strict=False)
-        if chunksize == 1:
-            return _map_results(self, fn, calls, limit, deadline, ordered)
-        _codec.dump_value(fn)  # name the function, not the wrapper, if it cannot pickle
-        chunks = iter(lambda: (tuple(itertools.islice(calls, chunksize)),), ((),))
-        run = functools.partial(_run_chunk, fn)
-        return _flatten(_map_results(self, run, chunks, limit, deadline, ordered))
-
-    def put(self, array: Any) -> Any:
-        """A read-only copy of ``array`` (what the pipeline does with a source's data)."""
         copy = np.array(array, copy=True)
         copy.flags.writeable = False
         return copy
+
+    @property
+    def status(self) -> PoolStatus:
+        """Whether it takes calls (running, broken, closed, forked) and its owner's pid."""
+        state = self._state
+        if self._pid != os.getpid():
+            return PoolStatus("forked", self._pid)
+        if state.broken is not None:
+            return PoolStatus("broken", self._pid)
+        return PoolStatus("closed" if state.closed else "running", self._pid)
 
     # ------------------------------------------------------------ closing
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -452,10 +440,6 @@ class RayPool(Executor):
         self._finalizer.detach()
         _abandon(state, state.agents, self._owns_ray)
         self._manager.join(_STOP_GRACE)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
-        self.shutdown(wait=not interrupted, cancel_futures=interrupted)
 
     def __repr__(self) -> str:
         state = self._state
@@ -643,13 +627,7 @@ def _settle(
     with state.lock:
         state.outstanding.discard(call.future)
     call.fn = call.args = call.kwargs = None  # type: ignore[assignment]
-    future = call.future
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+    settle(call.future, result, exc)
 
 
 def _fail_pending(state: _State, error: BaseException) -> None:

@@ -71,7 +71,7 @@ def element_spec(pipe: Pipeline) -> tuple[Any, ...] | None:
 
 def _declared_spec(pipe: Pipeline) -> tuple[Any, ...] | None:
     pipe.build()
-    graph = pipe._graph
+    graph = pipe._graph  # noqa: SLF001 - the pipeline's graph has no public face yet
     assert graph is not None
     specs = []
     for node in graph.outputs:

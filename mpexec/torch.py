@@ -66,8 +66,8 @@ import shm
 
 from . import _launch, _worker
 from ._batch import Batch
-from ._doctor import default_start_method
 from ._errors import BrokenPoolError, LoaderTimeoutError, WorkerCrashedError
+from ._host import default_start_method
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
 
@@ -402,7 +402,7 @@ def _set_rng_states(loader: DataLoader[Any], states: dict[str, str]) -> None:
 
 
 # ------------------------------------------------------------------ iterators
-class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]
+class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001 - torch's
     """What an epoch needs beyond torch's base iterator: resuming, counting, telemetry."""
 
     finished = False
@@ -474,7 +474,8 @@ def _positions(indices: Iterator[Any], start: int, beyond: frozenset[int]) -> It
     return ((p, i) for p, i in numbered if p not in beyond) if beyond else numbered
 
 
-class _InlineIter(_EpochIter, _dl._SingleProcessDataLoaderIter):  # type: ignore[misc]
+# torch's single-process iterator: a private class of torch, subclassed as its own loader does.
+class _InlineIter(_EpochIter, _dl._SingleProcessDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001
     """``num_workers=0``: torch's own single-process iterator."""
 
     def __init__(
@@ -590,7 +591,7 @@ class _WorkersIter(_EpochIter):
             # Behind whatever the last epoch left on each worker (calls pinned
             # to a worker run in order), a fresh fetcher for the new epoch.
             resumed = [
-                self._pool._submit(_resume_worker, (self._shared_seed,), {}, w)
+                self._pool.submit_call(_resume_worker, (self._shared_seed,), worker=w)
                 for w in range(self._num_workers)
             ]
             for worker, future in enumerate(resumed):
@@ -616,7 +617,7 @@ class _WorkersIter(_EpochIter):
         else:
             return
         try:
-            future = self._pool._submit(_fetch, (index,), {}, worker)
+            future = self._pool.submit_call(_fetch, (index,), worker=worker)
         except BrokenPoolError as exc:  # a worker died since the last result
             err = self._crashed(exc, -1, worker, None)
             self._shutdown_workers()
@@ -750,8 +751,7 @@ class _WorkersIter(_EpochIter):
 
 def _processes(pool: WorkerPool) -> list[_WorkerProcess]:
     """The pool's worker processes, by worker index (what torch's ``it._workers`` lists)."""
-    # A deliberate private reach (SLF001): WorkerPool has no seam for its processes.
-    return [_WorkerProcess(slot.process) for slot in pool._state.slots]
+    return [_WorkerProcess(process) for process in pool.processes]
 
 
 class _WorkerProcess:
@@ -766,7 +766,8 @@ class _WorkerProcess:
         self._process = process
         self.pid: int = process.pid
         self.name: str = process.name
-        self._popen = process._popen  # keeps the exit code after Process.close()
+        # multiprocessing's: it keeps the exit code after the pool's Process.close().
+        self._popen = process._popen  # noqa: SLF001
 
     def is_alive(self) -> bool:
         with contextlib.suppress(ValueError):  # closed: joined, so not alive
@@ -934,7 +935,7 @@ class _WorkerState:
         self.ended = self.exhausted = False
         self.fetched = 0
         self.iterator = None
-        if self.config.kind == _dl._DatasetKind.Iterable:
+        if self.config.kind == _dl._DatasetKind.Iterable:  # noqa: SLF001 - torch's
             self.iterator = iter(self.config.dataset)
 
 
@@ -969,9 +970,10 @@ def _start_worker(config: _WorkerConfig | int | _launch.Sent) -> None:
 
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(_torch_worker._generate_state(config.base_seed, index))
+    # torch's own worker seeding and worker info (no public setter): as in its workers.
+    np.random.seed(_torch_worker._generate_state(config.base_seed, index))  # noqa: SLF001
     _reseed_datapipe(config, config.shared_seed)
-    _torch_worker._worker_info = _torch_worker.WorkerInfo(
+    _torch_worker._worker_info = _torch_worker.WorkerInfo(  # noqa: SLF001
         id=index, num_workers=config.num_workers, seed=seed, dataset=config.dataset
     )
     # torch's default collation stacks tensors into torch's own shared memory
@@ -1016,7 +1018,7 @@ def _fetch_batch(index: Any) -> Any:
     if state.ended:
         return _SKIPPED
     config = state.config
-    if config.kind == _dl._DatasetKind.Iterable:
+    if config.kind == _dl._DatasetKind.Iterable:  # noqa: SLF001 - torch's
         first = state.fetched
         data = _next_samples(state, index)
         if data is _ENDED:
@@ -1119,7 +1121,7 @@ def _get_stacked(state: _WorkerState, indices: list[Any]) -> Any:
             return [*kept, sample, *(_get_one(state, j) for j in indices[row + 1 :])]
         _copy_row(block, out, row, sample)
         del sample
-    out._mpexec_array = block  # travels back by descriptor (see _shared_array)
+    out._mpexec_array = block  # noqa: SLF001 - our tag: travels back by descriptor
     return _Stacked(out)
 
 
@@ -1222,7 +1224,7 @@ def _collate_tensors(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any
     out = torch.stack(list(batch), 0, out=torch.from_numpy(array))
     # tensor.numpy() would be a view whose base is the tensor, not the arena's
     # array: keep the array, so the tensor travels back by descriptor.
-    out._mpexec_array = array
+    out._mpexec_array = array  # noqa: SLF001 - our tag (see _shared_array)
     return out
 
 
@@ -1291,7 +1293,7 @@ def _tensor_in(t: _Tensor) -> torch.Tensor:
     tensor = _shared_tensor(t.array)
     if tensor is None:
         tensor = torch.from_numpy(t.array)
-        tensor._mpexec_array = t.array  # the view of shared memory it is (see _shared_array)
+        tensor._mpexec_array = t.array  # noqa: SLF001 - our tag: the view of shared memory it is (see _shared_array)
     return tensor
 
 

@@ -23,7 +23,7 @@ from ._fdpass import fd_for_child, fd_in_child
 from ._platform import eventfd_supported
 
 
-def _close_all(fds: list[int]) -> None:
+def close_fds(fds: list[int]) -> None:
     while fds:
         with contextlib.suppress(OSError):
             os.close(fds.pop())
@@ -45,7 +45,7 @@ class Doorbell:
             if initial:
                 os.write(self._wfd, b"\x01" * initial)
         self._fds = sorted({self._rfd, self._wfd})
-        self._finalizer = weakref.finalize(self, _close_all, list(self._fds))
+        self._finalizer = weakref.finalize(self, close_fds, list(self._fds))
 
     def fileno(self) -> int:
         """Readable while credits are waiting."""

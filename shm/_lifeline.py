@@ -15,7 +15,7 @@ import select
 import weakref
 from typing import Any
 
-from ._doorbell import _close_all
+from ._doorbell import close_fds
 from ._fdpass import fd_for_child, fd_in_child
 
 
@@ -25,10 +25,10 @@ class Lifeline:
     def __init__(self) -> None:
         self._r, self._w = os.pipe()  # both close-on-exec: no stray holder of the write end
         self._fds = [self._r, self._w]
-        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._finalizer = weakref.finalize(self, close_fds, self._fds)
         global _fork_hook
         if not _fork_hook:  # registered on first use: no work at import
-            os.register_at_fork(after_in_child=_drop_write_ends)
+            os.register_at_fork(after_in_child=Lifeline._drop_write_ends)
             _fork_hook = True
         _parents.add(self)
 
@@ -49,25 +49,38 @@ class Lifeline:
         self._finalizer()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_lifeline, (fd_for_child(self._r, "a Lifeline"),))
+        return (Lifeline._rebuild, (fd_for_child(self._r, "a Lifeline"),))
 
+    @classmethod
+    def _rebuild(cls, token: Any) -> Lifeline:
+        """In a child: the read end it was handed (it never gets the write end)."""
+        life: Lifeline = cls.__new__(cls)
+        life._r = fd_in_child(token)
+        life._w = -1
+        life._fds = [life._r]
+        life._finalizer = weakref.finalize(life, close_fds, life._fds)
+        return life
 
-def _drop_write_ends() -> None:
-    """In a forked child: close the inherited write ends.
+    @classmethod
+    def _drop_write_ends(cls) -> None:
+        """In a forked child: close the inherited write ends.
 
-    Only the process that made a lifeline may hold its write end: a forked
-    child holding it would keep the children alive after the parent died.
-    """
-    for life in list(_parents):
+        Only the process that made a lifeline may hold its write end: a forked
+        child holding it would keep the children alive after the parent died.
+        """
+        for life in list(_parents):
+            cls._drop_write_end(life)
+        _parents.clear()
+
+    def _drop_write_end(self) -> None:
         # Only if still open here: after close() its number may belong to
         # another file by now (the pipe of the very fork being made).
-        if life._w >= 0 and life._w in life._fds:
+        if self._w >= 0 and self._w in self._fds:
             with contextlib.suppress(OSError):
-                os.close(life._w)
+                os.close(self._w)
             with contextlib.suppress(ValueError):
-                life._fds.remove(life._w)
-            life._w = -1
-    _parents.clear()
+                self._fds.remove(self._w)
+            self._w = -1
 
 
 _parents: weakref.WeakSet[Lifeline] = weakref.WeakSet()
@@ -82,12 +95,3 @@ def _readable(fd: int, timeout: float | None) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
-
-
-def _rebuild_lifeline(token: Any) -> Lifeline:
-    life = Lifeline.__new__(Lifeline)
-    life._r = fd_in_child(token)
-    life._w = -1
-    life._fds = [life._r]
-    life._finalizer = weakref.finalize(life, _close_all, life._fds)
-    return life

@@ -123,8 +123,9 @@ def wait(objects: Iterable[Watchable], timeout: float | None = None) -> list[Wat
     """
     objs = list(objects)
     # A consumer takes every credit at once, so records it holds credits for
-    # no longer show on the doorbell's fd: such a ring is ready already.
-    held = {id(o) for o in objs if isinstance(o, Ring) and o._item_credits}
+    # no longer show on the doorbell's fd: such a ring is ready already (the
+    # ring's own count, read by this module's wait()).
+    held = {id(o) for o in objs if isinstance(o, Ring) and o._item_credits}  # noqa: SLF001
     if held:
         timeout = 0
     poller = select.poll()
@@ -510,5 +511,5 @@ class Ring:
 
 def _rebuild_ring(seg: Segment, items: Doorbell, spaces: Doorbell) -> Ring:
     ring = Ring.__new__(Ring)
-    ring._setup(seg, items, spaces)
+    ring._setup(seg, items, spaces)  # noqa: SLF001 - unpickling: the ring's own set-up
     return ring

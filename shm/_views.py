@@ -447,8 +447,9 @@ def open_array(
     arena = local_arenas.get(desc.arena_id)
     # Our own arena (not a forked copy of our parent's): its allocations, and
     # its proxies of other processes' memory, are opened without the importer.
-    if arena is not None and arena._pid == os.getpid():
-        view: np.ndarray[Any, Any] = arena._open_local(desc, writable)
+    # A deliberate seam inside shm: views of an arena's own memory are its to open.
+    if arena is not None and arena._pid == os.getpid():  # noqa: SLF001
+        view: np.ndarray[Any, Any] = arena._open_local(desc, writable)  # noqa: SLF001
         return view
     imp = importer()
     if desc.arena_id not in imp.routes:

@@ -399,7 +399,7 @@ def test_cli_passes_options_through(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert seen["as_json"] is True
 
-    from mpexec._pool import usable_cpus
+    from mpexec._host import usable_cpus
 
     assert cli_main(["demo"]) == 0
     assert seen["config"].workers == usable_cpus()

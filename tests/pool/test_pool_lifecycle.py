@@ -33,9 +33,9 @@ def _square(x: int) -> int:
 
 
 def test_a_failing_manager_thread_breaks_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpexec import _pool
+    from mpexec._pool._manager import Manager
 
-    real = _pool._deliver
+    real = Manager.deliver
 
     def failing_deliver(*args: Any) -> None:
         raise RuntimeError("injected manager failure")
@@ -43,7 +43,7 @@ def test_a_failing_manager_thread_breaks_the_pool(monkeypatch: pytest.MonkeyPatc
     with WorkerPool(1) as pool:
         assert pool.submit(_square, 3).result(T) == 9
         queued = [pool.submit(_sleep, 0.2) for _ in range(3)]
-        monkeypatch.setattr(_pool, "_deliver", failing_deliver)
+        monkeypatch.setattr(Manager, "deliver", failing_deliver)
         t0 = time.monotonic()
         for fut in queued:
             with pytest.raises(mpexec.BrokenPoolError, match="manager thread failed") as info:
@@ -53,12 +53,12 @@ def test_a_failing_manager_thread_breaks_the_pool(monkeypatch: pytest.MonkeyPatc
             assert "injected manager failure" in str(cause)
             tb = "".join(traceback.format_tb(cause.__traceback__))
             assert "failing_deliver" in tb
-            assert "_manage_once" in tb
+            assert "manage_once" in tb
         assert time.monotonic() - t0 < 5, "pending calls must fail promptly"
         with pytest.raises(mpexec.BrokenPoolError, match="manager thread failed"):
             pool.submit(_square, 2)
         assert "broken" in repr(pool)
-        monkeypatch.setattr(_pool, "_deliver", real)
+        monkeypatch.setattr(Manager, "deliver", real)
 
 
 # ---------------------------------------------------------------- cancellation
@@ -171,9 +171,9 @@ def test_a_restart_does_not_hold_up_other_workers_results(tmp_path: Path) -> Non
         # The replacement takes 3 s to start; worker 1's results come meanwhile.
         t0 = time.monotonic()
         for i in range(20):
-            assert pool._submit(_square, (i,), {}, 1).result(T) == i * i
+            assert pool.submit_call(_square, (i,), worker=1).result(T) == i * i
         assert time.monotonic() - t0 < 2, "results waited for the replacement's start"
-        assert pool._submit(os.getpid, (), {}, 0).result(T) not in pids
+        assert pool.submit_call(os.getpid, worker=0).result(T) not in pids
         assert pool.stats().restarts == 1
 
 

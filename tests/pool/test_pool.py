@@ -266,10 +266,10 @@ def test_polling_waiters_leave_nothing_undelivered(monkeypatch: pytest.MonkeyPat
     # Quick calls' waiters poll for their results instead of sleeping: calls
     # nobody waits on (callbacks, wait(), as_completed), calls on other
     # workers, slow calls and timeouts must behave as they would otherwise.
-    from mpexec import _pool
+    from mpexec._pool import _future
 
     # "Quick" up to 20 ms, so that a loaded machine does not turn it off.
-    monkeypatch.setattr(_pool, "_POLL_SECONDS", 0.02)
+    monkeypatch.setattr(_future, "_POLL_SECONDS", 0.02)
     with WorkerPool(2) as pool:
         for i in range(200):
             assert pool.submit(_square, i).result(T) == i * i
@@ -365,7 +365,7 @@ def test_ctrl_c_in_result_leaves_the_pool_working() -> None:
 _CHILD_SECOND_CTRL_C = """
 import os, signal, sys, time
 import mpexec
-from mpexec import _pool
+from mpexec._pool import _stop as _pool
 
 where = sys.argv[1]
 real = getattr(_pool, where)
@@ -389,7 +389,7 @@ with mpexec.WorkerPool(2) as pool:
 """
 
 
-@pytest.mark.parametrize("where", ["_stop_processes", "_descendants"])
+@pytest.mark.parametrize("where", ["stop_processes", "descendants"])
 def test_a_second_ctrl_c_during_an_interrupted_shutdown_ends_bounded(
     where: str, killed: list[int]
 ) -> None:
@@ -421,9 +421,9 @@ def test_a_second_ctrl_c_during_an_interrupted_shutdown_ends_bounded(
 def test_callbacks_never_run_in_a_waiting_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     # Callbacks run in the manager thread (as concurrent.futures does), not
     # inside a polling result(), where the caller may hold a lock they take.
-    from mpexec import _pool
+    from mpexec._pool import _future
 
-    monkeypatch.setattr(_pool, "_POLL_SECONDS", 0.02)
+    monkeypatch.setattr(_future, "_POLL_SECONDS", 0.02)
     ran_in: list[int] = []
     ran = threading.Event()
 
@@ -792,7 +792,7 @@ def test_task_ring_takes_every_record_in_flight_while_its_worker_holds_slots() -
     A busy worker hands freed slots back only every half ring, so the ring must
     hold what may be in flight plus what the worker sits on.
     """
-    from mpexec import _pool
+    from mpexec._pool import _state as _pool
 
     ring = shm.Ring(_pool._TASK_RING, 64)
     try:
@@ -818,9 +818,9 @@ def _cached_functions() -> int:
 def test_function_cache_is_bounded_and_evicted_functions_come_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from mpexec import _pool
+    from mpexec._pool import _sender
 
-    monkeypatch.setattr(_pool, "_FN_CACHE", 4)
+    monkeypatch.setattr(_sender, "_FN_CACHE", 4)
     adders = [functools.partial(_add, i) for i in range(12)]
     with WorkerPool(1) as pool:
         for _ in range(2):  # the second time round, every one was evicted
@@ -828,7 +828,7 @@ def test_function_cache_is_bounded_and_evicted_functions_come_back(
         # the worker dropped evicted functions (sent with the next tasks): 4 kept,
         # plus _cached_functions itself, plus at most the one just evicted for it
         assert pool.submit(_cached_functions).result(T) <= 4 + 2
-        assert len(pool._state.fn_ids) <= 4
+        assert len(pool._sender.fn_ids) <= 4
 
 
 def test_calls_too_big_for_a_ring_slot_go_through_the_arena() -> None:

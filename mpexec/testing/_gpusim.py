@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._runtime import _np_from_dlpack
+from .._runtime import np_from_dlpack
 
 GARBAGE = 0xA5
 _PAGE = 4096
@@ -603,7 +603,7 @@ class SimCuPy:
         if isinstance(array, self.ndarray):
             return array
         capsule = array.__dlpack__() if hasattr(array, "__dlpack__") else array
-        host = _np_from_dlpack(_Capsule(capsule))
+        host = np_from_dlpack(_Capsule(capsule))
         address = int(host.__array_interface__["data"][0])
         for _, ref in self._device:
             mem = ref()
@@ -807,7 +807,7 @@ SEEDS = [(0, 0.0), (1, 0.3), (2, 0.9)]
 @contextlib.contextmanager
 def simulated(seed: int, progress: float) -> Iterator[SimCuPy]:
     """GPU ops run on a fresh simulated device here; it must record no violation."""
-    from . import _gpu
+    from .. import _gpu
 
     device = SimCuPy(seed, progress=progress)
     with _gpu.use_backend(device):

@@ -23,7 +23,7 @@ with warnings.catch_warnings():
 
 import mpexec
 from mpexec import _gpu
-from mpexec._gpusim import SimCuPy
+from mpexec.testing import SimCuPy
 
 # Names whose values are instance attributes in CuPy (set in __init__): checked on an instance.
 _INSTANCE = {"cuda.Stream.ptr": lambda: cupy.cuda.Stream.null}

@@ -31,7 +31,7 @@ from mpexec import fn
 
 T = 30  # bound of every wait in this file
 KiB = 1 << 10
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

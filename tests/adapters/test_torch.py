@@ -583,14 +583,14 @@ def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     if default == "fork":
         # A forked child cannot use the CUDA context it would inherit.
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-        assert mt._start_method(None) == mpexec._doctor.default_start_method()
+        assert mt._start_method(None) == mpexec._host.default_start_method()
 
 
 # ------------------------------------------------------------------ resuming
 RESUME_SCRIPT = """
 import json, sys, torch
 from mpexec import torch as mt
-from tests.test_torch import RESUME_CASES
+from tests.adapters.test_torch import RESUME_CASES
 def main():
     case, k, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.manual_seed(99)

@@ -73,7 +73,7 @@ def test_torch_iterate_shares_the_batch_memory() -> None:
 def test_torch_iterate_no_copy_pointer() -> None:
     pytest.importorskip("torch")
     from mpexec import torch as mt
-    from tests.test_torch import mapping_of
+    from tests.adapters.test_torch import mapping_of
 
     with make() as pipe:
         batch = pipe.run()[0]
@@ -95,11 +95,11 @@ def test_ragged_outputs_become_lists() -> None:
 
 # JAX and TensorFlow start threads of their own once imported (JAX then warns at
 # every os.fork(), which torch's DataLoader does) and keep files open: their checks
-# run in a fresh interpreter each (tests/_framework_checks.py), not in this one.
+# run in a fresh interpreter each (tests/adapters/_framework_checks.py), not in this one.
 def run_check(module: str, check: str, *args: str) -> None:
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed (tox -e frameworks installs it)")
-    code = f"from tests._framework_checks import {check}; {check}(*{args!r})"
+    code = f"from tests.adapters._framework_checks import {check}; {check}(*{args!r})"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.run(
         [sys.executable, "-c", code],

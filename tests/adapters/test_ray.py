@@ -31,7 +31,7 @@ from mpexec import (  # noqa: E402
 )
 from mpexec.ray import RayPool  # noqa: E402
 from tests.conftest import _children, wait_until  # noqa: E402
-from tests.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
+from tests.pipeline.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
 
 T = 60  # every .result() here is bounded by this
 STORE = 100 << 20  # each node's object store: small, the machine is shared
@@ -88,7 +88,7 @@ def ray_setup(request: pytest.FixtureRequest) -> Iterator[Any]:
     cluster = None
     # Ray's workers import the functions' module, this one, as any Ray task would.
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here, os.path.dirname(here)])
+    path = os.pathsep.join([here, os.path.dirname(os.path.dirname(here))])
     job = {"log_to_driver": False, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}
     if request.param == "local":
         ray.init(
@@ -180,6 +180,34 @@ def test_map_parity(pool: RayPool, local_pool: WorkerPool, chunksize: int, order
     expected = list(local_pool.map(_slow_square, items, chunksize=chunksize))
     got = list(pool.map(_slow_square, items, chunksize=chunksize, ordered=ordered, timeout=T))
     assert got == expected if ordered else sorted(got) == sorted(expected)
+
+
+_seen: list[int] = []  # per worker process: the calls it ran, in order
+
+
+def _record(n: int) -> tuple[int, list[int]]:
+    _seen.append(n)
+    return os.getpid(), list(_seen)
+
+
+def test_the_low_level_seam_as_on_worker_pool(pool: RayPool) -> None:
+    # submit_call: pinned calls run in order on one worker of one agent.
+    futures = [pool.submit_call(_record, (n,), worker=0) for n in range(100, 110)]
+    results = [f.result(T) for f in futures]
+    assert len({pid for pid, _ in results}) == 1
+    assert results[-1][1][-10:] == list(range(100, 110))
+    assert pool.submit_call(_add, (1, 2), {"c": 3}).result(T) == 6
+    # view=True: Ray's read-only array, uncopied; by default the caller's own.
+    a = np.arange(300_000, dtype=np.float32)
+    assert not pool.submit_call(_square, (a,), view=True).result(T).flags.writeable
+    assert pool.submit_call(_square, (a,)).result(T).flags.writeable
+    # share: a read-only copy the calls take.
+    shared = pool.share(a)
+    assert not shared.flags.writeable
+    assert pool.submit(np.sum, shared).result(T) == a.sum()
+    assert pool.status == mpexec.PoolStatus("running", os.getpid())
+    with pytest.raises(ValueError, match="results must be 'copy' or 'view'"):
+        RayPool(results="mine")  # type: ignore[arg-type]
 
 
 def test_map_prefetch_is_bounded(pool: RayPool) -> None:

@@ -1,4 +1,4 @@
-"""JAX and tf.data checks, each run in a fresh interpreter by tests/test_frameworks.py."""
+"""JAX and tf.data checks, each run in a fresh interpreter by tests/adapters/test_frameworks.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 import mpexec
 from mpexec import fn
-from tests.test_frameworks import double_batch, expected, image, make
+from tests.adapters.test_frameworks import double_batch, expected, image, make
 
 
 def check_jax() -> None:

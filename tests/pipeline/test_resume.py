@@ -56,7 +56,7 @@ def epochs(pipe: mpexec.Pipeline, n: int) -> list[Any]:
 
 SCRIPT = """
 import json, sys
-from tests.test_resume import build, digest, epochs
+from tests.pipeline.test_resume import build, digest, epochs
 def main():
     mode, k = sys.argv[1], int(sys.argv[2])
     with build(num_workers=1, prefetch=1) as pipe:

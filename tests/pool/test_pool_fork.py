@@ -52,6 +52,15 @@ def child(scenario, pool, held, pending):
             else:
                 sys.exit(3)
         assert "fork" in repr(pool)
+        # The public seam: refused the same way, and the status says why.
+        for use in (lambda: pool.share(np.ones(3)), lambda: pool.submit_call(twice, (1,))):
+            try:
+                use()
+            except mpexec.ForkedPoolError:
+                pass
+            else:
+                sys.exit(3)
+        assert pool.status == mpexec.PoolStatus("forked", os.getppid()), pool.status
         sys.exit(0)
     if scenario == "shutdown":
         pool.shutdown()  # does nothing to the parent's workers
@@ -114,7 +123,7 @@ if __name__ == "__main__":
         pool = PIPE._pool
     elif scenario == "gpu":
         from mpexec import _gpu, fn
-        from mpexec._gpusim import SimCuPy
+        from mpexec.testing import SimCuPy
         SIM = _gpu.use_backend(SimCuPy(0))  # held: its exit would restore CuPy
         SIM.__enter__()
         @mpexec.pipeline_def(batch_size=2, num_workers=0, seed=1)

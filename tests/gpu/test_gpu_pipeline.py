@@ -19,7 +19,7 @@ import pytest
 
 import mpexec
 from mpexec import _gpu, fn
-from mpexec._gpusim import SEEDS, SimCuPy, simulated
+from mpexec.testing import SEEDS, SimCuPy, simulated
 
 
 @pytest.fixture(params=SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")

@@ -18,7 +18,7 @@ import pytest
 
 import mpexec
 from mpexec import _gpu, fn
-from mpexec._gpusim import SimCuPy
+from mpexec.testing import SimCuPy
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

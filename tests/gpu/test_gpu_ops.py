@@ -13,8 +13,8 @@ import mpexec
 import shm
 from mpexec import _gpu, fn
 from mpexec._doctor import GpuReport, format_report
-from mpexec._gpusim import GARBAGE, SEEDS, SimCuPy, simulated
-from mpexec._runtime import Chunk, _np_from_dlpack
+from mpexec._runtime import Chunk, np_from_dlpack
+from mpexec.testing import GARBAGE, SEEDS, SimCuPy, simulated
 
 
 @pytest.fixture(params=SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")
@@ -179,7 +179,7 @@ def test_gpu_batch_is_dense_on_the_device_and_exports_dlpack_on_the_consumers_st
     assert sim.waits[-1] == (consumer, producer), "the consumer must wait on the producer"
     consumer.synchronize()
     np.testing.assert_array_equal(
-        _np_from_dlpack(_Caps(capsule)), np.repeat(np.arange(3.0), 4).reshape(3, 4)
+        np_from_dlpack(_Caps(capsule)), np.repeat(np.arange(3.0), 4).reshape(3, 4)
     )
     assert batch.__dlpack_device__() == (2, 0)
 

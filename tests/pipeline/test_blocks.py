@@ -16,7 +16,7 @@ import pytest
 
 import mpexec
 from mpexec import fn
-from mpexec._runtime import _np_from_dlpack, write_block
+from mpexec._runtime import np_from_dlpack, write_block
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -89,7 +89,7 @@ def test_declared_shape_gives_a_block_from_the_first_batch() -> None:
     with _pipe(_plus_one, 2, output_shapes=[(6,)], output_dtypes=[np.float32]) as pipe:
         (out,) = pipe.run()
         assert _is_block(out)
-        exported = _np_from_dlpack(out)
+        exported = np_from_dlpack(out)
         # NumPy before 2.1 cannot export read-only memory: Batch exports a copy there.
         readonly_export = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
         assert np.shares_memory(exported, out.as_array()) == readonly_export

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mpexec import WorkerPool
-from mpexec._limits import FDS_PER_WORKER
+from mpexec._host import FDS_PER_WORKER
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 resource = pytest.importorskip("resource")
 pytestmark = pytest.mark.usefixtures("no_leaks")

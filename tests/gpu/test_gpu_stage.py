@@ -21,7 +21,7 @@ import pytest
 import mpexec
 import shm
 from mpexec import _gpu
-from mpexec._gpusim import GARBAGE, SEEDS, SimCuPy
+from mpexec.testing import GARBAGE, SEEDS, SimCuPy
 
 
 @pytest.fixture(params=SEEDS, ids=lambda p: f"seed{p[0]}-progress{p[1]}")

@@ -1,0 +1,138 @@
+"""Facts about this host that the pool, the loaders and the doctor share.
+
+One copy of each: the CPUs this process may use (and a cgroup's CPU quota),
+the default start method, whether CUDA is initialised here (``fork`` is then
+refused), and the open files a pool needs.
+
+Open files: each worker costs the caller about :data:`FDS_PER_WORKER` open
+files: two doorbells (eventfds) for each of its four rings, the rings' mappings
+(Python before 3.13 keeps a duplicate fd for every ``mmap``), its process
+sentinel, and mappings of its arena's segments. A soft ``RLIMIT_NOFILE`` of
+1,024, still the default in many shells and containers, then stops near 50
+workers, in the middle of starting them, with a bare ``EMFILE``. So before any
+worker starts, the soft limit is raised toward the hard one when it is too low
+(as any process may do), and where even the hard limit is too low the pool
+refuses at once, naming the limit and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+from ._errors import ResourceLimitError
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, else ``os.cpu_count()``), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time a Linux cgroup quota allows, or None when unlimited.
+
+    Containers often cap CPU time without narrowing the affinity mask, so a
+    pool sized by affinity alone would oversubscribe.
+    """
+    v2 = Path("/sys/fs/cgroup/cpu.max")
+    v1_quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    v1_period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    try:
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]
+            if quota == "max":
+                return None
+            return int(quota) / int(period)
+        if v1_quota.is_file() and v1_period.is_file():
+            quota_us = int(v1_quota.read_text())
+            if quota_us <= 0:
+                return None
+            return quota_us / int(v1_period.read_text())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def default_start_method() -> str:
+    """``"forkserver"`` on Linux, ``"spawn"`` elsewhere.
+
+    ``fork`` is never the default: forking after threads or CUDA exist can
+    deadlock or corrupt the child.
+    """
+    if sys.platform.startswith("linux") and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return "spawn"
+
+
+def cuda_initialised() -> bool:
+    """Whether CuPy has initialised CUDA in this process (a forked child could not use it)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return False
+    try:
+        return bool(cupy.cuda.runtime.getDeviceCount() and cupy.cuda.Device().id >= 0)
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------- open files
+
+#: Open files a worker costs the pool's process, results it holds mapped included
+#: (measured: 14-16 with Python 3.11, of which 4 are duplicates kept by ``mmap``).
+FDS_PER_WORKER = 16 if sys.version_info < (3, 13) else 12
+#: Open files kept free for everything else the process does meanwhile.
+HEADROOM = 64
+
+
+def open_fds() -> int:
+    """How many files this process has open now."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir used
+    except OSError:
+        import psutil
+
+        try:
+            return int(psutil.Process().num_fds())
+        except (AttributeError, psutil.Error):  # no such count here (Windows)
+            return 0
+
+
+def ensure_open_files(num_workers: int) -> None:
+    """Make room for ``num_workers`` workers under ``RLIMIT_NOFILE``, or refuse.
+
+    Raises the soft limit (to the hard limit where that is finite and higher)
+    if it is too low; :class:`ResourceLimitError` if the hard limit is too low.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows: no such limit
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = open_fds()
+    need = in_use + num_workers * FDS_PER_WORKER + HEADROOM
+    unlimited = resource.RLIM_INFINITY
+    if soft == unlimited or need <= soft:
+        return
+    if hard == unlimited or need <= hard:
+        for target in (hard, need) if hard != unlimited else (max(need, 4 * soft), need):
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError):  # macOS refuses more than OPEN_MAX
+                continue
+            return
+    most = max(0, (min(soft, hard) if hard != unlimited else soft) - in_use - HEADROOM)
+    raise ResourceLimitError(
+        errno.EMFILE,
+        f"WorkerPool({num_workers}) needs about {need} open files in this process "
+        f"({FDS_PER_WORKER} per worker, {in_use} open already), but its open-file limit "
+        f"(RLIMIT_NOFILE) is {soft}, and its hard limit of {hard} only an administrator can "
+        f"raise. Raise it before Python starts (`ulimit -n {need}` in the shell, "
+        f"LimitNOFILE= in a systemd unit, `--ulimit nofile={need}` for docker run), or "
+        f"use at most {most // FDS_PER_WORKER} workers",
+    )

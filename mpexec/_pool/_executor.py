@@ -1,0 +1,316 @@
+"""WorkerPool: the executor's face (``submit``, ``map``, ``shutdown``) and its seam.
+
+It validates, counts and queues calls; the :class:`~._sender.CallSender`
+pushes them to workers, the :class:`~._manager.Manager` thread delivers the
+results, and ``_stop`` stops it all (see the package's docstring for the picture).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+import shm
+
+from .. import _codec
+from .._errors import PoolClosedError
+from .._host import ensure_open_files, usable_cpus
+from .._mapping import CallExecutor
+from . import _stop
+from ._factory import WorkerFactory, context
+from ._manager import Manager
+from ._sender import CallSender
+from ._state import PoolState, PoolStats, PoolStatus
+
+T = TypeVar("T")
+
+
+class WorkerPool(CallExecutor):
+    """Run functions in worker processes, with arrays passed through shared memory.
+
+    ``num_workers`` defaults to the CPUs this process may use; ``0`` runs
+    every call inline in the caller (for a debugger). Arguments and results
+    may be any picklable values; the ndarrays in them travel zero-copy
+    (functions get read-only views; results are the caller's to keep).
+
+    - ``start_method``: ``"forkserver"`` (Linux default) or ``"spawn"``;
+      ``"fork"`` only on request, and refused once CUDA is initialised.
+    - ``seed``: ``numpy.random`` and ``random`` in each worker are seeded from
+      it with ``numpy.random.SeedSequence`` (worker index as spawn key).
+    - ``worker_init(*worker_init_args)``: called in each worker after seeding.
+    - ``timeout``: seconds a single call may run; past it the call fails with
+      :class:`TaskTimeoutError` and its worker is replaced.
+    - ``restart``: replace a worker that dies; only the call it was running
+      fails. Without it a crash breaks the pool (:class:`BrokenPoolError`).
+    - ``arena_size``: the size of each shared-memory segment of the pool's
+      arena (it grows by segments up to ``arena_capacity``).
+    - ``results``: ``"copy"`` (default) hands every result array back as the
+      caller's own; ``"view"`` hands back a result that is a view of shared
+      memory (say, a function that returned a slice of its input) as a
+      read-only view, uncopied, as :meth:`submit_call` does with ``view=True``.
+    """
+
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        *,
+        start_method: str | None = None,
+        seed: int | None = None,
+        worker_init: Callable[..., object] | None = None,
+        worker_init_args: tuple[Any, ...] = (),
+        timeout: float | None = None,
+        restart: bool = False,
+        arena_size: int = 64 << 20,
+        arena_capacity: int | None = None,
+        worker_arena_size: int = 32 << 20,
+        inline_max: int = _codec.INLINE_MAX,
+        start_timeout: float = 60.0,
+        results: Literal["copy", "view"] = "copy",
+    ) -> None:
+        if num_workers is None:
+            num_workers = usable_cpus()
+        if isinstance(num_workers, bool) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, not {num_workers!r}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive or None, not {timeout!r}")
+        if results not in ("copy", "view"):
+            raise ValueError(f"results must be 'copy' or 'view', not {results!r}")
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.restart = restart
+        self._inline = num_workers == 0
+        self._state = PoolState(inline=self._inline, view_results=results == "view")
+        seed_entropy = int(np.random.SeedSequence(seed).entropy)  # type: ignore[arg-type]
+        init = (
+            _codec.dump_value((worker_init, tuple(worker_init_args)), "worker_init")
+            if worker_init is not None
+            else None
+        )
+        self._manager: Manager | None = None
+        self._finalizer: weakref.finalize[Any, WorkerPool] | None = None
+        if self._inline:
+            return
+        ctx = context(start_method)
+        ensure_open_files(num_workers)  # before anything starts: fail at once, or fit
+        # Sealed: workers cannot write the pool's memory, even by reopening its
+        # fds, but for buffers made to be written (pool.empty, pool.put).
+        state = self._state
+        state.adopt_arena(shm.Arena(arena_size, arena_capacity, name="pool", sealed=True))
+        self._lifeline = shm.Lifeline()
+        _stop.register_exit_hook()
+        self._sender = CallSender(
+            state, inline_max=inline_max, push_timeout=start_timeout, timeout=timeout
+        )
+        self._factory = WorkerFactory(
+            state,
+            ctx,
+            self._lifeline,
+            seed_entropy=seed_entropy,
+            init=init,
+            worker_arena_size=worker_arena_size,
+            inline_max=inline_max,
+            start_timeout=start_timeout,
+        )
+        try:
+            self._factory.start(range(num_workers), generation=0)
+        except BaseException:
+            _stop.shutdown(state, self._lifeline, None, wait=False, cancel=True)
+            raise
+        # What the manager holds of the pool: a weak reference, so that the pool can be collected.
+        self._manager = Manager(state, self._factory, self._sender, timeout, weakref.ref(self))
+        self._manager.start()
+        self._finalizer = weakref.finalize(
+            self, _stop.shutdown, state, self._lifeline, self._manager, False, True
+        )
+        _stop.track(self, state)
+
+    # ------------------------------------------------------------ the executor
+    def submit_call(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        worker: int | None = None,
+        view: bool = False,
+    ) -> Future[T]:
+        """``submit``, for code built on the pool: pinned calls, results as views.
+
+        ``worker``: run it on that worker index (modulo ``num_workers``), after
+        the calls submitted to that index earlier, in submission order; a
+        worker that is replaced keeps its index, so state kept in a worker's
+        globals stays with its index for as long as the worker lives.
+        ``view``: the result's arrays come back as read-only views of shared
+        memory, uncopied (valid for as long as they are held), not as arrays
+        of the caller's own. Raises as :meth:`submit` does.
+        """
+        if not callable(fn):
+            raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
+        if kwargs is None:
+            kwargs = {}
+        state = self._state
+        state.check_not_forked()
+        if self._inline:
+            return self._run_inline(fn, args, kwargs)
+        with state.lock:
+            state.check_usable()
+            task = state.new_task(fn, args, kwargs, worker, view)
+            slot = state.pick_slot(task)
+            if slot is None or state.pending:
+                # Busy, or calls wait ahead of it (order kept): validate now,
+                # encode when a worker frees up.
+                self._sender.check_picklable(fn, args, kwargs)
+                state.pending.append(task)
+                if slot is not None:
+                    self._sender.dispatch_pending()
+            else:
+                self._sender.send(task, slot)
+            state.count_submitted()
+        return task.future
+
+    def _run_inline(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        if self._state.closed:
+            raise PoolClosedError("cannot submit to a pool after shutdown()")
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*_readonly(args), **_readonly(kwargs)))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def _before_map(self) -> bool:
+        self._state.check_not_forked()
+        return not self._inline  # an inline pool never pickles
+
+    # ------------------------------------------------------------ shared memory
+    def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float64) -> Any:
+        """A new array in the pool's shared memory: it reaches workers without a copy.
+
+        It has its memory pages to itself (see ``docs/in-place-mutation.md``), so
+        passed :func:`writable` a worker can write it and nothing else of ours.
+        """
+        state = self._state
+        state.check_not_forked()
+        state.check_open()
+        if state.arena is None:
+            return np.empty(shape, dtype)
+        return state.arena.empty(shape, dtype, peer_writable=True)
+
+    def put(self, array: Any) -> Any:
+        """A copy of ``array`` in the pool's shared memory, to pass to many calls.
+
+        Its pages are its own, as for :meth:`empty`.
+        """
+        state = self._state
+        state.check_not_forked()
+        state.check_open()
+        if state.arena is None:
+            return np.array(array, copy=True)
+        return state.arena.put(array, peer_writable=True)
+
+    def share(self, array: Any) -> Any:
+        """A read-only copy of ``array`` in the pool's shared memory, for many calls.
+
+        Unlike :meth:`put`'s, its memory is packed with other arrays (no pages
+        of its own), so it is never passed :func:`writable`: the one copy where
+        data enters code built on the pool (a pipeline's sources).
+        """
+        state = self._state
+        state.check_not_forked()
+        state.check_open()
+        out = np.array(array, copy=True) if state.arena is None else state.arena.put(array)
+        out.flags.writeable = False
+        return out
+
+    # ------------------------------------------------------------ looking at it
+    def stats(self) -> PoolStats:
+        """Counters and the arena's occupancy (a snapshot)."""
+        self._state.check_not_forked()
+        return self._state.stats(self.num_workers)
+
+    @property
+    def status(self) -> PoolStatus:
+        """Whether it takes calls (running, broken, closed, forked) and its owner's pid."""
+        return self._state.status()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current workers (after shutdown: of the last ones)."""
+        self._state.check_not_forked()
+        return self._state.pids()
+
+    @property
+    def processes(self) -> list[Any]:
+        """The current workers' ``multiprocessing`` process objects, by worker index.
+
+        For code that reports on the workers as a ``multiprocessing`` user
+        would (``is_alive()``, ``exitcode``, ``join()``), such as the
+        ``_workers`` list torch's DataLoader iterator keeps. The pool owns
+        them: it joins and closes them when it shuts down. Empty after shutdown.
+        """
+        self._state.check_not_forked()
+        return self._state.processes()
+
+    # ------------------------------------------------------------ stopping
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop the pool; idempotent.
+
+        With ``wait``, queued calls finish first (unless ``cancel_futures``):
+        like ``ProcessPoolExecutor``, that takes as long as they do (set the
+        pool's ``timeout`` to bound it). Then every worker is gone within a
+        bounded time (closed ring, timed join, SIGTERM, SIGKILL). Without
+        ``wait``, queued calls are cancelled and running ones abandoned (their
+        futures fail with :class:`PoolClosedError`). Safe from several threads.
+
+        In a process forked from the pool's, it does nothing: the workers
+        are the parent's, which goes on using them.
+        """
+        state = self._state
+        if state.pid != os.getpid():
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            return
+        if self._inline:
+            state.mark_closed()
+            return
+        _stop.untrack(self)
+        _stop.shutdown(state, self._lifeline, self._manager, wait, cancel_futures)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def __repr__(self) -> str:
+        state = self._state
+        status = (
+            "inherited through fork"
+            if state.pid != os.getpid()
+            else "broken"
+            if state.broken
+            else "closed"
+            if state.closed
+            else "running"
+        )
+        return f"<WorkerPool {status} workers={self.num_workers} submitted={state.submitted}>"
+
+
+def _readonly(value: Any) -> Any:
+    """Arrays in ``value`` as read-only views, as a worker would see them."""
+    if type(value) is _codec.Writable:
+        return value.array
+    if isinstance(value, np.ndarray):
+        view = value.view()
+        view.flags.writeable = False
+        return view
+    if isinstance(value, tuple):
+        return tuple(_readonly(v) for v in value)
+    if isinstance(value, list):
+        return [_readonly(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _readonly(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,165 @@
+"""Starting workers: a slot's rings, the boot data, the process, its hello.
+
+A :class:`WorkerFactory` knows how to start worker ``i`` of a pool (start
+method, seed, ``worker_init``, sizes) and nothing of the pool itself: the
+executor uses it to start the workers, the manager to replace a lost one.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import shm
+
+from .. import _launch, _worker
+from .._errors import BrokenPoolError, RemoteTraceback
+from .._host import cuda_initialised, default_start_method
+from .._protocol import FAILED, HEADER, HELLO, body_of
+from ._crash import describe_exit
+from ._state import PoolState, Slot
+
+
+class WorkerFactory:
+    """Starts the workers of one pool, each in its slot of ``state``."""
+
+    def __init__(
+        self,
+        state: PoolState,
+        ctx: Any,
+        lifeline: shm.Lifeline,
+        *,
+        seed_entropy: int,
+        init: bytes | None,
+        worker_arena_size: int,
+        inline_max: int,
+        start_timeout: float,
+    ) -> None:
+        self.state = state  # where a started worker's slot goes
+        self.ctx = ctx  # the multiprocessing context (``_launch``'s) that starts them
+        self.lifeline = lifeline  # every worker watches it: the pool's process died
+        self.seed_entropy = seed_entropy
+        self.init = init  # cloudpickled (worker_init, args), or None
+        self.worker_arena_size = worker_arena_size
+        self.inline_max = inline_max
+        self.start_timeout = start_timeout
+
+    def start(self, indices: Iterable[int], generation: int) -> None:
+        """Start workers in parallel, then wait for each to say hello."""
+        started = [self.launch(index, generation) for index in indices]
+        deadline = time.monotonic() + self.start_timeout
+        for slot in started:
+            self.await_hello(slot, deadline)
+
+    def launch(self, index: int, generation: int) -> Slot:
+        """Start worker ``index`` (it is ready once its hello is read)."""
+        arena = self.state.arena
+        assert arena is not None
+        slot = Slot(index, generation)
+        slot.arg_releases = arena.link()
+        boot = _worker.WorkerBoot(
+            index=index,
+            generation=generation,
+            tasks=slot.tasks,
+            done=slot.done,
+            arg_releases=slot.arg_releases,
+            result_releases=slot.result_releases,
+            lifeline=self.lifeline,
+            main_arena_id=arena.id,
+            main_pid=os.getpid(),
+            seed_entropy=self.seed_entropy,
+            init=self.init,
+            segment_size=self.worker_arena_size,
+            inline_max=self.inline_max,
+        )
+        slot.process = self.ctx.Process(
+            target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
+        )
+        try:
+            slot.process.start()
+        except BaseException:
+            slot.close_rings()
+            arena.reclaim(slot.arg_releases)
+            raise
+        slot.pid = slot.process.pid
+        for ring in (slot.tasks, slot.done, slot.result_releases, slot.arg_releases):
+            ring.handed_over()  # the worker has its fds: ours would only count
+        self.state.install(slot)
+        return slot
+
+    def relaunch(self, slot: Slot) -> Slot:
+        """A replacement for ``slot``'s lost worker; the manager reads its hello."""
+        new = self.launch(slot.index, slot.generation + 1)
+        new.start_deadline = time.monotonic() + self.start_timeout
+        return new
+
+    def retire(self, slot: Slot) -> None:
+        """``slot``'s worker is gone: the arena takes back what it had not released."""
+        arena = self.state.arena
+        if arena is not None and slot.arg_releases is not None:
+            arena.reclaim(slot.arg_releases)
+
+    def await_hello(self, slot: Slot, deadline: float) -> None:
+        try:
+            rec = slot.done.pop(max(0.0, deadline - time.monotonic()), [slot.process])
+        except shm.RingTimeoutError:
+            raise BrokenPoolError(
+                f"worker {slot.index} (pid {slot.pid}) did not start within {self.start_timeout} s"
+            ) from None
+        except shm.SharedMemoryError:
+            slot.process.join(1)
+            err = died_starting(slot)
+            raise err from err.__cause__
+        hello(slot, rec)
+
+
+def hello(slot: Slot, rec: bytes) -> None:
+    """Read a worker's first record: it is ready, or it failed to start (raised)."""
+    kind, flags, _, _ = HEADER.unpack_from(rec)
+    body = body_of(rec, flags)
+    if kind == FAILED:
+        exc, tb = pickle.loads(body)
+        err = BrokenPoolError(
+            f"worker {slot.index} (pid {slot.pid}) failed to start: "
+            f"{type(exc).__name__}: {exc} (the worker's traceback follows)"
+        )
+        exc.__cause__ = RemoteTraceback(tb)
+        raise err from exc
+    if kind != HELLO:  # pragma: no cover - protocol error
+        raise BrokenPoolError(f"worker {slot.index} sent record kind {kind} first")
+    slot.pid, slot.arena_id = pickle.loads(body)
+    _launch.started(slot.process)
+    shm.set_release_route(slot.arena_id, slot.result_releases)
+    slot.start_deadline = None
+    slot.ready = True
+
+
+def died_starting(slot: Slot) -> BrokenPoolError:
+    """A worker died before its hello: with its start-up traceback as the cause."""
+    return _launch.start_failure(
+        f"worker {slot.index} (pid {slot.pid})",
+        slot.process,
+        describe_exit(slot.process.exitcode),
+    )
+
+
+def context(start_method: str | None) -> Any:
+    """The multiprocessing context for ``start_method`` (default: the host's), checked."""
+    import multiprocessing as mp
+
+    method = start_method or default_start_method()
+    if method not in mp.get_all_start_methods():
+        raise ValueError(
+            f"start_method {method!r} is not available here; "
+            f"choose one of {mp.get_all_start_methods()}"
+        )
+    if method == "fork" and cuda_initialised():
+        raise ValueError(
+            "start_method='fork' after CUDA was initialised in this process: the "
+            "children would inherit a CUDA context they cannot use; use 'forkserver' "
+            "or 'spawn'"
+        )
+    return _launch.context(method)

@@ -1,0 +1,306 @@
+"""The manager thread: delivers results, notices deaths and timeouts, restarts workers.
+
+Modelled on CPython's ``_ExecutorManagerThread``: :class:`Manager` is given,
+when it is made, exactly what it works with (the pool's state, the
+:class:`WorkerFactory` that starts a replacement, the :class:`CallSender` that
+hands waiting calls to workers) and the pool itself only as a weak reference,
+so that a pool dropped without ``shutdown`` is collected (its finalizer then
+stops everything, this thread included). Its loop is a few named steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import select
+import threading
+import time
+import weakref
+from typing import Any
+
+import shm
+
+from .. import _codec
+from .._errors import (
+    BrokenPoolError,
+    PoolClosedError,
+    RemoteTraceback,
+    SerializationError,
+    TaskTimeoutError,
+)
+from .._mapping import settle
+from .._protocol import HEADER, OK, SKIPPED, body_of
+from . import _crash
+from ._factory import WorkerFactory, died_starting, hello
+from ._future import cancel_now
+from ._sender import CallSender
+from ._state import PoolState, Slot
+
+
+class Manager(threading.Thread):
+    """Runs until the pool stops: one wait, then what it woke for (see :meth:`manage_once`)."""
+
+    def __init__(
+        self,
+        state: PoolState,
+        factory: WorkerFactory,
+        sender: CallSender,
+        timeout: float | None,
+        pool_ref: weakref.ref[Any],
+    ) -> None:
+        super().__init__(name="mpexec-pool-manager", daemon=True)
+        self.state = state  # the slots, queues and flags it shares with the pool
+        self.factory = factory  # starts a replacement for a lost worker
+        self.sender = sender  # hands waiting calls to workers with room
+        self.timeout = timeout  # seconds a call may run, or None
+        # The pool, weakly: only to ask whether it still lives and restarts workers.
+        self.pool_ref = pool_ref
+
+    def run(self) -> None:
+        state = self.state
+        state.manager_started()
+        # Local, as every slot it polls: the rings go with the pool's stop, not with
+        # this thread object (which the pool keeps).
+        watcher = Watcher(state)
+        try:
+            while self.manage_once(watcher):
+                pass
+        except BaseException as exc:
+            if state.closed and isinstance(exc, (shm.SharedMemoryError, ValueError)):
+                return  # rings closed under us by shutdown
+            # Nothing else would ever complete a future: break the pool, loudly.
+            err = BrokenPoolError(
+                f"the pool's manager thread failed ({type(exc).__name__}: {exc}); the pool "
+                "can run nothing more. This is a bug in mpexec: please report it with the "
+                "traceback (the __cause__)"
+            )
+            err.__cause__ = exc  # with its traceback: where the manager failed
+            state.mark_broken(err)
+
+    def manage_once(self, watcher: Watcher) -> bool:
+        """Wait for a result, a death, a deadline or a poke; handle it. False: stopped."""
+        state = self.state
+        with state.lock:
+            slots = list(state.slots)
+            if state.stopping and not state.pending and not any(s.queue for s in slots):
+                return False
+        ready = watcher.wait(slots, self.next_deadline(slots))
+        died: list[Slot] = []
+        for slot, what in ready:
+            if slot is None:
+                watcher.drain_wake()
+            elif slot.start_deadline is not None:
+                self.started(slot, died=what == "died")
+            elif what == "done":
+                self.deliver(slot)
+            else:
+                died.append(slot)
+        for slot in died:
+            if slot.ready:
+                self.worker_lost(slot, died=True)
+        self.check_start_deadlines(slots)
+        self.check_timeouts(slots)
+        if state.pending:
+            self.dispatch_pending()
+        return True
+
+    # ------------------------------------------------------------ the steps
+    def deliver(self, slot: Slot) -> None:
+        """Complete the futures of every record waiting in ``slot``'s done ring."""
+        state = self.state
+        while True:
+            try:
+                rec = slot.done.try_pop()
+            except shm.RingClosedError:
+                return
+            if rec is None:
+                return
+            kind, flags, _, task_id = HEADER.unpack_from(rec)
+            skipped = kind == SKIPPED
+            # Only this thread takes tasks off the head of the queue.
+            view = state.view_results or (bool(slot.queue) and slot.queue[0].view)
+            ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, view)
+            task = state.complete(slot, task_id, skipped, ok)
+            task.release()
+            if skipped:
+                cancel_now(task.future)  # cancelled already: cancel() said so
+            elif ok:
+                settle(task.future, result=outcome)
+            else:
+                settle(task.future, exc=outcome)
+
+    def started(self, slot: Slot, died: bool) -> None:
+        """A replacement worker said hello (it is ready now), failed, or died starting."""
+        state = self.state
+        try:
+            rec = slot.done.try_pop()
+            if rec is None and not died:
+                return
+            if rec is None:
+                slot.process.join(1)
+                raise died_starting(slot)
+            with state.lock:
+                hello(slot, rec)
+        except (BrokenPoolError, shm.SharedMemoryError) as exc:
+            slot.start_deadline = None
+            state.mark_broken(exc if isinstance(exc, BrokenPoolError) else died_starting(slot))
+
+    def worker_lost(self, slot: Slot, died: bool) -> None:
+        """A worker died or overran its call: fail that call, then restart or break."""
+        state = self.state
+        proc = slot.process
+        # Its sentinel can fire before the exit status is there to read: decide by
+        # the event, never by ``exitcode is None``.
+        overran = not died
+        if overran:
+            proc.kill()
+        proc.join(5)
+        with contextlib.suppress(shm.SharedMemoryError):
+            self.deliver(slot)  # what it finished before dying still counts
+        progress = slot.done.progress()  # how many of its calls it had started
+        tasks = state.lose_worker(slot)
+        shm.set_release_route(slot.arena_id, None)
+        pool = self.pool_ref()
+        if pool is not None:
+            self.factory.retire(slot)
+        slot.close_rings()
+        # Calls run in order: only the first undelivered one can have started.
+        running = tasks[0] if tasks and (overran or tasks[0].seq <= progress) else None
+        error: BaseException
+        if state.stopping:
+            error = PoolClosedError("the pool was shut down before this call finished")
+        elif overran:
+            error = _timeout_error(self.timeout, slot.pid)
+        else:
+            error = _crash.crash_error(slot.index, slot.pid, proc.exitcode, running is not None)
+        restart = not state.stopping and pool is not None and (overran or pool.restart)
+        if not restart and not state.stopping:
+            # Broken before any future fails: a caller woken by the failure must
+            # find the pool broken (as concurrent.futures does).
+            state.mark_broken(_crash.as_broken(error), tasks)
+            return
+        # The running call fails; the others never started: with a restart, rerun them.
+        rerun = []
+        for task in tasks:
+            if task is running or not restart:
+                state.count_failed()
+                task.fail(error)
+            elif task.future.cancelled():
+                task.release()
+            else:
+                task.unpushed()
+                rerun.append(task)
+        state.requeue_first(rerun)
+        if state.stopping:
+            return
+        if restart and pool is not None:
+            try:
+                # Not waiting for its hello here: the manager reads it with the results.
+                self.factory.relaunch(slot)
+            except BaseException as exc:
+                state.mark_broken(_crash.as_broken(exc))
+            else:
+                state.count_restart()
+
+    def check_start_deadlines(self, slots: list[Slot]) -> None:
+        """A replacement that has not said hello in time breaks the pool."""
+        for slot in slots:
+            if slot.start_deadline is not None and time.monotonic() > slot.start_deadline:
+                self.state.mark_broken(
+                    BrokenPoolError(f"worker {slot.index} (pid {slot.pid}) did not start")
+                )
+                slot.start_deadline = None
+
+    def check_timeouts(self, slots: list[Slot]) -> None:
+        """A worker whose call has run past the pool's timeout is killed and replaced."""
+        timeout = self.timeout
+        if timeout is None:
+            return
+        for slot in slots:
+            if slot.ready and _timed_out(slot, timeout):
+                self.worker_lost(slot, died=False)
+
+    def dispatch_pending(self) -> None:
+        """Calls waiting in the pool go to workers that have room now."""
+        if self.pool_ref() is None:
+            return  # collected: its finalizer is stopping everything
+        with self.state.lock:
+            self.sender.dispatch_pending()
+
+    def next_deadline(self, slots: list[Slot]) -> float | None:
+        """Seconds until the earliest start or call deadline (None: no deadline)."""
+        ends = [s.start_deadline for s in slots if s.start_deadline is not None]
+        if self.timeout is not None:
+            ends += [s.queue[0].started + self.timeout for s in slots if s.ready and s.queue]
+        if not ends:
+            return None
+        return max(0.0, min(ends) - time.monotonic()) + 0.001
+
+
+class Watcher:
+    """One poll set over the wake-up ring, every done ring and every sentinel.
+
+    Rebuilt only when the workers change: the manager waits once per
+    completion, and building a poll set costs as much as the rest of the wait.
+    """
+
+    def __init__(self, state: PoolState) -> None:
+        self.state = state
+        self.key: tuple[tuple[int, bool, bool], ...] = ()
+        self.poller = select.poll()
+        self.by_fd: dict[int, tuple[Slot | None, str]] = {}
+
+    def wait(self, slots: list[Slot], timeout: float | None) -> list[tuple[Slot | None, str]]:
+        key = tuple((id(s), s.ready, s.start_deadline is not None) for s in slots)
+        if key != self.key:
+            self.poller = select.poll()
+            wake = self.state.wake
+            if wake is None:
+                raise ValueError("the pool stopped")  # its rings are closed: the manager ends
+            self.by_fd = {wake.fileno(): (None, "wake")}
+            for slot in slots:
+                if slot.ready or slot.start_deadline is not None:
+                    self.by_fd[slot.done.fileno()] = (slot, "done")
+                    self.by_fd[slot.process.sentinel] = (slot, "died")
+            for fd in self.by_fd:
+                self.poller.register(fd, select.POLLIN)
+            self.key = key
+        # deliver() drains a done ring (try_pop until None), so it never holds
+        # credits that its doorbell no longer shows: polling the fds is enough.
+        ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+        return [self.by_fd[fd] for fd, _ in self.poller.poll(ms) if fd in self.by_fd]
+
+    def drain_wake(self) -> None:
+        """Take the pokes off the wake-up ring."""
+        with contextlib.suppress(shm.RingTimeoutError):
+            wake = self.state.wake
+            if wake is not None:
+                wake.pop_many(timeout=0)
+
+
+def _timed_out(slot: Slot, timeout: float) -> bool:
+    return bool(slot.queue) and time.monotonic() - slot.queue[0].started > timeout
+
+
+def _timeout_error(timeout: float | None, pid: int) -> TaskTimeoutError:
+    return TaskTimeoutError(
+        f"a call ran longer than the pool's timeout of {timeout} s; its worker "
+        f"(pid {pid}) was killed and replaced"
+    )
+
+
+def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, Any]:
+    """(True, the result) or (False, the exception) that a done record carries."""
+    try:
+        body = body_of(rec, flags)
+        if kind == OK:
+            return True, _codec.decode(body, True, view_ok)
+        exc, tb = pickle.loads(body)
+        exc.__cause__ = RemoteTraceback(tb)
+        return False, exc
+    except Exception as exc:
+        err = SerializationError(
+            f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
+        )
+        err.__cause__ = exc
+        return False, err

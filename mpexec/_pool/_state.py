@@ -1,0 +1,396 @@
+"""What the pool and its manager thread share: worker slots, queues, counters, flags.
+
+Every change of the pool's condition (broken, closing, stopped) and of its
+queues is a method of :class:`PoolState`, under its one lock: the executor,
+the manager thread and a cancelling caller call these, never set the fields
+themselves. Reading a field (``state.slots``, ``state.broken``) is fine.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import shm
+
+from .. import _protocol
+from .._errors import PoolClosedError, forked_error
+from ._future import Task, cancel_now, cancel_pushed
+
+_IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
+# A task takes up to five records (forget, function, call; cancel and verdict):
+# 40 in flight. A busy worker gives freed slots back only every half ring, so it
+# may sit on up to half of them: the task ring needs 40 + 47 < 96. The manager
+# drains the done ring to empty (which returns every slot), and a worker sends
+# one record a task.
+_TASK_RING = 96
+_DONE_RING = 3 * _IN_FLIGHT
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool: work done, and the shared memory behind it."""
+
+    num_workers: int
+    submitted: int
+    completed: int
+    failed: int
+    pending: int
+    restarts: int
+    bytes_shared: int
+    bytes_copied: int
+    arena: shm.ArenaStats
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """Whether a pool can take calls, and which process it belongs to (a snapshot).
+
+    ``state`` is ``"running"``; ``"broken"`` (a worker died or failed to start:
+    every call raises the stored :class:`~mpexec.BrokenPoolError`); ``"closed"``
+    (shut down); or ``"forked"`` (this process inherited the pool through
+    ``os.fork()`` from ``owner_pid``, and cannot use it).
+    """
+
+    state: Literal["running", "broken", "closed", "forked"]
+    owner_pid: int
+
+    @property
+    def usable(self) -> bool:
+        """True while calls may be submitted."""
+        return self.state == "running"
+
+
+class Slot:
+    """One worker process and the rings and bookkeeping that go with it."""
+
+    def __init__(self, index: int, generation: int) -> None:
+        self.index = index
+        self.generation = generation
+        self.process: Any = None
+        self.pid = 0
+        self.tasks = shm.Ring(_TASK_RING, _protocol.RECORD_SIZE)
+        self.done = shm.Ring(_DONE_RING, _protocol.RECORD_SIZE)
+        self.arg_releases: shm.Ring | None = None
+        self.result_releases = shm.Ring(4096, shm.RELEASE_RECORD_SIZE)
+        self.arena_id = 0
+        self.queue: collections.deque[Task] = collections.deque()
+        self.fns: set[int] = set()
+        self.forget: list[int] = []
+        self.calls = 0  # CALL records pushed (the worker numbers them the same way)
+        self.ready = False
+        # While a replacement starts (the manager reads its hello, never waits for it).
+        self.start_deadline: float | None = None
+
+    def take_forgotten(self) -> list[int]:
+        """The ids of functions its worker is to drop with its next task (taken off)."""
+        forget, self.forget = self.forget, []
+        return forget
+
+    def enqueue(self, task: Task, fn_id: int) -> None:
+        """``task`` was pushed to this worker, which now knows function ``fn_id``."""
+        self.fns.add(fn_id)
+        self.calls += 1
+        task.link.slot, task.link.seq = self, self.calls  # where its future looks
+        if not self.queue:
+            task.started = time.monotonic()
+        self.queue.append(task)
+
+    def has_room(self) -> bool:
+        return self.ready and len(self.queue) < _IN_FLIGHT
+
+    def close_rings(self) -> None:
+        for ring in (self.tasks, self.done, self.result_releases):
+            ring.close()
+
+
+class PoolState:
+    """Everything the pool and its manager thread share (the manager holds only this).
+
+    ``arena`` is the pool's main arena (None for an inline pool, and once
+    stopped: its memory is unmapped as soon as nothing made from it is held).
+    """
+
+    def __init__(self, *, inline: bool = False, view_results: bool = False) -> None:
+        self.pid = os.getpid()  # the process that owns it; a forked child does not
+        self.inline = inline  # num_workers=0: calls run in the caller
+        self.arena: shm.Arena | None = None
+        self.last_pids: list[int] = []  # the workers' pids, kept after shutdown
+        self.lock = threading.RLock()
+        self.slots: list[Slot] = []
+        self.pending: collections.deque[Task] = collections.deque()
+        self.broken: BaseException | None = None
+        self.closed = False  # no more submissions
+        self.stopping = False  # the manager returns once nothing is queued
+        self.stopped = False  # workers gone, rings closed
+        self.stop_lock = threading.Lock()  # held by the one caller that stops them
+        # The manager waits on it with the done rings; None once the pool stopped.
+        self.wake: shm.Ring | None = None if inline else shm.Ring(4, 1)
+        self.next_task_id = itertools.count(1)
+        self.submitted = self.completed = self.failed = self.restarts = 0
+        self.bytes_shared = self.bytes_copied = 0
+        # Results that are forwarded read-only views stay views (results="view")
+        # instead of being copied.
+        self.view_results = view_results
+        self.manager_ident: int | None = None
+        # Seconds from dispatch to delivery of the latest call: waiters poll
+        # for their result only while calls come back within the poll budget.
+        self.latency = 0.0
+
+    def adopt_arena(self, arena: shm.Arena) -> None:
+        """The pool's main arena: its workers' arguments go through it."""
+        self.arena = arena
+
+    # ------------------------------------------------------------ checks
+    @property
+    def forked(self) -> bool:
+        """Whether this process is a fork of the owner (an inline pool never is)."""
+        return self.pid != os.getpid() and not self.inline
+
+    def check_not_forked(self, what: str = "this WorkerPool") -> None:
+        """Raise ForkedPoolError in a process forked from the pool's (before any lock:
+        another thread of the parent may have held one at the fork)."""
+        if self.pid != os.getpid() and not self.inline:  # self.forked, one call less
+            raise forked_error(self.pid, what)
+
+    def check_open(self) -> None:
+        if self.closed and not self.inline:
+            raise PoolClosedError("this pool was shut down: its shared memory is released")
+
+    def check_usable(self) -> None:
+        """Raise the stored error once broken, PoolClosedError once closed."""
+        if self.broken is not None:
+            raise self.broken
+        if self.closed:
+            raise PoolClosedError("cannot submit to a pool after shutdown()")
+
+    def status(self) -> PoolStatus:
+        state: Literal["running", "broken", "closed", "forked"]
+        if self.forked:
+            state = "forked"
+        elif self.broken:
+            state = "broken"
+        elif self.closed:
+            state = "closed"
+        else:
+            state = "running"
+        return PoolStatus(state, self.pid)
+
+    # ------------------------------------------------------------ calls and workers
+    def new_task(
+        self,
+        fn: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        worker: int | None,
+        view: bool,
+    ) -> Task:
+        """A task for a submitted call (the lock is held)."""
+        return Task(self, next(self.next_task_id), fn, args, kwargs, worker, view)
+
+    def pick_slot(self, task: Task) -> Slot | None:
+        """The worker ``task`` goes to now: its pinned one, or the least busy; None if full."""
+        if task.worker is not None:
+            slot = self.slots[task.worker % len(self.slots)]
+            return slot if slot.has_room() else None
+        best = None
+        for slot in self.slots:
+            n = len(slot.queue)
+            if slot.ready and n < _IN_FLIGHT and (best is None or n < len(best.queue)):
+                best = slot
+        return best
+
+    def install(self, slot: Slot) -> None:
+        """Put a started worker in its place (a replacement takes its predecessor's)."""
+        with self.lock:
+            if slot.index < len(self.slots):
+                self.slots[slot.index] = slot
+            else:
+                self.slots.append(slot)
+
+    def dispatch_pending(self, send: Callable[[Task, Slot], None]) -> None:
+        """``send`` waiting calls, in order, to workers with room (the lock is held).
+
+        A call that cannot be sent fails alone; one that must wait (its worker,
+        or every worker, is full) keeps every later call of its kind waiting.
+        """
+        if self.broken is not None:
+            return
+        kept: collections.deque[Task] = collections.deque()
+        blocked: set[int | None] = set()  # an earlier call of this kind is still waiting
+        while self.pending:
+            task = self.pending.popleft()
+            if task.future.cancelled():
+                task.release()
+                continue
+            slot = None if task.worker in blocked else self.pick_slot(task)
+            if slot is None:
+                kept.append(task)
+                blocked.add(task.worker)
+                continue
+            try:
+                send(task, slot)
+            except Exception as exc:
+                self.failed += 1
+                task.fail(exc)
+        self.pending = kept
+
+    def manager_started(self) -> None:
+        self.manager_ident = threading.get_ident()
+
+    def count_submitted(self) -> None:
+        self.submitted += 1  # the lock is held (by submit)
+
+    def count_sent(self, bytes_shared: int, bytes_copied: int) -> None:
+        self.bytes_shared += bytes_shared
+        self.bytes_copied += bytes_copied
+
+    def count_failed(self, n: int = 1) -> None:
+        with self.lock:
+            self.failed += n
+
+    def count_restart(self) -> None:
+        with self.lock:
+            self.restarts += 1
+
+    def poke(self) -> None:
+        """Wake the manager (it sleeps until a result, a death or a deadline)."""
+        # Under the lock: the wake-up ring has one producer end, and any
+        # thread may poke.
+        with self.lock, contextlib.suppress(shm.SharedMemoryError, ValueError):
+            if self.wake is not None:
+                self.wake.try_push(b"!")
+
+    def complete(self, slot: Slot, task_id: int, skipped: bool, ok: bool) -> Task:
+        """Take the call at the head of ``slot``'s queue off it: its record came back."""
+        with self.lock:
+            queue = slot.queue
+            if not queue or queue[0].task_id != task_id:  # pragma: no cover
+                raise AssertionError(f"completion for task {task_id} out of order")
+            task = queue.popleft()
+            if queue:
+                queue[0].started = time.monotonic()
+            if skipped:
+                return task
+            if ok:
+                self.completed += 1
+            else:
+                self.failed += 1
+        self.latency = time.perf_counter() - task.sent
+        return task
+
+    def lose_worker(self, slot: Slot) -> list[Task]:
+        """``slot``'s worker is gone: it takes nothing more; its queued calls, in order."""
+        with self.lock:
+            slot.ready = False
+            tasks = list(slot.queue)
+            slot.queue.clear()
+            return tasks
+
+    def requeue_first(self, tasks: list[Task]) -> None:
+        """Put calls a lost worker never started first in line, in their order."""
+        with self.lock:
+            self.pending.extendleft(reversed(tasks))
+
+    def mark_broken(self, error: BaseException, tasks: list[Task] | None = None) -> None:
+        """One step: record the error, fail ``tasks`` and every queued call, stop the workers."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = error
+            tasks = [*(tasks or ()), *self._take_queued()]
+            self.failed += len(tasks)
+        for task in tasks:
+            task.fail(error)
+        for slot in self.slots:
+            if slot.process is not None and slot.process.exitcode is None:
+                slot.process.kill()
+
+    def _take_queued(self) -> list[Task]:
+        """Every call waiting in the pool or queued on a worker, taken off (lock held)."""
+        tasks = list(self.pending)
+        self.pending.clear()
+        for slot in self.slots:
+            tasks += slot.queue
+            slot.queue.clear()
+        return tasks
+
+    # ------------------------------------------------------------ stopping
+    def mark_closed(self) -> None:
+        """An inline pool's shutdown: no more calls (it has nothing to stop)."""
+        self.closed = True
+
+    def begin_shutdown(self, cancel: bool) -> bool:
+        """Close to new calls; with ``cancel``, cancel every call not started.
+
+        False if the pool is already closed and stopped (nothing to do).
+        """
+        with self.lock:
+            if self.closed and self.stopped:
+                return False
+            self.closed = True
+            self.stopping = True
+            if cancel:
+                for task in self.pending:
+                    cancel_now(task.future)
+                self.pending.clear()
+                # And those pushed to a worker that has not started them: it skips them.
+                for slot in self.slots:
+                    for task in list(slot.queue):
+                        if slot.ready:
+                            cancel_pushed(slot, task.seq, task.future)
+            self.poke()
+            return True
+
+    def mark_stopped(self) -> list[Task]:
+        """The workers are gone: calls still queued will never complete."""
+        with self.lock:
+            self.stopped = True
+            return self._take_queued()
+
+    def release(self) -> None:
+        """Let go of the rings and the arena now, not when the pool is collected.
+
+        Their mappings go with the last reference (a delivered future holds none).
+        """
+        with self.lock:
+            if self.wake is not None:
+                self.wake.close()
+                self.wake = None
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            arena.close()
+        with self.lock:
+            self.last_pids = [s.pid for s in self.slots]
+            self.slots = []
+
+    # ------------------------------------------------------------ reading
+    def pids(self) -> list[int]:
+        with self.lock:
+            return [s.pid for s in self.slots] or list(self.last_pids)
+
+    def processes(self) -> list[Any]:
+        with self.lock:
+            return [s.process for s in self.slots if s.process is not None]
+
+    def stats(self, num_workers: int) -> PoolStats:
+        arena = self.arena.stats() if self.arena is not None else None
+        with self.lock:
+            pending = len(self.pending) + sum(len(s.queue) for s in self.slots)
+            return PoolStats(
+                num_workers=num_workers,
+                submitted=self.submitted,
+                completed=self.completed,
+                failed=self.failed,
+                pending=pending,
+                restarts=self.restarts,
+                bytes_shared=self.bytes_shared,
+                bytes_copied=self.bytes_copied,
+                arena=arena,  # type: ignore[arg-type]
+            )
