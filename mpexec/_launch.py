@@ -275,7 +275,8 @@ def sending(value: Any, what: str) -> Iterator[Sent]:
 class _ChildPickler(cloudpickle.Pickler):  # type: ignore[misc]
     # multiprocessing's own reducers (a SemLock's name, a shared heap's fd) first.
     dispatch_table: ClassVar[collections.ChainMap[Any, Any]] = collections.ChainMap(
-        reduction.ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
+        # multiprocessing's reducer registry, which has no public face.
+        reduction.ForkingPickler._extra_reducers,  # type: ignore[attr-defined]  # noqa: SLF001
         cloudpickle.Pickler.dispatch_table,
     )
 

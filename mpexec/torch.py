@@ -52,8 +52,6 @@ try:
     from torch.utils.data import IterDataPipe, MapDataPipe
     from torch.utils.data import _utils as _torch_utils
     from torch.utils.data import dataloader as _dl
-    from torch.utils.data._utils import collate as _collate
-    from torch.utils.data._utils import worker as _torch_worker
     from torch.utils.data.graph_settings import apply_random_seed
 except ImportError as _exc:  # pragma: no cover - exercised without torch installed
     raise ImportError(
@@ -70,6 +68,12 @@ from ._errors import BrokenPoolError, LoaderTimeoutError, WorkerCrashedError
 from ._host import default_start_method
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
+
+# torch's own collation and worker modules, and its dataset kinds: the loader
+# extends them as torch's own does (each reached from here alone).
+_collate = _torch_utils.collate
+_torch_worker = _torch_utils.worker
+_Kind = _dl._DatasetKind  # noqa: SLF001 - torch's map-style / iterable marker
 
 __all__ = ["DataLoader", "LoaderStats", "iterate", "to_torch"]
 
@@ -120,14 +124,14 @@ class DataLoader(_dl.DataLoader[_T_co]):  # type: ignore[misc]
         # workers (fresh) or with kept ones: so does this one.
         reuse = kept is not None and kept.alive and (resume is None or not resume.fresh)
         if kept is not None and not reuse:
-            kept._shutdown_workers()
+            kept._shutdown_workers()  # noqa: SLF001 - torch's iterator protocol
             self._iterator = None
         if kept is not None and reuse:
             if resume is not None:
                 _set_rng_states(self, resume.rng)
-            progress = _Progress(_rng_states(self), fresh=False, base_seed=kept._base_seed)
-            kept._progress = progress
-            kept._reset(self, resume=resume)
+            progress = _Progress(_rng_states(self), fresh=False, base_seed=kept._base_seed)  # noqa: SLF001 - torch's iterator's seed
+            kept._progress = progress  # noqa: SLF001 - this module's iterator
+            kept._reset(self, resume=resume)  # noqa: SLF001 - torch's iterator protocol
             it = kept
         else:
             fresh = resume is None or resume.fresh
@@ -136,7 +140,7 @@ class DataLoader(_dl.DataLoader[_T_co]):  # type: ignore[misc]
             rng = _rng_states(self) if resume is None or fresh else resume.rng
             progress = _Progress(rng, fresh=fresh, base_seed=0)
             it = self._make_iterator(progress, resume)
-            progress.base_seed = int(it._base_seed)
+            progress.base_seed = int(it._base_seed)  # noqa: SLF001 - torch's iterator's seed
             if persistent:
                 self._iterator = it
         # Only the progress is kept here: an epoch's iterator, and with it its
@@ -163,7 +167,7 @@ class DataLoader(_dl.DataLoader[_T_co]):  # type: ignore[misc]
         """
         c = self._mp_counters
         it = self._iterator if self._iterator is not None else c.current()
-        in_flight = len(it._tasks) if isinstance(it, _WorkersIter) and not it.finished else 0
+        in_flight = len(it._tasks) if isinstance(it, _WorkersIter) and not it.finished else 0  # noqa: SLF001 - this module's iterator
         return LoaderStats(
             num_workers=self.num_workers,
             batches=c.batches,
@@ -216,7 +220,7 @@ class DataLoader(_dl.DataLoader[_T_co]):  # type: ignore[misc]
 
     def _mp_length(self) -> int | None:
         """Batches per epoch, where the sampler knows (map-style datasets)."""
-        if self._dataset_kind != _dl._DatasetKind.Map:
+        if self._dataset_kind != _Kind.Map:
             return None
         try:
             return len(self)
@@ -348,7 +352,7 @@ def _validate(loader: DataLoader[Any], state: Any) -> _Resume:
                 f"the state was taken with batch_size={state.get('batch_size')!r:.50}, "
                 f"this loader has batch_size={loader.batch_size}"
             )
-        length = loader._mp_length()
+        length = loader._mp_length()  # noqa: SLF001 - this module's loader
         if state.get("length") != length:
             raise bad(
                 f"the state was taken over {state.get('length')!r:.50} batches an epoch, "
@@ -412,6 +416,10 @@ class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001
     _position = 0  # where in the epoch the batch of the last _next_index() is
     _to_drop = 0
 
+    def _torch_reset(self, loader: DataLoader[Any]) -> None:
+        """torch's own ``_reset``: the epoch's sampler iterator (and a datapipe's seed)."""
+        super()._reset(loader)
+
     def _start_at(self, resume: _Resume | None) -> None:
         """Number the epoch's batches; skip those a resumed epoch consumed already.
 
@@ -423,7 +431,7 @@ class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001
         beyond = resume.beyond if resume is not None else frozenset()
         self._skipped_unfetched = 0
         self._to_drop = 0
-        if self._dataset_kind == _dl._DatasetKind.Map:
+        if self._dataset_kind == _Kind.Map:
             self._sampler_iter = _positions(self._sampler_iter, skip, beyond)
             self._num_yielded = skip
             self._skipped_unfetched = skip
@@ -440,7 +448,7 @@ class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001
         return index
 
     def _consumed(self, position: int, failed: bool = False) -> None:
-        if self._dataset_kind == _dl._DatasetKind.Map:
+        if self._dataset_kind == _Kind.Map:
             self._progress.done(position)
         else:  # counted, not placed: a resumed epoch drops as many
             self._progress.consumed += 1
@@ -483,12 +491,12 @@ class _InlineIter(_EpochIter, _dl._SingleProcessDataLoaderIter):  # type: ignore
     ) -> None:
         super().__init__(loader)
         self._progress = progress
-        self._counters = loader._mp_counters
+        self._counters = loader._mp_counters  # noqa: SLF001 - this module's loader
         self._counters.running(self)
         if resume is not None and not resume.fresh:  # taken from persistent workers' epoch
             _set_rng_states(loader, resume.rng)
             self._base_seed = resume.base_seed
-            _dl._BaseDataLoaderIter._reset(self, loader)
+            self._torch_reset(loader)
         self._start_at(resume)
 
     def _next_data(self) -> Any:
@@ -529,7 +537,7 @@ class _WorkersIter(_EpochIter):
     ) -> None:
         super().__init__(loader)  # torch's: draws the base seed (and a datapipe's shared seed)
         self._progress = progress
-        self._counters = loader._mp_counters
+        self._counters = loader._mp_counters  # noqa: SLF001 - this module's loader
         self._counters.running(self)
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
@@ -540,13 +548,12 @@ class _WorkersIter(_EpochIter):
             # the sampler's (and a datapipe's) seeds, from the states it began with.
             _set_rng_states(loader, resume.rng)
             self._base_seed = resume.base_seed
-            _dl._BaseDataLoaderIter._reset(self, loader)
+            self._torch_reset(loader)
         init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
             # torch's: shard the datapipe across the workers, then the user's init.
-            init_fn = functools.partial(
-                _dl._sharding_worker_init_fn, init_fn, self._world_size, self._rank
-            )
+            shard = _dl._sharding_worker_init_fn  # noqa: SLF001 - torch's, as its loader does
+            init_fn = functools.partial(shard, init_fn, self._world_size, self._rank)
         config = _WorkerConfig(
             dataset=self._dataset,
             kind=self._dataset_kind,
@@ -705,7 +712,7 @@ class _WorkersIter(_EpochIter):
             p, i = min(mine, key=lambda t: t[0])
             samples = (
                 f"sample indices {i}"
-                if self._dataset_kind == _dl._DatasetKind.Map
+                if self._dataset_kind == _Kind.Map
                 else "samples of its iterable dataset"
             )
             what = f"fetching batch {p} of this epoch ({samples})"
@@ -935,7 +942,7 @@ class _WorkerState:
         self.ended = self.exhausted = False
         self.fetched = 0
         self.iterator = None
-        if self.config.kind == _dl._DatasetKind.Iterable:  # noqa: SLF001 - torch's
+        if self.config.kind == _Kind.Iterable:
             self.iterator = iter(self.config.dataset)
 
 
@@ -973,6 +980,7 @@ def _start_worker(config: _WorkerConfig | int | _launch.Sent) -> None:
     # torch's own worker seeding and worker info (no public setter): as in its workers.
     np.random.seed(_torch_worker._generate_state(config.base_seed, index))  # noqa: SLF001
     _reseed_datapipe(config, config.shared_seed)
+    # torch's get_worker_info() reads it (no public setter).
     _torch_worker._worker_info = _torch_worker.WorkerInfo(  # noqa: SLF001
         id=index, num_workers=config.num_workers, seed=seed, dataset=config.dataset
     )
@@ -1018,7 +1026,7 @@ def _fetch_batch(index: Any) -> Any:
     if state.ended:
         return _SKIPPED
     config = state.config
-    if config.kind == _dl._DatasetKind.Iterable:  # noqa: SLF001 - torch's
+    if config.kind == _Kind.Iterable:
         first = state.fetched
         data = _next_samples(state, index)
         if data is _ENDED:
@@ -1359,7 +1367,7 @@ def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
         if start % size:
             return None
         end = start + _extent(array)
-        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, end)  # maps a dup of fd
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, end)  # noqa: SLF001 - torch's fd-backed storage (is_shared); maps a dup of fd
     except RuntimeError:  # out of fds, or of address space: the plain tensor will do
         return None
     finally:
@@ -1367,7 +1375,7 @@ def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
     _fds_held += 1
     # The storage's Python object lives as long as the storage (torch keeps it):
     # so does what it holds, the array (the memory) and the fd's count.
-    storage._mpexec_keep = _Held(array)
+    storage._mpexec_keep = _Held(array)  # noqa: SLF001 - our tag: keeps the memory mapped
     out = torch.empty(0, dtype=dtype)
     out.set_(storage, start // size, array.shape, tuple(st // size for st in array.strides))
     return out
@@ -1413,7 +1421,7 @@ def _private_tensor(
         return None
     finally:
         os.close(fd)
-    pages._mpexec_keep = keep  # the shared memory stays allocated while the copy reads it
+    pages._mpexec_keep = keep  # noqa: SLF001 - our tag: keeps the memory mapped; the shared memory stays allocated while the copy reads it
     view: np.ndarray[Any, Any] = np.ndarray(
         shape, first.dtype, buffer=pages, offset=start - base, strides=strides
     )

@@ -25,8 +25,8 @@ from torch.utils.data.datapipes.iter import IterableWrapper  # noqa: E402
 
 import mpexec  # noqa: E402
 from mpexec import torch as mt  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
 from tests.adapters.test_torch import assert_same, check_parity, mapping_of  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
