@@ -304,6 +304,22 @@ def _gone(pids: list[int]) -> bool:
     return not any(alive)
 
 
+def test_iterator_lists_its_workers_like_torch() -> None:
+    # Code written for torch reads it._workers: pids, is_alive(), join(), exitcode.
+    loader = mt.DataLoader(Numbered(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    workers = it._workers
+    assert [w.pid for w in workers] == it._pool.pids
+    assert all(w.is_alive() and w.exitcode is None for w in workers)
+    next(it)
+    del it  # torch's test_iterable_style_dataset: the workers exit, and cleanly
+    for w in workers:
+        w.join(10)
+        assert not w.is_alive()
+        assert w.exitcode == 0  # read after the pool closed its Process objects
+    w.terminate()  # nothing left to stop: no error
+
+
 @pytest.mark.parametrize("how", ["break", "exception", "ctrl-c"])
 def test_dropped_iterator_frees_workers_and_batches(how: str) -> None:
     loader = mt.DataLoader(Numbered(), batch_size=2, num_workers=2, prefetch_factor=4)
