@@ -19,8 +19,9 @@ test that fails with mpexec, the first line of why. Every test is bounded
 folder and every process a run started are gone when it returns.
 
 Exit status: 0 when every test that passes stock passes with mpexec too, but
-the ones named by ``--allow`` (by default those that read torch's private
-iterator attributes, or expect torch's pickling limitation); 1 otherwise.
+those in ``ALLOWED`` (the one that expects torch's pickling limitation); 1
+otherwise. A test that runs past ``--test-timeout`` fails: on a loaded machine
+some of PyTorch's tests (dozens of spawned workers) take minutes, stock too.
 torch's test harness needs the ``expecttest`` package.
 """
 
@@ -40,9 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 #: Tests allowed to fail with mpexec, and why (docs/loaders.md lists them too).
+#: (The issue also allowed test_partial_workers and test_get_worker_info, which
+#: read torch's private ``it._workers``: mpexec's iterator lists its workers
+#: there too, and both pass.)
 ALLOWED: dict[str, str] = {
-    "test_partial_workers": "reads torch's private iterator attribute it._workers",
-    "test_get_worker_info": "reads torch's private iterator attribute it._workers",
     "test_worker_init_fn_forkserver": (
         "expects torch's pickling error for a local worker_init_fn; cloudpickle sends it"
     ),
@@ -327,8 +329,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("path", type=Path, help="a copy of PyTorch's test/test_dataloader.py")
     parser.add_argument("-k", default="", help="pytest -k expression (both runs)")
     parser.add_argument("--only", choices=("stock", "mpexec"), help="run one side only")
-    parser.add_argument("--test-timeout", type=int, default=300, help="seconds per test")
-    parser.add_argument("--run-timeout", type=int, default=3600, help="seconds per run")
+    parser.add_argument("--test-timeout", type=int, default=900, help="seconds per test")
+    parser.add_argument("--run-timeout", type=int, default=7200, help="seconds per run")
     parser.add_argument("--json", type=Path, help="write both runs' outcomes here")
     args = parser.parse_args(argv)
     path = args.path.resolve()
