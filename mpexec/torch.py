@@ -45,6 +45,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from multiprocessing import connection as _mp_connection
 from typing import Any, TypeVar
 
 try:
@@ -777,20 +778,47 @@ class _WorkerProcess:
         self._popen = process._popen  # noqa: SLF001
 
     def is_alive(self) -> bool:
-        with contextlib.suppress(ValueError):  # closed: joined, so not alive
-            return bool(self._process.is_alive())
-        return False
+        return self.exitcode is None
 
     def join(self, timeout: float | None = None) -> None:
         with contextlib.suppress(ValueError):  # closed: joined already
             self._process.join(timeout)
+        self._settle()
 
     @property
     def exitcode(self) -> int | None:
+        code = self._poll()
+        if code is None and self._exited():
+            code = self._settle()
+        return code
+
+    def _poll(self) -> int | None:
         try:
             return self._process.exitcode  # type: ignore[no-any-return]
         except ValueError:  # closed after it exited
             return self._popen.returncode  # type: ignore[no-any-return]
+
+    def _exited(self) -> bool:
+        """Its sentinel says it is gone (or the pool closed it, having reaped it)."""
+        try:
+            return bool(_mp_connection.wait([self._process.sentinel], 0))
+        except (ValueError, OSError):
+            return True
+
+    def _settle(self) -> int | None:
+        """The exit code of a process that is gone, once whoever reaps it has stored it.
+
+        The pool's stop thread may be reaping it at this very moment: then
+        multiprocessing's ``poll()`` here gets ECHILD from ``waitpid`` and
+        says "still running" until that thread stores the exit code (it waits
+        for the GIL to). Bounded: after 5 s, whatever ``poll()`` says.
+        """
+        deadline = time.monotonic() + 5.0
+        code = self._poll()
+        while code is None and self._exited() and time.monotonic() < deadline:
+            time.sleep(0.001)  # lets the reaping thread run
+            code = self._poll()
+        return code
 
     def terminate(self) -> None:
         with contextlib.suppress(ValueError):  # closed: nothing left to stop

@@ -11,6 +11,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 import typing
 from typing import Any
@@ -318,6 +319,31 @@ def test_iterator_lists_its_workers_like_torch() -> None:
         assert not w.is_alive()
         assert w.exitcode == 0  # read after the pool closed its Process objects
     w.terminate()  # nothing left to stop: no error
+
+
+def _exit_now() -> None:
+    os._exit(0)
+
+
+def test_worker_reaped_by_another_thread_is_not_alive() -> None:
+    # The pool's stop thread reaps a worker while the caller joins it (torch's
+    # test_partial_workers): multiprocessing's poll() takes the ECHILD its own
+    # waitpid gets for "still running", until the reaping thread has stored
+    # the exit code. Here the reaper is this test, storing it 0.3 s late.
+    proc = mp.get_context("fork").Process(target=_exit_now)
+    proc.start()
+    worker = mt._WorkerProcess(proc)
+    _, status = os.waitpid(proc.pid, 0)  # reaped, behind the Process's back
+    popen = worker._popen
+    late = threading.Timer(0.3, setattr, (popen, "returncode", os.waitstatus_to_exitcode(status)))
+    late.start()
+    try:
+        worker.join(10)
+        assert not worker.is_alive()
+        assert worker.exitcode == 0
+    finally:
+        late.join()
+        proc.close()
 
 
 @pytest.mark.parametrize("how", ["break", "exception", "ctrl-c"])
