@@ -12,7 +12,8 @@ they hold on a noisy machine, where absolute times do not.
 ``python -m benchmarks peers`` compares mpexec with the peers that are
 installed (PyTorch, TensorFlow, Grain, loky, DALI: ``tox -e bench`` installs
 them); it installs nothing itself, and reports a missing peer as skipped.
-``python -m benchmarks gpu`` needs CuPy and a CUDA GPU, and says so when skipped.
+``python -m benchmarks gpu`` needs CuPy and a CUDA GPU, and says so when skipped;
+``python -m benchmarks dali`` (mpexec inside a real DALI pipeline) needs DALI.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ BENCHMARKS: dict[str, str] = {
     "peers": "benchmarks.peers_bench",
     "gpu": "benchmarks.gpu_bench",
     "ray": "benchmarks.ray_bench",
+    "startup": "benchmarks.startup_bench",
+    "mainload": "benchmarks.mainload_bench",
+    "dali": "benchmarks.dali_bench",
 }
 
 __all__ = ["BENCHMARKS"]

@@ -5,7 +5,10 @@ shared-memory ring buffers (the ``shm`` package) so that no array is pickled or
 copied on the way; GPU ops run in the main process on CUDA streams.
 
 - :func:`pipeline_def`, :class:`Pipeline` and the ops in :mod:`mpexec.fn`
-  (DALI style); :class:`Batch` is what a pipeline returns.
+  (DALI style); :class:`Batch` is what a pipeline returns. DALI's module
+  names are here too (:mod:`mpexec.pipeline`, :mod:`mpexec.types`,
+  :mod:`mpexec.ops`), so DALI code ports by changing its imports;
+  :mod:`mpexec.dali` runs mpexec inside a real DALI pipeline.
 - :func:`py_func`, :func:`numpy_function`, :func:`py_function` and
   :func:`contrib.py_func`: TensorFlow's entry points, in a pipeline or eagerly.
 - :class:`WorkerPool`: a ``concurrent.futures.Executor`` over those workers.
@@ -14,7 +17,7 @@ Run ``python -m mpexec demo`` to see it work, ``python -m mpexec doctor`` to
 see what this machine offers.
 """
 
-from . import contrib, fn
+from . import contrib, fn, ops, pipeline, types
 from ._batch import Batch
 from ._codec import writable
 from ._errors import (
@@ -27,6 +30,7 @@ from ._errors import (
     MainModuleError,
     MpexecError,
     NodeLostError,
+    OpArgumentError,
     OpOutputError,
     PoolClosedError,
     RemoteTraceback,
@@ -56,6 +60,7 @@ __all__ = [
     "MainModuleError",
     "MpexecError",
     "NodeLostError",
+    "OpArgumentError",
     "OpOutputError",
     "OpStats",
     "Pipeline",
@@ -75,10 +80,13 @@ __all__ = [
     "default_pool",
     "fn",
     "numpy_function",
+    "ops",
+    "pipeline",
     "pipeline_def",
     "py_func",
     "py_function",
     "sample_info",
     "set_default_pool",
+    "types",
     "writable",
 ]

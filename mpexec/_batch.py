@@ -16,6 +16,7 @@ class Batch(Sequence[Any]):
     behind them is reused only after that. Copy an array to modify it.
     ``as_array()`` stacks the samples into one dense array (a copy unless the
     op produced the batch dense); ``__dlpack__`` exports that dense array.
+    ``layout()`` names the axes of each sample, as DALI's ``TensorList`` does.
 
     A dense batch (``samples`` one NumPy array whose first axis is the batch,
     as a pipeline's outputs of one shape and dtype are) is that block:
@@ -23,7 +24,7 @@ class Batch(Sequence[Any]):
     ``i``, made when asked for.
     """
 
-    __slots__ = ("_dense", "_samples", "layout")
+    __slots__ = ("_dense", "_layout", "_samples")
 
     def __init__(
         self, samples: Sequence[Any], layout: str | None = None, dense: Any | None = None
@@ -35,7 +36,7 @@ class Batch(Sequence[Any]):
             self._samples, self._dense = None, samples
         else:
             self._samples = list(samples)
-        self.layout = layout or ""
+        self._layout = layout or ""
 
     def _list(self) -> list[Any]:
         """The samples as a list (of row views, for a dense batch)."""
@@ -51,10 +52,10 @@ class Batch(Sequence[Any]):
     def __getitem__(self, i: slice) -> Batch: ...
     def __getitem__(self, i: int | slice) -> Any:
         if self._samples is None:
-            return Batch(self._dense[i], self.layout) if isinstance(i, slice) else self._dense[i]
+            return Batch(self._dense[i], self._layout) if isinstance(i, slice) else self._dense[i]
         if isinstance(i, slice):
             dense = self._dense[i] if self._dense is not None else None
-            return Batch(self._samples[i], self.layout, dense)
+            return Batch(self._samples[i], self._layout, dense)
         return self._samples[i]
 
     def __iter__(self) -> Iterator[Any]:
@@ -65,6 +66,11 @@ class Batch(Sequence[Any]):
         return self[i]
 
     # ------------------------------------------------------------ properties
+    def layout(self) -> str:
+        """The samples' layout (``"HWC"``, ...; ``""`` if none): a method, as DALI's
+        ``TensorList.layout()``."""
+        return self._layout
+
     @property
     def device(self) -> str:
         """Where the samples live: ``"cpu"`` (NumPy) or ``"gpu"`` (CuPy)."""
@@ -130,7 +136,7 @@ class Batch(Sequence[Any]):
         """This batch with NumPy samples (a no-op for CPU batches)."""
         if not self._samples or _namespace(self._samples[0]) is np:
             return self
-        return Batch([s.get() for s in self._samples], self.layout)
+        return Batch([s.get() for s in self._samples], self._layout)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
         out = np.asarray(self.as_cpu().as_array(), dtype=dtype)
@@ -149,10 +155,10 @@ class Batch(Sequence[Any]):
 
     def __repr__(self) -> str:
         if not len(self):
-            return f"Batch([], layout={self.layout!r})"
+            return f"Batch([], layout={self._layout!r})"
         shapes = self.shape()
         shape = shapes[0] if len(set(shapes)) == 1 else "ragged"
-        return f"Batch(len={len(self)}, dtype={self.dtype}, shape={shape}, layout={self.layout!r})"
+        return f"Batch(len={len(self)}, dtype={self.dtype}, shape={shape}, layout={self._layout!r})"
 
 
 #: DLPack consumers import memory aligned to this without a copy (JAX, XLA: 64 bytes).

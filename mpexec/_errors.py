@@ -14,6 +14,8 @@
     ├── LoaderTimeoutError         (also TimeoutError, RuntimeError) a loader's timeout passed
     ├── SerializationError         a function, argument or result cannot be pickled
     ├── OpOutputError              (also ValueError) an op returned what it may not
+    ├── OpArgumentError            (also ValueError, RuntimeError) an op's arguments disagree
+    │                              (more output_layouts than outputs, ...): DALI's RuntimeError
     ├── GpuUnavailableError        (also RuntimeError) device='gpu' without CuPy, driver or device
     ├── GpuError                   (also RuntimeError) the GPU stage itself failed (copy, close)
     ├── ResourceLimitError         (also OSError) a limit of this process is too low
@@ -124,6 +126,14 @@ class OpOutputError(MpexecError, ValueError):
     """An op's function returned something its declaration does not allow."""
 
 
+class OpArgumentError(MpexecError, ValueError, RuntimeError):
+    """An op's arguments disagree with each other (more ``output_layouts`` than outputs).
+
+    Raised when the op is defined. Also a ``RuntimeError``: what DALI raises for
+    the same arguments (from its backend), so ported ``except`` clauses still hold.
+    """
+
+
 class GpuUnavailableError(MpexecError, RuntimeError):
     """A GPU op was defined where CuPy, a CUDA driver or the device is missing."""
 
@@ -192,6 +202,7 @@ for _cls in (
     LoaderTimeoutError,
     SerializationError,
     OpOutputError,
+    OpArgumentError,
     InputMutatedError,
     GpuUnavailableError,
     GpuError,

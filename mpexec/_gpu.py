@@ -977,7 +977,7 @@ class GpuBatch(Batch):
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             dense = self._dense[i] if self._dense is not None else None
-            return GpuBatch(self._list()[i], self.layout, self._xp, self._stream, dense)
+            return GpuBatch(self._list()[i], self._layout, self._xp, self._stream, dense)
         return self._list()[i]
 
     def as_array(self) -> Any:
@@ -999,7 +999,7 @@ class GpuBatch(Batch):
             host = [s.get(stream=self._stream) for s in self._list()]
         for h in host:
             h.flags.writeable = False
-        return Batch(host, self.layout)
+        return Batch(host, self._layout)
 
     def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
         """Export the dense batch; ``stream`` is the consumer's, per the DLPack protocol."""

@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from . import _arith
+from ._errors import MpexecError
+
 #: DALI's limit on the inputs of one python_function.
 MAX_INPUTS = 256
 
@@ -39,7 +42,8 @@ class DataNode:
     def __bool__(self) -> bool:
         raise TypeError(
             f"{self!r} is a node of a pipeline graph, not data: it has no truth value "
-            "while the pipeline is being defined. Put conditions inside the op's function"
+            "while the pipeline is being defined (mpexec does not rewrite `if` statements "
+            "as DALI's enable_conditionals does). Put conditions inside the op's function"
         )
 
     def __iter__(self) -> Iterator[Any]:
@@ -47,6 +51,123 @@ class DataNode:
             f"{self!r} is one output; to get several, give the op num_outputs=N and "
             "unpack its result"
         )
+
+    # ------------------------------------------------------------ arithmetic
+    # DALI's arithmetic operators: each adds a per-sample op (mpexec._arith).
+    __hash__ = object.__hash__  # == builds a node; identity stays the hash
+
+    def __add__(self, other: Any) -> DataNode:
+        return expression("add", self, other)
+
+    def __radd__(self, other: Any) -> DataNode:
+        return expression("add", other, self)
+
+    def __sub__(self, other: Any) -> DataNode:
+        return expression("sub", self, other)
+
+    def __rsub__(self, other: Any) -> DataNode:
+        return expression("sub", other, self)
+
+    def __mul__(self, other: Any) -> DataNode:
+        return expression("mul", self, other)
+
+    def __rmul__(self, other: Any) -> DataNode:
+        return expression("mul", other, self)
+
+    def __truediv__(self, other: Any) -> DataNode:
+        return expression("truediv", self, other)
+
+    def __rtruediv__(self, other: Any) -> DataNode:
+        return expression("truediv", other, self)
+
+    def __floordiv__(self, other: Any) -> DataNode:
+        return expression("floordiv", self, other)
+
+    def __rfloordiv__(self, other: Any) -> DataNode:
+        return expression("floordiv", other, self)
+
+    def __mod__(self, other: Any) -> DataNode:
+        return expression("mod", self, other)
+
+    def __rmod__(self, other: Any) -> DataNode:
+        return expression("mod", other, self)
+
+    def __pow__(self, other: Any) -> DataNode:
+        return expression("pow", self, other)
+
+    def __rpow__(self, other: Any) -> DataNode:
+        return expression("pow", other, self)
+
+    def __and__(self, other: Any) -> DataNode:
+        return expression("and", self, other)
+
+    def __rand__(self, other: Any) -> DataNode:
+        return expression("and", other, self)
+
+    def __or__(self, other: Any) -> DataNode:
+        return expression("or", self, other)
+
+    def __ror__(self, other: Any) -> DataNode:
+        return expression("or", other, self)
+
+    def __xor__(self, other: Any) -> DataNode:
+        return expression("xor", self, other)
+
+    def __rxor__(self, other: Any) -> DataNode:
+        return expression("xor", other, self)
+
+    def __lshift__(self, other: Any) -> DataNode:
+        return expression("lshift", self, other)
+
+    def __rlshift__(self, other: Any) -> DataNode:
+        return expression("lshift", other, self)
+
+    def __rshift__(self, other: Any) -> DataNode:
+        return expression("rshift", self, other)
+
+    def __rrshift__(self, other: Any) -> DataNode:
+        return expression("rshift", other, self)
+
+    def __eq__(self, other: object) -> DataNode:  # type: ignore[override]
+        return expression("eq", self, other)
+
+    def __ne__(self, other: object) -> DataNode:  # type: ignore[override]
+        return expression("ne", self, other)
+
+    def __lt__(self, other: Any) -> DataNode:
+        return expression("lt", self, other)
+
+    def __le__(self, other: Any) -> DataNode:
+        return expression("le", self, other)
+
+    def __gt__(self, other: Any) -> DataNode:
+        return expression("gt", self, other)
+
+    def __ge__(self, other: Any) -> DataNode:
+        return expression("ge", self, other)
+
+    def __neg__(self) -> DataNode:
+        return expression("neg", self)
+
+    def __pos__(self) -> DataNode:
+        return expression("pos", self)
+
+    def __abs__(self) -> DataNode:
+        return expression("abs", self)
+
+    def __invert__(self) -> DataNode:
+        return expression("invert", self)
+
+    def __getitem__(self, key: Any) -> DataNode:
+        parts = _arith.check_key(key)
+        layout = _arith.subscript_layout(self.layout, parts)
+        return _add_op("subscript", (self,), _arith.Subscript(parts), layout)
+
+    @property
+    def layout(self) -> str | None:
+        """The layout its op declares for it (``output_layouts``), or None."""
+        layouts = self.op.output_layouts
+        return layouts[self.index] if self.index < len(layouts) else None
 
 
 @dataclass(eq=False)
@@ -115,8 +236,16 @@ class Graph:
         self.outputs: tuple[DataNode, ...] = ()
         self.names: set[str] = set()
         self.device_id: int | None = None  # the pipeline's, for GPU ops' definition checks
+        # The pipeline's, for ops that need them when defined (readers).
+        self.seed: int | None = None
+        self.batch_size: int | None = None
+        self.frozen = False  # built: no more ops
 
     def add(self, op: Op) -> Op:
+        if self.frozen:
+            raise MpexecError(
+                f"cannot add {op.describe()}: this pipeline was already built from its graph"
+            )
         if op.name in self.names:
             raise ValueError(f"two ops are named {op.name!r}; op names must be unique")
         self.names.add(op.name)
@@ -149,8 +278,8 @@ class Graph:
         seen: dict[tuple[Any, ...], Op] = {}
         for op in self.ops:
             remapped = tuple(canon[id(n.op)].outputs[n.index] for n in op.inputs)
-            if remapped != op.inputs:
-                op.inputs = remapped
+            if any(a is not b for a, b in zip(remapped, op.inputs, strict=True)):
+                op.inputs = remapped  # compared by identity: == on DataNodes builds a node
             k = op.key()
             if k is not None and k in seen:
                 canon[id(op)] = seen[k]
@@ -188,6 +317,52 @@ class Plan:
     @property
     def sources(self) -> list[Op]:
         return [op for op in self.ops if op.is_source]
+
+
+def expression(name: str, *operands: Any) -> DataNode:
+    """``operands[0] (name) operands[1]`` (or a unary ``name``) as an op of the current graph.
+
+    A constant op's value goes into the function, as a number would (no
+    copy of it per sample), unless the expression has no other DataNode.
+    """
+    fold = any(
+        isinstance(x, DataNode) and not isinstance(x.op.function, _arith.ConstantSource)
+        for x in operands
+    )
+    nodes: list[DataNode] = []
+    consts: list[Any] = []
+    for x in operands:
+        if not isinstance(x, DataNode):
+            consts.append(_arith.constant(x))
+        elif fold and isinstance(x.op.function, _arith.ConstantSource):
+            consts.append(x.op.function.value)
+        else:
+            nodes.append(x)
+            consts.append(None)
+    # The result keeps its inputs' layout, as in DALI.
+    layout = next((n.layout for n in nodes if n.layout), None)
+    return _add_op("arithmetic", tuple(nodes), _arith.Expression(name, tuple(consts)), layout)
+
+
+def _add_op(kind: str, inputs: tuple[DataNode, ...], function: Any, layout: str | None) -> DataNode:
+    graph = current_graph()
+    if graph is None:
+        raise MpexecError(
+            "arithmetic on DataNodes belongs inside a pipeline definition, like the fn.* calls"
+        )
+    for x in inputs:
+        if x.op not in graph.ops:
+            raise ValueError(f"{kind}: {x!r} belongs to another pipeline")
+    op = Op(
+        kind="python_function",
+        name=graph.unique_name(kind),
+        index=len(graph.ops),
+        inputs=inputs,
+        function=function,
+        output_layouts=(layout,),
+        device="gpu" if any(x.op.device == "gpu" for x in inputs) else "cpu",
+    )
+    return graph.add(op).outputs[0]
 
 
 _local = threading.local()

@@ -13,10 +13,17 @@ workers, in the middle of starting them, with a bare ``EMFILE``. So before any
 worker starts, the soft limit is raised toward the hard one when it is too low
 (as any process may do), and where even the hard limit is too low the pool
 refuses at once, naming the limit and the fix.
+
+Warm memory: glibc's malloc hands large freed blocks back to the kernel (its mmap
+threshold, and trimming the heap's top past a threshold), so a function that
+allocates a few hundred KiB of temporaries faults every page in again on every
+call: ~150 minor faults for one 224x224x3 float32 image, a fifth of a 4 ms call.
+:func:`keep_memory_warm` raises both thresholds in a worker, bounded.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import multiprocessing
 import os
@@ -136,3 +143,45 @@ def ensure_open_files(num_workers: int) -> None:
         f"LimitNOFILE= in a systemd unit, `--ulimit nofile={need}` for docker run), or "
         f"use at most {most // FDS_PER_WORKER} workers",
     )
+
+
+#: glibc's ``mallopt`` parameters (malloc.h) and its largest mmap threshold on
+#: 64-bit hosts (``DEFAULT_MMAP_THRESHOLD_MAX``: larger values are refused).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def keep_memory_warm(limit: int) -> bool:
+    """Let this process's malloc keep up to ``limit`` bytes of freed memory mapped.
+
+    Blocks under ``min(limit, 32 MiB)`` come from the heap instead of fresh
+    mappings, and the heap's free top is handed back only past ``limit``: a
+    worker's temporaries stay in pages it already touched, call after call.
+    What it keeps is bounded by ``limit`` beyond what it uses (fragmentation
+    aside, as with any heap). ``limit <= 0`` leaves glibc's defaults. Returns
+    whether the settings took (False off glibc, e.g. musl or macOS).
+    """
+    if limit <= 0 or sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    limit = min(limit, 2**31 - 1)
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, min(limit, _MMAP_THRESHOLD_MAX))
+        and mallopt(_M_TRIM_THRESHOLD, limit)
+    )
+
+
+def minor_faults(pid: int) -> int | None:
+    """Minor page faults of process ``pid`` so far (Linux ``/proc``), None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return None

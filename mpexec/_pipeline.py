@@ -15,7 +15,7 @@ import sysconfig
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,33 @@ _PARAMS = (
 )
 # Accepted where parameters are, never serialized: they name live objects.
 _LIVE_PARAMS = ("pool",)
+# DALI's pipeline arguments: mapped onto the parameters above, or accepted for
+# DALI's sake (Pipeline's docstring); never serialized either. pipeline_def
+# also takes enable_conditionals (DALI's `if` on DataNodes, not done here).
+_DALI_PARAMS = (
+    "num_threads",
+    "exec_pipelined",
+    "prefetch_queue_depth",
+    "exec_async",
+    "bytes_per_sample",
+    "set_affinity",
+    "max_streams",
+    "default_cuda_stream_priority",
+    "py_num_workers",
+    "py_start_method",
+    "output_dtype",
+    "output_ndim",
+    "enable_memory_stats",
+    "enable_checkpointing",
+    "checkpoint",
+    "py_callback_pickler",
+    "output_layout",
+    "exec_dynamic",
+    "experimental_exec_dynamic",
+    "stream_policy",
+    "concurrency",
+)
+_DEF_PARAMS = frozenset((*_PARAMS, *_LIVE_PARAMS, *_DALI_PARAMS, "enable_conditionals"))
 _FORMAT = 1  # of serialize()
 _STATE_VERSION = 1  # of state_dict()
 
@@ -57,6 +84,14 @@ class PipelineStats:
     busy: tuple[tuple[int, float], ...]  # (worker pid, busy fraction of wall time)
     merged_ops: int
     pruned_ops: int
+    samples: int = 0  # samples delivered by run()
+    #: Minor page faults the workers took inside this pipeline's chunks (Linux).
+    worker_faults: int = 0
+
+    @property
+    def faults_per_sample(self) -> float:
+        """Workers' minor page faults per delivered sample (0.0 before any)."""
+        return self.worker_faults / self.samples if self.samples else 0.0
 
     def __str__(self) -> str:
         head = (
@@ -79,22 +114,41 @@ class PipelineStats:
                 "workers busy: "
                 + ", ".join(f"pid {pid} {frac:.0%}" for pid, frac in sorted(self.busy))
             )
+        if self.samples:
+            lines.append(f"worker page faults: {self.faults_per_sample:.1f} per sample")
         return "\n".join(lines)
 
 
 class Pipeline:
     """A graph of python_function ops run over batches by worker processes.
 
-    Define it with :func:`pipeline_def` (or ``with pipe:`` and
-    :meth:`set_outputs`), then ``with pipe:`` builds it and starts the
-    workers, :meth:`run` returns one iteration as a tuple of :class:`Batch`,
+    Define it with :func:`pipeline_def`, in ``with pipe:`` with
+    :meth:`set_outputs`, or (DALI's legacy form) in a subclass's
+    :meth:`define_graph`; then ``with pipe:`` builds it and starts the
+    workers, :meth:`run` returns one iteration as a tuple of :class:`Batch`
+    (building first if needed, also inside the ``with pipe:`` that defines it),
     iterating yields iterations until a source ends the epoch, :meth:`reset`
     starts the next epoch and :meth:`close` (idempotent) stops everything.
 
-    - ``num_workers``: worker processes (default: the CPUs this process may
-      use); ``0`` runs every call here, in order, for a debugger.
-    - ``seed``: makes every op's randomness reproducible; None picks one.
-    - ``prefetch_depth``: iterations in flight at once.
+    The positional parameters are DALI's, in DALI's order: ``batch_size,
+    num_threads, device_id, seed, exec_pipelined, prefetch_queue_depth,
+    exec_async, ...``. DALI's keywords map where they mean something here
+    and are accepted otherwise (docs/pipeline.md, "Porting from DALI"):
+
+    - ``num_workers``: worker processes (default: ``py_num_workers`` if
+      given, else ``num_threads`` capped at the CPUs this process may use,
+      else those CPUs); ``0`` runs every call here, in order, for a debugger.
+    - ``seed``: makes every op's randomness reproducible; None or -1 picks one.
+    - ``prefetch_depth``: iterations in flight at once (default:
+      ``prefetch_queue_depth``, 1 with ``exec_pipelined=False``, else 2).
+    - ``start_method``: the workers' (default: ``py_start_method`` if given).
+    - ``output_dtype``/``output_ndim``: checked on every output, as DALI does.
+    - no effect here: ``exec_async``, ``bytes_per_sample``, ``set_affinity``,
+      ``max_streams``, ``default_cuda_stream_priority``,
+      ``enable_memory_stats``, ``enable_checkpointing`` (see
+      :meth:`state_dict`), ``checkpoint``, ``py_callback_pickler`` (functions
+      travel with cloudpickle), ``output_layout``, ``exec_dynamic``,
+      ``experimental_exec_dynamic``, ``stream_policy``, ``concurrency``.
     - ``last_batch``: ``"partial"`` returns a short last batch of an epoch as
       it is; ``"drop"`` drops it.
     - ``debug``: checksum inputs around every call and name the function
@@ -111,24 +165,55 @@ class Pipeline:
 
     def __init__(
         self,
-        batch_size: int,
-        num_workers: int | None = None,
-        seed: int | None = None,
-        prefetch_depth: int = 2,
+        batch_size: int | None = None,
+        num_threads: int | None = None,
         device_id: int | None = None,
-        start_method: str | None = None,
+        seed: int | None = None,
+        exec_pipelined: bool = True,
+        prefetch_queue_depth: int | dict[str, int] | None = None,
+        exec_async: bool = True,
+        bytes_per_sample: int = 0,
+        set_affinity: bool = False,
+        max_streams: int | None = None,
+        default_cuda_stream_priority: int | None = None,
         *,
+        num_workers: int | None = None,
+        prefetch_depth: int | None = None,
+        start_method: str | None = None,
         debug: bool = False,
         timeout: float | None = None,
         last_batch: str = "partial",
         pool: CallPool | None = None,
+        py_num_workers: int | None = None,
+        py_start_method: str | None = None,
+        output_dtype: Any = None,
+        output_ndim: int | Sequence[int] | None = None,
+        enable_memory_stats: bool = False,
+        enable_checkpointing: bool = False,
+        checkpoint: Any = None,
+        py_callback_pickler: Any = None,
+        output_layout: Any = None,
+        exec_dynamic: bool | None = None,
+        experimental_exec_dynamic: bool | None = None,
+        stream_policy: Any = None,
+        concurrency: Any = None,
     ) -> None:
+        # DALI's keywords with no meaning here (the class docstring lists them).
+        del exec_async, bytes_per_sample, set_affinity, max_streams, default_cuda_stream_priority
+        del enable_memory_stats, enable_checkpointing, checkpoint, py_callback_pickler
+        del output_layout, exec_dynamic, experimental_exec_dynamic, stream_policy, concurrency
+        if batch_size is None:
+            raise ValueError("batch_size is required: Pipeline(batch_size, ...)")
         _check_int("batch_size", batch_size, 1)
+        if start_method is None:
+            start_method = py_start_method
         if pool is not None:
             num_workers = _check_pool(pool, num_workers, start_method, timeout)
         if num_workers is None:
-            num_workers = usable_cpus()
+            num_workers = _workers_from_dali(py_num_workers, num_threads)
         _check_int("num_workers", num_workers, 0)
+        if prefetch_depth is None:
+            prefetch_depth = _prefetch_from_dali(prefetch_queue_depth, exec_pipelined)
         _check_int("prefetch_depth", prefetch_depth, 1)
         if last_batch not in ("partial", "drop"):
             raise ValueError(f"last_batch must be 'partial' or 'drop', not {last_batch!r}")
@@ -144,6 +229,7 @@ class Pipeline:
         self.debug = debug
         self.timeout = timeout
         self.last_batch = last_batch
+        self._output_checks = _output_checks(output_dtype, output_ndim)
         self._graph: Graph | None = None
         self._defining: Any = None  # the context of an open `with pipe:` definition
         self._plan: Plan | None = None
@@ -155,6 +241,7 @@ class Pipeline:
         self._lock = threading.RLock()
         self._closed = False
         self._iterations = 0
+        self._samples = 0
         self._started = 0.0
         self._finalizer: weakref.finalize[Any, Pipeline] | None = None
 
@@ -166,8 +253,7 @@ class Pipeline:
         """Define the graph by calling ``graph_fn`` (what ``pipeline_def`` does)."""
         if self._graph is not None:
             raise MpexecError("this pipeline is already defined")
-        graph = Graph()
-        graph.device_id = self.device_id
+        graph = self._new_graph()
         with defining(graph):
             out = graph_fn()
         if out is None:
@@ -184,6 +270,51 @@ class Pipeline:
         graph.set_outputs(out)
         self._graph = graph
 
+    def _new_graph(self) -> Graph:
+        graph = Graph()
+        graph.device_id = self.device_id
+        graph.seed = self.seed
+        graph.batch_size = self.batch_size
+        return graph
+
+    def define_graph(self) -> Any:
+        """DALI's legacy definition: a subclass returns its outputs from here.
+
+        Called once, when the pipeline is built (or :meth:`epoch_size` asked),
+        unless the graph was defined otherwise (``pipeline_def``, or
+        ``with pipe:`` with :meth:`set_outputs`).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no graph: override define_graph() (DALI's legacy "
+            "form), decorate a definition with @pipeline_def, or define it in `with pipe:` "
+            "and call set_outputs()"
+        )
+
+    def _defined(self) -> Graph:
+        """The graph, defined now if it is not yet: from an open ``with pipe:``, or
+        :meth:`define_graph`."""
+        if self._graph is not None:
+            return self._graph
+        if self._defining is not None and self._defining[0].outputs:
+            # run() inside the `with pipe:` that defines it: the definition ends here.
+            self._graph = self._defining[0]
+        elif type(self).define_graph is not Pipeline.define_graph:
+            self.define(self.define_graph)
+        elif self._defining is not None:
+            raise MpexecError(
+                "this pipeline has no outputs yet: call pipe.set_outputs(...) inside "
+                "`with pipe:` before building or running it"
+            )
+        else:
+            raise MpexecError(
+                "this pipeline has no graph: decorate its definition with "
+                "@mpexec.pipeline_def, define it in `with pipe:` and call set_outputs(), "
+                "or override define_graph()"
+            )
+        assert self._graph is not None
+        self._graph.frozen = True
+        return self._graph
+
     def set_outputs(self, *outputs: DataNode) -> None:
         """Name the pipeline's outputs, inside ``with pipe:`` (DALI style)."""
         if self._defining is None:
@@ -193,8 +324,7 @@ class Pipeline:
 
     def __enter__(self) -> Pipeline:
         if self._graph is None and self._defining is None:
-            graph = Graph()
-            graph.device_id = self.device_id
+            graph = self._new_graph()
             ctx = defining(graph)
             ctx.__enter__()
             self._defining = (graph, ctx)
@@ -207,8 +337,10 @@ class Pipeline:
             graph, ctx = self._defining
             self._defining = None
             ctx.__exit__(exc_type, exc, tb)
-            if exc_type is None:
+            if exc_type is None and self._graph is None:
                 self._graph = graph
+            # Built inside the block (DALI lets run() be called there): it stays
+            # open, as DALI's does, until close() or garbage collection.
             return
         self.close()
 
@@ -221,12 +353,7 @@ class Pipeline:
                 raise PoolClosedError("this pipeline is closed")
             if self._scheduler is not None:
                 return
-            if self._graph is None:
-                raise MpexecError(
-                    "this pipeline has no graph: decorate its definition with "
-                    "@mpexec.pipeline_def, or define it in `with pipe:` and call set_outputs()"
-                )
-            plan = self._graph.plan()
+            plan = self._defined().plan()
             pool: CallPool
             # A pipeline dropped unclosed stops its GPU stage too (first: it unregisters
             # the pool's memory before the pool unmaps it), so the finalizer takes both;
@@ -285,6 +412,10 @@ class Pipeline:
         assert self._scheduler is not None
         result = self._scheduler.next_result()
         self._iterations += 1
+        if result:
+            self._samples += len(result[0])
+        if self._output_checks:
+            _check_outputs(result, self._output_checks)
         return result
 
     def __iter__(self) -> Iterator[tuple[Batch, ...]]:
@@ -294,6 +425,41 @@ class Pipeline:
             except StopIteration:
                 return
             yield out
+
+    def epoch_size(self, name: str | None = None) -> Any:
+        """Samples in one pass of a reader (DALI's ``epoch_size``), or of a sized source.
+
+        ``name``: a reader's name (``fn.readers.file(name=...)``) or an
+        ``external_source`` whose source has a length; None: a dict of every
+        op that has one. Readers go round forever (as DALI's do): this is how
+        many iterations make an epoch of them.
+        """
+        graph = self._defined()
+        sizes = {op.name: n for op in graph.ops if (n := _epoch_size(op)) is not None}
+        if name is None:
+            return sizes
+        if name not in sizes:
+            known = [op.name for op in graph.ops]
+            raise KeyError(
+                f"no reader or sized source named {name!r} in this pipeline "
+                f"(ops: {', '.join(known)}; with a known size: {', '.join(sizes) or 'none'})"
+            )
+        return sizes[name]
+
+    @property
+    def num_outputs(self) -> int:
+        """How many batches :meth:`run` returns (the graph is defined now if not yet)."""
+        return len(self._defined().outputs)
+
+    @property
+    def max_batch_size(self) -> int:
+        """DALI's name for ``batch_size``."""
+        return self.batch_size
+
+    @property
+    def num_threads(self) -> int:
+        """DALI's name for the parallelism here: ``num_workers``."""
+        return self.num_workers
 
     def reset(self) -> None:
         """Start the next epoch: sources begin again from their start."""
@@ -437,6 +603,8 @@ class Pipeline:
                 busy=tuple((pid, t / wall if wall else 0.0) for pid, t in busy.items()),
                 merged_ops=merged,
                 pruned_ops=n_defined - len(ops) - merged,
+                samples=self._samples,
+                worker_faults=sched.faults if sched is not None else 0,
             )
 
     # ------------------------------------------------------------ serializing
@@ -480,6 +648,75 @@ class Pipeline:
             f"Pipeline(batch_size={self.batch_size}, num_workers={self.num_workers}, "
             f"seed={self.seed}, prefetch_depth={self.prefetch_depth}, {state})"
         )
+
+
+def _workers_from_dali(py_num_workers: int | None, num_threads: int | None) -> int:
+    """Workers for DALI's arguments: ``py_num_workers``, else ``num_threads`` (capped)."""
+    if py_num_workers is not None:
+        return py_num_workers
+    cpus = usable_cpus()
+    if num_threads is not None and num_threads != -1:
+        _check_int("num_threads", num_threads, 0)
+        # DALI's threads share one process; a worker process more than the CPUs
+        # only costs its start and its memory. 0: every call here (num_workers=0).
+        return min(num_threads, cpus)
+    return cpus
+
+
+def _prefetch_from_dali(depth: int | dict[str, int] | None, pipelined: bool) -> int:
+    """Iterations in flight for DALI's ``prefetch_queue_depth`` / ``exec_pipelined``."""
+    if isinstance(depth, dict):  # DALI's separated queues: {"cpu_size": n, "gpu_size": m}
+        return max(int(v) for v in depth.values())
+    if depth is not None:
+        return depth
+    return 2 if pipelined else 1
+
+
+def _output_checks(dtype: Any, ndim: Any) -> tuple[Any, Any] | None:
+    """DALI's ``output_dtype``/``output_ndim``: one for all outputs, or one per output."""
+    if dtype is None and ndim is None:
+        return None
+    from ._types import as_numpy_dtype
+
+    if dtype is not None:
+        items = dtype if isinstance(dtype, (list, tuple)) else [dtype]
+        dtype = [None if d is None else as_numpy_dtype(d) for d in items]
+    if ndim is not None:
+        ndim = list(ndim) if isinstance(ndim, (list, tuple)) else [ndim]
+    return dtype, ndim
+
+
+def _check_outputs(result: tuple[Batch, ...], checks: tuple[Any, Any]) -> None:
+    dtypes, ndims = checks
+    for i, batch in enumerate(result):
+        if not len(batch):
+            continue
+        want = dtypes[i if len(dtypes) > 1 else 0] if dtypes else None
+        if want is not None and batch.dtype != want:
+            raise TypeError(
+                f"pipeline output {i} is {batch.dtype}, but the pipeline's output_dtype is {want}"
+            )
+        rank = ndims[i if len(ndims) > 1 else 0] if ndims else None
+        if rank is not None and batch.ndim != rank:
+            raise ValueError(
+                f"pipeline output {i} has {batch.ndim} dimensions, but the pipeline's "
+                f"output_ndim is {rank}"
+            )
+
+
+def _epoch_size(op: Any) -> int | None:
+    """A reader's pass, or a source's length where it has one; None where unknown."""
+    size = getattr(op.function, "epoch_size", None)
+    if isinstance(size, int):
+        return size
+    if op.kind != "external_source" or op.source_mode != "iter":
+        return None
+    source = op.function
+    if not isinstance(source, (list, tuple)):
+        return None
+    if not op.batch_processing:
+        return len(source)
+    return sum(len(b[0] if op.num_outputs > 1 else b) for b in source)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -528,9 +765,11 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
     ``@pipeline_def(batch_size=64, num_workers=4, seed=42)``; the decorated
     function may also be given pipeline parameters when called
     (``augment(batch_size=8)``, ``augment(pool=ray_pool)``), and its own
-    arguments.
+    arguments. DALI's pipeline arguments are taken too (see :class:`Pipeline`),
+    and ``enable_conditionals``, which is accepted but rewrites nothing: an
+    ``if`` on a DataNode is an error that says so.
     """
-    unknown = set(pipeline_kwargs) - set(_PARAMS) - set(_LIVE_PARAMS)
+    unknown = set(pipeline_kwargs) - _DEF_PARAMS
     if unknown:
         raise TypeError(f"pipeline_def got unknown pipeline parameters: {sorted(unknown)}")
 
@@ -539,8 +778,9 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
         def create(*args: Any, **kwargs: Any) -> Pipeline:
             params = dict(pipeline_kwargs)
             for k in list(kwargs):
-                if k in _PARAMS or k in _LIVE_PARAMS:
+                if k in _DEF_PARAMS:
                     params[k] = kwargs.pop(k)
+            params.pop("enable_conditionals", None)
             if "batch_size" not in params:
                 raise TypeError(
                     f"{graph_fn.__name__}: give batch_size to pipeline_def or to the call"

@@ -14,6 +14,7 @@ import ctypes
 import inspect
 import os
 import random
+import resource
 import time
 import zlib
 from collections.abc import Sequence
@@ -199,6 +200,16 @@ class ChunkResult:
     stop: int | None = None  # a source ended the epoch at this sample (batch index)
     per_op: tuple[tuple[float, int, int], ...] = ()  # a ChainRunner's (s, in, out) per op
     written: tuple[bool, ...] = ()
+    faults: int = 0  # minor page faults the running thread took (Linux; else 0)
+
+
+def thread_faults() -> int:
+    """Minor page faults of the calling thread so far (0 where not measurable)."""
+    return _getrusage(_RUSAGE_THREAD).ru_minflt if _RUSAGE_THREAD is not None else 0
+
+
+_getrusage = resource.getrusage
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 def write_columns(
@@ -319,6 +330,7 @@ class OpRunner:
         """Run the chunk; ``out``: per output, an array to write its rows into, or None."""
         global _current
         t0 = time.perf_counter()
+        faults = thread_faults()
         stop = None
         self._where = (chunk.epoch, chunk.iteration)
         _globals.known = False  # anything may have drawn since the last chunk (the caller)
@@ -358,7 +370,10 @@ class OpRunner:
             count = len(rows)
             columns, written = write_columns(rows, self.num_outputs, out)
         seconds = time.perf_counter() - t0
-        return ChunkResult(columns, count, seconds, os.getpid(), stop, written=written)
+        faults = thread_faults() - faults
+        return ChunkResult(
+            columns, count, seconds, os.getpid(), stop, written=written, faults=faults
+        )
 
     # ------------------------------------------------------------ calling
     def _call(self, args: tuple[Any, ...], sample: int | None, np_seed: int, py_seed: int) -> Any:
@@ -446,15 +461,18 @@ class OpRunner:
                     f"or declare num_outputs={len(out)}"
                 )
             return (out[0],)
+        # "must be a tuple", "Unexpected number of outputs": DALI's words, which code
+        # ported from DALI (and DALI's own tests) look for.
         if not isinstance(out, (tuple, list)):
             raise OpOutputError(
-                f"op '{self.name}' has num_outputs={n}, so its function must return a "
+                f"op '{self.name}' has num_outputs={n}, so its function's result must be a "
                 f"tuple of {n} outputs; it returned {type(out).__name__}"
             )
         if len(out) != n:
             raise OpOutputError(
-                f"op '{self.name}' has num_outputs={n}, but its function returned "
-                f"{len(out)} outputs"
+                f"Unexpected number of outputs from op '{self.name}': got {len(out)}, expected "
+                f"{n}. Its function returned {len(out)} outputs, but num_outputs={n}: the "
+                f"result must be a tuple of {n} outputs"
             )
         return tuple(out)
 
@@ -581,6 +599,7 @@ class ChainRunner:
         """Run the chunk through every op; ``out`` as :meth:`OpRunner.__call__`."""
         global _current
         t0 = time.perf_counter()
+        faults = thread_faults()
         spent = [[0.0, 0, 0] for _ in self.runners]
         rows = []
         stop = None
@@ -663,7 +682,8 @@ class ChainRunner:
         count = len(rows)
         columns, written = write_columns(rows, self.runners[-1].num_outputs, out)
         seconds = time.perf_counter() - t0
-        return ChunkResult(columns, count, seconds, os.getpid(), stop, per_op, written)
+        faults = thread_faults() - faults
+        return ChunkResult(columns, count, seconds, os.getpid(), stop, per_op, written, faults)
 
 
 def write_block(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:

@@ -347,6 +347,7 @@ class Scheduler:
         self._closed = False
         self._delivered = 0  # iterations of this epoch handed to the caller
         self.busy: dict[int, float] = collections.defaultdict(float)  # pid -> seconds
+        self.faults = 0  # minor page faults in the workers' chunks (ChunkResult.faults)
         self._pos = {id(op): i for i, op in enumerate(plan.ops)}
         self.ops: list[_OpState] = []
         n_stateful = 0
@@ -810,6 +811,7 @@ class Scheduler:
         s.waiting_s += max(0.0, elapsed - res.seconds)
         if s.op.device != "gpu":  # per worker; GPU ops run in this process
             self.busy[res.pid] += res.seconds
+            self.faults += res.faults
         if it.dropped or it.error is not None:
             return
         parts = it.parts[s.pos]

@@ -30,6 +30,7 @@ import shm
 
 from . import _codec
 from ._errors import SerializationError
+from ._host import keep_memory_warm
 from ._protocol import (
     CALL,
     CANCEL,
@@ -67,6 +68,7 @@ class WorkerBoot:
     init: bytes | None  # cloudpickled (worker_init, args)
     segment_size: int
     inline_max: int
+    warm_memory: int = 0  # bytes of freed memory malloc may keep (0: glibc's defaults)
 
 
 def seed_worker(entropy: int, index: int, generation: int) -> None:
@@ -300,6 +302,7 @@ def main(boot: WorkerBoot) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group: the pool's process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_memory_warm(boot.warm_memory)  # before the first call allocates anything
     if shm.platform_info().backend == "memfd":
         # Named segments must be unlinked on the way out, which SIGKILL forbids:
         # then the lifeline thread alone ends the worker.

@@ -453,14 +453,14 @@ class Arena:
         opened = peer_writable or not self.sealed  # the kind of segment it goes in
         with self._lock:
             self._check_open()
-            if self.discard_min is not None and nbytes >= self.discard_min:
-                # Blocks released by peers meanwhile are freed first: one may be
-                # reused as it is, the rest go back to the system below.
-                self._collect_locked()
-            found = self._fit(nbytes, opened)
-            if found is None:
-                self._collect_locked()
-                found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
+            # Blocks released by peers meanwhile are freed first, so that the
+            # block just released (the last call's result) is taken again: its
+            # pages are mapped, in cache, and written already. Left for later,
+            # every block would be a fresh one until the segment wraps: a
+            # worker's working set becomes its whole segment, and every page
+            # of it faults in once.
+            self._collect_locked()
+            found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
             seg, offset = found
             size = seg.free.round(nbytes)
             if self._discard or seg.holes:

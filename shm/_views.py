@@ -57,6 +57,8 @@ RELEASE = struct.Struct("<QQI")
 RELEASE_RECORD_SIZE = RELEASE.size
 #: How many segments of other processes stay mapped here after their last view died.
 KEEP_MAPPED = 4
+#: How many idle windows (writable mappings of other processes' segments) stay mapped.
+KEEP_WINDOWS = 8
 
 
 @dataclass(frozen=True)
@@ -262,11 +264,31 @@ def check_shareable(array: np.ndarray[Any, Any]) -> None:
 
 
 class _Deferred:
-    """Releases queued by finalizers, flushed by whoever gets the lock first."""
+    """Work queued by finalizers, done by whoever gets the lock first."""
 
     def __init__(self) -> None:
         self.items: collections.deque[tuple[int, int, int]] = collections.deque()
         self.lock = threading.Lock()
+
+
+class _Window:
+    """A read-write mapping of a whole segment of another process; see ``_Importer.alone``."""
+
+    __slots__ = ("seg", "spans")
+
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+        self.spans: list[tuple[int, int]] = []  # byte ranges of live views, writable
+
+
+def _uncovered(start: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[start, end)`` that no span covers."""
+    parts = [(start, end)]
+    for lo, hi in spans:
+        if hi <= start or lo >= end:
+            continue
+        parts = [p for a, b in parts for p in ((a, min(b, lo)), (max(a, hi), b)) if p[0] < p[1]]
+    return parts
 
 
 class _Importer:
@@ -286,12 +308,12 @@ class _Importer:
         self.pid = os.getpid()
         # Owners of arenas whose route was removed: gone, or done with us.
         self.retired: set[int] = set()
-        # Writable mappings opened ``alone`` whose views are gone, kept for the
-        # next open of the same pages (a buffer written call after call) but
-        # made inaccessible (PROT_NONE) meanwhile: see alone().
-        self.parked: collections.OrderedDict[tuple[int, int, int, int], Segment] = (
-            collections.OrderedDict()
-        )
+        # Read-write mappings of whole segments for views opened ``alone``:
+        # inaccessible (PROT_NONE) but for the pages of live views. See alone().
+        self.windows: collections.OrderedDict[tuple[int, int], _Window] = collections.OrderedDict()
+        # Spans of windows whose views died, closed by whoever gets the lock first.
+        self.dead_spans: collections.deque[tuple[_Window, int, int]] = collections.deque()
+        self.window_lock = threading.Lock()
 
     def segment(self, handle: SegmentHandle, readonly: bool) -> Segment:
         key = (handle.owner_pid, handle.inode, readonly)
@@ -310,27 +332,55 @@ class _Importer:
             recent.append(seg)
         return seg
 
-    def alone(self, handle: SegmentHandle, start: int, length: int) -> Segment:
-        """A read-write mapping of just ``[start, start + length)`` of a segment.
+    def alone(self, handle: SegmentHandle, start: int, length: int) -> _Window | None:
+        """Make ``[start, start + length)`` of a segment writable here, alone; None if we cannot.
 
-        Used by one set of views only. When they are gone it is parked: made
-        inaccessible, so that no stray write can reach it, and kept for the
-        next open of the same pages, which makes it writable again instead of
-        mapping anew (a new mapping would fault in every page again: for a
-        buffer written call after call, most of a call's cost).
+        Writable views of other processes' memory live in one read-write
+        mapping of their whole segment (a *window*) that is inaccessible
+        (PROT_NONE) except for the pages of live writable views: code that
+        writes past its array reaches nothing (it faults). When a view's last
+        reference goes, its pages are made inaccessible again but stay mapped,
+        so the next call that writes them (a pipeline's output blocks, a
+        buffer written call after call) finds their page tables warm: a fresh
+        mapping would fault in every page again, most of a call's cost for
+        arrays of a few hundred KiB. None where ``mprotect`` is missing: the
+        caller then maps the span on its own.
         """
-        key = (handle.owner_pid, handle.inode, start, length)
-        seg = self.parked.pop(key, None)  # one atomic step: a mapping has one user
-        if seg is None or not _protect(seg, mmap.PROT_READ | mmap.PROT_WRITE):
-            seg = Segment.attach(handle, False, start, length)
-        return seg
+        with self.window_lock:
+            self._close_spans()
+            key = (handle.owner_pid, handle.inode)
+            win = self.windows.get(key)
+            if win is None:
+                seg = Segment.attach(handle, readonly=False)
+                if not _protect(seg.address, seg.size, _PROT_NONE):
+                    return None
+                win = self.windows[key] = _Window(seg)
+                idle = [k for k, w in self.windows.items() if not w.spans and w is not win]
+                for k in idle[: max(0, len(self.windows) - KEEP_WINDOWS)]:
+                    del self.windows[k]  # unmapped with its Segment, once no view holds it
+            else:
+                self.windows.move_to_end(key)
+            if not _protect(win.seg.address + start, length, mmap.PROT_READ | mmap.PROT_WRITE):
+                return None
+            win.spans.append((start, start + length))
+        return win
 
-    def park(self, key: tuple[int, int, int, int], seg: Segment) -> None:
-        """Finalizer of the views of an ``alone`` mapping: never blocks, never raises."""
-        if key[0] not in self.retired and _protect(seg, _PROT_NONE):
-            self.parked[key] = seg
-            while len(self.parked) > KEEP_MAPPED:
-                self.parked.popitem(last=False)  # unmapped with its Segment
+    def close_span(self, win: _Window, start: int, end: int) -> None:
+        """Finalizer of the views of a window's span: never blocks, never raises."""
+        self.dead_spans.append((win, start, end))
+        while self.dead_spans and self.window_lock.acquire(blocking=False):
+            try:
+                self._close_spans()
+            finally:
+                self.window_lock.release()
+
+    def _close_spans(self) -> None:
+        """Make the pages of dead views inaccessible, but those a live view spans (lock held)."""
+        while self.dead_spans:
+            win, start, end = self.dead_spans.popleft()
+            win.spans.remove((start, end))
+            for lo, hi in _uncovered(start, end, win.spans):
+                _protect(win.seg.address + lo, hi - lo, _PROT_NONE)
 
     def released(self, arena_id: int, alloc_id: int) -> None:
         """Finalizer of an imported view: never blocks, never raises."""
@@ -395,8 +445,8 @@ def set_release_route(arena_id: int, ring: Ring | None) -> None:
         imp.retired |= owners
         for seg in [s for s in imp.recent if s.handle.owner_pid in owners]:
             imp.recent.remove(seg)
-        for key in [k for k in imp.parked if k[0] in owners]:
-            del imp.parked[key]
+        for key in [k for k in imp.windows if k[0] in owners]:
+            del imp.windows[key]
     else:
         imp.routes[arena_id] = ring
         imp.flush()
@@ -462,24 +512,24 @@ def open_array(
     imp.flush()
     imp.owners.setdefault(desc.arena_id, set()).add(desc.segment.owner_pid)
     imp.retired.discard(desc.segment.owner_pid)  # alive: a recycled pid, say
+    keep: Any
+    win = None
     if writable and alone:
         lo, hi = byte_extent(desc)
         first = (desc.offset + lo) // PAGE_SIZE * PAGE_SIZE
         end = min(-(-(desc.offset + hi) // PAGE_SIZE) * PAGE_SIZE, desc.segment.size)
-        seg = imp.alone(desc.segment, first, end - first)
+        win = imp.alone(desc.segment, first, end - first)
+        # The window itself, not its Segment, keeps the view's memory: a
+        # consumer asking for the whole mapping (segment_of) must not get pages
+        # that are inaccessible here.
+        keep = win if win is not None else Segment.attach(desc.segment, False, first, end - first)
+        address = (win.seg.address if win is not None else keep.address - first) + desc.offset
     else:
-        seg = imp.segment(desc.segment, readonly=not writable)
-    anchor = Anchor(
-        seg.address + desc.offset - seg.offset,
-        desc.nbytes,
-        not writable,
-        seg,
-        desc.arena_id,
-        desc.alloc_id,
-    )
-    if writable and alone:
-        key = (desc.segment.owner_pid, desc.segment.inode, seg.offset, seg.size)
-        weakref.finalize(anchor, imp.park, key, seg)
+        keep = imp.segment(desc.segment, readonly=not writable)
+        address = keep.address + desc.offset - keep.offset
+    anchor = Anchor(address, desc.nbytes, not writable, keep, desc.arena_id, desc.alloc_id)
+    if win is not None:
+        weakref.finalize(anchor, imp.close_span, win, first, end)
     weakref.finalize(anchor, imp.released, desc.arena_id, desc.alloc_id)
     return build_view(anchor, desc.dtype, desc.shape, desc.strides, desc.start)
 
@@ -488,8 +538,8 @@ _PROT_NONE = 0
 _mprotect: Any = None
 
 
-def _protect(seg: Segment, prot: int) -> bool:
-    """Set the access of a whole mapping (``mprotect``); False where it cannot."""
+def _protect(address: int, length: int, prot: int) -> bool:
+    """Set the access of mapped pages (``mprotect``); False where it cannot."""
     global _mprotect
     if _mprotect is None:
         fn: Any = False
@@ -498,7 +548,7 @@ def _protect(seg: Segment, prot: int) -> bool:
             fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             fn.restype = ctypes.c_int
         _mprotect = fn
-    return bool(_mprotect) and _mprotect(seg.address, seg.size, prot) == 0
+    return bool(_mprotect) and _mprotect(address, length, prot) == 0
 
 
 def byte_extent(desc: ArrayDescriptor) -> tuple[int, int]:

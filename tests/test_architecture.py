@@ -87,6 +87,8 @@ LAYERS: dict[str, int] = {
     "mpexec._runtime": 3,
     "mpexec._batch": 3,
     "mpexec._gpu": 3,
+    "mpexec._arith": 3,  # DataNode arithmetic: the expressions the workers run
+    "mpexec._types": 3,  # DALI's type names and NumPy dtypes, for _arith and the ops
     # 4: the scheduler and the graph it walks
     "mpexec._scheduler": 4,
     "mpexec._graph": 4,

@@ -42,6 +42,6 @@ if __name__ == "__main__":
     with augment() as pipe:
         for epoch in range(2):
             for left, right in pipe:  # one epoch: 4 + 4 + a short batch of 2
-                print(epoch, len(left), left.layout, left.as_array().shape, right[0].shape)
+                print(epoch, len(left), left.layout(), left.as_array().shape, right[0].shape)
             pipe.reset()
         print(pipe.stats())

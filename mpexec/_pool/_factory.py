@@ -37,6 +37,7 @@ class WorkerFactory:
         worker_arena_size: int,
         inline_max: int,
         start_timeout: float,
+        warm_memory: int = 0,
     ) -> None:
         self.state = state  # where a started worker's slot goes
         self.ctx = ctx  # the multiprocessing context (``_launch``'s) that starts them
@@ -46,6 +47,7 @@ class WorkerFactory:
         self.worker_arena_size = worker_arena_size
         self.inline_max = inline_max
         self.start_timeout = start_timeout
+        self.warm_memory = warm_memory  # malloc's bound in each worker (_host.keep_memory_warm)
 
     def start(self, indices: Iterable[int], generation: int) -> None:
         """Start workers in parallel, then wait for each to say hello."""
@@ -74,6 +76,7 @@ class WorkerFactory:
             init=self.init,
             segment_size=self.worker_arena_size,
             inline_max=self.inline_max,
+            warm_memory=self.warm_memory,
         )
         slot.process = self.ctx.Process(
             target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True

@@ -47,6 +47,9 @@ class PoolStats:
     bytes_shared: int
     bytes_copied: int
     arena: shm.ArenaStats
+    #: Minor page faults the live workers took since they started (Linux; 0
+    #: elsewhere): compare two snapshots to see what a stretch of work faulted.
+    worker_faults: int = 0
 
 
 @dataclass(frozen=True)

@@ -448,9 +448,9 @@ def test_output_layouts(style: str) -> None:
 
     with make(style, graph, batch_size=2, num_workers=0) as pipe:
         a, b, c, d, e, f = pipe.run()
-        assert (a.layout, b.layout) == ("HW", "HW"), "one string applies to every output"
-        assert (c.layout, d.layout, e.layout) == ("C", "", ""), "a short list leaves the rest"
-        assert f.layout == ""
+        assert (a.layout(), b.layout()) == ("HW", "HW"), "one string applies to every output"
+        assert (c.layout(), d.layout(), e.layout()) == ("C", "", ""), "a short list leaves the rest"
+        assert f.layout() == ""
 
 
 def _split3_2(x: np.ndarray[Any, Any]) -> tuple[Any, Any]:
@@ -649,7 +649,7 @@ def test_zero_d_and_four_d_samples(style: str) -> None:
         assert s.dtype == np.float32
         np.testing.assert_array_equal(s.as_array(), [1.0, 3.0, 5.0])
         assert v.shape() == [(2, 3, 4, 5)] * 3
-        assert v.layout == "FHWC"
+        assert v.layout() == "FHWC"
         np.testing.assert_array_equal(v.as_array(), np.stack(volumes()) * 2)
 
 
@@ -1068,10 +1068,10 @@ def test_batch_api() -> None:
         part = b[1:3]
         assert isinstance(part, mpexec.Batch)
         assert len(part) == 2
-        assert part.layout == "HW"
+        assert part.layout() == "HW"
         np.testing.assert_array_equal(part.as_array(), want[1:3])
         assert [s.tolist() for s in b] == want.tolist()
-        assert b.layout == "HW"
+        assert b.layout() == "HW"
         assert b.dtype == np.int32
         assert b.ndim == 2
         assert b.shape() == [(2, 3)] * 4

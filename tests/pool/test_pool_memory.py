@@ -137,17 +137,146 @@ def test_a_writable_argument_is_mapped_alone_and_only_while_the_call_runs() -> N
         assert writable == [(lo, hi, "rw-s")]
         # The read-only input lies in a read-only mapping.
         assert [m[2] for m in maps if m[0] <= x_at < m[1]] == ["r--s"]
-        # Between calls nothing of the caller's is writable: the mapping of
-        # ``out`` is parked, inaccessible, for the next call that writes it.
+        # Between calls nothing of the caller's is writable: the pages of
+        # ``out`` stay mapped, inaccessible, for the next call that writes them.
         maps, x_at = pool.submit(_read_and_map, x, os.getpid()).result(T)
         assert [m for m in maps if "w" in m[2]] == []
         assert [m[2] for m in maps if m[0] <= x_at < m[1]] == ["r--s"]
-        assert [m for m in maps if m[0] <= out_at < m[1]] == [(lo, hi, "---s")]
-        # ... and the same pages written again reuse it, writable for that call only.
+        assert [m[2] for m in maps if m[0] <= out_at < m[1]] == ["---s"]
+        # ... and the same pages written again reuse them, writable for that call only.
         out[...] = 0
         maps, again, _ = pool.submit(_fill_and_map, x, mpexec.writable(out), os.getpid()).result(T)
         assert (again, (out == 7).all()) == (out_at, True)
         assert [m for m in maps if "w" in m[2]] == [(lo, hi, "rw-s")]
+
+
+def _minor_faults() -> int:
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def _fill_counting_faults(out: np.ndarray[Any, Any], value: int) -> int:
+    before = _minor_faults()
+    out[...] = value
+    return _minor_faults() - before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_pages_written_call_after_call_stay_warm_in_the_worker() -> None:
+    # A pipeline's output blocks come back to a worker call after call, each
+    # time at another place of the pool's memory: every page of them used to
+    # fault again (a fresh mapping each time), ~0.5-2 us a page.
+    pages = 64
+    with WorkerPool(1) as pool:
+        blocks = [pool.empty(pages * PAGE, np.uint8) for _ in range(8)]
+        first = [
+            pool.submit(_fill_counting_faults, mpexec.writable(b), 1).result(T) for b in blocks
+        ]
+        assert min(first) >= pages  # the first write of each page faults it in
+        for round_ in range(3):
+            again = [
+                pool.submit(_fill_counting_faults, mpexec.writable(b), round_).result(T)
+                for b in blocks
+            ]
+            assert max(again) < 8, again  # not one fault a page: the pages stayed mapped
+        assert all((b == 2).all() for b in blocks)
+
+
+def _image_sized(n: int) -> np.ndarray[Any, Any]:
+    return np.full(n, 3, np.uint8)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_a_worker_reuses_the_block_of_its_last_released_result() -> None:
+    # Results are released by the caller once copied. Applied only when the
+    # arena ran out, releases let every result take a fresh block until the
+    # worker's segment wrapped: its whole segment faulted in, a page at a time.
+    size = 600 * KiB
+    with WorkerPool(1, worker_arena_size=256 << 20) as pool:
+        for _ in range(10):
+            pool.submit(_image_sized, size).result(T)
+        before = pool.stats().worker_faults
+        calls = 200  # 117 MiB of results: half the segment, were each block fresh
+        for _ in range(calls):
+            pool.submit(_image_sized, size).result(T)
+        per_call = (pool.stats().worker_faults - before) / calls
+        assert per_call < 5, per_call  # 150 pages a result: fresh blocks fault each
+
+
+def _temporaries(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # An augmentation's shape of work: a few image-sized temporaries per call.
+    a = x.astype(np.float32) * 0.5
+    b = np.sqrt(a + 1.0)
+    return (a + b)[::2, ::2].copy()
+
+
+def _keeps_warm_memory() -> bool:
+    from mpexec._host import keep_memory_warm
+
+    return keep_memory_warm(1 << 20)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
+    with WorkerPool(1) as probe:
+        if not probe.submit(_keeps_warm_memory).result(T):
+            pytest.skip("this libc has no mallopt (not glibc)")
+    image = np.ones((224, 224, 3), np.uint8)
+
+    def per_sample(warm_memory: int) -> float:
+        with WorkerPool(2, warm_memory=warm_memory, results="view") as pool:
+            pipe = mpexec.Pipeline(batch_size=16, pool=pool, prefetch_depth=2)
+            with pipe:
+                x = fn.external_source(source=lambda: [image] * 16)
+                pipe.set_outputs(fn.python_function(x, function=_temporaries))
+            with pipe:
+                for _ in range(8):
+                    pipe.run()
+                before = pipe.stats()
+                for _ in range(8):
+                    pipe.run()
+                after = pipe.stats()
+            return (after.worker_faults - before.worker_faults) / (after.samples - before.samples)
+
+    assert per_sample(64 << 20) < 5
+    # glibc's defaults hand the temporaries back after every call: ~150 pages each
+    assert per_sample(0) > 50
+
+
+def test_warm_memory_must_be_a_byte_count() -> None:
+    for bad in (-1, True, 1.5, "64M"):
+        with pytest.raises(ValueError, match="warm_memory"):
+            WorkerPool(0, warm_memory=bad)  # type: ignore[arg-type]
+
+
+_stash: list[Any] = []
+
+
+def _fill_and_keep(a: np.ndarray[Any, Any]) -> None:
+    a[...] = 1
+    _stash.append(a)  # a view that outlives its call (a user's cache, say)
+
+
+def _write_after_dropping_a_neighbour(b: np.ndarray[Any, Any]) -> int:
+    import gc
+
+    _stash.clear()  # the neighbour's pages become inaccessible, but for the one it shares with b
+    gc.collect()
+    b[...] = 2
+    return int(b.sum())
+
+
+def test_writable_views_sharing_a_page_keep_it_while_either_lives() -> None:
+    # Rows of one block written by one worker in two calls share the page at
+    # their boundary: closing the first view must not take it from the second.
+    with WorkerPool(1) as pool:
+        out = pool.empty(4 * PAGE, np.uint8)
+        cut = 2 * PAGE + 100
+        pool.submit(_fill_and_keep, mpexec.writable(out[:cut])).result(T)
+        total = pool.submit(_write_after_dropping_a_neighbour, mpexec.writable(out[cut:])).result(T)
+        assert total == 2 * (out.size - cut)
+        assert (out[:cut] == 1).all()
+        assert (out[cut:] == 2).all()
 
 
 def test_pool_buffers_have_their_pages_to_themselves() -> None:

@@ -1,10 +1,4 @@
-"""The ops, DALI style: ``from mpexec import fn``.
-
-Call them inside a pipeline definition (a function decorated with
-:func:`mpexec.pipeline_def`, or a ``with pipe:`` block of an undefined
-:class:`mpexec.Pipeline`); each returns the op's outputs as DataNodes.
-Every misuse is reported here, at definition time, naming the op.
-"""
+"""The ops of :mod:`mpexec.fn` (that package re-exports them; its sub-modules use them)."""
 
 from __future__ import annotations
 
@@ -14,11 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _codec
-from ._errors import MpexecError, SerializationError
-from ._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
-
-__all__ = ["dl_tensor_python_function", "external_source", "python_function"]
+from .. import _arith, _codec
+from .._errors import MpexecError, OpArgumentError, SerializationError
+from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
+from .._types import ScalarConstant, as_numpy_dtype
 
 
 def python_function(
@@ -29,7 +22,7 @@ def python_function(
     output_layouts: str | Sequence[str | None] | None = None,
     preserve: bool = False,
     seed: int = -1,
-    device: str = "cpu",
+    device: str | None = "cpu",
     bytes_per_sample_hint: int | Sequence[int] = 0,
     name: str | None = None,
     stateful: bool = False,
@@ -48,9 +41,11 @@ def python_function(
 
     ``stateful=True``: calls run in order on one worker and the op is never
     merged or pruned. ``preserve=True`` or ``num_outputs=0`` keep it from
-    pruning. ``output_dtypes``/``output_shapes`` (one per output; ``None``
-    or ``-1`` for any size) are checked. Returns a DataNode, a list of
-    ``num_outputs`` DataNodes, or None for ``num_outputs=0``.
+    pruning. ``output_dtypes``/``output_shapes`` (one per output, or one
+    for all; ``None`` or ``-1`` for any size) are checked; a dtype may be a
+    ``types.DALIDataType``. Inputs are DataNodes or ``types.Constant``
+    scalars. Returns a DataNode, a list of ``num_outputs`` DataNodes, or
+    None for ``num_outputs=0``.
     """
     kw = dict(locals())
     del kw["inputs"]
@@ -65,24 +60,27 @@ def dl_tensor_python_function(
     output_layouts: str | Sequence[str | None] | None = None,
     preserve: bool = False,
     seed: int = -1,
-    device: str = "cpu",
+    device: str | None = "cpu",
     bytes_per_sample_hint: int | Sequence[int] = 0,
     name: str | None = None,
     stateful: bool = False,
     output_dtypes: Any = None,
     output_shapes: Any = None,
+    synchronize_stream: bool = True,
 ) -> Any:
     """:func:`python_function` for DLPack: inputs support ``__dlpack__`` and any
     DLPack producer may be returned (DALI's ``fn.dl_tensor_python_function``).
     On the CPU the inputs are NumPy arrays, which are DLPack producers.
+    ``synchronize_stream`` is accepted for DALI's sake: a GPU op's inputs
+    are always ready on its stream here.
     """
     kw = dict(locals())
-    del kw["inputs"]
+    del kw["inputs"], kw["synchronize_stream"]
     return _python_function("dl_tensor_python_function", inputs, dlpack=True, **kw)
 
 
 def _python_function(kind: str, inputs: tuple[Any, ...], **kw: Any) -> Any:
-    graph = _graph_for(kind)
+    graph = graph_for(kind)
     name = kw["name"] if kw["name"] is not None else graph.unique_name(kind)
     what = f"fn.{kind} '{name}'"
     if not isinstance(name, str) or not name:
@@ -90,6 +88,7 @@ def _python_function(kind: str, inputs: tuple[Any, ...], **kw: Any) -> Any:
     function = kw["function"]
     if function is None or not callable(function):
         raise TypeError(f"{what}: function= must be a callable, not {type(function).__name__}")
+    inputs = tuple(_constant_node(x, graph) if isinstance(x, ScalarConstant) else x for x in inputs)
     _check_inputs(what, inputs, graph)
     num_outputs = kw["num_outputs"]
     if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 0:
@@ -160,7 +159,7 @@ def external_source(
     when given, are checked. ``parallel``, ``prefetch_queue_depth``,
     ``no_copy`` and ``blocking`` are accepted for DALI compatibility.
     """
-    graph = _graph_for("external_source")
+    graph = graph_for("external_source")
     name_ = name if name is not None else graph.unique_name("external_source")
     what = f"fn.external_source '{name_}'"
     del prefetch_queue_depth, no_copy, blocking
@@ -216,7 +215,7 @@ class _BatchCallable:
         self.takes_arg = _positional_params(function) > 0
 
     def __call__(self, iteration: int, epoch: int) -> Any:
-        from ._runtime import BatchInfo
+        from .._runtime import BatchInfo
 
         if self.batch_info:
             return self.function(BatchInfo(iteration, epoch))
@@ -228,7 +227,7 @@ class _BatchCallable:
 # ---------------------------------------------------------------- checks
 
 
-def _graph_for(kind: str) -> Graph:
+def graph_for(kind: str) -> Graph:
     graph = current_graph()
     if graph is None:
         raise MpexecError(
@@ -253,14 +252,16 @@ def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
                 raise ValueError(f"{what}: input {i} comes from an op with no outputs")
             continue
         if isinstance(x, (list, tuple)):
+            # DALI's words, as its tests look for them.
             raise TypeError(
-                f"{what}: input {i} is a {type(x).__name__}; pass each input as a separate "
-                "positional argument: fn.python_function(*nodes, function=...)"
+                f"{what}: input {i} is a {type(x).__name__}; Python operators do not support "
+                "multiple input sets: pass each input as a separate positional argument: "
+                "fn.python_function(*nodes, function=...)"
             )
         raise TypeError(
             f"{what}: input {i} is {type(x).__name__}, not a DataNode; inputs are outputs "
-            "of other ops. Bind constants into the function instead "
-            "(functools.partial or a closure)"
+            "of other ops (or types.Constant scalars). Bind other constants into the "
+            "function instead (functools.partial or a closure)"
         )
 
 
@@ -270,11 +271,17 @@ def _check_device(what: str, device: Any, graph: Graph | None = None) -> str:
     No CuPy, no driver or no device is one clear error naming the op now,
     rather than a CUDA traceback at the first iteration.
     """
-    if device == "cpu":
+    if device in ("cpu", None):
         return "cpu"
+    if device == "mixed":
+        raise ValueError(
+            f"{what}: device='mixed' is DALI's decoding on the GPU: mpexec's ops run on the "
+            "CPU (device='cpu') or on the GPU (device='gpu'); to keep DALI's GPU decoder, "
+            "run it in DALI and call mpexec from there (mpexec.dali)"
+        )
     if device not in ("gpu", "cuda"):
         raise ValueError(f"{what}: device must be 'cpu' or 'gpu', not {device!r}")
-    from . import _gpu  # CuPy is imported only from here on
+    from .. import _gpu  # CuPy is imported only from here on
 
     _gpu.require(what, None if graph is None else graph.device_id)
     return "gpu"
@@ -297,9 +304,10 @@ def _layouts(what: str, layouts: Any, n: int) -> tuple[str | None, ...]:
     if not isinstance(layouts, (list, tuple)):
         raise TypeError(f"{what}: output_layouts must be a string or a list of strings")
     if len(layouts) > n:
-        raise ValueError(
-            f"{what}: {len(layouts)} output_layouts given for {n} outputs; give at most "
-            f"one per output (a single string applies to all)"
+        raise OpArgumentError(
+            f"{what}: the length of output_layouts ({len(layouts)}) is greater than the "
+            f"number of outputs ({n}); give at most one per output (a single string "
+            "applies to all)"
         )
     for lay in layouts:
         if lay is not None and not isinstance(lay, str):
@@ -312,15 +320,14 @@ def _dtypes(what: str, dtypes: Any, n: int) -> tuple[np.dtype[Any] | None, ...] 
         return None
     items = list(dtypes) if isinstance(dtypes, (list, tuple)) else [dtypes] * n
     if len(items) != n:
-        raise ValueError(f"{what}: {len(items)} output_dtypes given for {n} outputs")
+        raise OpArgumentError(f"{what}: {len(items)} output_dtypes given for {n} outputs")
     out: list[np.dtype[Any] | None] = []
     for d in items:
         if d is None:
             out.append(None)
             continue
-        spelled = getattr(d, "as_numpy_dtype", d)  # TensorFlow DTypes
         try:
-            out.append(np.dtype(spelled))
+            out.append(as_numpy_dtype(d))  # NumPy, DALI's types enum, TensorFlow DTypes
         except TypeError as exc:
             raise TypeError(f"{what}: {d!r} is not a dtype ({exc})") from None
     return tuple(out)
@@ -332,7 +339,7 @@ def _shapes(what: str, shapes: Any, n: int) -> tuple[tuple[int | None, ...] | No
     single = isinstance(shapes, tuple) and all(s is None or isinstance(s, int) for s in shapes)
     items = [shapes] * n if single else list(shapes)
     if len(items) != n:
-        raise ValueError(f"{what}: {len(items)} output_shapes given for {n} outputs")
+        raise OpArgumentError(f"{what}: {len(items)} output_shapes given for {n} outputs")
     out: list[tuple[int | None, ...] | None] = []
     for s in items:
         if s is None:
@@ -392,3 +399,99 @@ def _outputs(op: Op) -> Any:
     if op.num_outputs == 1:
         return op.outputs[0]
     return list(op.outputs)
+
+
+# ---------------------------------------------------------------- constants
+
+
+def constant(
+    *,
+    fdata: Any = None,
+    idata: Any = None,
+    shape: Sequence[int] | None = None,
+    dtype: Any = None,
+    layout: str | None = None,
+    device: str | None = None,
+    name: str | None = None,
+    preserve: bool = False,
+    bytes_per_sample_hint: int | Sequence[int] = 0,
+) -> DataNode:
+    """The same array for every sample (DALI's ``fn.constant``).
+
+    ``fdata`` (float32 by default) or ``idata`` (int32 by default): a number
+    or a list; ``shape`` reshapes it, or broadcasts a single value.
+    """
+    del preserve, bytes_per_sample_hint
+    if (fdata is None) == (idata is None):
+        raise ValueError("fn.constant: give exactly one of fdata= and idata=")
+    data, default = (fdata, np.float32) if fdata is not None else (idata, np.int32)
+    value = np.asarray(data, dtype=default if dtype is None else None).reshape(-1)
+    return _constant(value, shape, dtype, layout, device, name)
+
+
+def ones(
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: Any = None,
+    layout: str | None = None,
+    device: str | None = None,
+    name: str | None = None,
+    preserve: bool = False,
+    bytes_per_sample_hint: int | Sequence[int] = 0,
+) -> DataNode:
+    """An array of ones per sample (DALI's ``fn.ones``; INT32 and shape ``()`` by default)."""
+    del preserve, bytes_per_sample_hint
+    return _constant(np.ones((), np.int32), shape or (), dtype, layout, device, name)
+
+
+def zeros(
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: Any = None,
+    layout: str | None = None,
+    device: str | None = None,
+    name: str | None = None,
+    preserve: bool = False,
+    bytes_per_sample_hint: int | Sequence[int] = 0,
+) -> DataNode:
+    """An array of zeros per sample (DALI's ``fn.zeros``; INT32 and shape ``()`` by default)."""
+    del preserve, bytes_per_sample_hint
+    return _constant(np.zeros((), np.int32), shape or (), dtype, layout, device, name)
+
+
+def _constant(
+    value: np.ndarray[Any, Any],
+    shape: Sequence[int] | None,
+    dtype: Any,
+    layout: str | None,
+    device: str | None,
+    name: str | None,
+) -> DataNode:
+    graph = graph_for("constant")
+    name_ = name if name is not None else graph.unique_name("constant")
+    what = f"fn.constant '{name_}'"
+    if _check_device(what, device, graph) == "gpu":
+        raise ValueError(f"{what}: constants are made on the CPU; a GPU op takes them as input")
+    if dtype is not None:
+        value = value.astype(as_numpy_dtype(dtype))
+    if shape is not None:
+        shape = tuple(int(d) for d in shape)
+        if value.size == int(np.prod(shape)):
+            value = value.reshape(shape)
+        elif value.size == 1:
+            value = np.broadcast_to(value.reshape(()), shape)
+        else:
+            raise ValueError(f"{what}: {value.size} values cannot take the shape {shape}")
+    out: DataNode = external_source(
+        _arith.ConstantSource(value.copy(order="C")),
+        batch=False,
+        name=name_,
+        layout=layout or None,
+    )
+    return out
+
+
+def _constant_node(c: ScalarConstant, graph: Graph) -> DataNode:
+    """A scalar constant used as an op's input: a constant op (DALI does the same)."""
+    del graph  # the current one: _constant finds it
+    return _constant(c.as_array(), None, None, None, None, None)

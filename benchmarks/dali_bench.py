@@ -1,0 +1,486 @@
+"""mpexec inside a real DALI pipeline: DALI's python_function alone, and spread over workers.
+
+One DALI CPU pipeline (``device_id=None``, run synchronously:
+``exec_async=False, exec_pipelined=False``): an ``external_source`` of
+128x128x3 uint8 images, batch size 16, then ``fn.python_function(...,
+batch_processing=True)`` whose work is ~4 ms of GIL-bound Python per sample
+(calibrated here at start-up, the same for every system). Three systems,
+each its own pipeline, measured side by side in one run (the systems take
+turns, round after round, the one going first rotating), so that the ratios
+hold on a loaded machine where absolute times do not:
+
+- ``DALI alone``: the batch function loops over the samples in DALI's
+  Python thread (DALI runs python_function there, under the GIL);
+- ``DALI + WorkerPool.map``: a naive wrapper, ``list(pool.map(work, batch))``
+  with 2 workers: one call per sample, each sample copied into shared memory
+  by the pool as an argument;
+- ``DALI + mpexec.dali``: ``mpexec.dali.python_function(work, num_workers=2)``:
+  the batch copied once into one shared block, a few calls of many rows.
+
+Samples/s per round, and per round the ratio of each system to DALI alone
+(with the CPU time the DALI process spent per sample: the work itself for
+DALI alone, what handing it out costs for the others, which load does not
+change);
+the median ratio and its range over the rounds are the figures. A control,
+measured in the same rounds, says what this machine allowed at that time:
+the same work on a batch, in this process and then split over 2 processes
+of a plain ``multiprocessing`` pool (no DALI, no mpexec). On a host loaded by
+other work, 2 processes get less than 2 cores, and no system can exceed that
+ratio; its median is printed as "the host's 2-process ceiling". Every output
+is compared with the serial one, in every round. A probe section reports
+where copies happen: what DALI hands the function (views of its own buffer?
+back to back?), what the pool copied as arguments, and whether DALI copies
+what the function returns.
+
+Run with ``python -m benchmarks dali`` (``--quick`` for a smoke test); needs
+DALI (``pip install mpexec[dali]``; the wheel is for Linux x86_64).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import mpexec
+import mpexec.dali
+from benchmarks._common import (
+    RESULTS,
+    cli,
+    fmt_time,
+    git_state,
+    log,
+    table,
+    targets_text,
+    write,
+)
+
+WORKERS = 2
+BATCH = 16
+SHAPE = (128, 128, 3)
+WORK_SECONDS = 0.004  # per sample
+TARGET_RATIO = 1.9  # mpexec.dali over DALI alone, 2 workers (issue 22)
+
+
+class Work:
+    """~``seconds`` of GIL-bound Python per sample, then a cheap, checkable change."""
+
+    def __init__(self, loops: int) -> None:
+        self.loops = loops
+
+    def __call__(self, image: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        acc = 0
+        for i in range(self.loops):
+            acc = (acc * 31 + i) & 0xFFFF
+        return image ^ np.uint8(acc & 0xFF)
+
+
+def calibrate(seconds: float) -> Work:
+    """A :class:`Work` that takes about ``seconds`` of CPU time (of this thread: the
+    same on a loaded machine, where its wall time is longer)."""
+    probe = Work(20_000)
+    image = np.zeros(SHAPE, np.uint8)
+    best = min(_cpu_time(probe, image) for _ in range(5))
+    return Work(max(1000, int(20_000 * seconds / best)))
+
+
+def _cpu_time(work: Work, image: np.ndarray[Any, Any]) -> float:
+    t0 = time.thread_time()
+    work(image)
+    return time.thread_time() - t0
+
+
+def images(iteration: int) -> list[np.ndarray[Any, Any]]:
+    """The batch of one iteration: images made from their index."""
+    base = iteration * BATCH
+    return [
+        np.full(SHAPE, (base + j) % 251, np.uint8) + np.arange(SHAPE[2], dtype=np.uint8)
+        for j in range(BATCH)
+    ]
+
+
+class _Batches:
+    """The DALI source: batch ``i`` of the pre-made ones, round and round."""
+
+    def __init__(self, n: int) -> None:
+        self.batches = [images(i) for i in range(n)]
+
+    def __call__(self, info: Any) -> list[np.ndarray[Any, Any]]:
+        return self.batches[info.iteration % len(self.batches)]
+
+
+class _Alone:
+    def __init__(self, work: Work) -> None:
+        self.work = work
+
+    def __call__(self, batch: list[Any]) -> list[Any]:
+        return [self.work(x) for x in batch]
+
+
+class _NaiveMap:
+    def __init__(self, work: Work, pool: mpexec.WorkerPool) -> None:
+        self.work, self.pool = work, pool
+
+    def __call__(self, batch: list[Any]) -> list[Any]:
+        return list(self.pool.map(self.work, batch, timeout=120))
+
+
+def _pipeline(function: Callable[..., Any], n_batches: int) -> Any:
+    from nvidia.dali import fn, pipeline_def
+
+    # Synchronous: all of an iteration's work happens inside run(), so a pipeline
+    # waiting for its turn computes nothing ahead (which would compete for the CPU
+    # with the one being measured, and make short rounds look fast).
+    @pipeline_def(
+        batch_size=BATCH, num_threads=1, device_id=None, exec_async=False, exec_pipelined=False
+    )
+    def graph() -> Any:
+        x = fn.external_source(source=_Batches(n_batches), batch=True, batch_info=True)
+        return fn.python_function(x, function=function, batch_processing=True)
+
+    pipe = graph()
+    pipe.build()
+    return pipe
+
+
+def _work_on(args: tuple[Work, int, int, int]) -> int:
+    """The control's task, in a plain process: ``work`` on rows ``a:b`` of batch ``i``."""
+    work, i, a, b = args
+    for x in images(i)[a:b]:
+        work(x)
+    return b - a
+
+
+def ceiling(work: Work, iterations: int, executor: Any) -> float:
+    """Samples/s on 2 plain processes over samples/s here, for ``iterations`` batches."""
+    half = BATCH // 2
+    t0 = time.perf_counter()
+    for i in range(iterations):
+        _work_on((work, i, 0, BATCH))
+    alone = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(iterations):
+        list(executor.map(_work_on, [(work, i, 0, half), (work, i, half, BATCH)]))
+    return alone / (time.perf_counter() - t0)
+
+
+def _rotations(systems: list[str], rounds: int) -> Iterator[list[str]]:
+    for r in range(rounds):
+        k = r % len(systems)
+        yield systems[k:] + systems[:k]
+
+
+def throughput(
+    functions: dict[str, Callable[..., Any]],
+    work: Work,
+    iterations: int,
+    rounds: int,
+    executor: Any,
+) -> dict[str, Any]:
+    reference = [np.stack([work(x) for x in images(i)]) for i in range(iterations)]
+    pipes = {name: _pipeline(f, iterations) for name, f in functions.items()}
+    runs = dict.fromkeys(pipes, 0)  # run() calls so far: run k returns batch k % iterations
+    rates: dict[str, list[float]] = {k: [] for k in pipes}
+    cpu: dict[str, list[float]] = {k: [] for k in pipes}  # this process's, per sample
+    identical = dict.fromkeys(pipes, True)
+    control: list[float] = []
+    for name, pipe in pipes.items():  # warm up: workers started, functions cached
+        pipe.run()
+        runs[name] += 1
+    ceiling(work, 1, executor)
+    for order in _rotations([*pipes, "control"], rounds):
+        for name in order:
+            if name == "control":
+                control.append(ceiling(work, iterations, executor))
+                continue
+            pipe = pipes[name]
+            c0, t0 = time.process_time(), time.perf_counter()
+            # DALI reuses an output's memory at the next run(): copied at once (~0.1 ms).
+            outs = [np.array(pipe.run()[0].as_tensor()) for _ in range(iterations)]
+            rates[name].append(iterations * BATCH / (time.perf_counter() - t0))
+            cpu[name].append((time.process_time() - c0) / (iterations * BATCH) * 1e6)
+            for k, out in enumerate(outs, start=runs[name]):
+                identical[name] &= bool(np.array_equal(out, reference[k % iterations]))
+            runs[name] += iterations
+    base = rates["DALI alone"]
+    out: dict[str, Any] = {
+        "samples_per_round": iterations * BATCH,
+        "host_ceiling": {
+            "median": statistics.median(control),
+            "min": min(control),
+            "max": max(control),
+            "rounds": control,
+        },
+        "by_system": {},
+    }
+    for name in pipes:
+        ratios = [r / b for r, b in zip(rates[name], base, strict=True)]
+        out["by_system"][name] = {
+            "samples_per_s": rates[name],
+            "dali_process_cpu_us_per_sample": statistics.median(cpu[name]),
+            "ratio_vs_alone": {
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "rounds": ratios,
+            },
+            "identical": identical[name],
+        }
+    return out
+
+
+def probe(work: Work) -> dict[str, Any]:
+    """Where copies happen, measured on a short run of each configuration."""
+    seen: dict[str, Any] = {}
+
+    def look(batch: list[Any]) -> list[Any]:
+        arrays = [np.asarray(x) for x in batch]
+        step = arrays[0].nbytes
+        seen["views_of_dali_memory"] = all(not a.flags.owndata for a in arrays)
+        seen["back_to_back"] = all(
+            a.ctypes.data == arrays[0].ctypes.data + i * step for i, a in enumerate(arrays)
+        )
+        seen["writable"] = all(a.flags.writeable for a in arrays)
+        out = [np.array(a) for a in arrays]
+        seen["returned_at"] = [a.ctypes.data for a in out]
+        seen["returned"] = out
+        return out
+
+    def after(batch: list[Any]) -> list[Any]:
+        seen["received_at"] = [np.asarray(a).ctypes.data for a in batch]
+        return list(batch)
+
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def(batch_size=BATCH, num_threads=1, device_id=None)
+    def graph() -> Any:
+        x = fn.external_source(source=_Batches(2), batch=True, batch_info=True)
+        y = fn.python_function(x, function=look, batch_processing=True)
+        return fn.python_function(y, function=after, batch_processing=True)
+
+    pipe = graph()
+    pipe.build()
+    pipe.run()
+    batch_bytes = BATCH * int(np.prod(SHAPE))
+    out = {
+        "dali_hands_views_of_its_buffer": seen["views_of_dali_memory"],
+        "dali_batch_back_to_back": seen["back_to_back"],
+        "dali_inputs_writable": seen["writable"],
+        "dali_copies_returned_arrays": seen["returned_at"] != seen["received_at"],
+        "batch_bytes": batch_bytes,
+    }
+    with mpexec.WorkerPool(WORKERS) as pool:
+        naive = _NaiveMap(work, pool)
+        before = pool.stats().bytes_copied
+        naive(images(0))
+        out["naive_bytes_copied_by_pool_per_batch"] = pool.stats().bytes_copied - before
+        spread = mpexec.dali.python_function(work, pool=pool)
+        before = pool.stats().bytes_copied
+        spread(images(0))
+        out["mpexec_dali_bytes_copied_by_pool_per_batch"] = pool.stats().bytes_copied - before
+    return out
+
+
+def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
+    try:
+        import nvidia.dali
+    except ImportError as exc:
+        log(f"[dali] skipped (not installed): {exc}")
+        return {"quick": quick, "skipped": str(exc), "errors": []}
+
+    iterations, rounds = (4, 2) if quick else (12, 7)
+    load_before = os.getloadavg()
+    commit, dirty = git_state("mpexec", "shm", "benchmarks")
+    result: dict[str, Any] = {
+        "quick": quick,
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "env": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "dali": nvidia.dali.__version__,
+            "mpexec": mpexec.__version__,
+            "cpus": os.cpu_count(),
+            "commit": commit,
+            "dirty": dirty,
+        },
+        "settings": {
+            "workers": WORKERS,
+            "batch_size": BATCH,
+            "image": list(SHAPE),
+            "iterations_per_round": iterations,
+            "rounds": rounds,
+        },
+        "errors": [],
+    }
+    t_start = time.perf_counter()
+    work = calibrate(WORK_SECONDS)
+    result["settings"]["work_ms_per_sample"] = round(
+        statistics.median(_cpu_time(work, np.zeros(SHAPE, np.uint8)) for _ in range(5)) * 1e3, 2
+    )
+    try:
+        log("[dali] probe")
+        result["copies"] = probe(work)
+        log("[dali] throughput")
+        ctx = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
+        with (
+            mpexec.WorkerPool(WORKERS) as pool,
+            ProcessPoolExecutor(WORKERS, mp_context=ctx) as executor,
+        ):
+            spread = mpexec.dali.python_function(work, num_workers=WORKERS)
+            try:
+                functions = {
+                    "DALI alone": _Alone(work),
+                    "DALI + WorkerPool.map": _NaiveMap(work, pool),
+                    "DALI + mpexec.dali": spread,
+                }
+                result["throughput"] = throughput(functions, work, iterations, rounds, executor)
+            finally:
+                spread.close()
+    except Exception as exc:
+        result["errors"].append(f"{type(exc).__name__}: {exc}")
+        log(traceback.format_exc())
+    result["load_avg"] = {"before": load_before, "after": os.getloadavg()}
+    result["duration_s"] = round(time.perf_counter() - t_start, 1)
+    result["targets"] = targets(result)
+    text = report(result)
+    print(text)
+    write("dali", result, text, out_dir, "DALI alone and DALI with mpexec")
+    return result
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    tp = result.get("throughput")
+    if not tp:
+        return []
+    ours = tp["by_system"]["DALI + mpexec.dali"]["ratio_vs_alone"]["median"]
+    naive = tp["by_system"]["DALI + WorkerPool.map"]["ratio_vs_alone"]["median"]
+    return [
+        {
+            "target": "DALI + mpexec.dali vs DALI alone, 2 workers",
+            "value": ours,
+            "op": ">=",
+            "threshold": TARGET_RATIO,
+            "pass": ours >= TARGET_RATIO,
+            "note": "median of per-round ratios",
+        },
+        {
+            "target": "DALI + mpexec.dali vs the host's 2-process ceiling",
+            "value": ours / tp["host_ceiling"]["median"],
+            "op": ">=",
+            "threshold": None,
+            "pass": True,
+            "note": "for reading the first line on a loaded host (no target)",
+        },
+        {
+            "target": "mpexec.dali vs the naive WorkerPool.map wrapper",
+            "value": ours / naive,
+            "op": ">",
+            "threshold": 1.0,
+            "pass": ours > naive,
+            "note": f"naive: {naive:.2f}x DALI alone",
+        },
+    ]
+
+
+def report(result: dict[str, Any]) -> str:
+    env, st = result["env"], result["settings"]
+    load = result["load_avg"]
+    parts = [
+        (
+            f"DALI {env['dali']} CPU pipeline with a python_function of "
+            f"{st.get('work_ms_per_sample', '?')} ms CPU/sample (batch {st['batch_size']}, "
+            f"{'x'.join(map(str, st['image']))} uint8), {st['workers']} workers; Python "
+            f"{env['python']}, {env['cpus']} CPUs; load average {load['before'][0]:.1f} before, "
+            f"{load['after'][0]:.1f} after"
+        )
+    ]
+    tp = result.get("throughput")
+    if tp:
+        rows = []
+        for name, row in tp["by_system"].items():
+            r = row["ratio_vs_alone"]
+            rates = row["samples_per_s"]
+            rows.append(
+                [
+                    name,
+                    f"{statistics.median(rates):.1f}",
+                    f"{min(rates):.1f} - {max(rates):.1f}",
+                    f"{r['median']:.2f}x",
+                    f"{r['min']:.2f} - {r['max']:.2f}",
+                    fmt_time(row["dali_process_cpu_us_per_sample"]),
+                    "yes" if row["identical"] else "NO",
+                ]
+            )
+        c = tp["host_ceiling"]
+        parts.append(
+            f"Throughput, {tp['samples_per_round']} samples a round, "
+            f"{st['rounds']} rounds\n\n"
+            + table(
+                [
+                    "system",
+                    "samples/s",
+                    "range",
+                    "vs alone",
+                    "ratio range",
+                    "DALI process CPU/sample",
+                    "identical",
+                ],
+                rows,
+            )
+            + f"\n\nthe host's 2-process ceiling (plain processes, same work, same rounds): "
+            f"{c['median']:.2f}x ({c['min']:.2f} - {c['max']:.2f})"
+        )
+    copies = result.get("copies")
+    if copies:
+        yes = {True: "yes", False: "no"}
+        kib = copies["batch_bytes"] / 1024
+        naive_kib = copies["naive_bytes_copied_by_pool_per_batch"] / 1024
+        ours_kib = copies["mpexec_dali_bytes_copied_by_pool_per_batch"] / 1024
+        rows = [
+            [
+                "DALI hands the function views of its own buffer",
+                yes[copies["dali_hands_views_of_its_buffer"]],
+            ],
+            [
+                "... the batch's samples back to back (one run of memory)",
+                yes[copies["dali_batch_back_to_back"]],
+            ],
+            ["... writable", yes[copies["dali_inputs_writable"]]],
+            [
+                "DALI copies the arrays the function returns",
+                yes[copies["dali_copies_returned_arrays"]],
+            ],
+            [
+                "naive map: bytes the pool copied as arguments, per batch",
+                f"{naive_kib:.0f} KiB ({kib:.0f} KiB batch)",
+            ],
+            [
+                "mpexec.dali: bytes the pool copied as arguments, per batch",
+                f"{ours_kib:.0f} KiB (its one copy: its own memcpy into a shared block)",
+            ],
+        ]
+        parts.append("Where the copies are\n\n" + table(["what", "measured"], rows, right=set()))
+    if result.get("targets"):
+        parts.append(targets_text(result["targets"]))
+    parts.extend(f"error: {e}" for e in result["errors"])
+    parts.append(f"took {result['duration_s']} s")
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli("dali_bench", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Start-up: how long until the first result, for a pool, a pipeline and a DataLoader.
+
+Every figure comes from a fresh interpreter (``python -c``), so that imports,
+fork servers and first mappings are paid as a user's script pays them; the
+probes take turns, round after round (the one going first rotating), and
+each system's median and spread are reported with the ratio to its peer
+measured in the same rounds.
+
+pool
+    ``import mpexec``; then ``WorkerPool(2)`` until both workers answered,
+    plus its first round trip (``submit(echo).result()``); then a second and
+    a third pool in the same process ("later pools": what a test suite or a
+    notebook pays again). For each start method: fork, forkserver, spawn.
+    ``concurrent.futures.ProcessPoolExecutor(2)`` is the peer (its workers
+    start lazily: its first round trip includes them).
+
+pipeline
+    A two-op pipeline (per-sample ``external_source``, ``python_function``) of
+    light samples: from ``pipeline_def`` to the first batch (build, workers,
+    first iteration), and the second batch.
+
+dataloader
+    ``mpexec.torch.DataLoader`` and ``torch.utils.data.DataLoader`` with the
+    same map-style data set (light samples: the start is what is measured),
+    ``num_workers=2``, not persistent: the time from ``iter(loader)`` to the
+    first batch, for each of three epochs (each epoch starts its workers
+    anew, in both). Needs torch; skipped without it.
+
+Run with ``python -m benchmarks startup`` (``--quick``: fewer rounds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import RESULTS, cli, fmt_time, git_state, log, table, write
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("fork", "forkserver", "spawn")
+PROBE_TIMEOUT = 120.0
+
+# Each probe prints one JSON line: name -> seconds. They run in a fresh
+# interpreter whose working directory is the checkout (so ``benchmarks`` imports).
+_POOL_PROBE = """
+import time
+t0 = time.perf_counter()
+import mpexec
+t_import = time.perf_counter() - t0
+from benchmarks._workloads import echo
+out = {"import mpexec": t_import}
+for i in range(3):
+    t0 = time.perf_counter()
+    pool = mpexec.WorkerPool(2, start_method=METHOD)
+    t_up = time.perf_counter() - t0
+    pool.submit(echo, 1).result(60)
+    t_first = time.perf_counter() - t0
+    pool.shutdown()
+    label = "first pool" if i == 0 else "later pool"
+    out.setdefault(label + ": started", []).append(t_up)
+    out.setdefault(label + ": first result", []).append(t_first)
+print("RESULT " + json.dumps({k: min(v) if isinstance(v, list) else v for k, v in out.items()}))
+"""
+
+_PPE_PROBE = """
+import time, multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from benchmarks._workloads import echo
+out = {}
+for i in range(3):
+    t0 = time.perf_counter()
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(METHOD))
+    pool.submit(echo, 1).result(60)
+    t_first = time.perf_counter() - t0
+    pool.shutdown()
+    label = "first pool" if i == 0 else "later pool"
+    out.setdefault(label + ": first result", []).append(t_first)
+print("RESULT " + json.dumps({k: min(v) for k, v in out.items()}))
+"""
+
+_PIPELINE_PROBE = """
+import time
+t0 = time.perf_counter()
+import mpexec
+from mpexec import fn
+from benchmarks import _workloads as wl
+
+@mpexec.pipeline_def(batch_size=wl.LIGHT_BATCH, num_workers=2, seed=1, start_method=METHOD)
+def light():
+    x, i = fn.external_source(source=lambda info: wl.light_load(info.idx_in_epoch),
+                              batch=False, num_outputs=2)
+    return fn.python_function(x, i, function=wl.light_transform)
+
+with light() as pipe:
+    pipe.run()
+    t_first = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    pipe.run()
+    t_second = time.perf_counter() - t1
+print("RESULT " + json.dumps({"first batch (import included)": t_first,
+                              "second batch": t_second}))
+"""
+
+_LOADER_PROBE = """
+import time
+import torch
+import torch.utils.data as tud
+from benchmarks import _workloads as wl
+
+class Light(tud.Dataset):
+    def __len__(self):
+        return 16 * wl.LIGHT_BATCH
+    def __getitem__(self, i):
+        return torch.from_numpy(wl.light_load(i)[0])
+
+if SYSTEM == "mpexec":
+    from mpexec.torch import DataLoader
+else:
+    DataLoader = tud.DataLoader
+loader = DataLoader(Light(), batch_size=wl.LIGHT_BATCH, num_workers=2)
+out = {}
+for epoch in range(3):
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    out[f"epoch {epoch}: first batch"] = time.perf_counter() - t0
+    for _ in it:
+        pass
+    del it
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _probe(code: str, **names: str) -> dict[str, float]:
+    """Run ``code`` in a fresh interpreter with ``names`` bound; its RESULT line."""
+    prologue = "import json\n" + "".join(f"{k} = {v!r}\n" for k, v in names.items())
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", prologue + textwrap.dedent(code)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=PROBE_TIMEOUT,
+        check=False,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {k: float(v) for k, v in json.loads(line[7:]).items()}
+    raise RuntimeError(f"probe failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+
+
+def _have_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def _probes(quick: bool) -> dict[str, tuple[str, dict[str, str]]]:
+    """System label -> (probe code, names it is run with)."""
+    methods = ("forkserver",) if quick else METHODS
+    probes: dict[str, tuple[str, dict[str, str]]] = {}
+    for m in methods:
+        probes[f"mpexec WorkerPool ({m})"] = (_POOL_PROBE, {"METHOD": m})
+        probes[f"ProcessPoolExecutor ({m})"] = (_PPE_PROBE, {"METHOD": m})
+        probes[f"mpexec pipeline ({m})"] = (_PIPELINE_PROBE, {"METHOD": m})
+    if _have_torch():
+        probes["mpexec.torch.DataLoader"] = (_LOADER_PROBE, {"SYSTEM": "mpexec"})
+        probes["torch DataLoader"] = (_LOADER_PROBE, {"SYSTEM": "torch"})
+    return probes
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def _ratio_rows(res: dict[str, dict[str, dict[str, float]]]) -> list[list[str]]:
+    """Ours over the peer's median, for every figure both report."""
+    pairs = [(f"mpexec WorkerPool ({m})", f"ProcessPoolExecutor ({m})") for m in METHODS]
+    pairs.append(("mpexec.torch.DataLoader", "torch DataLoader"))
+    rows = []
+    for ours, peer in pairs:
+        if ours not in res or peer not in res:
+            continue
+        for what, s in res[ours].items():
+            if what in res[peer]:
+                p = res[peer][what]
+                rows.append(
+                    [
+                        ours,
+                        what,
+                        fmt_time(s["median"] * 1e6),
+                        fmt_time(p["median"] * 1e6),
+                        f"{s['median'] / p['median']:.2f}x",
+                    ]
+                )
+    return rows
+
+
+def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
+    rounds = 2 if quick else 5
+    probes = _probes(quick)
+    names = list(probes)
+    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    errors: list[str] = []
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            code, bound = probes[name]
+            try:
+                got = _probe(code, **bound)
+            except (RuntimeError, subprocess.SubprocessError) as exc:
+                errors.append(f"{name}: {exc}")
+                log(f"[startup] {name}: {exc}")
+                continue
+            for what, seconds in got.items():
+                samples[name].setdefault(what, []).append(seconds)
+        log(f"[startup] round {r + 1}/{rounds} done")
+    res = {n: {w: _summary(v) for w, v in figs.items()} for n, figs in samples.items()}
+    commit, dirty = git_state("mpexec", "shm", "benchmarks")
+    result: dict[str, Any] = {
+        "quick": quick,
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "env": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "commit": commit,
+            "dirty": dirty,
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "seconds": time.perf_counter() - t_start,
+        },
+        "rounds": rounds,
+        "systems": res,
+        "errors": errors,
+    }
+    rows = [
+        [
+            name,
+            what,
+            fmt_time(s["median"] * 1e6),
+            fmt_time(s["min"] * 1e6),
+            fmt_time(s["max"] * 1e6),
+        ]
+        for name, figs in res.items()
+        for what, s in figs.items()
+    ]
+    text = (
+        f"Start-up, {rounds} rounds, each probe in a fresh interpreter "
+        f"(load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after)\n\n"
+        + table(["system", "figure", "median", "min", "max"], rows, right={2, 3, 4})
+        + "\n\nOurs against the peer (medians of the same rounds)\n\n"
+        + table(["ours", "figure", "ours", "peer", "ratio"], _ratio_rows(res), right={2, 3, 4})
+        + "\n"
+        + ("".join(f"\nerror: {e}" for e in errors))
+    )
+    print(text)
+    write("startup", result, text, out_dir, "start-up times of each system")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli("startup_bench", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

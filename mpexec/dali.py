@@ -1,0 +1,424 @@
+"""mpexec inside a real DALI pipeline, both ways (``nvidia-dali``, an optional extra).
+
+A DALI pipeline keeps its GPU decoders and augmentations; mpexec brings the
+Python steps in it to every core:
+
+- :func:`python_function` wraps a Python function for DALI's
+  ``fn.python_function(..., function=f, batch_processing=True)``: each batch
+  DALI hands it is spread over mpexec's worker processes, instead of running
+  under the GIL in DALI's one Python thread.
+- :func:`source` (and :func:`external_source`, which makes the DALI op) feeds
+  an mpexec pipeline's batches to DALI's ``fn.external_source``: epochs end
+  where the mpexec pipeline's do, with its seeded determinism.
+
+Nothing here imports DALI except :func:`external_source`.
+
+::
+
+    DALI's executor thread           mpexec.dali.python_function     WorkerPool
+    ----------------------           ---------------------------     ----------
+    python_function op  -- lists of arrays (views of DALI's buffers) -->
+                                     one copy into a shared block
+                                     per input (the one copy: DALI's
+                                     memory is not shared)
+                                     chunks of rows, and their rows
+                                     of an output block  -- submit() -->  workers call
+                                                                          f per sample,
+                                                                          write its result
+                                     the block's rows (or, ragged,         into the block
+                         <-- lists --  the workers' own arrays)  <-------
+    DALI copies them into its outputs (DALI's own copy)
+
+    mpexec Pipeline.run() --> Batch (shared memory) --> source(pipe) --> DALI
+                              dense block as one array, no_copy=True: DALI reads it in place
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+import numpy as np
+
+from ._batch import Batch
+from ._codec import writable
+from ._pipeline import Pipeline
+from ._pool import WorkerPool
+
+__all__ = ["DaliFunction", "PipelineSource", "external_source", "python_function", "source"]
+
+#: A chunk of a batch should keep a worker busy about this long (CPU time): short
+#: enough that a worker slowed down by other load leaves a short tail, long enough
+#: that a chunk's cost here (a call: ~0.2 ms of this process's CPU) is a small
+#: part of it.
+_CHUNK_SECONDS = 0.02
+_MAX_CHUNKS_PER_WORKER = 4
+
+
+def python_function(
+    function: Callable[..., Any],
+    num_workers: int | None = None,
+    *,
+    num_outputs: int = 1,
+    batch_processing: bool = False,
+    pool: WorkerPool | None = None,
+    start_method: str | None = None,
+    timeout: float | None = None,
+) -> DaliFunction:
+    """``function`` run in mpexec's workers, for DALI's ``fn.python_function``.
+
+    Pass the result as ``function=`` with ``batch_processing=True`` (and the
+    same ``num_outputs``)::
+
+        spread = mpexec.dali.python_function(augment, num_workers=4)
+        out = nvidia.dali.fn.python_function(images, function=spread, batch_processing=True)
+
+    ``function`` is called per sample (``batch_processing=False``, DALI's
+    default meaning) with one array per input, or, with
+    ``batch_processing=True``, with lists of samples: then each call gets a
+    part of the batch, and its outputs are joined in order. Exceptions come
+    back with their own type. The workers start on the first call (or use
+    ``pool``); ``close()`` (or the returned object's ``with``) stops them,
+    garbage collection and exit do too.
+    """
+    return DaliFunction(
+        function,
+        num_workers,
+        num_outputs=num_outputs,
+        batch_processing=batch_processing,
+        pool=pool,
+        start_method=start_method,
+        timeout=timeout,
+    )
+
+
+class _ChunkRunner:
+    """Runs in a worker: ``function`` over rows of a batch (sent once, cached there).
+
+    ``out``: per output, the rows of the batch's output block for this chunk
+    (writable shared memory), or None. An output whose samples all fit their
+    rows (shape and dtype) is written there and comes back as None: only the
+    block travels, as one descriptor, and the caller hands DALI its rows.
+    """
+
+    def __init__(self, function: Callable[..., Any], num_outputs: int, batch: bool) -> None:
+        self.function = function
+        self.num_outputs = num_outputs
+        self.batch = batch
+
+    def __call__(
+        self, *columns: Sequence[Any], out: tuple[Any, ...] = ()
+    ) -> tuple[float, tuple[Any, ...]]:
+        """(CPU seconds the chunk took here, per output: its samples, or None if written)."""
+        t0 = time.thread_time()
+        n = self.num_outputs
+        results = self._compute(columns)
+        written = tuple(
+            None if block is not None and _write_rows(block, col) else col
+            for col, block in zip(results, out or (None,) * n, strict=True)
+        )
+        return time.thread_time() - t0, written
+
+    def _compute(self, columns: Sequence[Sequence[Any]]) -> list[list[Any]]:
+        n = self.num_outputs
+        if self.batch:
+            got = self.function(*(list(c) for c in columns))  # lists, as DALI gives
+            parts = () if n == 0 else (got,) if n == 1 else _outputs(got, n)
+            return [[np.asarray(v) for v in p] for p in parts]
+        results: list[list[Any]] = [[] for _ in range(n)]
+        for row in zip(*columns, strict=True):
+            got = self.function(*row)
+            if n == 0:
+                continue
+            for col, value in zip(results, (got,) if n == 1 else _outputs(got, n), strict=True):
+                col.append(np.asarray(value))
+        return results
+
+
+def _write_rows(block: np.ndarray[Any, Any], samples: list[Any]) -> bool:
+    """``samples`` copied into the rows of ``block`` if every one fits its row exactly."""
+    if len(samples) != len(block):
+        return False
+    shape, dtype = block.shape[1:], block.dtype
+    if not all(s.shape == shape and s.dtype == dtype for s in samples):
+        return False
+    for row, s in zip(block, samples, strict=True):
+        row[...] = s
+    return True
+
+
+def _outputs(out: Any, n: int) -> tuple[Any, ...]:
+    if not isinstance(out, (tuple, list)) or len(out) != n:
+        got = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise ValueError(
+            f"the function has num_outputs={n}: it must return a tuple of {n} outputs, not {got}"
+        )
+    return tuple(out)
+
+
+class DaliFunction:
+    """What :func:`python_function` returns: call it with DALI's batches (lists of arrays)."""
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        num_workers: int | None = None,
+        *,
+        num_outputs: int = 1,
+        batch_processing: bool = False,
+        pool: WorkerPool | None = None,
+        start_method: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        if not callable(function):
+            raise TypeError(f"function must be callable, not {type(function).__name__}")
+        if isinstance(num_outputs, bool) or num_outputs < 0:
+            raise ValueError(f"num_outputs must be an int >= 0, not {num_outputs!r}")
+        self.function = function
+        self.num_outputs = num_outputs
+        self.batch_processing = batch_processing
+        self._runner = _ChunkRunner(function, num_outputs, batch_processing)
+        self._given_pool = pool
+        self._pool_args = {"start_method": start_method, "timeout": timeout}
+        self._num_workers = num_workers
+        self._pool: WorkerPool | None = pool
+        self._lock = threading.Lock()
+        self._per_sample = 0.0  # seconds per sample seen so far, for the chunk size
+        # Per output: (sample shape, dtype) of the last batch, where all its samples
+        # shared them: the next batch gets an output block of that.
+        self._specs: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = [None] * num_outputs
+        self._finalizer: weakref.finalize[Any, DaliFunction] | None = None
+
+    @property
+    def pool(self) -> WorkerPool:
+        """The workers (started now if not yet)."""
+        with self._lock:
+            if self._pool is None:
+                own = WorkerPool(self._num_workers, **self._pool_args)  # type: ignore[arg-type]
+                self._finalizer = weakref.finalize(self, own.shutdown, False, cancel_futures=True)
+                self._pool = own
+            return self._pool
+
+    def __call__(self, *inputs: Sequence[Any]) -> Any:
+        pool = self.pool
+        if not inputs:
+            raise TypeError("mpexec.dali.python_function needs at least one input (a batch)")
+        size = len(inputs[0])
+        if any(len(x) != size for x in inputs):
+            raise ValueError("the inputs hold batches of different sizes")
+        columns = [_shared_rows(pool, list(x)) for x in inputs]
+        workers = max(1, pool.num_workers)
+        bounds = _chunks(size, workers, self._per_sample)
+        blocks = [None if sp is None else pool.empty((size, *sp[0]), sp[1]) for sp in self._specs]
+        timed = self._run_chunks(pool, workers, columns, bounds, blocks)
+        results = [r for _, r in timed]
+        if size:  # CPU seconds per sample in the workers, whatever the load: the next cut
+            self._per_sample = sum(t for t, _ in timed) / size
+        n = self.num_outputs
+        if n == 0:
+            return None
+        joined = []
+        for i in range(n):
+            col: list[Any] = []
+            for r, (a, b) in zip(results, bounds, strict=True):
+                if r[i] is None:  # written into the block: its rows
+                    col.extend(blocks[i][a:b])  # type: ignore[index]
+                else:
+                    col.extend(r[i])
+            self._learn(i, col)
+            joined.append(col)
+        return joined[0] if n == 1 else tuple(joined)
+
+    def _learn(self, i: int, col: list[Any]) -> None:
+        """A batch whose samples of output ``i`` share a shape and dtype sets the next
+        batch's block; a ragged batch leaves it as it was."""
+        if not col:
+            return
+        first = col[0]
+        if first.dtype.hasobject:
+            return
+        if all(a.shape == first.shape and a.dtype == first.dtype for a in col):
+            self._specs[i] = (tuple(first.shape), first.dtype)
+
+    def _run_chunks(
+        self,
+        pool: WorkerPool,
+        workers: int,
+        columns: list[Any],
+        bounds: list[tuple[int, int]],
+        blocks: list[Any],
+    ) -> list[Any]:
+        """Each chunk's result, in order. Two chunks a worker are in flight (one running,
+        one queued behind it, so that no worker waits for a round trip between
+        chunks); the rest go out as chunks come back, to the least busy worker:
+        one slowed down by other load takes fewer of them."""
+        results: list[Any] = [None] * len(bounds)
+        todo = iter(enumerate(bounds))
+        running: dict[Future[Any], int] = {}
+
+        def submit_next() -> None:
+            nxt = next(todo, None)
+            if nxt is not None:
+                i, (a, b) = nxt
+                out = tuple(None if k is None else writable(k[a:b]) for k in blocks)
+                running[pool.submit(self._runner, *(c[a:b] for c in columns), out=out)] = i
+
+        for _ in range(2 * workers):
+            submit_next()
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                results[running.pop(f)] = f.result()
+                submit_next()
+        return results
+
+    def close(self) -> None:
+        """Stop the workers it started (a pool it was given is left running); idempotent."""
+        with self._lock:
+            pool, self._pool = self._pool, self._given_pool
+            finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> DaliFunction:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        name = getattr(self.function, "__qualname__", type(self.function).__name__)
+        return f"mpexec.dali.python_function({name}, num_outputs={self.num_outputs})"
+
+
+def _shared_rows(pool: WorkerPool, samples: list[Any]) -> Any:
+    """The samples copied into the pool's shared memory: one block (its rows are the
+    samples), or, for samples of different shapes, a list of views of one buffer.
+
+    One copy in all, and a chunk of rows travels as one descriptor. DALI hands
+    a batch as views of its own buffer, often one contiguous run of memory:
+    then the copy is one ``memcpy``.
+    """
+    arrays = [np.asarray(s) for s in samples]
+    if not arrays:
+        return []
+    first = arrays[0]
+    if all(a.shape == first.shape and a.dtype == first.dtype for a in arrays):
+        dense = _adjacent(arrays)
+        block = pool.empty((len(arrays), *first.shape), first.dtype)
+        if dense is not None:
+            np.copyto(block, dense)
+        else:
+            np.stack(arrays, out=block)
+        return block
+    nbytes = [a.nbytes for a in arrays]
+    raw = pool.empty((sum(nbytes),), np.uint8)
+    out, at = [], 0
+    for a, nb in zip(arrays, nbytes, strict=True):
+        view = raw[at : at + nb].view(a.dtype).reshape(a.shape)
+        np.copyto(view, a)
+        out.append(view)
+        at += nb
+    return out
+
+
+def _adjacent(arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any] | None:
+    """One array over samples that lie back to back in memory (as DALI's do), else None."""
+    first = arrays[0]
+    step = first.nbytes
+    if not first.flags.c_contiguous or step == 0:
+        return None
+    base = first.ctypes.data
+    for i, a in enumerate(arrays):
+        if not a.flags.c_contiguous or a.ctypes.data != base + i * step:
+            return None
+    return np.lib.stride_tricks.as_strided(
+        first, shape=(len(arrays), *first.shape), strides=(step, *first.strides), writeable=False
+    )
+
+
+def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]:
+    """Rows per call: one chunk per worker, more where samples are slow (a shorter tail)."""
+    if size == 0:
+        return [(0, 0)]
+    per_worker = round(size * per_sample / workers / _CHUNK_SECONDS) if per_sample else 1
+    k = max(1, min(size, workers * max(1, min(_MAX_CHUNKS_PER_WORKER, per_worker))))
+    return [(size * i // k, size * (i + 1) // k) for i in range(k)]
+
+
+# ---------------------------------------------------------------- mpexec as a source
+
+
+class PipelineSource:
+    """An mpexec pipeline's batches, as DALI's ``external_source`` reads an iterable.
+
+    Each item is one iteration: per output, the batch as one array where it is
+    dense (the pipeline's block itself, uncopied), else its list of arrays; a
+    tuple of them for several outputs. The last ``keep`` iterations are held,
+    so DALI may read them in place (``no_copy=True``) until it has used them.
+    ``iter()`` after the first starts the pipeline's next epoch (DALI calls it
+    again at the end of an epoch with ``cycle="raise"``).
+    """
+
+    def __init__(self, pipe: Pipeline, outputs: Sequence[int] | None = None, keep: int = 4) -> None:
+        self.pipe = pipe
+        self.outputs = tuple(outputs) if outputs is not None else None
+        self._held: collections.deque[tuple[Batch, ...]] = collections.deque(maxlen=max(1, keep))
+        self._started = False
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._started:
+            self.pipe.reset()
+        self._started = True
+        return self
+
+    def __next__(self) -> Any:
+        result = self.pipe.run()  # StopIteration ends DALI's epoch too
+        if self.outputs is not None:
+            result = tuple(result[i] for i in self.outputs)
+        self._held.append(result)
+        items = tuple(b.as_array() if b.is_dense() and len(b) else list(b) for b in result)
+        return items[0] if len(items) == 1 else items
+
+
+def source(pipe: Pipeline, outputs: Sequence[int] | None = None, keep: int = 4) -> PipelineSource:
+    """``pipe``'s batches for ``nvidia.dali.fn.external_source(source=..., batch=True)``.
+
+    ``outputs``: which of the pipeline's outputs (default: all; give DALI
+    ``num_outputs`` to match when there are several). See :class:`PipelineSource`.
+    """
+    return PipelineSource(pipe, outputs, keep)
+
+
+def external_source(
+    pipe: Pipeline, outputs: Sequence[int] | None = None, keep: int = 4, **kwargs: Any
+) -> Any:
+    """DALI's ``fn.external_source`` fed by ``pipe``: call it inside a DALI pipeline definition.
+
+    Defaults, each overridable: ``batch=True``, ``no_copy=True`` (DALI reads
+    mpexec's shared memory in place; :class:`PipelineSource` holds it long
+    enough), ``cycle="raise"`` (each DALI epoch is one of ``pipe``'s; reset the
+    DALI pipeline after its ``StopIteration``) and ``num_outputs``. Returns what
+    DALI's op returns.
+    """
+    try:
+        from nvidia.dali import fn as dali_fn
+    except ImportError as exc:
+        raise ImportError(
+            "mpexec.dali.external_source needs NVIDIA DALI: pip install 'mpexec[dali]' "
+            "(or feed mpexec.dali.source(pipe) to your own DALI external_source)"
+        ) from exc
+    src = source(pipe, outputs, keep)
+    n = len(outputs) if outputs is not None else pipe.num_outputs
+    options: dict[str, Any] = {"batch": True, "no_copy": True, "cycle": "raise"}
+    if n > 1:
+        options["num_outputs"] = n
+    options.update(kwargs)
+    return dali_fn.external_source(source=src, **options)

@@ -1,0 +1,13 @@
+"""DALI's ``nvidia.dali.pipeline`` for mpexec: ``Pipeline``, ``pipeline_def``, ``DataNode``.
+
+``from mpexec.pipeline import Pipeline`` stands where ``from
+nvidia.dali.pipeline import Pipeline`` stood; these are the same objects as
+``mpexec.Pipeline`` and ``mpexec.pipeline_def``.
+"""
+
+from __future__ import annotations
+
+from ._graph import DataNode
+from ._pipeline import Pipeline, pipeline_def
+
+__all__ = ["DataNode", "Pipeline", "pipeline_def"]
