@@ -26,6 +26,13 @@ arguments and results defined there, travel by value (cloudpickle). So:
   caught and its traceback sent back through a pipe, to be raised by the pool
   instead of being printed behind an exit code.
 
+A value can travel with the workers being started (:func:`sending`): it is
+pickled, like a ``Process``'s own arguments, while the child-to-be is exposed,
+so that multiprocessing's objects in it (a ``Value``, a ``Lock``, a
+``Semaphore``: what PyTorch's DataLoader workers receive in their dataset) go
+as they go to a Process of multiprocessing's, by name or by a passed fd;
+functions and classes go by value (cloudpickle).
+
 ``fork`` copies the parent, runs no main module, and needs none of this. What
 still needs the guard: the *user's own* spawn or forkserver children (their
 multiprocessing, a PyTorch DataLoader...) run the main module, and a pool
@@ -34,14 +41,17 @@ created there is refused with :class:`MainModuleError`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copyreg
 import io
+import itertools
 import multiprocessing as mp
 import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from multiprocessing import context as mp_context
 from multiprocessing import (
     forkserver,
@@ -52,9 +62,12 @@ from multiprocessing import (
     spawn,
     util,
 )
-from typing import Any
+from typing import Any, ClassVar
 
-from ._errors import BrokenPoolError, MainModuleError, RemoteTraceback
+import cloudpickle
+
+from ._codec import describe_unpicklable
+from ._errors import BrokenPoolError, MainModuleError, RemoteTraceback, SerializationError
 
 #: The main-module entries of multiprocessing's preparation data.
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
@@ -204,7 +217,12 @@ class _Bootstrapped:
         if popen is None or self._report is None:
             raise TypeError("a worker process is pickled only to start it")
         state = {k: v for k, v in self.__dict__.items() if k not in ("_report", "_target", "_args")}
-        payload = bytes(reduction.ForkingPickler.dumps((self._target, self._args, self._kwargs)))
+        call = (self._target, self._args, self._kwargs)
+        values = getattr(_sending, "values", None)
+        if values:
+            sent = {key: _dump_for_child(value, what) for key, (value, what) in values.items()}
+            call = (_run_with, (sent, *call), {})
+        payload = bytes(reduction.ForkingPickler.dumps(call))
         report = popen.DupFd(popen.duplicate_for_child(self._report.write_fd))
         state.update(_target=exec, _args=(_BOOTSTRAP, {"payload": payload, "report": report}))
         state["_kwargs"] = {}
@@ -212,6 +230,70 @@ class _Bootstrapped:
         # standard class, which the child can load before mpexec is importable.
         rebuild = copyreg._reconstructor  # type: ignore[attr-defined]  # noqa: SLF001 - see above
         return (rebuild, (self._base, object, None), state)
+
+
+# ------------------------------------------------------------------ values sent with workers
+_sending = threading.local()  # .values: key -> (value, what), for processes this thread starts
+_sent_keys = itertools.count()
+_received: dict[int, bytes] = {}  # in a worker: what came with it, by key
+
+
+class Sent:
+    """A stand-in for a value sent with the workers being started (see :func:`sending`)."""
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    def receive(self) -> Any:
+        """In the worker: the value itself, unpickled here (each call, a new copy)."""
+        data = _received.get(self.key)
+        if data is None:
+            raise RuntimeError(
+                "this process was not started with the value it expects (mpexec._launch.sending)"
+            )
+        return cloudpickle.loads(data)
+
+
+@contextlib.contextmanager
+def sending(value: Any, what: str) -> Iterator[Sent]:
+    """Send ``value`` with every spawn or fork-server worker this thread starts in the block.
+
+    It is pickled as each process starts, as multiprocessing pickles a
+    Process's arguments (see the module docstring); the worker gets it from
+    the :class:`Sent` yielded here. A value that cannot be pickled is a
+    :class:`SerializationError` naming ``what``, raised by the start.
+    """
+    values = _sending.__dict__.setdefault("values", {})
+    key = next(_sent_keys)
+    values[key] = (value, what)
+    try:
+        yield Sent(key)
+    finally:
+        del values[key]
+
+
+class _ChildPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    # multiprocessing's own reducers (a SemLock's name, a shared heap's fd) first.
+    dispatch_table: ClassVar[collections.ChainMap[Any, Any]] = collections.ChainMap(
+        # multiprocessing's reducer registry, which has no public face.
+        reduction.ForkingPickler._extra_reducers,  # type: ignore[attr-defined]  # noqa: SLF001
+        cloudpickle.Pickler.dispatch_table,
+    )
+
+
+def _dump_for_child(value: Any, what: str) -> bytes:
+    buf = io.BytesIO()
+    try:
+        _ChildPickler(buf, protocol=5).dump(value)
+    except Exception as exc:
+        raise SerializationError(describe_unpicklable(value, what, exc)) from exc
+    return buf.getvalue()
+
+
+def _run_with(sent: dict[int, bytes], target: Any, args: Any, kwargs: Any) -> None:
+    """In a worker: keep what was sent with it, then run the process's target."""
+    _received.update(sent)
+    target(*args, **kwargs)
 
 
 class _SpawnPopen(popen_spawn_posix.Popen):

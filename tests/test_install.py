@@ -52,21 +52,7 @@ def test_texts_are_found() -> None:
     assert {"README.md", "install.md", "ray.md", "jax.py", "ray_basics.py"} <= names
 
 
-def _text_param(path: Path) -> object:
-    if path.name == "torch.py" and path.parent.name == "mpexec":
-        return pytest.param(path, marks=TORCH_ELSEWHERE)
-    return path
-
-
-#: mpexec/torch.py is another branch's to edit; its hint changes when that lands.
-TORCH_ELSEWHERE = pytest.mark.xfail(
-    strict=True,
-    reason="mpexec/torch.py belongs to another branch; its hint is to become "
-    "_extras.missing_message('torch', _exc) when that lands",
-)
-
-
-@pytest.mark.parametrize("path", [_text_param(p) for p in TEXTS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", TEXTS, ids=lambda p: p.name)
 def test_no_install_from_an_index(path: Path) -> None:
     text = path.read_text()
     bad = [m.group(0) for m in FROM_AN_INDEX.finditer(text)]
@@ -136,12 +122,7 @@ def _import_without(module: str, framework: str) -> str:
         ("jax", "jax", "jax"),
         ("tf", "tf", "tensorflow"),
         ("ray", "ray", "ray"),
-        pytest.param(
-            "torch",
-            "torch",
-            "torch",
-            marks=TORCH_ELSEWHERE,
-        ),
+        ("torch", "torch", "torch"),
     ],
 )
 def test_missing_framework_hint_matches_the_docs(module: str, extra: str, framework: str) -> None:

@@ -1,10 +1,11 @@
 """mpexec.torch.DataLoader: torch's DataLoader with one import changed.
 
 Batches are fetched and collated in mpexec's workers, straight into shared
-memory; the tensors you get are views of it. Then: resuming an epoch where it
-stopped, from a JSON-able state. Needs the extra: pip install -e ".[torch]" in a
-checkout of mpexec (docs/install.md: for a CPU-only torch, install it first from PyTorch's CPU
-wheel index).
+memory; the tensors you get are views of it (shared memory, as torch's:
+``is_shared()``). Then: where the time goes (``loader.stats()``), and resuming an
+epoch where it stopped, from a JSON-able state. Needs the extra: pip install -e
+".[torch]" in a checkout of mpexec (docs/install.md: for a CPU-only torch, install it
+first from PyTorch's CPU wheel index).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main() -> None:
     )
     for batch in loader:
         print(batch["x"].shape, batch["index"].tolist(), "from worker", batch["worker"][0].item())
+        assert batch["x"].is_shared()  # the worker's pages, as torch's batches are
+    # The caller's wait per batch against the workers' time per batch: who is the bottleneck.
+    print(loader.stats())
 
     # Resuming: save where an epoch stands, carry on elsewhere.
     it = iter(loader)

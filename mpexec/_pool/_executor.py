@@ -273,6 +273,18 @@ class WorkerPool(CallExecutor):
         self._state.check_not_forked()
         return self._state.pids()
 
+    @property
+    def processes(self) -> list[Any]:
+        """The current workers' ``multiprocessing`` process objects, by worker index.
+
+        For code that reports on the workers as a ``multiprocessing`` user
+        would (``is_alive()``, ``exitcode``, ``join()``), such as the
+        ``_workers`` list torch's DataLoader iterator keeps. The pool owns
+        them: it joins and closes them when it shuts down. Empty after shutdown.
+        """
+        self._state.check_not_forked()
+        return self._state.processes()
+
     # ------------------------------------------------------------ stopping
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop the pool; idempotent.

@@ -398,6 +398,10 @@ class PoolState:
         with self.lock:
             return [s.pid for s in self.slots] or list(self.last_pids)
 
+    def processes(self) -> list[Any]:
+        with self.lock:
+            return [s.process for s in self.slots if s.process is not None]
+
     def stats(self, num_workers: int) -> PoolStats:
         arena = self.arena.stats() if self.arena is not None else None
         with self.lock:

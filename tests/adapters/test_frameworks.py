@@ -82,11 +82,14 @@ def test_torch_iterate_shares_the_batch_memory() -> None:
 def test_torch_iterate_no_copy_pointer() -> None:
     pytest.importorskip("torch")
     from mpexec import torch as mt
+    from tests.adapters.test_torch import mapping_of
 
     with make() as pipe:
         batch = pipe.run()[0]
-        # The op produced the batch dense: the tensor is that memory.
-        assert mt.to_torch(batch).data_ptr() == batch.as_array().ctypes.data
+        # The op produced the batch dense: the tensor maps that memory, copy-on-write.
+        tensor = mt.to_torch(batch)
+        assert mapping_of(tensor.data_ptr()) == ("rw-p", True)
+        np.testing.assert_array_equal(tensor.numpy(), batch.as_array())
 
 
 def test_ragged_outputs_become_lists() -> None:

@@ -155,3 +155,18 @@ def test_status_says_running_broken_closed() -> None:
     assert closed.status.state == "closed"
     with pytest.raises(AttributeError):
         closed.status.state = "running"  # type: ignore[misc]  # a frozen snapshot
+
+
+def test_processes_are_the_workers_by_index() -> None:
+    pool = WorkerPool(2)
+    try:
+        procs = pool.processes
+        assert [p.pid for p in procs] == pool.pids
+        assert all(p.is_alive() and p.exitcode is None for p in procs)
+        # Pinned to worker i: runs in processes[i].
+        assert [pool.submit_call(os.getpid, worker=i).result(T) for i in (0, 1)] == pool.pids
+    finally:
+        pool.shutdown()
+    assert pool.processes == []  # the pool joined and closed them
+    with WorkerPool(0) as inline:
+        assert inline.processes == []
