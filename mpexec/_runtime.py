@@ -124,7 +124,8 @@ class _GlobalRandom:
     by reseeding before every call and speculates only after
     :data:`_CHEAP_STREAK` calls in a row drew nothing and each took under
     :data:`_CHEAP_SECONDS` (where reseeding costs as much as the call); a
-    speculative call that takes longer sends it back to reseeding. So a call
+    chunk of speculative calls that took longer on average sends it back to
+    reseeding. So a call
     runs twice at most once per runner and process, and only a function
     whose calls were all cheap and draw-free until then; runners that may
     not repeat (``repeatable=False``) always reseed.
@@ -397,7 +398,9 @@ class OpRunner:
             inputs = tuple(list(x) if isinstance(x, np.ndarray) else x for x in inputs)
             _current = BatchInfo(chunk.iteration, chunk.epoch)
             try:
+                t = _perf()
                 outputs = self._call(inputs, None, np_seed, py_seed)
+                self._pace(_perf() - t, 1)
             finally:
                 _current = None
             count = len(inputs[0]) if inputs else chunk.count
@@ -411,7 +414,9 @@ class OpRunner:
             def one(args: tuple[Any, ...], j: int, b: int) -> tuple[Any, ...]:
                 return outputs_of(call(args, b, np_seeds[j], py_seeds[j]), b)
 
+            t = _perf()
             rows, stop = each_sample(chunk, inputs, self.kind is CallKind.SOURCE, one)
+            self._pace(_perf() - t, len(rows))
             count = len(rows)
             columns, written = write_columns(rows, self.num_outputs, out)
         seconds = time.perf_counter() - t0
@@ -429,13 +434,13 @@ class OpRunner:
         nothing it speculates: while nothing has drawn from the global
         generators since they were last reseeded, a call runs on that state,
         and runs again reseeded if it drew from them (then the runner
-        reseeds before every call for good). A speculative call that took
-        longer than :data:`_CHEAP_SECONDS` ends the speculation (the streak
-        starts over). ``sample``: the index in the batch, None for a batch call.
+        reseeds before every call for good). Speculative calls are not timed
+        one by one (that cost a light op 3%): :meth:`_pace` ends the
+        speculation after a chunk whose calls were no longer cheap.
+        ``sample``: the index in the batch, None for a batch call.
         """
         g = _globals
         if self._speculate and (g.known or g.fresh()):
-            t = _perf()
             try:  # on the state as it is
                 result = self.function(*args) if self._plain else self._invoke(args, sample)
             except Exception as exc:
@@ -445,9 +450,6 @@ class OpRunner:
             else:
                 if g.fresh():
                     g.known = True
-                    if _perf() - t > _CHEAP_SECONDS:  # no longer cheap: reseed first again
-                        self._speculate = False
-                        self._streak = 0
                     return result
             # It drew: run it again reseeded, and reseed before its calls from now on.
             self._speculate = False
@@ -467,6 +469,16 @@ class OpRunner:
             g.known = True
             self._streak = 0
         return result
+
+    def _pace(self, seconds: float, calls: int) -> None:
+        """After a chunk of ``calls`` that took ``seconds``: stop speculating if not cheap.
+
+        The streak of cheap reseeded calls starts over, so a function whose
+        calls grew slow (larger inputs) is not run twice when it next draws.
+        """
+        if self._speculate and seconds > calls * _CHEAP_SECONDS:
+            self._speculate = False
+            self._streak = 0
 
     def _invoke(self, args: tuple[Any, ...], sample: int | None) -> Any:
         """The function's call: with ``rng``, DLPack inputs, debug checks as declared."""
@@ -735,6 +747,8 @@ class ChainRunner:
         except _Passed as passed:
             raise passed.args[0] from None
         per_op = tuple((float(c[0]), int(c[1]), int(c[2])) for c in spent)
+        for r, c in zip(self.runners, spent, strict=True):
+            r._pace(c[0], len(rows))  # noqa: SLF001 - as above
         count = len(rows)
         columns, written = write_columns(rows, self.runners[-1].num_outputs, out)
         seconds = time.perf_counter() - t0

@@ -222,20 +222,23 @@ def test_slow_calls_are_never_speculative() -> None:
 
 
 @pytest.mark.usefixtures("cheap")
-def test_a_slow_speculative_call_ends_the_speculation(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slow_speculative_chunk_ends_the_speculation(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     streak = _runtime._CHEAP_STREAK
-    counted = _counted(calls, first_draw=2 * streak + 1)
+    counted = _counted(calls, first_draw=100)
 
     def sometimes_slow(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        if x[0] == streak + 1:  # speculative by now: takes longer than "cheap"
+        if x[0] == streak + 1:  # speculative by now: the chunk takes longer than "cheap"
             monkeypatch.setattr(_runtime, "_CHEAP_SECONDS", 0.0)
         return counted(x)  # type: ignore[no-any-return]
 
     runner = OpRunner("op", sometimes_slow, "sample", 1, 7)
-    n = 3 * streak
+    n = streak + 2
     runner(_chunk(n), np.arange(n).reshape(n, 1))
-    assert calls == list(range(n))  # reseeding again when the draw came
+    monkeypatch.setattr(_runtime, "_CHEAP_SECONDS", 10.0)
+    calls.clear()
+    runner(_chunk(4), np.arange(100, 104).reshape(4, 1))  # draws at 101 and 103
+    assert calls == [100, 101, 102, 103]  # reseeding again when the draw came
 
 
 @pytest.mark.usefixtures("cheap")
