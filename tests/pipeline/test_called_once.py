@@ -87,19 +87,22 @@ def cheap(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("no_leaks")
 def test_a_slow_drawing_function_under_a_timeout_is_called_once(tmp_path: Path) -> None:
-    """Run twice, its first call took 2 s of the 1.5 allowed, on every replacement worker."""
+    """Run twice, its first call took 4 s of the 3 allowed, on every replacement worker.
+
+    (The slack: a worker's first call also imports this module, slow under load.)
+    """
     log = tmp_path / "calls"
-    got = _run(_Logged(log, seconds=1.0), 4, 1, num_workers=2, timeout=1.5)  # a call a sample
-    assert _calls(log) == [0, 1, 2, 3]
-    assert got == _run(_Logged(tmp_path / "serial"), 4, 1, num_workers=0)
+    got = _run(_Logged(log, seconds=2.0), 2, 1, num_workers=2, timeout=3.0)  # a call a sample
+    assert _calls(log) == [0, 1]
+    assert got == _run(_Logged(tmp_path / "serial"), 2, 1, num_workers=0)
 
 
 @pytest.mark.usefixtures("no_leaks", "cheap")
 def test_under_a_timeout_even_cheap_calls_are_never_run_twice(tmp_path: Path) -> None:
     """Cheap and draw-free for 12 samples, then a slow call that draws: still once."""
     log = tmp_path / "calls"
-    function = _Logged(log, draws_from=12, seconds=1.2, slow_at=12)
-    got = _run(function, 16, 4, num_workers=1, timeout=2.0, start_method="fork")
+    function = _Logged(log, draws_from=12, seconds=1.5, slow_at=12)  # twice: 3 s
+    got = _run(function, 16, 4, num_workers=1, timeout=2.5, start_method="fork")
     assert _calls(log) == list(range(16))
     assert got == _run(_Logged(tmp_path / "serial", draws_from=12), 16, 4, num_workers=0)
 
