@@ -92,7 +92,7 @@ import shm
 
 from . import _codec
 from ._errors import GpuError, forked_error
-from ._modes import CallKind
+from ._modes import CallKind, Reseed
 from ._pool import WorkerPool
 from ._runtime import ChainRunner, Chunk, ChunkResult, OpRunner, check_consistent
 
@@ -139,8 +139,12 @@ class UnitExecutor(Protocol):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
 
 
-def op_runner(op: Op, entropy: int, *, debug: bool) -> OpRunner:
-    """The runner of a host op ``op``: its function, declaration and seed."""
+def op_runner(op: Op, entropy: int, *, debug: bool, timed: bool = False) -> OpRunner:
+    """The runner of a host op ``op``: its function, declaration and seed.
+
+    ``timed``: its calls run under a timeout, so none may run twice (a call
+    run again could take twice the time allowed, on every replacement worker).
+    """
     kind = (
         CallKind.SOURCE
         if op.is_source
@@ -158,7 +162,9 @@ def op_runner(op: Op, entropy: int, *, debug: bool) -> OpRunner:
         op.output_shapes,
         op.dlpack,
         debug,
-        repeatable=not (op.stateful or op.preserve or op.num_outputs == 0),
+        repeatable=not (
+            op.stateful or op.preserve or op.num_outputs == 0 or op.reseed is Reseed.ALWAYS or timed
+        ),
     )
 
 
@@ -212,7 +218,9 @@ class PoolExecutor:
         )
 
     def runner(self, op: Op, entropy: int, *, debug: bool) -> OpRunner:
-        return op_runner(op, entropy, debug=debug)
+        # A pool with a timeout (a RayPool's nodes' too) never runs a call twice.
+        timed = getattr(self.pool, "timeout", None) is not None
+        return op_runner(op, entropy, debug=debug, timed=timed)
 
     def copied_bytes(self, column: Any) -> int:
         """Bytes of ``column`` the pool copies into shared memory to send them."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _arith
 from ._errors import MpexecError
-from ._modes import Device, OpKind, SourceMode
+from ._modes import Device, OpKind, Reseed, SourceMode
 
 #: DALI's limit on the inputs of one python_function.
 MAX_INPUTS = 256
@@ -193,6 +193,7 @@ class Op:
     output_dtypes: tuple[np.dtype[Any] | None, ...] | None = None
     output_shapes: tuple[tuple[int | None, ...] | None, ...] | None = None
     dlpack: bool = False
+    reseed: Reseed = Reseed.AUTO  # "always": a call is never run twice (see fn.python_function)
     source_mode: SourceMode = SourceMode.NONE  # external_source: how it gives data
     cycle: Any = False
     outputs: tuple[DataNode, ...] = field(default=(), repr=False)
@@ -226,6 +227,7 @@ class Op:
             self.output_dtypes,
             self.output_shapes,
             self.dlpack,
+            self.reseed,
         )
 
 

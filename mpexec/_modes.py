@@ -63,3 +63,10 @@ class LastBatch(Mode):
 
     PARTIAL = "partial"  # returned as it is
     DROP = "drop"  # dropped
+
+
+class Reseed(Mode):
+    """When an op's calls reseed ``np.random`` and ``random`` (``python_function(reseed=)``)."""
+
+    AUTO = "auto"  # before every call, until calls prove cheap and draw-free (then speculate)
+    ALWAYS = "always"  # before every call: a call is never run twice

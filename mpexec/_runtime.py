@@ -119,6 +119,16 @@ class _GlobalRandom:
     reseeds before every call from then on: outputs are those of reseeding
     before every call. Where the state cannot be read in place (another
     Python, another bit generator), every call reseeds.
+
+    Running a call again is bounded (:meth:`OpRunner._call`): a runner starts
+    by reseeding before every call and speculates only after
+    :data:`_CHEAP_STREAK` calls in a row drew nothing and each took under
+    :data:`_CHEAP_SECONDS` (where reseeding costs as much as the call); a
+    chunk of speculative calls that took longer on average sends it back to
+    reseeding. So a call
+    runs twice at most once per runner and process, and only a function
+    whose calls were all cheap and draw-free until then; runners that may
+    not repeat (``repeatable=False``) always reseed.
     """
 
     def __init__(self) -> None:
@@ -156,6 +166,13 @@ class _GlobalRandom:
 
 
 _globals = _GlobalRandom()
+
+#: A call this fast costs about what reseeding does: only such calls may be speculative.
+_CHEAP_SECONDS = 50e-6
+#: Cheap, draw-free calls in a row (each reseeded) before a runner speculates.
+_CHEAP_STREAK = 8
+
+_perf = time.perf_counter
 
 
 def reseed(np_seed: int, py_seed: int) -> None:
@@ -328,7 +345,8 @@ class OpRunner:
     sample), ``"batch"`` (one call with lists), ``"source"`` (a per-sample
     source callable taking SampleInfo).
     ``repeatable``: a call may run twice (see :meth:`_call`); False for
-    stateful ops and ops kept for their side effects.
+    stateful ops, ops kept for their side effects, ``reseed="always"`` and
+    calls under a timeout.
     """
 
     def __init__(
@@ -358,9 +376,12 @@ class OpRunner:
         # declaration to check, take a short path (most ops of most pipelines).
         self._plain = not (self.takes_rng or self.dlpack or self.debug)
         self._unchecked = self.output_dtypes is None and self.output_shapes is None
-        # Reseed before every call: a call that may not run twice (stateful ops,
-        # ops kept for their side effects) cannot be speculative (_GlobalRandom).
+        # Reseed before every call, for good: a call that may not run twice (stateful
+        # ops, ops kept for their side effects, reseed="always", under a timeout)
+        # cannot be speculative, nor one whose function drew (_GlobalRandom).
         self._always = not repeatable
+        self._streak = 0  # cheap, draw-free reseeded calls in a row
+        self._speculate = False  # after _CHEAP_STREAK of them: call on the state as it is
         self._where = (0, 0)  # (epoch, iteration) of the chunk running: rng's key
 
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
@@ -377,7 +398,9 @@ class OpRunner:
             inputs = tuple(list(x) if isinstance(x, np.ndarray) else x for x in inputs)
             _current = BatchInfo(chunk.iteration, chunk.epoch)
             try:
+                t = _perf()
                 outputs = self._call(inputs, None, np_seed, py_seed)
+                self._pace(_perf() - t, 1)
             finally:
                 _current = None
             count = len(inputs[0]) if inputs else chunk.count
@@ -391,7 +414,9 @@ class OpRunner:
             def one(args: tuple[Any, ...], j: int, b: int) -> tuple[Any, ...]:
                 return outputs_of(call(args, b, np_seeds[j], py_seeds[j]), b)
 
+            t = _perf()
             rows, stop = each_sample(chunk, inputs, self.kind is CallKind.SOURCE, one)
+            self._pace(_perf() - t, len(rows))
             count = len(rows)
             columns, written = write_columns(rows, self.num_outputs, out)
         seconds = time.perf_counter() - t0
@@ -404,13 +429,18 @@ class OpRunner:
     def _call(self, args: tuple[Any, ...], sample: int | None, np_seed: int, py_seed: int) -> Any:
         """One call, as if global random state were reseeded from :func:`call_seeds` first.
 
-        See :class:`_GlobalRandom`: while nothing has drawn from the global
-        generators since they were last reseeded, a call that may be repeated
-        runs on that state, and runs again reseeded if it drew from them.
+        See :class:`_GlobalRandom`. A runner reseeds before each call and
+        times it; after :data:`_CHEAP_STREAK` cheap calls in a row that drew
+        nothing it speculates: while nothing has drawn from the global
+        generators since they were last reseeded, a call runs on that state,
+        and runs again reseeded if it drew from them (then the runner
+        reseeds before every call for good). Speculative calls are not timed
+        one by one (that cost a light op 3%): :meth:`_pace` ends the
+        speculation after a chunk whose calls were no longer cheap.
         ``sample``: the index in the batch, None for a batch call.
         """
         g = _globals
-        if not self._always and g.watch and (g.known or g.fresh()):
+        if self._speculate and (g.known or g.fresh()):
             try:  # on the state as it is
                 result = self.function(*args) if self._plain else self._invoke(args, sample)
             except Exception as exc:
@@ -421,14 +451,34 @@ class OpRunner:
                 if g.fresh():
                     g.known = True
                     return result
-            self._always = True  # it drew: reseed before its calls from now on
+            # It drew: run it again reseeded, and reseed before its calls from now on.
+            self._speculate = False
+            self._always = True
         g.reseed(np_seed, py_seed)
+        if self._always or not g.watch:
+            return self._invoke(args, sample)
+        t = _perf()
         result = self._invoke(args, sample)
-        if not self._always and g.watch:  # reseeded only because an earlier call drew
-            g.known = g.fresh()
-            if not g.known:
-                self._always = True
+        if not g.fresh():  # it draws: speculating would run its calls twice
+            self._always = True
+        elif _perf() - t < _CHEAP_SECONDS:
+            g.known = True
+            self._streak += 1
+            self._speculate = self._streak >= _CHEAP_STREAK
+        else:
+            g.known = True
+            self._streak = 0
         return result
+
+    def _pace(self, seconds: float, calls: int) -> None:
+        """After a chunk of ``calls`` that took ``seconds``: stop speculating if not cheap.
+
+        The streak of cheap reseeded calls starts over, so a function whose
+        calls grew slow (larger inputs) is not run twice when it next draws.
+        """
+        if self._speculate and seconds > calls * _CHEAP_SECONDS:
+            self._speculate = False
+            self._streak = 0
 
     def _invoke(self, args: tuple[Any, ...], sample: int | None) -> Any:
         """The function's call: with ``rng``, DLPack inputs, debug checks as declared."""
@@ -697,6 +747,8 @@ class ChainRunner:
         except _Passed as passed:
             raise passed.args[0] from None
         per_op = tuple((float(c[0]), int(c[1]), int(c[2])) for c in spent)
+        for r, c in zip(self.runners, spent, strict=True):
+            r._pace(c[0], len(rows))  # noqa: SLF001 - as above
         count = len(rows)
         columns, written = write_columns(rows, self.runners[-1].num_outputs, out)
         seconds = time.perf_counter() - t0

@@ -319,6 +319,8 @@ class RayPool(CallExecutor):
         if results not in ("copy", "view"):
             raise ValueError(f"results must be 'copy' or 'view', not {results!r}")
         self._view = results == "view"
+        #: Seconds one call may run on a node's worker (from ``pool_kwargs``), or None.
+        self.timeout: float | None = pool_kwargs.get("timeout")
         self._pid = os.getpid()
         self._state = _State()
         self._owns_ray = False

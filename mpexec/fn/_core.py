@@ -11,7 +11,7 @@ import numpy as np
 from .. import _arith, _codec
 from .._errors import MpexecError, OpArgumentError, SerializationError
 from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
-from .._modes import Device, OpKind, SourceMode
+from .._modes import Device, OpKind, Reseed, SourceMode
 from .._types import ScalarConstant, as_numpy_dtype
 
 
@@ -29,6 +29,7 @@ def python_function(
     stateful: bool = False,
     output_dtypes: Any = None,
     output_shapes: Any = None,
+    reseed: str = "auto",
 ) -> Any:
     """Run ``function`` on the inputs, in the workers (DALI's ``fn.python_function``).
 
@@ -38,7 +39,20 @@ def python_function(
     per output, a list of arrays or one array whose first axis is the batch.
     Inputs are read-only. A function taking an ``rng`` keyword gets a
     ``numpy.random.Generator`` seeded from (pipeline seed, op, iteration,
-    sample); ``np.random`` and ``random`` are reseeded the same way.
+    sample); ``np.random`` and ``random`` give each call the draws of being
+    reseeded the same way before it.
+
+    The function is called once per sample, with one bounded exception.
+    ``reseed="auto"`` (the default) declares it stateless: reseeding costs
+    about 5 us, so once its calls in a worker have all been cheap (under
+    ~50 us) and drawn nothing from ``np.random``/``random``, they run on the
+    state as it is, and a call that then draws runs again, reseeded (once
+    per worker; its later calls all reseed first). A function whose calls
+    take longer, or that draws early, is never run twice. ``reseed="always"``
+    reseeds before every call and never runs one twice (for a function with
+    side effects: a file it claims, a counter, a log line); ``stateful=True``,
+    ``preserve=True``, ``num_outputs=0``, GPU ops and every op of a pipeline
+    or pool with a ``timeout`` imply it.
 
     ``stateful=True``: calls run in order on one worker and the op is never
     merged or pruned. ``preserve=True`` or ``num_outputs=0`` keep it from
@@ -68,6 +82,7 @@ def dl_tensor_python_function(
     output_dtypes: Any = None,
     output_shapes: Any = None,
     synchronize_stream: bool = True,
+    reseed: str = "auto",
 ) -> Any:
     """:func:`python_function` for DLPack: inputs support ``__dlpack__`` and any
     DLPack producer may be returned (DALI's ``fn.dl_tensor_python_function``).
@@ -98,6 +113,13 @@ def _python_function(kind: OpKind, inputs: tuple[Any, ...], **kw: Any) -> Any:
     seed = kw["seed"]
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < -1:
         raise ValueError(f"{what}: seed must be an int >= 0 (or -1 for derived), not {seed!r}")
+    reseed = kw["reseed"]
+    if not isinstance(reseed, str) or reseed not in set(Reseed):
+        raise ValueError(
+            f"{what}: reseed must be 'auto' (calls may be run again while cheap and "
+            f"draw-free) or 'always' (reseed before every call, never run one twice), "
+            f"not {reseed!r}"
+        )
     if device is Device.CPU:  # a GPU op's function runs here, in this process
         _check_picklable(what, function, "function")
     op = Op(
@@ -117,6 +139,7 @@ def _python_function(kind: OpKind, inputs: tuple[Any, ...], **kw: Any) -> Any:
         output_dtypes=_dtypes(what, kw["output_dtypes"], num_outputs),
         output_shapes=_shapes(what, kw["output_shapes"], num_outputs),
         dlpack=kw["dlpack"],
+        reseed=Reseed(reseed),
     )
     return _outputs(graph.add(op, auto_named=kw["name"] is None))
 

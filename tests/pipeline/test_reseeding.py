@@ -4,12 +4,18 @@ A call that draws from ``np.random`` or ``random`` must see exactly the state
 reseeding before every call gives (DESIGN.md §4.2), whatever earlier calls, the
 caller or a cached Gaussian left behind. The reference here reseeds before every
 call (``watch`` off, in this process); the runs under test speculate, in workers
-and inline.
+and inline. A runner speculates only after a streak of cheap calls that drew
+nothing, so some functions here draw late (after 31 draw-free samples).
+
+The contract on calls run twice (issue 23): only ``reseed="auto"`` ops whose
+calls were all cheap and draw-free may see one call run again; a slow function,
+``reseed="always"`` and every op under a ``timeout`` are called once per sample.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -19,7 +25,7 @@ import mpexec
 from mpexec import _runtime, fn
 from mpexec._runtime import Chunk, OpRunner
 
-N = 24
+N = 64
 BATCH = 8
 
 
@@ -62,6 +68,19 @@ def _gaussians_sometimes(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.zeros(2)
 
 
+def _np_late(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Draws on every 32nd sample: a runner speculates before its first draw."""
+    if x[0] % 32 == 31:
+        return np.random.random(2) + x[0]
+    return np.zeros(2) + x[0]
+
+
+def _py_late(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if x[0] % 32 == 29:
+        return np.array([random.random(), random.gauss(0.0, 1.0)]) + x[0]
+    return np.zeros(2) + x[0]
+
+
 def _never(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return (x * 2).astype(np.float64)
 
@@ -77,6 +96,9 @@ def make(num_workers: int) -> mpexec.Pipeline:
             fn.python_function(fn.python_function(src, function=_never), function=_np_sometimes),
             fn.python_function(src, function=_leaves_gaussians),
             fn.python_function(src, function=_gaussians_sometimes),
+            fn.python_function(src, function=_np_late),
+            fn.python_function(src, function=_py_late),
+            fn.python_function(fn.python_function(src, function=_never), function=_np_late),
         )
 
     return graph()
@@ -139,10 +161,10 @@ def test_the_caller_drawing_between_inline_runs_changes_nothing(
     assert run(make(0), between=draw) == reference
 
 
-def _counted(calls: list[int]) -> Any:
+def _counted(calls: list[int], first_draw: int = 1) -> Any:
     def function(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         calls.append(int(x[0]))
-        return np.random.random(1) if x[0] % 2 else np.zeros(1)
+        return np.random.random(1) if x[0] >= first_draw and x[0] % 2 else np.zeros(1)
 
     return function
 
@@ -151,23 +173,79 @@ def _chunk(count: int, iteration: int = 0) -> Chunk:
     return Chunk(epoch=0, iteration=iteration, start=0, count=count, epoch_start=0)
 
 
+@pytest.fixture
+def cheap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call counts as cheap: what speculation does, whatever the host's speed."""
+    monkeypatch.setattr(_runtime, "_CHEAP_SECONDS", 10.0)
+
+
+@pytest.mark.usefixtures("cheap")
 def test_a_drawing_call_runs_again_once_then_every_call_is_reseeded() -> None:
     calls: list[int] = []
-    runner = OpRunner("op", _counted(calls), "sample", 1, 7)
-    xs = np.arange(6).reshape(6, 1)
-    _runtime.reseed(0, 0)
-    first = runner(_chunk(6), xs)
-    # sample 1 is the first to draw, on state it did not reseed: it ran twice
-    assert calls == [0, 1, 1, 2, 3, 4, 5]
+    streak = _runtime._CHEAP_STREAK
+    first = streak + 3  # its first draw, after calls that drew nothing
+    runner = OpRunner("op", _counted(calls, first), "sample", 1, 7)
+    n = first + 4
+    xs = np.arange(n).reshape(n, 1)
+    one = runner(_chunk(n), xs)
+    # reseeded until the streak, then speculative: the first draw ran twice
+    assert calls == [*range(first + 1), first, *range(first + 1, n)]
     calls.clear()
-    second = runner(_chunk(6), xs)
-    assert calls == [0, 1, 2, 3, 4, 5]
-    (got,), (again,) = first.outputs, second.outputs
+    two = runner(_chunk(n), xs)
+    assert calls == list(range(n))
+    (got,), (again,) = one.outputs, two.outputs
     assert [a.tobytes() for a in got] == [b.tobytes() for b in again]
 
 
+@pytest.mark.usefixtures("cheap")
+def test_a_function_that_draws_early_is_never_called_twice() -> None:
+    calls: list[int] = []
+    runner = OpRunner("op", _counted(calls), "sample", 1, 7)  # draws from sample 1 on
+    runner(_chunk(40), np.arange(40).reshape(40, 1))
+    runner(_chunk(40), np.arange(40).reshape(40, 1))
+    assert calls == list(range(40)) * 2
+
+
+def test_slow_calls_are_never_speculative() -> None:
+    """Calls over ``_CHEAP_SECONDS`` reseed first, so a late draw is not run twice."""
+    calls: list[int] = []
+    counted = _counted(calls, first_draw=3 * _runtime._CHEAP_STREAK)
+
+    def slow(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        time.sleep(2 * _runtime._CHEAP_SECONDS)
+        return counted(x)  # type: ignore[no-any-return]
+
+    runner = OpRunner("op", slow, "sample", 1, 7)
+    n = 4 * _runtime._CHEAP_STREAK
+    runner(_chunk(n), np.arange(n).reshape(n, 1))
+    assert calls == list(range(n))
+
+
+@pytest.mark.usefixtures("cheap")
+def test_a_slow_speculative_chunk_ends_the_speculation(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    streak = _runtime._CHEAP_STREAK
+    counted = _counted(calls, first_draw=100)
+
+    def sometimes_slow(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        if x[0] == streak + 1:  # speculative by now: the chunk takes longer than "cheap"
+            monkeypatch.setattr(_runtime, "_CHEAP_SECONDS", 0.0)
+        return counted(x)  # type: ignore[no-any-return]
+
+    runner = OpRunner("op", sometimes_slow, "sample", 1, 7)
+    n = streak + 2
+    runner(_chunk(n), np.arange(n).reshape(n, 1))
+    monkeypatch.setattr(_runtime, "_CHEAP_SECONDS", 10.0)
+    calls.clear()
+    runner(_chunk(4), np.arange(100, 104).reshape(4, 1))  # draws at 101 and 103
+    assert calls == [100, 101, 102, 103]  # reseeding again when the draw came
+
+
+@pytest.mark.usefixtures("cheap")
 def test_calls_that_draw_nothing_leave_the_state_alone() -> None:
     runner = OpRunner("op", _never, "sample", 1, 7)
+    streak = _runtime._CHEAP_STREAK
+    runner(_chunk(streak), np.arange(streak).reshape(streak, 1))  # reseeded: the streak
     _runtime.reseed(123, 456)
     before = (np.random.get_state()[1].copy(), random.getstate())
     runner(_chunk(5), np.arange(5).reshape(5, 1))
@@ -204,18 +282,23 @@ def test_a_stateful_op_is_never_called_twice() -> None:
     assert counts == list(range(1, N + 1))
 
 
+@pytest.mark.usefixtures("cheap")
 def test_an_error_from_a_speculative_call_that_drew_is_the_reseeded_calls() -> None:
     seen: list[float] = []
 
     def fails(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        if not x[0]:
+            return np.zeros(1)
         value = np.random.random()
         seen.append(value)
         raise ValueError(f"drew {value!r}")
 
     runner = OpRunner("op", fails, "sample", 1, 7)
+    streak = _runtime._CHEAP_STREAK
+    runner(_chunk(streak), np.zeros((streak, 1)))  # speculative from now on
     _runtime.reseed(0, 0)
     with pytest.raises(ValueError) as info:
-        runner(_chunk(1), np.zeros((1, 1)))
+        runner(_chunk(1), np.ones((1, 1)))
     assert len(seen) == 2
     assert seen[0] != seen[1]
     assert str(info.value) == f"drew {seen[1]!r}"  # the run on freshly reseeded state
