@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 __all__ = [
     "FULL_TRACEBACK_ENV",
@@ -68,8 +68,8 @@ class _Trimmed(traceback.StackSummary):
 
     hidden = 0
 
-    def format(self) -> list[str]:
-        lines = super().format()
+    def format(self, **kwargs: Any) -> list[str]:  # 3.13 passes colorize=
+        lines = super().format(**kwargs)
         if self.hidden:
             s = "" if self.hidden == 1 else "s"
             lines.insert(

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import fn
 from ._graph import DataNode
+from ._runtime import np_from_dlpack
 
 __all__ = [
     "Constant",
@@ -186,8 +187,8 @@ def _dlpack_to_array(dlpack: Any) -> np.ndarray[Any, Any]:
     if isinstance(dlpack, np.ndarray):
         return dlpack
     if hasattr(dlpack, "__dlpack__"):
-        return np.from_dlpack(dlpack)
-    return np.from_dlpack(_Capsule(dlpack))
+        return np_from_dlpack(dlpack)  # type: ignore[no-any-return]
+    return np_from_dlpack(_Capsule(dlpack))  # type: ignore[no-any-return]
 
 
 def _dlpack_from_array(array: Any) -> Any:
