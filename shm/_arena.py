@@ -709,6 +709,10 @@ class Arena:
     def _collect_locked(self) -> int:
         n = 0
         for ring in self._links:
+            # Now run before every allocation: a ring with nothing new costs no
+            # system call (a racy "no" is collected the next time).
+            if not ring.may_have_records():
+                continue
             owed = self._owed[id(ring)]
             while (rec := ring.try_pop()) is not None:
                 arena_id, alloc_id, count = RELEASE.unpack(rec)
