@@ -769,7 +769,7 @@ class SourceBatchRunner:
     runs once on the samples it made, as lists of read-only arrays: the batch
     it would get unfused. So a batch is one round trip to one worker instead
     of one per chunk and one more for the batch op, and its samples never
-    leave that worker; the pipeline keeps a batch in flight per worker.
+    leave that worker (the scheduler keeps batches in flight on every worker).
 
     ``pick``: which of the head's outputs the batch op takes (None: all, in
     order); ``what``: the head's last op, for its errors. Where the source

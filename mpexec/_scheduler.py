@@ -6,7 +6,7 @@
     --------              ------------------------                  ------------
     build()  --------->   plan: ops -> _OpState, chains fused
     run() / iteration ->  window: up to prefetch_depth _Iterations
-                            (num_workers, if more, with a batch op)
+                            (x workers, with a stateless batch op)
                             launch: sources that run here
                             (iterables, batch callables,
                             feed_input) -> executor.share()
@@ -47,8 +47,8 @@ Randomness depends only on (seed, op, epoch, iteration, sample), so results do
 not depend on the executor, chunking, prefetch or timing. Stateful ops run in
 iteration order on one worker: each has a turn counter, and an iteration's call
 waits for its turn. A stateless batch op's call holds one worker for a whole
-batch, so a pipeline with one keeps a batch in flight per worker (the window
-is at least the executor's workers), or the other workers would idle.
+batch, so a pipeline with one keeps prefetch_depth batches in flight per
+worker, as a per-sample op's chunks give each worker prefetch_depth calls.
 """
 
 from __future__ import annotations
@@ -243,12 +243,13 @@ class Scheduler:
             for op in plan.ops
         ]
         self._chain(plan)
-        # Iterations in flight: prefetch_depth, or one per worker where a batch op
-        # runs in the workers: each of its calls takes a whole batch to one worker,
-        # so fewer batches than workers in flight would leave workers idle.
+        # Iterations in flight: prefetch_depth gives each worker that many chunks of
+        # per-sample ops (an op is cut into a chunk per worker, or more). A batch op's
+        # call takes a whole batch to one worker: with it, prefetch_depth batches per
+        # worker, or the workers would idle (and wait a round trip between batches).
         self.window = prefetch_depth
         if any(_batch_in_workers(s, executor) for s in self.ops):
-            self.window = max(prefetch_depth, executor.workers)
+            self.window = prefetch_depth * max(1, executor.workers)
 
     @property
     def epoch(self) -> int:

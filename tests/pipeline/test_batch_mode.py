@@ -1,9 +1,9 @@
-"""Batch mode (``batch_processing=True``) in the workers: fused with its source, one batch a worker.
+"""Batch mode (``batch_processing=True``) in the workers: fused with its source, on every worker.
 
 A stateless batch op whose only producer is a per-sample source in the workers
 (with any per-sample ops chained to it) runs in the same call as that source:
 one unit per batch. A pipeline with a stateless batch op in the workers keeps
-a batch in flight per worker (at least), not only ``prefetch_depth``. These
+``prefetch_depth`` batches in flight per worker, not ``prefetch_depth`` in all. These
 tests hold that both change nothing a user sees but the speed: outputs (also
 their randomness), order, epoch ends, errors, stats and stateful order are
 those of the unfused pipeline.
@@ -52,8 +52,8 @@ class _Source:
         return x, np.array([i], np.int64)
 
 
-def _jitter(x: np.ndarray[Any, Any], rng: np.random.Generator) -> np.ndarray[Any, Any]:
-    return x + rng.standard_normal(3)
+def _jitter(x: np.ndarray[Any, Any], i: Any, rng: np.random.Generator) -> tuple[Any, Any]:
+    return x + rng.standard_normal(3), i
 
 
 def _mix(xs: list[Any], ids: list[Any]) -> tuple[Any, Any]:
@@ -68,7 +68,7 @@ def _mix(xs: list[Any], ids: list[Any]) -> tuple[Any, Any]:
 def _graph(n: int, *, jitter: bool, unfused: bool, **source: Any) -> Any:
     x, i = fn.external_source(source=_Source(n, **source), batch=False, num_outputs=2, name="src")
     if jitter:
-        x = fn.python_function(x, function=_jitter, name="jitter")
+        x, i = fn.python_function(x, i, function=_jitter, num_outputs=2, name="jitter")
     a, b = fn.python_function(x, i, function=_mix, batch_processing=True, num_outputs=2, name="mix")
     # The source's index also an output: it has another consumer, so nothing fuses.
     return (a, b, i) if unfused else (a, b)
@@ -348,8 +348,8 @@ def test_more_batch_calls_than_prefetch_depth_run_at_once(tmp_path: Path, source
     finally:
         pool.shutdown()
     assert len(seen) == 8
-    # The first four batch calls ran at once: each saw the others' marks.
-    assert seen[:workers] == [workers] * workers
+    # The first four batch calls ran at once: each saw the others' marks (and maybe more).
+    assert all(n >= workers for n in seen[:workers]), seen
 
 
 def test_a_stateful_batch_op_keeps_its_order_among_many_batches_in_flight() -> None:
@@ -381,7 +381,7 @@ def test_a_stateful_batch_op_keeps_its_order_among_many_batches_in_flight() -> N
 
     with pipe() as p:
         assert p._scheduler is not None
-        assert p._scheduler.window == 4
+        assert p._scheduler.window == 4  # prefetch_depth (1) batches a worker
         got = [
             (int(c.as_array()[0, 0]), int(pid.as_array()[0, 0]), i.as_array()) for c, pid, i in p
         ]
