@@ -813,8 +813,9 @@ class SourceBatchRunner:
         per_op = made.per_op or ((made.seconds, 0, sum(_nbytes(c) for c in columns)),)
         tail = self.tail
         if not count or (self.drop_short and count < chunk.count):
-            # Not a batch anyone receives: the batch op sees it only where run unfused.
-            # (No entry of its own in per_op: it was not called.)
+            # No batch anyone receives (nothing came, or last_batch="drop" drops it):
+            # unfused, the batch op would not be called on it either. Its stats get
+            # no per_op entry: it was not called.
             empty: tuple[Any, ...] = tuple([] for _ in range(tail.num_outputs))
             return ChunkResult(
                 empty,
