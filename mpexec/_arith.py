@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import ConditionalError
 from ._types import ScalarConstant
 
 BINARY: dict[str, Callable[[Any, Any], Any]] = {
@@ -139,6 +140,29 @@ class Expression:
 
     def __repr__(self) -> str:
         return f"Expression({self.name!r})"
+
+
+def check_logical(value: Any, how: str, side: str) -> None:
+    """``value`` may be an operand of ``and``/``or``/``not`` on DataNodes: a scalar bool."""
+    if getattr(value, "dtype", None) != _BOOL or getattr(value, "ndim", None) != 0:
+        dtype = getattr(value, "dtype", type(value).__name__)
+        shape = getattr(value, "shape", ())
+        raise ConditionalError(
+            f"Logical expression `{how}` is restricted to scalar (0-d tensors) inputs of "
+            f"`bool` type; its {side} is {dtype} of shape {shape} in a sample. Compare "
+            "(x > 0) to make a bool"
+        )
+
+
+class LogicalNot:
+    """``not x`` per sample, for a DataNode: DALI's ``fn._conditional.not_``."""
+
+    def __call__(self, x: Any) -> Any:
+        check_logical(x, "not", "input")
+        return np.logical_not(x)
+
+    def __repr__(self) -> str:
+        return "LogicalNot()"
 
 
 class ConstantSource:

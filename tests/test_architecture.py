@@ -100,6 +100,8 @@ LAYERS: dict[str, int] = {
     "mpexec._graph": 5,
     # 6: the pipeline and the ops that build it
     "mpexec._pipeline": 6,
+    "mpexec._conditionals": 6,  # DALI's conditional execution: scopes, splits, merges
+    "mpexec._autograph": 6,  # the rewrite of `if`/`and`/`or`/`not` it runs on
     "mpexec.fn": 6,
     "mpexec._tf": 6,
     "mpexec.contrib": 6,
