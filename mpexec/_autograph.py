@@ -35,7 +35,6 @@ import ast
 import inspect
 import os
 import sysconfig
-import textwrap
 import types
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -156,10 +155,20 @@ def _rewrite(code: types.CodeType) -> types.CodeType | None:
     if code.co_flags & _NO_CODE or code.co_name == "<lambda>":
         return None
     lines, first = inspect.getsourcelines(code)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    fdef = tree.body[0] if tree.body else None
+    source = "".join(lines)
+    if source[:1].isspace():
+        # Indented (a method, a nested function): parsed where it stands, under an
+        # `if`, so columns stay those of the file (tracebacks point at the right place).
+        holder = ast.parse("if 1:\n" + source).body[0]
+        assert isinstance(holder, ast.If)
+        body, first = holder.body, first - 1
+    else:
+        body = ast.parse(source).body
+    fdef = body[0] if body else None
     if not isinstance(fdef, ast.FunctionDef) or fdef.name != code.co_name:
         return None
+    if any(_private(n) for n in ast.walk(fdef)):
+        return None  # `__x` in a class is mangled: compiled outside it, it would not be
     fdef.decorator_list = []
     fdef.body = _hoist_returns(fdef.body)
     declared = _declared(fdef.body)
@@ -182,6 +191,11 @@ def _rewrite(code: types.CodeType) -> types.CodeType | None:
     if not set(made.co_freevars) <= {*code.co_freevars, HELPER}:
         return None  # pragma: no cover - names the rewrite cannot give it
     return made
+
+
+def _private(node: ast.AST) -> bool:
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+    return isinstance(name, str) and name.startswith("__") and not name.endswith("__")
 
 
 def _const_code(code: types.CodeType, name: str) -> types.CodeType:
@@ -224,6 +238,7 @@ def _def(name: str, params: str, decls: list[ast.stmt], body: list[ast.stmt]) ->
     return fdef
 
 
+_LOCATED = (ast.stmt, ast.expr, ast.excepthandler, ast.arg, ast.keyword)
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
@@ -373,8 +388,17 @@ class _Rewriter(ast.NodeTransformer):
         ]
         if ret is not None:
             out.append(ast.Return(ast.Name(ret, ast.Load())))
+        # The `if` line (to the end of its test) stands for what is made of it: a
+        # traceback through if_stmt shows `if x > 1:`.
+        head = ast.If(node.test, [], [])
+        ast.copy_location(head, node)
+        head.end_lineno = getattr(node.test, "end_lineno", node.lineno)
+        head.end_col_offset = getattr(node.test, "end_col_offset", node.col_offset)
         for s in out:
-            ast.copy_location(s, node)
+            ast.copy_location(s, head)
+            for n in ast.walk(s):
+                if not hasattr(n, "lineno") and isinstance(n, _LOCATED):
+                    ast.copy_location(n, head)
         return out
 
 

@@ -51,7 +51,8 @@ class DataNode:
                 "rewrites the `if` statements and `and`/`or`/`not` of the pipeline function "
                 "and of the functions it calls, where their source can be read; this one was "
                 "not rewritten (a `while`, a conditional expression `a if p else b`, a "
-                "lambda, a function without source, or bool() called on it)"
+                "lambda, a `with pipe:` block, a function without source or marked "
+                "do_not_convert, or bool() called on it)"
             )
         raise TypeError(
             f"{self!r} is a node of a pipeline graph, not data: it has no truth value "

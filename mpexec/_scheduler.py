@@ -61,11 +61,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _arith
+from . import _branches
 from ._batch import Batch
-from ._errors import ConditionalError, MpexecError, PoolClosedError
+from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
-from ._graph import DataNode, Merged, Op, Plan, Scope
+from ._graph import DataNode, Op, Plan, Scope
 from ._modes import Device, LastBatch, OpKind, SourceMode
 from ._runtime import (
     ChainRunner,
@@ -608,65 +608,27 @@ class Scheduler:
         got = it.scopes.get(id(scope))
         if got is None:
             outer = self._rows(it, scope.parent)
-            mask = self._predicate(it, scope.predicate)
-            if not scope.branch:
-                mask = ~mask
+            pred = scope.predicate
+            mask = _branches.mask(self._column(it, pred), pred.name, scope.branch)
             rows = np.flatnonzero(mask) if outer is None else outer[mask]
             got = it.scopes[id(scope)] = (mask, rows)
         return got
 
-    def _predicate(self, it: _Iteration, node: DataNode) -> np.ndarray[Any, Any]:
+    def _column(self, it: _Iteration, node: DataNode) -> Any:
         vals = it.values[self._pos[id(node.op)]]
         assert vals is not None
-        column = vals[node.index]
-        mask = np.zeros(len(column), dtype=bool)
-        for j, v in enumerate(column):
-            if getattr(v, "dtype", None) != np.bool_ or getattr(v, "ndim", None) != 0:
-                raise ConditionalError(
-                    f"the predicate {node.name!r} of an `if` (or `and`/`or`) on a DataNode "
-                    f"is {_describe(v)} in sample {j} of its batch: a predicate must be a "
-                    "scalar (0-d) bool per sample, as in DALI. Compare (x > 0) or cast "
-                    "(x.astype(bool) in a python_function) to make one"
-                )
-            mask[j] = bool(v)
-        return mask
+        return vals[node.index]
 
     def _select(self, it: _Iteration, s: _OpState) -> tuple[Any, ...]:
         """A split's or merge's column: rows of its inputs, uncopied (views of their arrays)."""
         op = s.op
-        assert op.scope is not None or op.kind is OpKind.MERGE
-        columns = []
-        for n in op.inputs:
-            vals = it.values[self._pos[id(n.op)]]
-            assert vals is not None
-            columns.append(vals[n.index])
+        columns = [self._column(it, n) for n in op.inputs]
         if op.kind is OpKind.SPLIT:
             assert op.scope is not None
-            mask, _ = self._scope(it, op.scope)
-            (column,) = columns
-            return ([column[j] for j in np.flatnonzero(mask)],)
-        true_node = op.inputs[0]
-        scope = true_node.op.scope
-        assert scope is not None
-        mask, _ = self._scope(it, scope)
-        yes, no = columns
-        what: Merged = op.function
-        _check_mergeable(what, yes, no)
-        merged: list[Any] = []
-        i = k = 0
-        for m in mask:
-            if m:
-                merged.append(yes[i])
-                i += 1
-            else:
-                merged.append(no[k])
-                k += 1
-        assert i == len(yes), (i, len(yes))
-        assert k == len(no), (k, len(no))
-        if what.logical is not None:
-            for x in merged:
-                _arith.check_logical(x, what.logical, "right side")
-        return (merged,)
+            return (_branches.split(columns[0], self._scope(it, op.scope)[0]),)
+        taken = op.inputs[0].op.scope  # the `if` branch: where the merge takes its rows
+        assert taken is not None
+        return (_branches.merge(*columns, self._scope(it, taken)[0], op.function),)
 
     def _advance_turn(self, s: _OpState) -> None:
         s.turn += 1
@@ -989,27 +951,6 @@ def _declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | Non
         else:
             found.append((tuple(int(d) for d in shape), np.dtype(dtype)))  # type: ignore[arg-type]
     return found
-
-
-def _describe(value: Any) -> str:
-    dtype, ndim = getattr(value, "dtype", None), getattr(value, "ndim", None)
-    if dtype is None:
-        return f"a {type(value).__name__}"
-    return f"{dtype} of shape {getattr(value, 'shape', ())}" if ndim else f"a {dtype} scalar"
-
-
-def _check_mergeable(what: Merged, yes: Any, no: Any) -> None:
-    """Both branches' samples of a merged variable have one dtype and one rank (DALI's rule)."""
-    if not len(yes) or not len(no):
-        return
-    a, b = yes[0], no[0]
-    if a.dtype != b.dtype or a.ndim != b.ndim:
-        raise ConditionalError(
-            f"{what.variable}, set in both branches of an `if` on a DataNode, is {a.dtype} "
-            f"of rank {a.ndim} in the `if` branch and {b.dtype} of rank {b.ndim} in the "
-            "`else` branch; the branches' samples are merged into one batch, so they need "
-            "one dtype and one rank (as in DALI)"
-        )
 
 
 def _nbytes(column: Any) -> int:

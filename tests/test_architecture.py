@@ -98,6 +98,7 @@ LAYERS: dict[str, int] = {
     # 5: the scheduler and the graph it walks
     "mpexec._scheduler": 5,
     "mpexec._graph": 5,
+    "mpexec._branches": 5,  # a batch's rows per branch of an `if` on a DataNode
     # 6: the pipeline and the ops that build it
     "mpexec._pipeline": 6,
     "mpexec._conditionals": 6,  # DALI's conditional execution: scopes, splits, merges
