@@ -142,24 +142,44 @@ class Expression:
         return f"Expression({self.name!r})"
 
 
-def check_logical(value: Any, how: str, side: str) -> None:
-    """``value`` may be an operand of ``and``/``or``/``not`` on DataNodes: a scalar bool."""
-    if getattr(value, "dtype", None) != _BOOL or getattr(value, "ndim", None) != 0:
-        dtype = getattr(value, "dtype", type(value).__name__)
-        shape = getattr(value, "shape", ())
+def truth(value: Any, how: str, side: str = "") -> bool:
+    """The truth of one sample in DALI's conditionals, checked as DALI checks it.
+
+    ``how``: ``"if"`` (a predicate) or ``"not"``: a scalar (0-d) number, true
+    where nonzero; ``"and"``/``"or"`` (``side``: ``"left"``/``"right"``): a
+    scalar bool. DALI's words, with a hint.
+    """
+    dtype = getattr(value, "dtype", None)
+    ndim = getattr(value, "ndim", None)
+    numeric = dtype is not None and dtype.kind in "biuf"
+    if how in ("and", "or"):
+        if ndim == 0 and dtype == _BOOL:
+            return bool(value)
+        got = f"a {ndim}-d input" if numeric and ndim else f"an input of type `{dtype}`"
         raise ConditionalError(
             f"Logical expression `{how}` is restricted to scalar (0-d tensors) inputs of "
-            f"`bool` type; its {side} is {dtype} of shape {shape} in a sample. Compare "
-            "(x > 0) to make a bool"
+            f"`bool` type, that are placed on CPU. Got {got} as the {side} argument in "
+            "logical expression. (Compare, x > 0, to make a bool)"
         )
+    if ndim == 0 and numeric:
+        return bool(value)
+    got = f"a {ndim}-d input" if numeric else f"an input of type `{dtype or type(value).__name__}`"
+    if how == "not":
+        raise ConditionalError(
+            "Logical expression `not` is restricted to scalar (0-d tensors) inputs, that are "
+            f"placed on CPU. Got {got} in logical expression"
+        )
+    raise ConditionalError(
+        "Conditions inside `if` statements are restricted to scalar (0-d tensors) inputs, "
+        f"that are placed on CPU. Got {got} as a condition of the `if` statement"
+    )
 
 
 class LogicalNot:
     """``not x`` per sample, for a DataNode: DALI's ``fn._conditional.not_``."""
 
     def __call__(self, x: Any) -> Any:
-        check_logical(x, "not", "input")
-        return np.logical_not(x)
+        return np.array(not truth(x, "not"))
 
     def __repr__(self) -> str:
         return "LogicalNot()"

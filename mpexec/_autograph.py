@@ -319,10 +319,12 @@ class _Rewriter(ast.NodeTransformer):
 
     def visit_If(self, node: ast.If) -> Any:
         live_out = self.live.get(id(node), set())
+        k = self.count  # names its helpers (the `if`s inside take the next ones)
+        self.count += 1
         reason = _unconvertible(node)
         ret: str | None = None
         if reason is None and _terminal(node) and _returns(node) == _tails(node):
-            ret = f"{RETURN_PREFIX}_{self.count}"
+            ret = f"{RETURN_PREFIX}_{k}"
             _returns_to(node.body, ret)
             _returns_to(node.orelse, ret)
             self.returns.add(ret)
@@ -339,8 +341,6 @@ class _Rewriter(ast.NodeTransformer):
         if reason is not None:
             node.test = ast.Call(_helper("python_test"), [node.test, ast.Constant(reason)], [])
             return node
-        k = self.count
-        self.count += 1
         if ret is not None:
             outs = [ret]
         else:

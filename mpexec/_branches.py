@@ -18,21 +18,28 @@ from ._errors import ConditionalError
 from ._graph import Merged
 
 
-def mask(column: Any, predicate: str, branch: bool) -> np.ndarray[Any, Any]:
-    """Which samples of ``column`` (a predicate's) take ``branch``; each must be a scalar bool."""
-    if isinstance(column, np.ndarray) and column.dtype == np.bool_ and column.ndim == 1:
-        found = column.copy()  # a dense block of scalar bools: checked as a whole
+def mask(column: Any, predicate: str, branch: bool, logical: str | None) -> np.ndarray[Any, Any]:
+    """Which samples of ``column`` (a predicate's) take ``branch``.
+
+    Each sample must be a scalar: a number (true where nonzero) for an
+    ``if``, a bool for the left side of ``and``/``or`` (``logical``), as in DALI.
+    """
+    how = logical or "if"
+    if (
+        isinstance(column, np.ndarray)
+        and column.ndim == 1
+        and column.dtype.kind in ("b" if logical else "biuf")
+    ):
+        found = column.astype(bool)  # a dense block of scalars: checked as a whole
     else:
         found = np.zeros(len(column), dtype=bool)
         for j, v in enumerate(column):
-            if getattr(v, "dtype", None) != np.bool_ or getattr(v, "ndim", None) != 0:
+            try:
+                found[j] = _arith.truth(v, how, "left")
+            except ConditionalError as exc:
                 raise ConditionalError(
-                    f"the predicate {predicate!r} of an `if` (or `and`/`or`) on a DataNode "
-                    f"is {_describe(v)} in sample {j} of its batch: a predicate must be a "
-                    "scalar (0-d) bool per sample, as in DALI. Compare (x > 0) or cast "
-                    "(x.astype(bool) in a python_function) to make one"
-                )
-            found[j] = bool(v)
+                    f"{exc} (the predicate {predicate!r}, in sample {j} of its batch)"
+                ) from None
     return found if branch else ~found
 
 
@@ -43,14 +50,25 @@ def split(column: Any, taken: np.ndarray[Any, Any]) -> list[Any]:
 
 def merge(yes: Any, no: Any, taken: np.ndarray[Any, Any], what: Merged) -> list[Any]:
     """Rows of ``yes`` where ``taken`` is set and of ``no`` elsewhere, in order."""
+    if what.logical is not None:  # `and`/`or`: one side is the left operand, checked already
+        for j in range(len(yes)):
+            _arith.truth(_row(yes, j), what.logical, "right")
+        for j in range(len(no)):
+            _arith.truth(_row(no, j), what.logical, "right")
     if len(yes) and len(no):
         a, b = _row(yes, 0), _row(no, 0)
         if a.dtype != b.dtype or a.ndim != b.ndim:
+            found = (
+                f"types: {a.dtype} and {b.dtype}"
+                if a.dtype != b.dtype
+                else f"sample dimensions: {a.ndim} and {b.ndim}"
+            )
             raise ConditionalError(
-                f"{what.variable}, set in both branches of an `if` on a DataNode, is "
-                f"{a.dtype} of rank {a.ndim} in the `if` branch and {b.dtype} of rank "
-                f"{b.ndim} in the `else` branch; the branches' samples are merged into one "
-                "batch, so they need one dtype and one rank (as in DALI)"
+                "Divergent data found in different branches of conditional operation. All "
+                "paths in conditional operation are merged into one batch which must have "
+                "consistent type, number of dimensions, layout and other metadata. Found "
+                f"distinct {found} ({what.variable} is {a.dtype} of rank {a.ndim} in the "
+                f"`if` branch, {b.dtype} of rank {b.ndim} in the `else` branch)"
             )
     merged: list[Any] = []
     i = k = 0
@@ -63,9 +81,6 @@ def merge(yes: Any, no: Any, taken: np.ndarray[Any, Any], what: Merged) -> list[
             k += 1
     assert i == len(yes), (i, len(yes))
     assert k == len(no), (k, len(no))
-    if what.logical is not None:
-        for x in merged:
-            _arith.check_logical(x, what.logical, "right side")
     return merged
 
 
@@ -75,10 +90,3 @@ def _row(column: Any, j: Any) -> Any:
     (``block[j, ...]``: a 0-d array where ``block[j]`` would be a NumPy scalar.)
     """
     return column[j, ...] if isinstance(column, np.ndarray) else column[j]
-
-
-def _describe(value: Any) -> str:
-    dtype, ndim = getattr(value, "dtype", None), getattr(value, "ndim", None)
-    if dtype is None:
-        return f"a {type(value).__name__}"
-    return f"{dtype} of shape {getattr(value, 'shape', ())}" if ndim else f"a {dtype} scalar"

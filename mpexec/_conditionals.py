@@ -70,10 +70,10 @@ class Undefined:
 class _Frame:
     """One ``if`` (or ``and``/``or``) being traced: its two scopes and where it is."""
 
-    def __init__(self, parent: Scope | None, predicate: DataNode) -> None:
+    def __init__(self, parent: Scope | None, predicate: DataNode, logical: str | None) -> None:
         self.parent = parent
         self.predicate = predicate
-        self.scopes = {True: Scope(parent, predicate, True), False: Scope(parent, predicate, False)}
+        self.scopes = {b: Scope(parent, predicate, b, logical) for b in (True, False)}
         self.branch: bool | None = None  # None: around the branches (the merge)
 
     @property
@@ -149,13 +149,13 @@ class Conditions:
             node = split
         return node
 
-    def push(self, predicate: DataNode) -> _Frame:
+    def push(self, predicate: DataNode, logical: str | None = None) -> _Frame:
         if predicate.op.device is Device.GPU:
             raise ConditionalError(
                 f"the predicate {predicate!r} is a GPU op's output: a predicate of an `if` "
                 "on a DataNode is a scalar bool per sample on the CPU, as in DALI"
             )
-        frame = _Frame(self.scope, self.visible(predicate))
+        frame = _Frame(self.scope, self.visible(predicate), logical)
         self.frames.append(frame)
         return frame
 
@@ -167,7 +167,17 @@ class Conditions:
     def merge(self, yes: DataNode, no: DataNode, frame: _Frame, what: Merged) -> DataNode:
         """One variable's values of both branches of ``frame``, as one batch around it."""
         assert frame.branch is None
-        layout = yes.layout if yes.layout == no.layout else (yes.layout or no.layout)
+        layout = yes.layout or None
+        if what.logical is None and layout != (no.layout or None):
+            # Layouts are known when ops are defined here: DALI finds this when it runs.
+            raise ConditionalError(
+                "Divergent data found in different branches of conditional operation. All "
+                "paths in conditional operation are merged into one batch which must have "
+                "consistent type, number of dimensions, layout and other metadata. Found "
+                f'distinct layouts: "{yes.layout or ""}" and "{no.layout or ""}" '
+                f"({what.variable}: {yes!r} in the `if` branch, {no!r} in the `else` "
+                "branch; give both the same layout, e.g. output_layouts=)"
+            )
         op = Op(
             kind=OpKind.MERGE,
             name=self.graph.unique_name(OpKind.MERGE),
@@ -192,9 +202,14 @@ class Conditions:
         if isinstance(value, ScalarConstant):
             array = value.as_array()
         elif isinstance(value, np.ndarray):
-            array = _arith.downcast(value, None)  # as types.Constant(array) is
+            array = value  # DALI makes float32 and int32 of float64 and int64, as below
+            if array.dtype == np.float64:
+                array = array.astype(np.float32)
+            elif array.dtype == np.int64:
+                array = array.astype(np.int32)
         if array is None or array.dtype.kind not in "biuf":
-            raise ConditionalError(
+            # DALI's TypeError ("Unexpected type"), from the constant it tries to make.
+            raise TypeError(
                 f"{_shown(name)} is set in a branch of an `if` on a DataNode to "
                 f"{type(value).__name__} {value!r}: values set in the branches are merged "
                 "per sample after the `if`, so they must be DataNodes, or numbers and arrays "
@@ -387,7 +402,7 @@ def or_(left: Callable[[], Any], right: Callable[[], Any]) -> Any:
 def _logical(a: DataNode, right: Callable[[], Any], how: str) -> DataNode:
     """DALI's lazy ``and``/``or``: an ``if`` on ``a`` whose one branch computes ``right``."""
     conditions = conditions_of(a)
-    frame = conditions.push(a)
+    frame = conditions.push(a, how)
     lazy = how == "and"  # the branch where the right side decides
     try:
         frame.branch = lazy
@@ -395,7 +410,8 @@ def _logical(a: DataNode, right: Callable[[], Any], how: str) -> DataNode:
         if not isinstance(b, (DataNode, bool, np.bool_)):
             raise ConditionalError(
                 f"Logical expression `{how}` is restricted to scalar (0-d tensors) inputs of "
-                f"`bool` type; its right side is {type(b).__name__} {b!r} (DALI's rule)"
+                f"`bool` type, that are placed on CPU. Got an input of type "
+                f"`{type(b).__name__}` ({b!r}) as the right argument in logical expression"
             )
         decided = conditions.branch_value(b, how)
         frame.branch = not lazy

@@ -190,7 +190,7 @@ class Scope:
     """The samples of one branch of an ``if`` on a DataNode (DALI's conditional execution).
 
     Those of ``parent`` (None: the whole batch) where ``predicate`` (an
-    output in ``parent``: one bool per sample) is ``branch``. An op in a
+    output in ``parent``: a scalar per sample, true where nonzero) is ``branch``. An op in a
     scope runs only on its samples; ``mpexec._conditionals`` builds scopes
     while the definition runs, and the scheduler works out their samples per
     iteration.
@@ -199,6 +199,7 @@ class Scope:
     parent: Scope | None
     predicate: DataNode
     branch: bool
+    logical: str | None = None  # made by `and`/`or`: the predicate must be a bool
 
     def lineage(self) -> Iterator[Scope]:
         """This scope, then its parent, up to the outermost."""
@@ -404,7 +405,7 @@ class Graph:
             return cached
         h = hashlib.sha256()
         for op in self.ops:
-            fields = (
+            fields: tuple[Any, ...] = (
                 op.kind,
                 op.name,
                 op.index,
@@ -422,8 +423,9 @@ class Graph:
                 op.source_mode,
                 op.cycle,
                 _name_of(op.function),
-                _scope_names(op.scope),
             )
+            if op.scope is not None:  # (only then: other graphs keep their digests)
+                fields += (_scope_names(op.scope),)
             h.update(repr(fields).encode())
         h.update(repr(tuple((n.op.name, n.index) for n in self.outputs)).encode())
         self._fingerprint = h.hexdigest()[:32]

@@ -568,19 +568,19 @@ class Scheduler:
             if s.worker is not None and s.turn != it.seq:
                 continue  # a stateful op: an earlier iteration goes first
             try:
-                rows = self._rows(it, s.members[0].op.scope)
+                samples = self._rows(it, s.members[0].op.scope)
             except Exception as exc:
                 self._fail(it, _annotate(exc, s.op, it, None))
                 return
-            if rows is not None and not len(rows) and not s.op.batch_processing:
-                # A branch no sample took: a per-sample op has nothing to call.
+            if samples is not None and not len(samples):
+                # A branch no sample took: nothing to call (DALI calls no batch function either).
                 it.dispatched.add(s.pos)
                 it.values[s.pos] = tuple([] for _ in range(s.op.num_outputs))
                 if s.worker is not None:
                     self._advance_turn(s)
                 self._done_here(it)
                 continue
-            self._dispatch(it, s, rows)
+            self._dispatch(it, s, samples)
             if s.worker is not None:
                 self._advance_turn(s)
 
@@ -609,7 +609,8 @@ class Scheduler:
         if got is None:
             outer = self._rows(it, scope.parent)
             pred = scope.predicate
-            mask = _branches.mask(self._column(it, pred), pred.name, scope.branch)
+            column = self._column(it, pred)
+            mask = _branches.mask(column, pred.name, scope.branch, scope.logical)
             rows = np.flatnonzero(mask) if outer is None else outer[mask]
             got = it.scopes[id(scope)] = (mask, rows)
         return got
@@ -639,10 +640,10 @@ class Scheduler:
             if other.seq == s.turn:
                 self._dispatch_ready(other)
 
-    def _dispatch(self, it: _Iteration, s: _OpState, rows: Any = None) -> None:
+    def _dispatch(self, it: _Iteration, s: _OpState, samples: Any = None) -> None:
         """Send op ``s`` of iteration ``it`` to the workers, in chunks.
 
-        ``rows``: the batch indices of the samples it runs on, where not all
+        ``samples``: the batch indices of the samples it runs on, where not all
         (an op in a branch of an ``if`` on a DataNode).
         """
         it.dispatched.add(s.pos)
@@ -663,7 +664,7 @@ class Scheduler:
                 s.bytes_in += _nbytes(column)
             if s.copied_bytes is not None:
                 s.bytes_copied += s.copied_bytes(column)
-        size = it.size if rows is None else len(rows)
+        size = it.size if samples is None else len(samples)
         if op.batch_processing or op.stateful or s.executor.workers <= 1:
             bounds = [(0, size)]
         else:
@@ -678,7 +679,7 @@ class Scheduler:
         names = tuple(m.op.name for m in s.members)
         runner = s.runner
         for ci, (a, b) in enumerate(bounds):
-            where = None if rows is None else tuple(int(r) for r in rows[a:b])
+            where = None if samples is None else tuple(int(r) for r in samples[a:b])
             chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start, where)
             out = tuple(None if k is None else k[a:b] for k in blocks) if blocks else ()
             rows = tuple(col[a:b] for col in inputs)

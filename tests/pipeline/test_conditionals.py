@@ -13,6 +13,7 @@ real DALI (CPU only, skipped where ``nvidia-dali`` is absent) and compares.
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 from typing import Any
@@ -48,18 +49,25 @@ class _Log:
 
 
 def _logged(path: Path) -> dict[str, list[int]]:
-    seen: dict[str, list[int]] = {}
+    """Per tag, the values its calls saw, each once: every value as often as the others.
+
+    (Iterations run ahead of ``run()`` (prefetch), so how many iterations were
+    computed when the pipeline closed varies; each computed them all.)
+    """
+    seen: dict[str, collections.Counter[int]] = {}
     for line in path.read_text().split("\n") if path.exists() else []:
         if line:
             tag, value = line.split()
-            seen.setdefault(tag, []).append(int(value))
+            seen.setdefault(tag, collections.Counter())[int(value)] += 1
+    for tag, counts in seen.items():
+        assert len(set(counts.values())) == 1, f"{tag}: calls per value differ: {counts}"
     return {k: sorted(v) for k, v in seen.items()}
 
 
 def _only_multiples_of_3(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     if int(x) % 3:
         raise ValueError(f"saw sample {int(x)}, which its branch does not hold")
-    return x * 10
+    return np.asarray(x * 10)
 
 
 def _minus_one() -> np.ndarray[Any, Any]:
@@ -124,8 +132,8 @@ def test_a_branchs_function_is_called_on_that_branchs_samples_only(tmp_path: Pat
     y, c = run(graph, batch_size=6, num_workers=2, iterations=2)[1]
     assert y == [0, 2, 4, 9, 12, 15]
     assert c == [-1, -1, -1, 3, 4, 5]
-    # Two iterations: each function saw its own samples, each once per iteration.
-    assert _logged(log) == {"if": [0, 0, 1, 1, 2, 2], "else": [3, 3, 4, 4, 5, 5]}
+    # Each function saw its own samples, each once per iteration.
+    assert _logged(log) == {"if": [0, 1, 2], "else": [3, 4, 5]}
 
 
 def test_an_op_in_a_branch_knows_its_samples_place_in_the_batch() -> None:
@@ -214,10 +222,10 @@ def test_a_branch_no_sample_takes(tmp_path: Path, threshold: int) -> None:
         got = run(graph, batch_size=4, iterations=2, num_workers=workers)
         if threshold < 0:
             assert got == [[[0, 1, 2, 3]]] * 2
-            assert _logged(log) == {"if": [0, 0, 1, 1, 2, 2, 3, 3]}
+            assert _logged(log) == {"if": [0, 1, 2, 3]}
         else:
             assert got == [[[1, 2, 3, 4]]] * 2
-            assert _logged(log) == {"else": [0, 0, 1, 1, 2, 2, 3, 3], "batch": [4, 4]}
+            assert _logged(log) == {"else": [0, 1, 2, 3], "batch": [4]}
 
 
 # ================================================================ Python values, and/or/not
@@ -323,6 +331,17 @@ def test_branch_values_of_python_numbers_become_constants() -> None:
     assert y == [0, 0, 2, 3]
     assert scale == [5, 5, 2, 2]
 
+    def strings() -> Any:
+        x = fn.external_source(source=_index, batch=False)
+        if x > 1:
+            mode = "a"
+        else:
+            mode = "b"
+        return x, mode
+
+    with pytest.raises(TypeError, match="variable 'mode' is set in a branch"):
+        run(strings)
+
 
 def test_a_serialized_pipeline_with_conditionals_gives_the_same_batches() -> None:
     def graph() -> Any:
@@ -407,29 +426,64 @@ def test_branches_of_different_structure_or_dtype_are_errors() -> None:
         run(dtype)
 
 
-@pytest.mark.parametrize(
-    ("source", "what"),
-    [(_index, "a int32 scalar"), (lambda info: np.array([True, False]), "bool of shape")],
-    ids=["int", "vector"],
-)
-def test_a_predicate_must_be_a_scalar_bool(source: Any, what: str) -> None:
-    def graph() -> Any:
-        p = fn.external_source(source=source, batch=False)
+def _pair(info: Any) -> np.ndarray[Any, Any]:
+    return np.array([True, False])
+
+
+def test_a_predicate_is_a_scalar_number_and_and_or_take_bools() -> None:
+    def numbers() -> Any:
+        x = fn.external_source(source=_index, batch=False)
+        if x:  # DALI takes any scalar: true where nonzero
+            y = x * 10
+        else:
+            y = x - 1
+        return y, not x
+
+    assert run(numbers, batch_size=3) == [[-1, 10, 20], [True, False, False]]
+
+    def vector() -> Any:
+        p = fn.external_source(source=_pair, batch=False)
         if p:
             y = p
         else:
             y = p
         return y
 
-    with pytest.raises(mpexec.ConditionalError, match=what):
-        run(graph)
+    with pytest.raises(mpexec.ConditionalError, match=r"restricted to scalar .* Got a 1-d input"):
+        run(vector)
 
-    def logical() -> Any:
-        p = fn.external_source(source=source, batch=False)
-        return not p
+    def negated() -> Any:
+        return not fn.external_source(source=_pair, batch=False)
 
     with pytest.raises(mpexec.ConditionalError, match="Logical expression `not`"):
-        run(logical)
+        run(negated)
+
+    def left() -> Any:
+        x = fn.external_source(source=_index, batch=False)
+        return x and (x > 1)
+
+    with pytest.raises(mpexec.ConditionalError, match="type `int32` as the left argument"):
+        run(left)
+
+    def right() -> Any:
+        x = fn.external_source(source=_index, batch=False)
+        return (x > 1) or x
+
+    with pytest.raises(mpexec.ConditionalError, match="type `int32` as the right argument"):
+        run(right)
+
+
+def test_branches_must_give_one_layout() -> None:
+    def graph() -> Any:
+        x = fn.external_source(source=_index, batch=False, layout="A")
+        if x > 1:
+            y = fn.python_function(x, function=_double)  # no layout: "" in DALI
+        else:
+            y = x
+        return y
+
+    with pytest.raises(mpexec.ConditionalError, match='distinct layouts: "" and "A"'):
+        run(graph)
 
 
 def test_a_value_made_in_a_branch_cannot_escape_it() -> None:
@@ -471,6 +525,51 @@ def test_without_enable_conditionals_an_if_says_how_to_get_one() -> None:
         pipeline_def(graph, batch_size=2, num_workers=0)()
 
 
+def _double(x: Any) -> Any:
+    return x * 2
+
+
+def test_gpu_ops_run_around_ifs_not_inside_branches() -> None:
+    from mpexec.testing import SEEDS, simulated
+
+    def inside() -> Any:
+        x = fn.external_source(source=_index, batch=False)
+        if x > 1:
+            y = fn.python_function(x, function=_double, device="gpu")
+        else:
+            y = x
+        return y
+
+    def split_in() -> Any:
+        x = fn.external_source(source=_index, batch=False)
+        g = fn.python_function(x, function=_double, device="gpu")
+        if x > 1:
+            y = fn.python_function(g, function=_double)
+        else:
+            y = x
+        return y
+
+    def after() -> Any:
+        x = fn.external_source(source=_index, batch=False)
+        if x > 1:
+            y = x + 10
+        else:
+            y = x
+        return fn.python_function(y, function=_double, device="gpu")
+
+    with simulated(*SEEDS[0]):
+        with pytest.raises(mpexec.ConditionalError, match="GPU op inside a branch"):
+            run(inside, device_id=0)
+        with pytest.raises(mpexec.ConditionalError, match="GPU op's output used inside"):
+            run(split_in, device_id=0)
+        pipe = pipeline_def(after, batch_size=4, num_workers=0, enable_conditionals=True)(
+            device_id=0
+        )
+        with pipe:
+            (out,) = pipe.run()
+            assert [int(a) for a in out.as_cpu()] == [0, 2, 24, 26]
+
+
 # ================================================================ against real DALI
 
 
@@ -492,9 +591,21 @@ def _dali_values(definition: Any, batch_size: int) -> list[Any]:
     )()
     pipe.build()
     outs = pipe.run()
-    got = [[np.array(o.at(j)).tolist() for j in range(len(o))] for o in outs]
+    got = [[_typed(np.array(o.at(j))) for j in range(len(o))] for o in outs]
     del pipe
     return got
+
+
+def _typed(a: Any) -> tuple[Any, str]:
+    return np.asarray(a).tolist(), str(np.asarray(a).dtype)
+
+
+def _ours(definition: Any, batch_size: int) -> list[Any]:
+    pipe = pipeline_def(
+        definition, batch_size=batch_size, num_workers=1, seed=1, enable_conditionals=True
+    )()
+    with pipe:
+        return [[_typed(a) for a in b] for b in pipe.run()]
 
 
 def _nested(fn: Any) -> Any:
@@ -524,7 +635,7 @@ def _nested(fn: Any) -> Any:
 def _only_even_triple(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     assert int(x) % 2 == 0, int(x)
     assert int(x) > 2, int(x)
-    return x * 3
+    return np.asarray(x * 3)  # (DALI takes arrays, not the NumPy scalar x * 3 is)
 
 
 def _dalis_test(fn: Any, types: Any) -> Any:
@@ -546,6 +657,28 @@ def _dalis_test(fn: Any, types: Any) -> Any:
     return graph
 
 
+def _python_values(fn: Any) -> Any:
+    def graph() -> Any:
+        x = fn.external_source(source=_index, batch=False)
+        if x > 1:
+            a, b, c, d = 1, 1.5, np.array(2), True
+        else:
+            a, b, c, d = 2, 2.5, np.array(3), False
+        if x:
+            e = x * 10
+        else:
+            e = x - 1
+        return a, b, c, d, e, not x, _returns(x)
+
+    return graph
+
+
+def _returns(x: Any) -> Any:
+    if x > 1:
+        return x + 10
+    return x
+
+
 def _empty_branch(fn: Any) -> Any:
     def graph() -> Any:
         x = fn.external_source(source=_index, batch=False)
@@ -560,8 +693,8 @@ def _empty_branch(fn: Any) -> Any:
 
 @pytest.mark.parametrize(
     ("make", "batch_size"),
-    [(_nested, 8), (_dalis_test, 8), (_empty_branch, 4)],
-    ids=["nested-and-logic", "dalis-own-test", "empty-branch"],
+    [(_nested, 8), (_dalis_test, 8), (_empty_branch, 4), (_python_values, 4)],
+    ids=["nested-and-logic", "dalis-own-test", "empty-branch", "python-values"],
 )
 def test_outputs_equal_dalis(make: Any, batch_size: int) -> None:
     _dali()
@@ -570,9 +703,9 @@ def test_outputs_equal_dalis(make: Any, batch_size: int) -> None:
 
     args = (fn, types) if make is _dalis_test else (fn,)
     dali_args = (dali_fn, dali_types) if make is _dalis_test else (dali_fn,)
-    ours = run(make(*args), batch_size=batch_size, num_workers=1)
+    ours = _ours(make(*args), batch_size)
     theirs = _dali_values(make(*dali_args), batch_size)
-    assert ours == theirs
+    assert ours == theirs  # values and dtypes
 
 
 def test_dali_refuses_what_we_refuse() -> None:
