@@ -32,6 +32,7 @@ branches become constants and are merged too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -302,8 +303,12 @@ def _outputs(
                 f"Variables need to be initialized in every code path (both `if` branches). "
                 f"{what}"
             )
-        out.append(_map_leaves(value, lambda v, n=name: conditions.branch_value(v, n)))
+        out.append(_map_leaves(value, functools.partial(_branch_value, conditions, name)))
     return out
+
+
+def _branch_value(conditions: Conditions, name: str, value: Any) -> DataNode:
+    return conditions.branch_value(value, name)
 
 
 def _merge_structure(conditions: Conditions, frame: _Frame, name: str, a: Any, b: Any) -> Any:

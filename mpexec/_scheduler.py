@@ -629,7 +629,8 @@ class Scheduler:
             return (_branches.split(columns[0], self._scope(it, op.scope)[0]),)
         taken = op.inputs[0].op.scope  # the `if` branch: where the merge takes its rows
         assert taken is not None
-        return (_branches.merge(*columns, self._scope(it, taken)[0], op.function),)
+        yes, no = columns
+        return (_branches.merge(yes, no, self._scope(it, taken)[0], op.function),)
 
     def _advance_turn(self, s: _OpState) -> None:
         s.turn += 1

@@ -245,9 +245,14 @@ def test_if_on_python_values_keeps_pythons_meaning() -> None:
             y = x + total
         else:
             y = x
+        if x > 1:  # a DataNode: the Python `if`s inside it keep their meaning too
+            if not flag:
+                y = y * 0
+            elif total in (1, 2):
+                y = y + 100
         return y
 
-    assert run(graph, batch_size=3) == [[2, 3, 4]]
+    assert run(graph, batch_size=3) == [[2, 3, 104]]
 
 
 def test_and_or_not_on_dataNodes_compute_the_right_side_where_needed(tmp_path: Path) -> None:
