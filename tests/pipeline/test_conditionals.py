@@ -136,6 +136,33 @@ def test_a_branchs_function_is_called_on_that_branchs_samples_only(tmp_path: Pat
     assert _logged(log) == {"if": [0, 1, 2], "else": [3, 4, 5]}
 
 
+def _image(info: Any) -> np.ndarray[Any, Any]:
+    return np.full((64, 64, 4), info.idx_in_batch, np.float32)  # 64 KiB: never inlined
+
+
+def _plus_one(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return x + 1
+
+
+def test_a_branchs_samples_reach_the_workers_uncopied() -> None:
+    def graph() -> Any:
+        img = fn.external_source(source=_image, batch=False)
+        first = fn.python_function(img, function=_plus_one)  # in the workers' memory
+        if fn.external_source(source=_even, batch=False):
+            out = fn.python_function(first, function=_plus_one)
+        else:
+            out = fn.python_function(first, function=_double)
+        return out
+
+    pipe = pipeline_def(graph, batch_size=6, num_workers=2, seed=1, enable_conditionals=True)()
+    with pipe:
+        for _ in range(3):
+            (out,) = pipe.run()
+            assert [float(a[0, 0, 0]) for a in out] == [2, 4, 4, 8, 6, 12]
+        stats = pipe.stats()
+    assert sum(op.bytes_copied for op in stats.ops) == 0, stats
+
+
 def test_an_op_in_a_branch_knows_its_samples_place_in_the_batch() -> None:
     def graph() -> Any:
         p = fn.external_source(source=_even, batch=False)
