@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import inspect
 import os
 import random
@@ -18,7 +19,6 @@ import resource
 import time
 import zlib
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
