@@ -643,6 +643,8 @@ class _WorkersIter(_EpochIter):
         except BrokenPoolError as exc:  # a worker died since the last result
             err = self._crashed(exc, -1, worker, None)
             self._shutdown_workers()
+            if err is exc:  # not a crash (a worker that could not start): its own cause stays
+                raise
             raise err from exc
         self._tasks[self._position] = (worker, future, index)
         self._workers_num_tasks[worker] += 1
@@ -694,6 +696,8 @@ class _WorkersIter(_EpochIter):
         if isinstance(exc, BrokenPoolError):
             err = self._crashed(exc, position, worker, index)
             self._shutdown_workers()
+            if err is exc:  # not a crash (a worker that could not start): its own cause stays
+                raise exc
             raise err from exc
         if exc is not None:
             if position >= 0:

@@ -727,3 +727,24 @@ def test_state_between_epochs_starts_the_next_epoch() -> None:
     want = [b[1].tolist() for b in loader]
     loader.load_state_dict(state)
     assert [b[1].tolist() for b in loader] == want
+
+
+def _init_fails_on_worker_1(worker_id: int) -> None:
+    if worker_id == 1:
+        time.sleep(0.5)  # worker 0 is up first: the loader starts on it (ready="first")
+        raise RuntimeError("worker 1's init failed on purpose")
+
+
+def test_a_later_worker_whose_init_fails_raises_its_error_from_next() -> None:
+    loader = mt.DataLoader(
+        list(range(8)), batch_size=None, num_workers=2, worker_init_fn=_init_fails_on_worker_1
+    )
+    with pytest.raises(RuntimeError) as info:
+        list(loader)
+    err: BaseException | None = info.value
+    chain = []
+    while err is not None and len(chain) < 10:
+        chain.append(err)
+        err = err.__cause__
+    assert info.value.__cause__ is not info.value
+    assert any("worker 1's init failed on purpose" in str(e) for e in chain), chain
