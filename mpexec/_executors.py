@@ -22,11 +22,13 @@
 
 The unit of work is a :class:`WorkUnit`: one chunk (samples ``start ..
 start+count`` of one iteration) through one op, or through a chain of
-per-sample ops fused into one call (``_runtime.ChainRunner``), given the
-chunk's rows of each input column. ``unit.runner(unit.chunk, *unit.inputs)``
-(what ``unit.run()`` does) is the whole computation, the same in any process:
-seeding, ``SampleInfo``, calls, output checks. It returns a ``ChunkResult``
-(outputs, seconds, pid, where a source stopped).
+per-sample ops fused into one call (``_runtime.ChainRunner``), or the whole
+batch through a per-sample source's chain and the batch op it feeds
+(``_runtime.SourceBatchRunner``), given the chunk's rows of each input column.
+``unit.runner(unit.chunk, *unit.inputs)`` (what ``unit.run()`` does) is the
+whole computation, the same in any process: seeding, ``SampleInfo``, calls,
+output checks. It returns a ``ChunkResult`` (outputs, seconds, pid, where a
+source stopped).
 
 A :class:`UnitExecutor` is anything that runs units and returns futures:
 
@@ -94,7 +96,14 @@ from . import _codec
 from ._errors import GpuError, forked_error
 from ._modes import CallKind, Reseed
 from ._pool import WorkerPool
-from ._runtime import ChainRunner, Chunk, ChunkResult, OpRunner, check_consistent
+from ._runtime import (
+    ChainRunner,
+    Chunk,
+    ChunkResult,
+    OpRunner,
+    SourceBatchRunner,
+    check_consistent,
+)
 
 if TYPE_CHECKING:
     from ._gpu import GpuBatch, GpuOpRunner
@@ -114,7 +123,7 @@ class WorkUnit:
     fit; the result says which outputs it wrote (``ChunkResult.written``).
     """
 
-    runner: OpRunner | ChainRunner  # or, for a GPU op, a GpuOpRunner its executor calls
+    runner: OpRunner | ChainRunner | SourceBatchRunner  # or a GPU op's GpuOpRunner
     chunk: Chunk
     inputs: tuple[Sequence[Any], ...]
     worker: int | None = None

@@ -156,7 +156,9 @@ class Pipeline:
       else those CPUs); ``0`` runs every call here, in order, for a debugger.
     - ``seed``: makes every op's randomness reproducible; None or -1 picks one.
     - ``prefetch_depth``: iterations in flight at once (default:
-      ``prefetch_queue_depth``, 1 with ``exec_pipelined=False``, else 2).
+      ``prefetch_queue_depth``, 1 with ``exec_pipelined=False``, else 2); per
+      worker where a stateless batch op runs in the workers, whose calls each
+      take a whole batch to one worker (docs/pipeline.md).
     - ``start_method``: the workers' (default: ``py_start_method`` if given).
     - ``output_dtype``/``output_ndim``: checked on every output, as DALI does.
     - no effect here: ``exec_async``, ``bytes_per_sample``, ``set_affinity``,

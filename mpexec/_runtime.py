@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import inspect
 import os
 import random
@@ -779,6 +780,116 @@ class ChainRunner:
 
 class _Passed(Exception):
     """Carries a chained op's StopIteration through :func:`each_sample` unchanged."""
+
+
+class SourceBatchRunner:
+    """A per-sample source (and the per-sample ops chained to it) and the batch op it feeds.
+
+    One call makes a whole batch: the source part runs over the batch's
+    samples (``head``: an :class:`OpRunner` or a :class:`ChainRunner`, each
+    sample with its own seed, as in chunks), then the batch op (``tail``)
+    runs once on the samples it made, as lists of read-only arrays: the batch
+    it would get unfused. So a batch is one round trip to one worker instead
+    of one per chunk and one more for the batch op, and its samples never
+    leave that worker (the scheduler keeps batches in flight on every worker).
+
+    ``pick``: which of the head's outputs the batch op takes (None: all, in
+    order); ``what``: the head's last op, for its errors. Where the source
+    ended the epoch before the batch was full, the batch op is called on the
+    short batch, except where nothing came or ``drop_short`` (the pipeline's
+    ``last_batch="drop"``) drops it: then it is not called at all.
+    """
+
+    def __init__(
+        self,
+        head: OpRunner | ChainRunner,
+        tail: OpRunner,
+        pick: tuple[int, ...] | None,
+        what: str,
+        drop_short: bool,
+    ) -> None:
+        self.head = head
+        self.tail = tail
+        self.pick = pick
+        self.what = what
+        self.drop_short = drop_short
+        # The head's last op, which an error in its outputs' checks names.
+        last = head.runners[-1] if isinstance(head, ChainRunner) else head
+        self._head_name = last.name
+
+    def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
+        """Make the batch (``chunk``: the whole of it); ``out`` as :meth:`OpRunner.__call__`."""
+        t0 = time.perf_counter()
+        faults = thread_faults()
+        try:
+            made = self.head(chunk, *inputs)
+            columns = made.outputs
+            for i, column in enumerate(columns):
+                check_consistent(self.what, i, column)
+        except BaseException as exc:
+            if getattr(exc, "mpexec_op", None) is None:
+                with contextlib.suppress(AttributeError):
+                    exc.mpexec_op = self._head_name  # type: ignore[attr-defined]
+            raise
+        count = made.count
+        per_op = made.per_op or ((made.seconds, 0, sum(_nbytes(c) for c in columns)),)
+        tail = self.tail
+        if not count or (self.drop_short and count < chunk.count):
+            # No batch anyone receives (nothing came, or last_batch="drop" drops it):
+            # unfused, the batch op would not be called on it either. Its stats get
+            # no per_op entry: it was not called.
+            empty: tuple[Any, ...] = tuple([] for _ in range(tail.num_outputs))
+            return ChunkResult(
+                empty,
+                count,
+                time.perf_counter() - t0,
+                os.getpid(),
+                made.stop,
+                per_op,
+                (False,) * tail.num_outputs,
+                thread_faults() - faults,
+            )
+        if self.pick is not None:
+            columns = tuple(columns[i] for i in self.pick)
+        args = []
+        for column in columns:  # read-only views, as every op's inputs
+            views = [a.view() for a in column]
+            for v in views:
+                v.setflags(False)
+            args.append(views)
+        if count < chunk.count:
+            chunk = dataclasses.replace(chunk, count=count)
+            out = tuple(None if o is None else o[:count] for o in out)
+        try:
+            batch = tail(chunk, *args, out=out)
+        except BaseException as exc:
+            with contextlib.suppress(AttributeError):
+                exc.mpexec_op = tail.name  # type: ignore[attr-defined]
+            raise
+        bytes_out = 0
+        for i, column in enumerate(batch.outputs):
+            wrote = bool(batch.written) and batch.written[i]
+            bytes_out += _nbytes(out[i] if wrote else column)  # rows of the block, or arrays
+        tail_stats = (batch.seconds, sum(_nbytes(c) for c in args), bytes_out)
+        return ChunkResult(
+            batch.outputs,
+            count,
+            time.perf_counter() - t0,
+            os.getpid(),
+            made.stop,
+            (*per_op, tail_stats),
+            batch.written,
+            thread_faults() - faults,
+        )
+
+
+def _nbytes(column: Any) -> int:
+    """Bytes of a column: one array, or a list of them (None: nothing)."""
+    if column is None:
+        return 0
+    if isinstance(column, np.ndarray):
+        return int(column.nbytes)
+    return sum(int(a.nbytes) for a in column)
 
 
 def write_block(samples: list[Any], block: np.ndarray[Any, Any]) -> bool:

@@ -6,6 +6,7 @@
     --------              ------------------------                  ------------
     build()  --------->   plan: ops -> _OpState, chains fused
     run() / iteration ->  window: up to prefetch_depth _Iterations
+                            (x workers, with a stateless batch op)
                             launch: sources that run here
                             (iterables, batch callables,
                             feed_input) -> executor.share()
@@ -33,7 +34,8 @@
     a Batch owns (keeps alive) the views of shared memory it hands out.
 
 The unit of work is a ``WorkUnit`` (one chunk of an iteration through an op
-or a fused chain of per-sample ops); what runs units is a ``UnitExecutor``.
+or a fused chain of per-sample ops, or a whole batch through a per-sample
+source's chain and the batch op it feeds); what runs units is a ``UnitExecutor``.
 Both live in :mod:`mpexec._executors`, whose docstring is the protocol. The
 scheduler knows nothing of devices: it picks each op's executor once, by the
 op's device, and from then on asks that executor for what differs (its
@@ -44,7 +46,9 @@ worker's arena, and handing it to the next op sends its descriptor on.
 Randomness depends only on (seed, op, epoch, iteration, sample), so results do
 not depend on the executor, chunking, prefetch or timing. Stateful ops run in
 iteration order on one worker: each has a turn counter, and an iteration's call
-waits for its turn.
+waits for its turn. A stateless batch op's call holds one worker for a whole
+batch, so a pipeline with one keeps prefetch_depth batches in flight per
+worker, as a per-sample op's chunks give each worker prefetch_depth calls.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from ._runtime import (
     ChainRunner,
     Chunk,
     ChunkResult,
+    SourceBatchRunner,
     check_consistent,
     derive_seed,
     is_string_array,
@@ -250,6 +255,13 @@ class Scheduler:
             for op in plan.ops
         ]
         self._chain(plan)
+        # Iterations in flight: prefetch_depth gives each worker that many chunks of
+        # per-sample ops (an op is cut into a chunk per worker, or more). A batch op's
+        # call takes a whole batch to one worker: with it, prefetch_depth batches per
+        # worker, or the workers would idle (and wait a round trip between batches).
+        self.window = prefetch_depth
+        if any(_batch_in_workers(s, executor) for s in self.ops):
+            self.window = prefetch_depth * max(1, executor.workers)
 
     @property
     def epoch(self) -> int:
@@ -267,8 +279,25 @@ class Scheduler:
                 and s.executor is self.executor  # not across executors (GPU ops)
             )
 
+        def batch_tail(s: _OpState) -> bool:
+            """A stateless batch op that may end a chain headed by a per-sample source.
+
+            Only where that source is the pipeline's one source (another could
+            end the epoch sooner, and the batch op would see samples past it),
+            and outside the branches of an ``if`` on a DataNode (a branch's
+            samples are picked here, from its predicate).
+            """
+            return (
+                _batch_in_workers(s, self.executor)
+                and s.runner is not None
+                and s.op.scope is None
+                and len(sources) == 1
+            )
+
+        sources = [s for s in self.ops if s.op.is_source]
         for s in self.ops:
-            if not chainable(s) or not s.op.inputs or s.op.num_outputs == 0:
+            tail = batch_tail(s)
+            if not (chainable(s) or tail) or not s.op.inputs or s.op.num_outputs == 0:
                 continue
             producers = {id(n.op) for n in s.op.inputs}
             if len(producers) != 1:
@@ -277,7 +306,11 @@ class Scheduler:
             # A per-sample source in the workers may head a chain too: its ops
             # then run before the batch size is known, on samples a StopIteration
             # may drop (they are stateless: the waste is one partial chunk).
-            head_ok = chainable(p) or p.op.source_mode == SourceMode.SAMPLE
+            # A batch op ends such a chain only: it needs its samples in one call.
+            if tail:
+                head_ok = p.members[0].op.source_mode == SourceMode.SAMPLE
+            else:
+                head_ok = chainable(p) or p.op.source_mode == SourceMode.SAMPLE
             if (
                 head_ok
                 and self._consumers[p.pos] == [s.pos]
@@ -292,7 +325,21 @@ class Scheduler:
         for s in self.ops:
             if len(s.members) > 1 and not s.absorbed:
                 picks = [tuple(n.index for n in m.op.inputs) for m in s.members]
-                s.runner = ChainRunner([m.runner for m in s.members], picks)
+                if s.op.batch_processing:
+                    s.runner = self._source_batch_runner(s, picks)
+                else:
+                    s.runner = ChainRunner([m.runner for m in s.members], picks)
+
+    def _source_batch_runner(self, s: _OpState, picks: list[tuple[int, ...]]) -> SourceBatchRunner:
+        """The runner of batch op ``s`` fused with the per-sample source chain before it."""
+        head = s.members[:-1]
+        runner = head[0].runner
+        if len(head) > 1:
+            runner = ChainRunner([m.runner for m in head], picks[:-1])
+        previous = head[-1].op.num_outputs
+        pick = None if picks[-1] == tuple(range(previous)) else picks[-1]
+        drop = self.last_batch is LastBatch.DROP
+        return SourceBatchRunner(runner, s.runner, pick, head[-1].op.describe(), drop)
 
     # ------------------------------------------------------------ running
     def next_result(self) -> tuple[Batch, ...]:
@@ -409,7 +456,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ scheduling
     def _fill(self) -> None:
-        while len(self._window) < self.prefetch_depth and not self._ending and not self._closed:
+        while len(self._window) < self.window and not self._ending and not self._closed:
             if not self._launch():
                 return
 
@@ -784,11 +831,13 @@ class Scheduler:
             self._fail(it, _annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
             return
         res: ChunkResult = future.result()
-        batch = s.op.batch_processing
         per_op = res.per_op or ((res.seconds, 0, 0),)
-        for m, (spent, b_in, b_out) in zip(s.members, per_op, strict=True):
-            m.calls += 1 if batch else res.count
-            m.samples += it.size if batch else res.count
+        # (A batch op ending a source's chain has no entry where it was not called:
+        # for a batch that nobody receives, see SourceBatchRunner.)
+        assert len(per_op) in (len(s.members), len(s.members) - s.op.batch_processing)
+        for m, (spent, b_in, b_out) in zip(s.members, per_op, strict=False):
+            m.calls += 1 if m.op.batch_processing else res.count
+            m.samples += res.count
             m.function_s += spent
             m.bytes_in += b_in
             m.bytes_out += b_out
@@ -833,9 +882,9 @@ class Scheduler:
         blocks: list[Any],
     ) -> tuple[Any, ...]:
         """The chunks' outputs as one column per output: a dense block, or a list."""
-        if s.op.batch_processing:
+        if s.op.batch_processing:  # one call (short where a source it ends ended)
             parts, bounds = parts[:1], bounds[:1]
-            counts = [bounds[0][1] - bounds[0][0]]
+            counts = [parts[0].count]
         else:
             counts = []
             for p in parts:
@@ -935,6 +984,12 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _batch_in_workers(s: _OpState, executor: UnitExecutor) -> bool:
+    """``s`` is a stateless batch op run by the pipeline's executor (its workers)."""
+    op = s.op
+    return op.batch_processing and not (op.is_source or op.stateful) and s.executor is executor
 
 
 def _declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | None]:
