@@ -860,6 +860,10 @@ def _start_pool(config: _WorkerConfig, start_method: str) -> WorkerPool:
                 worker_init_args=(key,),
                 arena_size=_ARGS_ARENA,
                 worker_arena_size=_WORKER_ARENA,
+                # The first batch goes to the first worker up, as torch's does, not
+                # once the last has started (each fork of a process with torch in
+                # it takes ~5 ms). Every worker has forked when this returns.
+                ready="first",
             )
         finally:
             del _inherited[key]  # every worker has forked (or failed to)

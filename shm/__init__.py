@@ -2,7 +2,7 @@
 
 The mechanism under mpexec, usable on its own (it never imports mpexec):
 
-- :class:`Segment`: a block of shared memory reserved up front (memfd on
+- :class:`Segment`: a block of shared memory reserved before use (memfd on
   Linux: unnamed, so nothing is left behind by a killed process).
 - :class:`Arena`: variable-size, 64-byte-aligned allocations in segments
   that grow up to a cap; arrays live in it and are shared by descriptor.

@@ -76,6 +76,11 @@ _MiB = 1 << 20
 #: While an allocation waits for releases (``full_wait``), how often it looks again
 #: for memory freed in this process (by another thread: no doorbell for those).
 _RECHECK_S = 0.02
+#: What a new segment commits at once; the rest is committed as allocations
+#: reach it, doubling what is committed each time (a few system calls in a
+#: segment's life). Committing zeroes pages (~0.25 ms a MiB): a pool's arenas
+#: committed whole made every pool start pay ~25 ms for memory most never use.
+FIRST_COMMIT = 2 * _MiB
 
 
 def _round_up(n: int, to: int) -> int:
@@ -170,15 +175,23 @@ class _Alloc:
 
 
 class _Seg:
-    __slots__ = ("free", "holes", "live", "open", "ro", "rw")
+    __slots__ = ("committed", "free", "holes", "live", "open", "ro", "rw")
 
-    def __init__(self, segment: Segment, open_to_peers: bool) -> None:
+    def __init__(self, segment: Segment, open_to_peers: bool, committed: int) -> None:
         self.rw = segment
         self.open = open_to_peers  # peers may map it writable (not sealed)
         self.ro: Segment | None = None
         self.free = FreeList(segment.size, ALIGNMENT)
         self.live = 0
         self.holes: list[tuple[int, int]] = []  # page ranges given back (see discard_min)
+        self.committed = committed  # bytes from the start committed (see FIRST_COMMIT)
+
+
+def _new_segment(size: int, backend: str | None, sealed: bool) -> _Seg:
+    """A segment of ``size`` bytes for an arena, its first :data:`FIRST_COMMIT` committed."""
+    commit = min(size, FIRST_COMMIT)
+    created = Segment.create(size, backend, tag="mpx-arena", sealed=sealed, commit=commit)
+    return _Seg(created, not sealed, committed=min(created.size, _round_up(commit, PAGE_SIZE)))
 
 
 def _default_capacity() -> int:
@@ -190,7 +203,9 @@ def _default_capacity() -> int:
 class Arena:
     """Shared memory for arrays, owned by this process, shared by descriptor.
 
-    ``segment_size`` is reserved at once and is the unit of growth;
+    ``segment_size`` is the unit of growth; a segment's memory is committed
+    (reserved, so that running out is an error, not SIGBUS) as allocations
+    reach it: :data:`FIRST_COMMIT` at once, then doubling;
     ``capacity`` caps the total reserved (default: half the machine's memory).
     ``sealed``: no other process can write this arena's memory, however it
     maps it (see :meth:`Segment.create`), but for allocations made
@@ -251,8 +266,7 @@ class Arena:
         self._links: list[Ring] = []
         self._owed: dict[int, dict[int, int]] = {}  # id(link) -> alloc id -> refs
         self._closed = False
-        first = Segment.create(segment_size, backend, tag="mpx-arena", sealed=sealed)
-        self._segs.append(_Seg(first, open_to_peers=not sealed))
+        self._segs.append(_new_segment(segment_size, backend, sealed))
         local_arenas[self.id] = self
 
     # ------------------------------------------------------------- allocating
@@ -513,6 +527,8 @@ class Arena:
         """Allocate ``nbytes`` at ``found``, a free block of that size (lock held)."""
         seg, offset = found
         size = seg.free.round(nbytes)
+        if offset + size > seg.committed:
+            self._commit(seg, offset, size)
         if self._discard or seg.holes:
             self._claim(seg, offset, size)
         alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
@@ -524,6 +540,17 @@ class Arena:
         if self._discard:
             self._give_back()
         return alloc
+
+    def _commit(self, seg: _Seg, offset: int, size: int) -> None:
+        """Commit ``seg`` up to past ``[offset, offset + size)`` (lock held), or free
+        the block and raise :class:`ReservationError`."""
+        end = min(seg.rw.size, max(_round_up(offset + size, PAGE_SIZE), 2 * seg.committed))
+        try:
+            seg.rw.reserve(seg.committed, end - seg.committed)
+        except BaseException:
+            seg.free.free(offset, size)
+            raise
+        seg.committed = end
 
     def _claim(self, seg: _Seg, offset: int, size: int) -> None:
         """``[offset, offset + size)`` of ``seg`` is being allocated (lock held).
@@ -581,8 +608,7 @@ class Arena:
             size = max(need, min(self.segment_size, self.capacity - reserved))
         if reserved + size > self.capacity:
             raise ArenaFullError(self._full_message(nbytes, reserved))
-        created = Segment.create(size, self.backend, tag="mpx-arena", sealed=not opened)
-        seg = _Seg(created, open_to_peers=opened)
+        seg = _new_segment(size, self.backend, sealed=not opened)
         self._segs.append(seg)
         offset = seg.free.allocate(nbytes)
         assert offset is not None
@@ -784,7 +810,7 @@ class Arena:
             return ArenaStats(
                 name=self.name,
                 capacity=self.capacity,
-                reserved=sum(s.rw.size for s in self._segs),
+                reserved=sum(s.committed for s in self._segs),
                 in_use=self._in_use,
                 peak=self._peak,
                 allocations=len(self._allocs),

@@ -65,6 +65,12 @@ class WorkerPool(CallExecutor):
       freed blocks back to the kernel, so a function whose temporaries run to
       hundreds of KiB faults every page in again on every call; kept, they
       stay warm. Each worker's RSS may stay up to this much above what it uses.
+    - ``ready``: ``"all"`` (default) returns once every worker has started, and
+      raises here if one cannot (its ``worker_init`` failed, say); ``"first"``
+      returns once the first has, so calls start while the others come up (a
+      loader's first batch need not wait for its last worker). A later worker
+      that cannot start then breaks the pool: calls fail with
+      :class:`BrokenPoolError`, the worker's error as its cause.
     """
 
     def __init__(
@@ -84,6 +90,7 @@ class WorkerPool(CallExecutor):
         start_timeout: float = 60.0,
         results: Literal["copy", "view"] = "copy",
         warm_memory: int = WARM_MEMORY,
+        ready: Literal["all", "first"] = "all",
     ) -> None:
         if num_workers is None:
             num_workers = usable_cpus()
@@ -95,6 +102,8 @@ class WorkerPool(CallExecutor):
             raise ValueError(f"warm_memory must be an int >= 0 (bytes), not {warm_memory!r}")
         if results not in ("copy", "view"):
             raise ValueError(f"results must be 'copy' or 'view', not {results!r}")
+        if ready not in ("all", "first"):
+            raise ValueError(f"ready must be 'all' or 'first', not {ready!r}")
         self.num_workers = num_workers
         self.timeout = timeout
         self.restart = restart
@@ -134,7 +143,7 @@ class WorkerPool(CallExecutor):
             warm_memory=warm_memory,
         )
         try:
-            self._factory.start(range(num_workers), generation=0)
+            self._factory.start(range(num_workers), generation=0, wait_all=ready == "all")
         except BaseException:
             _stop.shutdown(state, self._lifeline, None, wait=False, cancel=True)
             raise

@@ -52,12 +52,25 @@ class WorkerFactory:
         self.start_timeout = start_timeout
         self.warm_memory = warm_memory  # malloc's bound in each worker (_host.keep_memory_warm)
 
-    def start(self, indices: Iterable[int], generation: int) -> None:
-        """Start workers in parallel, then wait for each to say hello."""
+    def start(self, indices: Iterable[int], generation: int, wait_all: bool = True) -> None:
+        """Start workers in parallel, then wait for each to say hello (``wait_all``)
+        or for the first only: the manager reads the others' as replacements'."""
         started = [self.launch(index, generation) for index in indices]
         deadline = time.monotonic() + self.start_timeout
+        if wait_all or len(started) < 2:
+            for slot in started:
+                self.await_hello(slot, deadline)
+            return
+        # The first to say anything (a hello, a failure, its death) is read here.
+        watched = [x for slot in started for x in (slot.done, slot.process)]
+        first = started[0]
+        for obj in shm.wait(watched, max(0.0, deadline - time.monotonic())):
+            first = next(s for s in started if obj is s.done or obj is s.process)
+            break
+        self.await_hello(first, deadline)
         for slot in started:
-            self.await_hello(slot, deadline)
+            if slot is not first:
+                slot.start_deadline = deadline
 
     def launch(self, index: int, generation: int) -> Slot:
         """Start worker ``index`` (it is ready once its hello is read)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 import mpexec
@@ -206,3 +207,69 @@ def test_shutdown_releases_fds_and_mappings_at_once() -> None:
     with pytest.raises(mpexec.PoolClosedError):
         pool.put(np.ones(3))
     assert len(pool.pids) == 2
+
+
+# ---------------------------------------------------------------- ready="first"
+def _first_fast_others_slow(flag: str, done: str, fail: bool) -> None:
+    """worker_init: the first worker here starts at once; the others take 3 s, or fail."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        if fail:
+            raise RuntimeError("a later worker's init exploded on purpose") from None
+        time.sleep(3)
+        open(done, "w").close()
+
+
+def test_ready_first_starts_calls_while_the_other_workers_come_up(tmp_path: Path) -> None:
+    flag, done = str(tmp_path / "first"), str(tmp_path / "slow-one-started")
+    with WorkerPool(
+        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, done, False)
+    ) as pool:
+        results = [pool.submit(_square, i).result(T) for i in range(5)]
+        assert results == [i * i for i in range(5)]
+        assert not os.path.exists(done), "the pool waited for its slow worker"
+        # The slow one joins: a call pinned to each worker runs there.
+        pids = {pool.submit_call(os.getpid, worker=w).result(T) for w in range(2)}
+        assert os.path.exists(done)
+        assert pids == set(pool.pids)
+        assert list(pool.map(_square, range(20), timeout=T)) == [i * i for i in range(20)]
+
+
+def test_ready_all_waits_for_every_worker(tmp_path: Path) -> None:
+    flag, done = str(tmp_path / "first"), str(tmp_path / "slow-one-started")
+    with WorkerPool(2, worker_init=_first_fast_others_slow, worker_init_args=(flag, done, False)):
+        assert os.path.exists(done)
+
+
+def test_ready_first_a_later_worker_that_cannot_start_breaks_the_pool(tmp_path: Path) -> None:
+    flag = str(tmp_path / "first")
+    with WorkerPool(
+        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, "", True)
+    ) as pool:
+        wait_until(lambda: pool.status.state == "broken", 20, "the pool to break")
+        with pytest.raises(mpexec.BrokenPoolError) as info:
+            pool.submit(_square, 3).result(T)
+        chain = []
+        err: BaseException | None = info.value
+        while err is not None:
+            chain.append(str(err))
+            err = err.__cause__
+        assert any("a later worker's init exploded on purpose" in text for text in chain)
+
+
+def test_ready_must_be_all_or_first() -> None:
+    with pytest.raises(ValueError, match="ready must be 'all' or 'first'"):
+        WorkerPool(1, ready="some")  # type: ignore[arg-type]
+
+
+def test_ready_first_shuts_down_while_a_worker_is_still_starting(tmp_path: Path) -> None:
+    flag, done = str(tmp_path / "first"), str(tmp_path / "slow-one-started")
+    pool = WorkerPool(
+        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, done, False)
+    )
+    pids = pool.pids
+    assert pool.submit(_square, 4).result(T) == 16
+    assert not os.path.exists(done)
+    pool.shutdown(wait=True)  # no hang; the no_leaks fixture checks nothing is left
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).ppid() == os.getpid()]

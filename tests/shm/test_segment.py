@@ -6,10 +6,13 @@ import os
 import pickle
 import stat
 
+import numpy as np
 import pytest
 
 import shm
 from shm._segment import format_bytes
+
+MiB = 1 << 20
 
 
 def test_create_attach_roundtrip(backend: str, no_leaks: None) -> None:
@@ -110,3 +113,17 @@ def test_reap_orphans_spares_the_living(no_leaks: None) -> None:
 def test_tag_is_validated() -> None:
     with pytest.raises(ValueError, match="tag"):
         shm.Segment.create(10, tag="../../etc")
+
+
+def test_a_segment_can_commit_part_of_itself_now_and_the_rest_later(
+    backend: str, no_leaks: None
+) -> None:
+    seg = shm.Segment.create(8 * MiB, backend, commit=MiB)
+    try:
+        assert seg.size == 8 * MiB
+        assert os.fstat(seg._fd).st_blocks * 512 == MiB
+        seg.reserve(MiB, 7 * MiB)
+        assert os.fstat(seg._fd).st_blocks * 512 == 8 * MiB
+        np.frombuffer(seg.buf, np.uint8)[:] = 3
+    finally:
+        seg.close()
