@@ -144,14 +144,14 @@ def wait(objects: Iterable[Watchable], timeout: float | None = None) -> list[Wat
     """
     objs = list(objects)
     # A quiet ring rings only a consumer that said it sleeps: say so first.
-    quiet = [o for o in objs if isinstance(o, Ring) and o._quiet]  # noqa: SLF001
+    quiet = [o for o in objs if isinstance(o, Ring) and o.quiet]
     for ring in quiet:
-        ring._consumer_sleeps(True)  # noqa: SLF001
+        ring._consumer_sleeps(True)  # noqa: SLF001 - the consumer's end, waited on here
     try:
         return _wait(objs, timeout)
     finally:
         for ring in quiet:
-            ring._consumer_sleeps(False)  # noqa: SLF001
+            ring._consumer_sleeps(False)  # noqa: SLF001 - the consumer's end, waited on here
 
 
 def _wait(objs: list[Watchable], timeout: float | None) -> list[Watchable]:
@@ -159,7 +159,7 @@ def _wait(objs: list[Watchable], timeout: float | None) -> list[Watchable]:
     # no longer show on the doorbell's fd: such a ring is ready already (the
     # ring's own count, read by this module's wait()); so is a quiet ring
     # whose head has moved.
-    held = {id(o) for o in objs if isinstance(o, Ring) and o._ready_now()}  # noqa: SLF001
+    held = {id(o) for o in objs if isinstance(o, Ring) and o._ready_now()}  # noqa: SLF001 - its own count
     if held:
         timeout = 0
     poller = select.poll()
