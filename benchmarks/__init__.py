@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "startup": "benchmarks.startup_bench",
     "mainload": "benchmarks.mainload_bench",
     "dali": "benchmarks.dali_bench",
+    "conditionals": "benchmarks.conditionals_bench",
 }
 
 __all__ = ["BENCHMARKS"]

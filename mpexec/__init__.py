@@ -22,6 +22,7 @@ from ._batch import Batch
 from ._codec import writable
 from ._errors import (
     BrokenPoolError,
+    ConditionalError,
     ForkedPoolError,
     GpuError,
     GpuUnavailableError,
@@ -51,6 +52,7 @@ __all__ = [
     "Batch",
     "BatchInfo",
     "BrokenPoolError",
+    "ConditionalError",
     "DataNode",
     "ForkedPoolError",
     "GpuError",

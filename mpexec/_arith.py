@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import ConditionalError
 from ._types import ScalarConstant
 
 BINARY: dict[str, Callable[[Any, Any], Any]] = {
@@ -139,6 +140,49 @@ class Expression:
 
     def __repr__(self) -> str:
         return f"Expression({self.name!r})"
+
+
+def truth(value: Any, how: str, side: str = "") -> bool:
+    """The truth of one sample in DALI's conditionals, checked as DALI checks it.
+
+    ``how``: ``"if"`` (a predicate) or ``"not"``: a scalar (0-d) number, true
+    where nonzero; ``"and"``/``"or"`` (``side``: ``"left"``/``"right"``): a
+    scalar bool. DALI's words, with a hint.
+    """
+    dtype = getattr(value, "dtype", None)
+    ndim = getattr(value, "ndim", None)
+    numeric = dtype is not None and dtype.kind in "biuf"
+    if how in ("and", "or"):
+        if ndim == 0 and dtype == _BOOL:
+            return bool(value)
+        got = f"a {ndim}-d input" if numeric and ndim else f"an input of type `{dtype}`"
+        raise ConditionalError(
+            f"Logical expression `{how}` is restricted to scalar (0-d tensors) inputs of "
+            f"`bool` type, that are placed on CPU. Got {got} as the {side} argument in "
+            "logical expression. (Compare, x > 0, to make a bool)"
+        )
+    if ndim == 0 and numeric:
+        return bool(value)
+    got = f"a {ndim}-d input" if numeric else f"an input of type `{dtype or type(value).__name__}`"
+    if how == "not":
+        raise ConditionalError(
+            "Logical expression `not` is restricted to scalar (0-d tensors) inputs, that are "
+            f"placed on CPU. Got {got} in logical expression"
+        )
+    raise ConditionalError(
+        "Conditions inside `if` statements are restricted to scalar (0-d tensors) inputs, "
+        f"that are placed on CPU. Got {got} as a condition of the `if` statement"
+    )
+
+
+class LogicalNot:
+    """``not x`` per sample, for a DataNode: DALI's ``fn._conditional.not_``."""
+
+    def __call__(self, x: Any) -> Any:
+        return np.array(not truth(x, "not"))
+
+    def __repr__(self) -> str:
+        return "LogicalNot()"
 
 
 class ConstantSource:

@@ -16,6 +16,8 @@
     ├── OpOutputError              (also ValueError) an op returned what it may not
     ├── OpArgumentError            (also ValueError, RuntimeError) an op's arguments disagree
     │                              (more output_layouts than outputs, ...): DALI's RuntimeError
+    ├── ConditionalError           (also ValueError, RuntimeError) an `if` on a DataNode that
+    │                              DALI's conditional execution refuses too
     ├── GpuUnavailableError        (also RuntimeError) device='gpu' without CuPy, driver or device
     ├── GpuError                   (also RuntimeError) the GPU stage itself failed (copy, close)
     ├── ResourceLimitError         (also OSError) a limit of this process is too low
@@ -134,6 +136,18 @@ class OpArgumentError(MpexecError, ValueError, RuntimeError):
     """
 
 
+class ConditionalError(MpexecError, ValueError, RuntimeError):
+    """An ``if`` (or ``and``/``or``/``not``) on a DataNode that cannot be run per sample.
+
+    With ``enable_conditionals=True``: a variable set in one branch only and
+    used after the ``if``, branches that set a variable to different
+    structures or dtypes, a predicate that is not a scalar bool per sample, a
+    ``return`` in one branch only. DALI refuses the same, with a
+    ``RuntimeError`` or a ``ValueError`` (by case): this is both, so ported
+    ``except`` clauses still hold.
+    """
+
+
 class GpuUnavailableError(MpexecError, RuntimeError):
     """A GPU op was defined where CuPy, a CUDA driver or the device is missing."""
 
@@ -203,6 +217,7 @@ for _cls in (
     SerializationError,
     OpOutputError,
     OpArgumentError,
+    ConditionalError,
     InputMutatedError,
     GpuUnavailableError,
     GpuError,

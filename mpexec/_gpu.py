@@ -670,9 +670,7 @@ class GpuOpRunner:
                 return tuple(
                     self._batch_column(xp, v, i, size) for i, v in enumerate(self._split(out))
                 )
-            np_seeds, py_seeds = _runtime.call_seeds(
-                self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, size
-            )
+            np_seeds, py_seeds = _runtime.sample_seeds(self.entropy, chunk)
 
             def one(args: tuple[Any, ...], j: int, b: int) -> list[Any]:
                 args = tuple([self._arg(a, stream) for a in args])

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _arith
-from ._errors import MpexecError
+from ._errors import ConditionalError, MpexecError
 from ._modes import Device, OpKind, Reseed, SourceMode
 
 #: DALI's limit on the inputs of one python_function.
@@ -43,10 +43,22 @@ class DataNode:
         return f"DataNode({self.name!r})"
 
     def __bool__(self) -> bool:
+        graph = current_graph()
+        if graph is not None and graph.conditions is not None:
+            raise TypeError(
+                f"{self!r} is a node of a pipeline graph, not data: it has no truth value "
+                "while the pipeline is being defined. With enable_conditionals=True, mpexec "
+                "rewrites the `if` statements and `and`/`or`/`not` of the pipeline function "
+                "and of the functions it calls, where their source can be read; this one was "
+                "not rewritten (a `while`, a conditional expression `a if p else b`, a "
+                "lambda, a `with pipe:` block, a function without source or marked "
+                "do_not_convert, or bool() called on it)"
+            )
         raise TypeError(
             f"{self!r} is a node of a pipeline graph, not data: it has no truth value "
-            "while the pipeline is being defined (mpexec does not rewrite `if` statements "
-            "as DALI's enable_conditionals does). Put conditions inside the op's function"
+            "while the pipeline is being defined. To run ops per sample on a condition, "
+            "give pipeline_def enable_conditionals=True (DALI's conditional execution), or "
+            "put the condition inside the op's function"
         )
 
     def __iter__(self) -> Iterator[Any]:
@@ -174,6 +186,45 @@ class DataNode:
 
 
 @dataclass(eq=False)
+class Scope:
+    """The samples of one branch of an ``if`` on a DataNode (DALI's conditional execution).
+
+    Those of ``parent`` (None: the whole batch) where ``predicate`` (an
+    output in ``parent``: a scalar per sample, true where nonzero) is ``branch``. An op in a
+    scope runs only on its samples; ``mpexec._conditionals`` builds scopes
+    while the definition runs, and the scheduler works out their samples per
+    iteration.
+    """
+
+    parent: Scope | None
+    predicate: DataNode
+    branch: bool
+    logical: str | None = None  # made by `and`/`or`: the predicate must be a bool
+
+    def lineage(self) -> Iterator[Scope]:
+        """This scope, then its parent, up to the outermost."""
+        s: Scope | None = self
+        while s is not None:
+            yield s
+            s = s.parent
+
+    def __repr__(self) -> str:
+        return f"Scope({self.predicate!r} is {self.branch}, depth {sum(1 for _ in self.lineage())})"
+
+
+@dataclass(frozen=True)
+class Merged:
+    """A merge op's function: what it merges (for messages) and what its samples must be.
+
+    ``logical``: the merge of ``and``/``or`` on DataNodes, whose every sample
+    is a scalar bool (DALI's rule).
+    """
+
+    variable: str
+    logical: str | None = None
+
+
+@dataclass(eq=False)
 class Op:
     """One op of the graph, as defined (see ``fn.python_function``)."""
 
@@ -196,7 +247,17 @@ class Op:
     reseed: Reseed = Reseed.AUTO  # "always": a call is never run twice (see fn.python_function)
     source_mode: SourceMode = SourceMode.NONE  # external_source: how it gives data
     cycle: Any = False
+    # Inside an `if` on a DataNode: the samples it runs on and its outputs hold
+    # (a split's: the branch it selects); None: the whole batch.
+    scope: Scope | None = None
     outputs: tuple[DataNode, ...] = field(default=(), repr=False)
+
+    def waits(self) -> Iterator[DataNode]:
+        """What must be computed before it runs: its inputs, and its scopes' predicates."""
+        yield from self.inputs
+        if self.scope is not None:
+            for s in self.scope.lineage():
+                yield s.predicate
 
     @property
     def is_source(self) -> bool:
@@ -228,6 +289,7 @@ class Op:
             self.output_shapes,
             self.dlpack,
             self.reseed,
+            id(self.scope),  # the same op in two branches runs on different samples
         )
 
 
@@ -259,6 +321,9 @@ class Graph:
         self.seed: int | None = None
         self.batch_size: int | None = None
         self.frozen = False  # built: no more ops
+        # enable_conditionals: the `if` scopes being defined (mpexec._conditionals),
+        # which place each op added in the current branch.
+        self.conditions: Any = None
 
     def add(self, op: Op, *, auto_named: bool = False) -> Op:
         """Add ``op``; ``auto_named``: its name came from :meth:`unique_name`."""
@@ -276,6 +341,10 @@ class Graph:
             self.names.discard(op.name)
         if op.name in self.names:
             raise ValueError(f"two ops are named {op.name!r}; op names must be unique")
+        if self.conditions is not None and op.kind not in (OpKind.SPLIT, OpKind.MERGE):
+            # Inputs from outside the current branch are split into it first.
+            self.conditions.place(op)
+            op.index = len(self.ops)  # after the splits placing it added
         self.names.add(op.name)
         if auto_named:
             self.auto_names.add(op.name)
@@ -314,6 +383,12 @@ class Graph:
                 )
             if out.op not in self.ops:
                 raise ValueError(f"pipeline output {i} ({out!r}) belongs to another pipeline")
+            if out.op.scope is not None:
+                raise ConditionalError(
+                    f"pipeline output {i} ({out!r}) was made inside a branch of an `if` on a "
+                    "DataNode, and holds only that branch's samples: return a variable that "
+                    "every branch sets (it is merged), as in DALI"
+                )
             nodes.append(out)
         self.outputs = tuple(nodes)
 
@@ -330,7 +405,7 @@ class Graph:
             return cached
         h = hashlib.sha256()
         for op in self.ops:
-            fields = (
+            fields: tuple[Any, ...] = (
                 op.kind,
                 op.name,
                 op.index,
@@ -349,6 +424,8 @@ class Graph:
                 op.cycle,
                 _name_of(op.function),
             )
+            if op.scope is not None:  # (only then: other graphs keep their digests)
+                fields += (_scope_names(op.scope),)
             h.update(repr(fields).encode())
         h.update(repr(tuple((n.op.name, n.index) for n in self.outputs)).encode())
         self._fingerprint = h.hexdigest()[:32]
@@ -363,6 +440,10 @@ class Graph:
             remapped = tuple(canon[id(n.op)].outputs[n.index] for n in op.inputs)
             if any(a is not b for a, b in zip(remapped, op.inputs, strict=True)):
                 op.inputs = remapped  # compared by identity: == on DataNodes builds a node
+            if op.scope is not None:
+                for s in op.scope.lineage():
+                    p = s.predicate
+                    s.predicate = canon[id(p.op)].outputs[p.index]
             k = op.key()
             if k is not None and k in seen:
                 canon[id(op)] = seen[k]
@@ -384,9 +465,16 @@ class Graph:
             if id(op) in live:
                 continue
             live.add(id(op))
-            stack.extend(n.op for n in op.inputs)
+            stack.extend(n.op for n in op.waits())
         ops = [op for op in self.ops if id(op) in live]  # definition order is topological
         return Plan(ops, outputs, merged=sum(1 for o in self.ops if canon[id(o)] is not o))
+
+
+def _scope_names(scope: Scope | None) -> tuple[tuple[str, int, bool], ...]:
+    """A scope as (predicate's op, output, branch) from the innermost out."""
+    if scope is None:
+        return ()
+    return tuple((s.predicate.op.name, s.predicate.index, s.branch) for s in scope.lineage())
 
 
 def _name_of(function: Any) -> str:

@@ -38,6 +38,9 @@ class OpKind(Mode):
     PYTHON_FUNCTION = "python_function"
     DL_TENSOR_PYTHON_FUNCTION = "dl_tensor_python_function"
     EXTERNAL_SOURCE = "external_source"
+    # DALI's conditional execution (mpexec._conditionals): run by the scheduler itself.
+    SPLIT = "_conditional.split"  # the samples of one branch of an `if` on a DataNode
+    MERGE = "_conditional.merge"  # both branches' samples, back in the batch's order
 
 
 class SourceMode(Mode):

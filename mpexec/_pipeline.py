@@ -24,8 +24,9 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _codec
+from . import _autograph, _codec
 from ._batch import Batch
+from ._conditionals import Conditions
 from ._errors import MpexecError, PoolClosedError, SerializationError, forked_error
 from ._executors import CallPool, pool_executor
 from ._graph import DataNode, Graph, Plan, defining
@@ -49,8 +50,8 @@ _PARAMS = (
 # Accepted where parameters are, never serialized: they name live objects.
 _LIVE_PARAMS = ("pool",)
 # DALI's pipeline arguments: mapped onto the parameters above, or accepted for
-# DALI's sake (Pipeline's docstring); never serialized either. pipeline_def
-# also takes enable_conditionals (DALI's `if` on DataNodes, not done here).
+# DALI's sake (Pipeline's docstring); never serialized either (nor is
+# enable_conditionals: it shapes the graph, which is).
 _DALI_PARAMS = (
     "num_threads",
     "exec_pipelined",
@@ -170,6 +171,11 @@ class Pipeline:
       that changed one.
     - ``timeout``: seconds one call may run (then :class:`TaskTimeoutError`).
     - ``device_id``: the CUDA device of GPU ops (``device="gpu"``; default 0).
+    - ``enable_conditionals``: DALI's conditional execution: ``if``/``elif``/
+      ``else`` and ``and``/``or``/``not`` on DataNodes in the definition run
+      each branch's ops on the samples where its predicate holds (the
+      definition function, and ``define_graph``, are rewritten; docs/pipeline.md,
+      "Conditionals"). DALI's ``pipeline_def`` takes it; here ``Pipeline`` does too.
     - ``pool``: run on this pool instead of starting one: a
       :class:`WorkerPool`, or an ``mpexec.ray.RayPool`` to spread the
       iterations over a Ray cluster. Outputs are bit-identical either way.
@@ -212,6 +218,7 @@ class Pipeline:
         experimental_exec_dynamic: bool | None = None,
         stream_policy: Any = None,
         concurrency: Any = None,
+        enable_conditionals: bool = False,
     ) -> None:
         # DALI's keywords with no meaning here (the class docstring lists them).
         del exec_async, bytes_per_sample, set_affinity, max_streams, default_cuda_stream_priority
@@ -244,6 +251,7 @@ class Pipeline:
         self.debug = debug
         self.timeout = timeout
         self.last_batch = last_batch
+        self.enable_conditionals = bool(enable_conditionals)
         self._output_checks = _output_checks(output_dtype, output_ndim)
         self._graph: Graph | None = None
         self._defining: Any = None  # the context of an open `with pipe:` definition
@@ -269,6 +277,8 @@ class Pipeline:
         if self._graph is not None:
             raise MpexecError("this pipeline is already defined")
         graph = self._new_graph()
+        if self.enable_conditionals:
+            graph_fn = _autograph.convert(graph_fn)
         with defining(graph):
             out = graph_fn()
         if out is None:
@@ -290,6 +300,8 @@ class Pipeline:
         graph.device_id = self.device_id
         graph.seed = self.seed
         graph.batch_size = self.batch_size
+        if self.enable_conditionals:
+            graph.conditions = Conditions(graph)
         return graph
 
     def define_graph(self) -> Any:
@@ -818,8 +830,8 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
     function may also be given pipeline parameters when called
     (``augment(batch_size=8)``, ``augment(pool=ray_pool)``), and its own
     arguments. DALI's pipeline arguments are taken too (see :class:`Pipeline`),
-    and ``enable_conditionals``, which is accepted but rewrites nothing: an
-    ``if`` on a DataNode is an error that says so.
+    and ``enable_conditionals=True``: DALI's conditional execution (``if`` on
+    a DataNode runs each branch on its own samples; docs/pipeline.md).
     """
     unknown = set(pipeline_kwargs) - _DEF_PARAMS
     if unknown:
@@ -832,13 +844,13 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
             for k in list(kwargs):
                 if k in _DEF_PARAMS:
                     params[k] = kwargs.pop(k)
-            params.pop("enable_conditionals", None)
             if "batch_size" not in params:
                 raise TypeError(
                     f"{graph_fn.__name__}: give batch_size to pipeline_def or to the call"
                 )
             pipe = Pipeline(**params)
-            pipe.define(lambda: graph_fn(*args, **kwargs))
+            definition = _autograph.convert(graph_fn) if pipe.enable_conditionals else graph_fn
+            pipe.define(lambda: definition(*args, **kwargs))
             return pipe
 
         return create

@@ -200,6 +200,9 @@ class Chunk:
     start: int  # index in the batch of the first sample
     count: int
     epoch_start: int  # index in the epoch of sample 0 of this batch
+    # The batch indices of its samples where they are not start..start+count: an
+    # op in a branch of an `if` on a DataNode runs on that branch's samples only.
+    rows: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,12 @@ def _mix_array(z: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def call_seeds(
-    entropy: int, epoch: int, iteration: int, first: int, count: int
+    entropy: int,
+    epoch: int,
+    iteration: int,
+    first: int,
+    count: int,
+    keys: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Seeds of ``np.random`` and ``random`` for ``count`` calls of one op, at once.
 
@@ -286,13 +294,29 @@ def call_seeds(
     hash, computed for a whole chunk in a few array operations instead of a
     ``SeedSequence`` per call (which cost more than a light op itself).
     ``np.random`` takes 32 bits (its cheap legacy seeding), ``random`` 64.
+    ``keys``: the calls' ``k`` where they are not ``first .. first+count``.
     """
     key = _mix_int((entropy >> 64) ^ _mix_int(entropy))
     key = _mix_int(key ^ _mix_int(epoch ^ _mix_int(iteration + _GOLDEN)))
-    ks = np.arange(first, first + count, dtype=np.uint64)
+    if keys is None:
+        ks = np.arange(first, first + count, dtype=np.uint64)
+    else:
+        ks = np.asarray(keys, dtype=np.uint64)
     h = _mix_array(ks * np.uint64(_GOLDEN) + np.uint64(key))
     h2 = _mix_array(h ^ np.uint64(_mix_int(key + 1)))
     return (h >> np.uint64(32)).tolist(), h2.tolist()
+
+
+def sample_seeds(entropy: int, chunk: Chunk) -> tuple[list[int], list[int]]:
+    """:func:`call_seeds` of a chunk's per-sample calls: ``k`` is the sample's batch index + 1.
+
+    A sample keeps its seeds inside a branch of an ``if`` on a DataNode
+    (``chunk.rows``): an op there draws what it would for that sample unsplit.
+    """
+    if chunk.rows is None:
+        return call_seeds(entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
+    keys = [b + 1 for b in chunk.rows]
+    return call_seeds(entropy, chunk.epoch, chunk.iteration, 0, 0, keys)
 
 
 def each_sample(
@@ -313,9 +337,10 @@ def each_sample(
     rows = []
     stop = None
     iteration, epoch, first, start = chunk.iteration, chunk.epoch, chunk.epoch_start, chunk.start
+    where = chunk.rows  # a branch's samples: their indices in the batch
     try:
         for j in range(chunk.count):
-            b = start + j
+            b = start + j if where is None else where[j]
             info = _current = _new_tuple(SampleInfo, (first + b, b, iteration, epoch))
             args = (info,) if source else tuple([x[j] for x in inputs])
             try:
@@ -406,9 +431,7 @@ class OpRunner:
             count = len(inputs[0]) if inputs else chunk.count
             columns, written = self._batch_outputs(outputs, count, out)
         else:
-            np_seeds, py_seeds = call_seeds(
-                self.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count
-            )
+            np_seeds, py_seeds = sample_seeds(self.entropy, chunk)
             call, outputs_of = self._call, self._sample_outputs
 
             def one(args: tuple[Any, ...], j: int, b: int) -> tuple[Any, ...]:
@@ -679,9 +702,7 @@ class ChainRunner:
         seeds = []
         for r in self.runners:
             r._where = (chunk.epoch, chunk.iteration)  # noqa: SLF001 - a chain runs its runners' steps
-            seeds.append(
-                call_seeds(r.entropy, chunk.epoch, chunk.iteration, chunk.start + 1, chunk.count)
-            )
+            seeds.append(sample_seeds(r.entropy, chunk))
         _globals.known = False  # anything may have drawn since the last chunk (the caller)
         # Per op: (index, runner, its seeds, its stats, which outputs of the op before
         # it takes (None: all, in order), whether its outputs feed another op).

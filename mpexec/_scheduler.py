@@ -61,11 +61,12 @@ from typing import Any
 
 import numpy as np
 
+from . import _branches
 from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
-from ._graph import Op, Plan
-from ._modes import Device, LastBatch, SourceMode
+from ._graph import DataNode, Op, Plan, Scope
+from ._modes import Device, LastBatch, OpKind, SourceMode
 from ._runtime import (
     ChainRunner,
     Chunk,
@@ -110,6 +111,10 @@ class _OpState:
         self.pos = pos
         self.runner: Any = runner  # what its executor runs (None: a source read here)
         self.inputs = op.inputs  # of the chain's head, when ops are chained into this one
+        # What it waits for: those inputs, and the predicates of the branch it runs in.
+        self.waits = tuple(op.waits())
+        # A split or merge of DALI's conditional execution: computed here, by selecting rows.
+        self.selects = op.kind in (OpKind.SPLIT, OpKind.MERGE)
         self.members = [self]  # the chain this op ends (itself alone if none)
         self.absorbed = False  # runs inside a later op's chain
         self.worker = worker  # pinned worker index (stateful ops)
@@ -160,6 +165,9 @@ class _Iteration:
         self.stop: int | None = None  # a source raised StopIteration at this sample
         # Per op: its output columns (a list of per-sample arrays, or one dense block).
         self.values: list[tuple[Any, ...] | None] = [None] * n_ops
+        # Per branch of an `if` on a DataNode (by id): (mask over its parent's samples,
+        # their indices in the batch), worked out when first needed.
+        self.scopes: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
         self.parts: dict[int, list[ChunkResult | None]] = {}
         self.bounds: dict[int, list[tuple[int, int]]] = {}  # op -> its chunks' rows
         self.blocks: dict[int, list[Any]] = {}  # op -> per output: the batch's block, or None
@@ -225,7 +233,9 @@ class Scheduler:
         for i, op in enumerate(plan.ops):
             ex = executors[op.device]
             runner = None
-            if not op.is_source or op.source_mode == SourceMode.SAMPLE:
+            if op.kind in (OpKind.SPLIT, OpKind.MERGE):
+                pass  # rows selected here (_select)
+            elif not op.is_source or op.source_mode == SourceMode.SAMPLE:
                 make = getattr(ex, "runner", None) or op_runner
                 runner = make(op, derive_seed(seed, op.index, op.seed), debug=debug)
             worker = None
@@ -233,8 +243,10 @@ class Scheduler:
                 worker = n_stateful[id(ex)] % max(1, ex.workers)
                 n_stateful[id(ex)] += 1
             self.ops.append(_OpState(op, i, runner, worker, ex))
+        # (A branch's predicate is waited for, and read, by the ops in that branch:
+        # its op is never absorbed into a chain, whose values stay in the workers.)
         self._consumers = [
-            sorted({self._pos[id(c)] for c in plan.ops if any(n.op is op for n in c.inputs)})
+            sorted({self._pos[id(c)] for c in plan.ops if any(n.op is op for n in c.waits())})
             for op in plan.ops
         ]
         self._chain(plan)
@@ -274,6 +286,7 @@ class Scheduler:
             ):
                 s.members = [*p.members, s]
                 s.inputs = p.inputs
+                s.waits = p.waits
                 for m in p.members:
                     m.absorbed = True
         for s in self.ops:
@@ -535,19 +548,89 @@ class Scheduler:
 
     def _dispatch_ready(self, it: _Iteration) -> None:
         for s in self.ops:
-            if it.error is not None or it.dropped:
+            if it.error is not None or it.dropped or it.result is not None:
                 return
             if s.source or s.absorbed or s.pos in it.dispatched:
                 continue
-            if any(it.values[self._pos[id(n.op)]] is None for n in s.inputs):
+            if any(it.values[self._pos[id(n.op)]] is None for n in s.waits):
+                continue
+            if s.selects:  # a split or merge: done here, now (later ops of this pass see it)
+                it.dispatched.add(s.pos)
+                try:
+                    it.values[s.pos] = self._select(it, s)
+                except Exception as exc:
+                    self._fail(it, _annotate(exc, s.op, it, None))
+                    return
+                self._done_here(it)
                 continue
             if not self._handed_off(it, s) or s.pos in it.dispatched:
                 continue  # (dispatched already: by a handoff that completed meanwhile)
             if s.worker is not None and s.turn != it.seq:
                 continue  # a stateful op: an earlier iteration goes first
-            self._dispatch(it, s)
+            try:
+                samples = self._rows(it, s.members[0].op.scope)
+            except Exception as exc:
+                self._fail(it, _annotate(exc, s.op, it, None))
+                return
+            if samples is not None and not len(samples):
+                # A branch no sample took: nothing to call (DALI calls no batch function either).
+                it.dispatched.add(s.pos)
+                it.values[s.pos] = tuple([] for _ in range(s.op.num_outputs))
+                if s.worker is not None:
+                    self._advance_turn(s)
+                self._done_here(it)
+                continue
+            self._dispatch(it, s, samples)
             if s.worker is not None:
                 self._advance_turn(s)
+
+    def _done_here(self, it: _Iteration) -> None:
+        """An op of ``it`` was computed here, with no unit: the last one finishes it."""
+        it.ops_left -= 1
+        if it.ops_left == 0:
+            self._finish(it)
+
+    # ------------------------------------------------------------ conditionals
+    def _rows(self, it: _Iteration, scope: Scope | None) -> np.ndarray[Any, Any] | None:
+        """The batch indices of ``scope``'s samples in ``it`` (None: the whole batch)."""
+        if scope is None:
+            return None
+        return self._scope(it, scope)[1]
+
+    def _scope(
+        self, it: _Iteration, scope: Scope
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """(mask over the parent's samples, batch indices) of ``scope`` in ``it``.
+
+        Worked out once per iteration from the predicate's column, which must
+        hold a scalar bool per sample (DALI's rule for an ``if`` predicate).
+        """
+        got = it.scopes.get(id(scope))
+        if got is None:
+            outer = self._rows(it, scope.parent)
+            pred = scope.predicate
+            column = self._column(it, pred)
+            mask = _branches.mask(column, pred.name, scope.branch, scope.logical)
+            rows = np.flatnonzero(mask) if outer is None else outer[mask]
+            got = it.scopes[id(scope)] = (mask, rows)
+        return got
+
+    def _column(self, it: _Iteration, node: DataNode) -> Any:
+        vals = it.values[self._pos[id(node.op)]]
+        assert vals is not None
+        return vals[node.index]
+
+    def _select(self, it: _Iteration, s: _OpState) -> tuple[Any, ...]:
+        """A split's or merge's column: rows of its inputs, uncopied (views of their arrays)."""
+        op = s.op
+        columns = [self._column(it, n) for n in op.inputs]
+        if op.kind is OpKind.SPLIT:
+            assert op.scope is not None
+            return (_branches.split(columns[0], self._scope(it, op.scope)[0]),)
+        taken = op.inputs[0].op.scope  # the `if` branch: where the merge takes its rows
+        assert taken is not None
+        yes, no = columns
+        return (_branches.merge(yes, no, self._scope(it, taken)[0], op.function),)
 
     def _advance_turn(self, s: _OpState) -> None:
         s.turn += 1
@@ -558,8 +641,12 @@ class Scheduler:
             if other.seq == s.turn:
                 self._dispatch_ready(other)
 
-    def _dispatch(self, it: _Iteration, s: _OpState) -> None:
-        """Send op ``s`` of iteration ``it`` to the workers, in chunks."""
+    def _dispatch(self, it: _Iteration, s: _OpState, samples: Any = None) -> None:
+        """Send op ``s`` of iteration ``it`` to the workers, in chunks.
+
+        ``samples``: the batch indices of the samples it runs on, where not all
+        (an op in a branch of an ``if`` on a DataNode).
+        """
         it.dispatched.add(s.pos)
         op = s.op
         assert s.runner is not None
@@ -578,7 +665,7 @@ class Scheduler:
                 s.bytes_in += _nbytes(column)
             if s.copied_bytes is not None:
                 s.bytes_copied += s.copied_bytes(column)
-        size = it.size
+        size = it.size if samples is None else len(samples)
         if op.batch_processing or op.stateful or s.executor.workers <= 1:
             bounds = [(0, size)]
         else:
@@ -593,7 +680,8 @@ class Scheduler:
         names = tuple(m.op.name for m in s.members)
         runner = s.runner
         for ci, (a, b) in enumerate(bounds):
-            chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start)
+            where = None if samples is None else tuple(int(r) for r in samples[a:b])
+            chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start, where)
             out = tuple(None if k is None else k[a:b] for k in blocks) if blocks else ()
             rows = tuple(col[a:b] for col in inputs)
             unit = WorkUnit(runner, chunk, rows, s.worker, names, out)

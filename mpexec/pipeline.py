@@ -1,4 +1,5 @@
-"""DALI's ``nvidia.dali.pipeline`` for mpexec: ``Pipeline``, ``pipeline_def``, ``DataNode``.
+"""DALI's ``nvidia.dali.pipeline`` for mpexec: ``Pipeline``, ``pipeline_def``, ``DataNode``,
+``do_not_convert``.
 
 ``from mpexec.pipeline import Pipeline`` stands where ``from
 nvidia.dali.pipeline import Pipeline`` stood; these are the same objects as
@@ -7,7 +8,8 @@ nvidia.dali.pipeline import Pipeline`` stood; these are the same objects as
 
 from __future__ import annotations
 
+from ._autograph import do_not_convert
 from ._graph import DataNode
 from ._pipeline import Pipeline, pipeline_def
 
-__all__ = ["DataNode", "Pipeline", "pipeline_def"]
+__all__ = ["DataNode", "Pipeline", "do_not_convert", "pipeline_def"]

@@ -98,8 +98,11 @@ LAYERS: dict[str, int] = {
     # 5: the scheduler and the graph it walks
     "mpexec._scheduler": 5,
     "mpexec._graph": 5,
+    "mpexec._branches": 5,  # a batch's rows per branch of an `if` on a DataNode
     # 6: the pipeline and the ops that build it
     "mpexec._pipeline": 6,
+    "mpexec._conditionals": 6,  # DALI's conditional execution: scopes, splits, merges
+    "mpexec._autograph": 6,  # the rewrite of `if`/`and`/`or`/`not` it runs on
     "mpexec.fn": 6,
     "mpexec._tf": 6,
     "mpexec.contrib": 6,
