@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,65 @@ def git_state(*paths: str) -> tuple[str | None, bool | None]:
         return git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--", *paths))
     except (OSError, subprocess.SubprocessError):
         return None, None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def host() -> dict[str, Any]:
+    """The machine and interpreter a benchmark ran on, and the load when it began."""
+    import numpy as np
+
+    return {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "numpy": np.__version__,
+        "os": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": usable_cpus(),
+        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def stamp(quick: bool, **versions: Any) -> dict[str, Any]:
+    """A result's opening: whether quick, when (UTC), and what ran it.
+
+    ``env`` holds Python's version, ``versions`` (numpy, the peer, mpexec...),
+    the CPU count and the commit of this checkout (and whether it was dirty).
+    """
+    commit, dirty = git_state("mpexec", "shm", "benchmarks")
+    return {
+        "quick": quick,
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "env": {
+            "python": platform.python_version(),
+            **versions,
+            "cpus": os.cpu_count(),
+            "commit": commit,
+            "dirty": dirty,
+        },
+    }
+
+
+def closing(parts: list[str], result: dict[str, Any], kinds: tuple[str, ...] = ("errors",)) -> str:
+    """A report's text: ``parts``, each list of ``kinds`` in ``result`` that is not
+    empty, then how long the run took."""
+    parts = [
+        *parts,
+        *(
+            f"{kind}:\n" + "\n".join(f"  {p}" for p in result[kind])
+            for kind in kinds
+            if result[kind]
+        ),
+        f"took {result['duration_s']} s",
+    ]
+    return "\n\n".join(parts) + "\n"
 
 
 def log(msg: str) -> None:

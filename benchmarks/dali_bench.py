@@ -40,14 +40,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +56,10 @@ import mpexec.dali
 from benchmarks._common import (
     RESULTS,
     cli,
+    closing,
     fmt_time,
-    git_state,
     log,
+    stamp,
     table,
     targets_text,
     write,
@@ -301,19 +300,10 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
 
     iterations, rounds = (4, 2) if quick else (12, 7)
     load_before = os.getloadavg()
-    commit, dirty = git_state("mpexec", "shm", "benchmarks")
     result: dict[str, Any] = {
-        "quick": quick,
-        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "env": {
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "dali": nvidia.dali.__version__,
-            "mpexec": mpexec.__version__,
-            "cpus": os.cpu_count(),
-            "commit": commit,
-            "dirty": dirty,
-        },
+        **stamp(
+            quick, numpy=np.__version__, dali=nvidia.dali.__version__, mpexec=mpexec.__version__
+        ),
         "settings": {
             "workers": WORKERS,
             "batch_size": BATCH,
@@ -473,9 +463,7 @@ def report(result: dict[str, Any]) -> str:
         parts.append("Where the copies are\n\n" + table(["what", "measured"], rows, right=set()))
     if result.get("targets"):
         parts.append(targets_text(result["targets"]))
-    parts.extend(f"error: {e}" for e in result["errors"])
-    parts.append(f"took {result['duration_s']} s")
-    return "\n\n".join(parts) + "\n"
+    return closing(parts, result)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,16 @@ import psutil
 
 from benchmarks import _peers
 from benchmarks import _workloads as wl
-from benchmarks._common import RESULTS, Watchdog, fmt_size, fmt_time, git_state, log, targets_text
+from benchmarks._common import (
+    RESULTS,
+    Watchdog,
+    fmt_size,
+    fmt_time,
+    git_state,
+    log,
+    targets_text,
+    usable_cpus,
+)
 from mpexec._cpuload import CpuMeter
 
 NAME = "peers"
@@ -724,13 +733,6 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def usable_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
 
 
 def environment() -> dict[str, Any]:

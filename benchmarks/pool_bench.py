@@ -67,7 +67,6 @@ import math
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
-import platform
 import sys
 import threading
 import time
@@ -89,8 +88,10 @@ from benchmarks._common import (
     RESULTS,
     Watchdog,
     cli,
+    closing,
     fmt_time,
     git_state,
+    host,
     log,
     table,
     targets_text,
@@ -1250,17 +1251,10 @@ def environment() -> dict[str, Any]:
     info = shm.platform_info()
     has_loky, loky_info = loky_status()
     env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "numpy": np.__version__,
+        **host(),
         "mpexec": mpexec.__version__,
         "loky": loky_info if has_loky else None,
         "loky_skipped": None if has_loky else loky_info,
-        "os": platform.platform(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "start_method": START_METHOD,
         "workers_per_pool": WORKERS,
         "shm_backend": info.backend,
@@ -1477,13 +1471,7 @@ def report(result: dict[str, Any]) -> str:
     parts.append(targets_text(result["targets"]))
     parts.append(hygiene_text(result["hygiene"]))
     parts.append(load_text(result["machine_load"], env["cpus"]))
-    parts.extend(
-        f"{kind}:\n" + "\n".join(f"  {p}" for p in result[kind])
-        for kind in ("problems", "errors")
-        if result[kind]
-    )
-    parts.append(f"took {result['duration_s']} s")
-    return "\n\n".join(parts) + "\n"
+    return closing(parts, result, ("problems", "errors"))
 
 
 def main(argv: list[str] | None = None) -> int:

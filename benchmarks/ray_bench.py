@@ -41,7 +41,6 @@ Ray (``pip install -e ".[ray]"``).
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import sys
 import time
@@ -49,7 +48,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import ExitStack
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +55,7 @@ import numpy as np
 
 import mpexec
 from benchmarks import _workloads as wl
-from benchmarks._common import RESULTS, cli, fmt_time, git_state, log, table, write
+from benchmarks._common import RESULTS, cli, closing, fmt_time, log, stamp, table, write
 
 WORKERS = 2
 RESULT_TIMEOUT = 120.0  # seconds any one result may take
@@ -259,19 +257,8 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
 
     rounds, calls, n = (3, 100, 16) if quick else (7, 300, 64)
     load_before = os.getloadavg()
-    commit, dirty = git_state("mpexec", "shm", "benchmarks")
     result: dict[str, Any] = {
-        "quick": quick,
-        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "env": {
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "ray": ray.__version__,
-            "mpexec": mpexec.__version__,
-            "cpus": os.cpu_count(),
-            "commit": commit,
-            "dirty": dirty,
-        },
+        **stamp(quick, numpy=np.__version__, ray=ray.__version__, mpexec=mpexec.__version__),
         "errors": [],
     }
     t_start = time.perf_counter()
@@ -399,9 +386,7 @@ def report(result: dict[str, Any]) -> str:
             "saturates at 1 / (driver CPU per image),\nwhich that many workers reach\n\n"
             + table(["system", "driver CPU/image", "driver limit, images/s", "workers"], rows)
         )
-    parts.extend(f"error: {e}" for e in result["errors"])
-    parts.append(f"took {result['duration_s']} s")
-    return "\n\n".join(parts) + "\n"
+    return closing(parts, result)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,9 +41,7 @@ from __future__ import annotations
 import gc
 import math
 import multiprocessing as mp
-import os
 import pickle
-import platform
 import queue
 import struct
 import sys
@@ -67,9 +65,11 @@ from benchmarks._common import (
     MiB,
     Watchdog,
     cli,
+    closing,
     fmt_size,
     fmt_time,
     git_state,
+    host,
     log,
     table,
     targets_text,
@@ -795,14 +795,7 @@ def evaluate(pp: dict[str, Any] | None, ho: dict[str, Any] | None) -> list[dict[
 def environment() -> dict[str, Any]:
     info = shm.platform_info()
     env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "numpy": np.__version__,
-        "os": platform.platform(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        **host(),
         "start_method": START_METHOD,
         "shm_backend": info.backend,
         "eventfd": info.eventfd,
@@ -878,13 +871,7 @@ def report(result: dict[str, Any]) -> str:
     if result["handoff"] is not None:
         parts.append(handoff_table(result["handoff"]))
     parts.append(targets_text(result["targets"]))
-    parts.extend(
-        f"{kind}:\n" + "\n".join(f"  {p}" for p in result[kind])
-        for kind in ("problems", "errors")
-        if result[kind]
-    )
-    parts.append(f"took {result['duration_s']} s")
-    return "\n\n".join(parts) + "\n"
+    return closing(parts, result, ("problems", "errors"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,17 +33,15 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import textwrap
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import RESULTS, cli, fmt_time, git_state, log, table, write
+from benchmarks._common import RESULTS, cli, fmt_time, log, stamp, table, write
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("fork", "forkserver", "spawn")
@@ -236,19 +234,13 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
                 samples[name].setdefault(what, []).append(seconds)
         log(f"[startup] round {r + 1}/{rounds} done")
     res = {n: {w: _summary(v) for w, v in figs.items()} for n, figs in samples.items()}
-    commit, dirty = git_state("mpexec", "shm", "benchmarks")
-    result: dict[str, Any] = {
-        "quick": quick,
-        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "env": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "commit": commit,
-            "dirty": dirty,
-            "load_before": load_before,
-            "load_after": os.getloadavg(),
-            "seconds": time.perf_counter() - t_start,
-        },
+    result: dict[str, Any] = stamp(quick)
+    result["env"].update(
+        load_before=load_before,
+        load_after=os.getloadavg(),
+        seconds=time.perf_counter() - t_start,
+    )
+    result |= {
         "rounds": rounds,
         "systems": res,
         "errors": errors,

@@ -279,9 +279,7 @@ def format_frameworks(found: tuple[FrameworkStatus, ...]) -> list[str]:
                 if f.distribution in (None, f.imports)
                 else (f"{f.version} ({f.distribution})")
             )
-        if not f.extra:
-            use = "no extra" + (f" ({f.advice})" if f.advice else "")
-        elif f.usable:
+        if f.usable:
             use = f"extra {f.extra} usable ({f.enables})"
         else:
             use = f"extra {f.extra} not usable: {f.advice} (for {f.enables})"

@@ -34,6 +34,7 @@ under its public name, which matters because exceptions cross processes.
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 from concurrent.futures import BrokenExecutor
@@ -194,6 +195,25 @@ def forked_error(owner_pid: int, what: str) -> ForkedPoolError:
         "method (a prefork server: create the pool after the fork, e.g. in gunicorn's "
         "post_fork hook)"
     )
+
+
+def raised_again(stored: BaseException) -> BaseException:
+    """A new exception like ``stored`` (a broken pool's error), which is its ``__cause__``.
+
+    What a broken pool (WorkerPool or RayPool) raises on every later call:
+    raising the stored object itself would add the caller's frames to its
+    ``__traceback__`` each time, keeping every failed caller's frames (and
+    their arrays) alive for as long as the pool lives (``ProcessPoolExecutor``
+    raises a new ``BrokenProcessPool`` each time too).
+    """
+    try:
+        err = copy.copy(stored)  # its type, message and fields (pid, exit code, nodes)
+    except Exception:  # pragma: no cover - our errors all copy; a stranger might not
+        err = BrokenPoolError(str(stored))
+    err.__traceback__ = None
+    err.__context__ = None
+    err.__cause__ = stored
+    return err
 
 
 def signal_name(signum: int) -> str:

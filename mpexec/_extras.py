@@ -37,9 +37,8 @@ class Extra:
     distributions: tuple[str, ...] = ()
 
 
-#: The frameworks mpexec can use, in the order ``doctor`` lists them. DALI has
-#: no extra here (its row in doctor predates the `dali` extra of pyproject.toml,
-#: which docs/install.md lists): ``name`` is empty.
+#: The frameworks mpexec can use, in the order ``doctor`` lists them. DALI's
+#: extra installs the CUDA 12 wheel; any ``nvidia-dali-*`` build serves mpexec.dali.
 EXTRAS: tuple[Extra, ...] = (
     Extra("torch", "torch", "PyTorch", "mpexec.torch", "2.6", ("torch",)),
     Extra("jax", "jax", "JAX", "mpexec.jax", "0.4.31", ("jax",)),
@@ -53,7 +52,7 @@ EXTRAS: tuple[Extra, ...] = (
     ),
     Extra("ray", "ray", "Ray", "mpexec.ray", "2.9", ("ray",)),
     Extra("cupy", "cupy", "CuPy", 'GPU ops, device="gpu"', "13", ("cupy", "cupy-cuda*")),
-    Extra("", "nvidia.dali", "DALI", "running beside DALI", "", ("nvidia-dali*",)),
+    Extra("dali", "nvidia.dali", "DALI", "mpexec.dali", "2.4", ("nvidia-dali*",)),
 )
 
 
@@ -98,7 +97,7 @@ class FrameworkStatus:
     #: The framework, for a person (``"PyTorch"``), and its import name.
     framework: str
     imports: str
-    #: The extra that uses it ("" for DALI, which has none) and what that enables.
+    #: The extra that uses it and what that enables.
     extra: str
     enables: str
     #: The installed version and distribution (``"2.21.0"``, ``"tensorflow-cpu"``), or None.
@@ -176,7 +175,7 @@ def frameworks() -> tuple[FrameworkStatus, ...]:
         version, dist = _installed(e, dists)
         if version is None:
             usable = False
-            advice = install_command(e.name) if e.name else "install DALI's wheel for your CUDA"
+            advice = install_command(e.name)
         elif (
             e.minimum and version != UNKNOWN and _version_tuple(version) < _version_tuple(e.minimum)
         ):

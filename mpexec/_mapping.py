@@ -38,7 +38,8 @@ class CallExecutor(Executor):
 
         Raises :class:`SerializationError` here, in the caller, if ``fn`` or an
         argument cannot be pickled; :class:`PoolClosedError` after ``shutdown``;
-        the stored :class:`BrokenPoolError` once the pool is broken.
+        once the pool is broken, a new :class:`BrokenPoolError` like the one
+        that broke it (its ``__cause__``), as ``ProcessPoolExecutor`` does.
         """
         return self.submit_call(fn, args, kwargs)
 

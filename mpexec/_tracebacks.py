@@ -9,7 +9,8 @@ was raised in mpexec itself, every frame is kept: then they are the story.
 ``MPEXEC_FULL_TRACEBACK=1`` keeps every frame everywhere.
 
 In the caller, the functions that re-raise a user's exception (a pool
-future's ``result()``, ``map()``, a pipeline's ``run()``) set
+future's ``result()``, ``map()``, a pipeline's ``run()``, the torch
+``DataLoader``'s ``next()`` and ``iter()``) set
 ``__tracebackhide__`` (pytest leaves such frames out too) and raise it with
 :func:`for_caller`: from their own frame, with the traceback of where it was
 raised below (less mpexec's frames), not the path it took through the pool

@@ -66,6 +66,7 @@ from ._errors import (
     PoolClosedError,
     RemoteTraceback,
     SerializationError,
+    raised_again,
 )
 from ._mapping import CallExecutor, settle
 from ._pool import PoolStatus, WorkerPool
@@ -480,7 +481,7 @@ class RayPool(CallExecutor):
     def _check_usable(self) -> None:
         state = self._state
         if state.broken is not None:
-            raise state.broken
+            raise raised_again(state.broken)  # never the stored object: see raised_again
         if state.closed:
             raise PoolClosedError("cannot submit to a RayPool after shutdown()")
 

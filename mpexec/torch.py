@@ -69,6 +69,7 @@ from ._errors import BrokenPoolError, LoaderTimeoutError, WorkerCrashedError
 from ._host import default_start_method
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
+from ._tracebacks import for_caller, reraise
 
 # torch's own collation and worker modules, and its dataset kinds: the loader
 # extends them as torch's own does (each reached from here alone).
@@ -118,6 +119,14 @@ class DataLoader(_dl.DataLoader[_T_co]):  # type: ignore[misc]
         self._mp_counters = _Counters()
 
     def __iter__(self) -> Any:
+        __tracebackhide__ = True  # an error starting the epoch is raised from here
+        try:
+            return self._start_epoch()
+        except Exception as exc:
+            # A worker's error (a persistent worker's new epoch): where it was raised.
+            raise for_caller(exc)  # noqa: B904
+
+    def _start_epoch(self) -> Any:
         resume, self._mp_resume = self._mp_resume, None
         persistent = self.persistent_workers and self.num_workers > 0
         kept: _WorkersIter | None = self._iterator if persistent else None
@@ -457,6 +466,7 @@ class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001
             self._counters.failed += 1
 
     def __next__(self) -> Any:
+        __tracebackhide__ = True  # a batch's error is raised from here, for the caller
         start = time.perf_counter()
         try:
             while self._to_drop:
@@ -471,6 +481,10 @@ class _EpochIter(_dl._BaseDataLoaderIter):  # type: ignore[misc]  # noqa: SLF001
         except StopIteration:
             self.finished = self._progress.finished = True
             raise
+        except Exception as exc:
+            # The dataset's (or collate_fn's) error, its traceback where it was
+            # raised: not the path through torch's iterator and this one.
+            raise for_caller(exc)  # noqa: B904
         finally:
             self._counters.wait_s += time.perf_counter() - start
         self._counters.batches += 1
@@ -629,6 +643,8 @@ class _WorkersIter(_EpochIter):
         except BrokenPoolError as exc:  # a worker died since the last result
             err = self._crashed(exc, -1, worker, None)
             self._shutdown_workers()
+            if err is exc:  # not a crash (a worker that could not start): its own cause stays
+                raise
             raise err from exc
         self._tasks[self._position] = (worker, future, index)
         self._workers_num_tasks[worker] += 1
@@ -680,12 +696,14 @@ class _WorkersIter(_EpochIter):
         if isinstance(exc, BrokenPoolError):
             err = self._crashed(exc, position, worker, index)
             self._shutdown_workers()
+            if err is exc:  # not a crash (a worker that could not start): its own cause stays
+                raise exc
             raise err from exc
         if exc is not None:
             if position >= 0:
                 self._consumed(position, failed=True)
                 self._try_put_index()
-            raise exc
+            reraise(exc)  # the worker's error: __next__ raises it where it was raised
         busy, data = future.result(timeout=0)
         if busy is not None and data is not _ENDED and data is not _SKIPPED:
             self._counters.made(worker, busy)

@@ -37,7 +37,7 @@ def test_doctor_lists_every_framework_with_its_installed_version() -> None:
         row = rows[label]
         if importlib.util.find_spec(e.imports.split(".")[0]) is None:
             assert "not installed" in row, row
-            assert _extras.install_command(e.name) in row or not e.name, row
+            assert _extras.install_command(e.name) in row, row
         else:
             version = next(
                 (
@@ -53,8 +53,7 @@ def test_doctor_lists_every_framework_with_its_installed_version() -> None:
             )
             if version is not None:
                 assert version in row, row
-        if e.name:
-            assert f"extra {e.name} " in row, row
+        assert f"extra {e.name} " in row, row
 
 
 def test_doctor_json_carries_the_frameworks() -> None:
@@ -115,14 +114,38 @@ def test_frameworks_report_versions_and_usable_extras() -> None:
     assert (ray.version, ray.usable) == (_extras.UNKNOWN, True)
     assert found["cupy"].version is None
     dali = found["nvidia.dali"]
-    assert (dali.version, dali.distribution, dali.extra) == ("2.4.0", "nvidia-dali-cuda120", "")
+    assert (dali.version, dali.distribution, dali.extra) == ("2.4.0", "nvidia-dali-cuda120", "dali")
+    assert dali.usable
 
     text = "\n".join(_doctor.format_frameworks(tuple(found.values())))
     assert "tensorflow    2.21.0 (tensorflow-cpu)" in text
     assert 'extra jax not usable: pip install -e ".[jax]"' in text
     assert "extra torch not usable: mpexec.torch needs torch >= 2.6" in text
     assert "extra tf usable (mpexec.tf)" in text
-    assert "DALI          2.4.0 (nvidia-dali-cuda120)" in text
+    assert "DALI          2.4.0 (nvidia-dali-cuda120)  extra dali usable (mpexec.dali)" in text
+
+
+@pytest.mark.usefixtures("fake_site")
+@pytest.mark.parametrize("installed", [None, "2.3.1"])
+def test_the_dali_row_names_the_dali_extra(
+    installed: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like every other row: what to install, or why what is installed will not do."""
+    if installed is None:
+        spec = importlib.util.find_spec  # fake_site's
+        absent = lambda name, package=None: None if "dali" in name else spec(name)  # noqa: E731
+        monkeypatch.setattr(importlib.util, "find_spec", absent)
+    else:
+        monkeypatch.setattr(importlib.metadata, "version", lambda dist: installed)
+    dali = {f.imports: f for f in _extras.frameworks()}["nvidia.dali"]
+    row = next(r for r in _doctor.format_frameworks((dali,)) if r.startswith("  DALI"))
+    assert not dali.usable
+    if installed is None:
+        want = 'not installed  extra dali not usable: pip install -e ".[dali]"'
+    else:
+        want = "2.3.1 (nvidia-dali-cuda120)  extra dali not usable: "
+        want += "mpexec.dali needs nvidia.dali >= 2.4"
+    assert row.endswith(f"{want} (for mpexec.dali)"), row
 
 
 @pytest.mark.parametrize(

@@ -80,8 +80,6 @@ def test_install_doc_lists_every_extra_command() -> None:
 def test_extras_match_pyproject() -> None:
     known = pyproject_extras()
     for e in _extras.EXTRAS:
-        if not e.name:
-            continue
         assert e.name in known, e.name
         bound = re.search(r"[\w-]+(?:\[[\w,-]+\])?>=([\w.]+)", known[e.name])  # ray[client]>=
         assert bound is not None, e.name

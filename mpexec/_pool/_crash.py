@@ -6,7 +6,6 @@ what to try (loky's crash messages are the model).
 
 from __future__ import annotations
 
-import copy
 import signal
 
 from .._errors import BrokenPoolError, WorkerCrashedError, signal_name
@@ -39,24 +38,6 @@ def as_broken(exc: BaseException) -> BrokenPoolError:
         return exc
     err = BrokenPoolError(f"the pool is broken: {type(exc).__name__}: {exc}")
     err.__cause__ = exc
-    return err
-
-
-def fresh(broken: BaseException) -> BaseException:
-    """A new exception like the pool's stored ``broken`` one, which is its ``__cause__``.
-
-    Raised on every later call: raising the stored object itself would add the
-    caller's frames to its ``__traceback__`` each time, keeping every failed
-    caller's frames (and their arrays) alive for as long as the pool lives
-    (``ProcessPoolExecutor`` raises a new ``BrokenProcessPool`` each time too).
-    """
-    try:
-        err = copy.copy(broken)  # its type, message and fields (pid, exit code)
-    except Exception:  # pragma: no cover - our errors all copy; a stranger might not
-        err = BrokenPoolError(str(broken))
-    err.__traceback__ = None
-    err.__context__ = None
-    err.__cause__ = broken
     return err
 
 

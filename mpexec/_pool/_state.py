@@ -21,8 +21,7 @@ from typing import Any, Literal
 import shm
 
 from .. import _protocol
-from .._errors import PoolClosedError, forked_error
-from ._crash import fresh
+from .._errors import PoolClosedError, forked_error, raised_again
 from ._future import Task, cancel_now, cancel_pushed
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
@@ -173,7 +172,7 @@ class PoolState:
     def check_usable(self) -> None:
         """Raise (a new copy of) the stored error once broken, PoolClosedError once closed."""
         if self.broken is not None:
-            raise fresh(self.broken)
+            raise raised_again(self.broken)
         if self.closed:
             raise PoolClosedError("cannot submit to a pool after shutdown()")
 

@@ -7,11 +7,13 @@ torn down, with a check that it left no process behind, before the next.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import pickle
 import threading
 import traceback
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import BrokenExecutor
 from typing import Any
@@ -67,6 +69,13 @@ def _slow_square(x: int) -> int:
     while time.monotonic() < end:
         pass
     return x * x
+
+
+class _Payload:
+    """An argument whose life a weak reference can watch."""
+
+    def __init__(self) -> None:
+        self.data = bytearray(1 << 20)
 
 
 class _Unpicklable(Exception):
@@ -344,6 +353,47 @@ def test_no_agent_left_is_a_typed_error(ray_setup: Any) -> None:
         p.submit(_square, 1)
     restored = pickle.loads(pickle.dumps(errors[0]))
     assert restored.nodes == errors[0].nodes
+    p.shutdown()
+    assert_gone(p, processes)
+
+
+def test_a_broken_pool_raises_a_new_error_per_call_and_keeps_no_caller_alive(
+    ray_setup: Any,
+) -> None:
+    """As WorkerPool (tests/pool/test_pool_faults.py): each later submit raises a new
+    NodeLostError, the stored one its ``__cause__``, and keeps none of its frames."""
+    p = RayPool()
+    processes = p._agent_processes()
+    future = p.submit(_slow_square, 1)
+    for name in p.agent_names():
+        ray.kill(ray.get_actor(name, namespace="mpexec"), no_restart=True)
+    with pytest.raises(NodeLostError):
+        future.result(T)
+    assert p.status.state == "broken"
+
+    def failed_call() -> tuple[BaseException | None, int, weakref.ref[_Payload]]:
+        payload = _Payload()
+        with pytest.raises(NodeLostError) as info:
+            p.submit(_square, payload)
+        exc, stored = info.value, info.value.__cause__
+        assert isinstance(stored, NodeLostError)
+        assert exc is not stored
+        assert type(exc) is type(stored)
+        assert str(exc) == str(stored)
+        assert exc.nodes == stored.nodes
+        return stored, len(traceback.extract_tb(exc.__traceback__)), weakref.ref(payload)
+
+    causes, depths = set(), set()
+    for _ in range(5):
+        stored, depth, payload = failed_call()
+        gc.collect()
+        # Raising the stored error itself would chain each caller's frame (and
+        # its arguments) onto its traceback, for as long as the pool lives.
+        assert payload() is None, "a failed call's frame is kept alive"
+        causes.add(id(stored))
+        depths.add(depth)
+    assert len(causes) == 1, "each later call's cause is the error that broke the pool"
+    assert len(depths) == 1, "the traceback grows with every failed call"
     p.shutdown()
     assert_gone(p, processes)
 

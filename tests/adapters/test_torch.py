@@ -12,6 +12,7 @@ import random
 import signal
 import textwrap
 import time
+import traceback
 import weakref
 from typing import Any
 
@@ -35,8 +36,10 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 import mpexec  # noqa: E402
 import shm  # noqa: E402
+from mpexec import _tracebacks  # noqa: E402
 from mpexec import torch as mt  # noqa: E402
 from tests.conftest import run_python  # noqa: E402
+from tests.test_tracebacks import _assert_worker_text, _mpexec_frames  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -484,6 +487,11 @@ def test_pin_memory_without_accelerator_is_torchs_warning() -> None:
 
 
 # ------------------------------------------------------------------ failures
+def _frames(exc: BaseException) -> list[str]:
+    """The names of the frames of ``exc``'s traceback, outermost first."""
+    return [f.name for f in traceback.extract_tb(exc.__traceback__)]
+
+
 def test_dataset_error_keeps_type_traceback_and_index() -> None:
     loader = mt.DataLoader(Failing(13), batch_size=4, num_workers=2)
     it = iter(loader)
@@ -498,6 +506,62 @@ def test_dataset_error_keeps_type_traceback_and_index() -> None:
     rest = list(it)
     assert len(got) + len(rest) == 9
     assert rest[0].tolist()[0] == [16, 16, 16]
+
+
+class EpochFailing(IterableDataset):  # type: ignore[type-arg]
+    """Iterating it fails from its second epoch on (a persistent worker's new epoch)."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+
+    def __iter__(self) -> Any:
+        self.epochs += 1
+        if self.epochs > 1:
+            Failing(0)[0]  # raises KeyError two frames into the user's code
+        return iter([np.zeros(3)] * 4)
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_a_dataset_error_shows_the_users_frames_not_the_loaders(
+    nw: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a pool's result() (tests/test_tracebacks.py): one line of the loader, the
+    re-raise; none of its iterator's frames (``_next_data``, ``_outcome``) above."""
+    monkeypatch.delenv(_tracebacks.FULL_TRACEBACK_ENV, raising=False)
+    it = iter(mt.DataLoader(Failing(5), batch_size=4, num_workers=nw))
+    next(it)
+    with pytest.raises(KeyError, match="no sample 5") as info:
+        next(it)
+    exc = info.value
+    assert _mpexec_frames(exc) == ["torch.py:__next__"]
+    if nw:
+        assert _frames(exc) == [
+            "test_a_dataset_error_shows_the_users_frames_not_the_loaders",
+            "__next__",
+        ]
+        _assert_worker_text(exc, "__getitem__")
+        assert any("sample index 5" in n for n in exc.__notes__)
+    else:  # raised here: the dataset's frames, below torch's own fetcher's
+        assert _frames(exc)[-1] == "__getitem__"
+    del it, exc, info
+
+
+def test_a_persistent_workers_epoch_error_shows_the_users_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(_tracebacks.FULL_TRACEBACK_ENV, raising=False)
+    loader = mt.DataLoader(EpochFailing(), batch_size=2, num_workers=1, persistent_workers=True)
+    assert len(list(loader)) == 2
+    with pytest.raises(KeyError, match="no sample 0") as info:
+        iter(loader)  # the kept worker starts its second epoch
+    exc = info.value
+    assert _mpexec_frames(exc) == ["torch.py:__iter__"]
+    assert _frames(exc) == [
+        "test_a_persistent_workers_epoch_error_shows_the_users_frames",
+        "__iter__",
+    ]
+    _assert_worker_text(exc, "__iter__", "__getitem__")
+    del loader, exc, info
 
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
@@ -663,3 +727,24 @@ def test_state_between_epochs_starts_the_next_epoch() -> None:
     want = [b[1].tolist() for b in loader]
     loader.load_state_dict(state)
     assert [b[1].tolist() for b in loader] == want
+
+
+def _init_fails_on_worker_1(worker_id: int) -> None:
+    if worker_id == 1:
+        time.sleep(0.5)  # worker 0 is up first: the loader starts on it (ready="first")
+        raise RuntimeError("worker 1's init failed on purpose")
+
+
+def test_a_later_worker_whose_init_fails_raises_its_error_from_next() -> None:
+    loader = mt.DataLoader(
+        list(range(8)), batch_size=None, num_workers=2, worker_init_fn=_init_fails_on_worker_1
+    )
+    with pytest.raises(RuntimeError) as info:
+        list(loader)
+    err: BaseException | None = info.value
+    chain = []
+    while err is not None and len(chain) < 10:
+        chain.append(err)
+        err = err.__cause__
+    assert info.value.__cause__ is not info.value
+    assert any("worker 1's init failed on purpose" in str(e) for e in chain), chain
