@@ -49,10 +49,11 @@ class _Log:
 
 
 def _logged(path: Path) -> dict[str, list[int]]:
-    """Per tag, the values its calls saw, each once: every value as often as the others.
+    """Per tag, the values its calls saw, each once: every value about as often as the others.
 
     (Iterations run ahead of ``run()`` (prefetch), so how many iterations were
-    computed when the pipeline closed varies; each computed them all.)
+    computed when the pipeline closed varies, and the last may have run in part:
+    its chunks are cancelled as the pipeline closes. So counts differ by one at most.)
     """
     seen: dict[str, collections.Counter[int]] = {}
     for line in path.read_text().split("\n") if path.exists() else []:
@@ -60,7 +61,8 @@ def _logged(path: Path) -> dict[str, list[int]]:
             tag, value = line.split()
             seen.setdefault(tag, collections.Counter())[int(value)] += 1
     for tag, counts in seen.items():
-        assert len(set(counts.values())) == 1, f"{tag}: calls per value differ: {counts}"
+        many = counts.values()
+        assert max(many) - min(many) <= 1, f"{tag}: calls per value differ: {counts}"
     return {k: sorted(v) for k, v in seen.items()}
 
 
@@ -116,12 +118,16 @@ def test_each_branch_runs_on_its_samples_and_the_results_merge_in_order() -> Non
         assert z == [-1, 0, 0, -1, 0, 5, -1, 7]
 
 
+def _epoch_index(info: Any) -> np.ndarray[Any, Any]:
+    return np.array(info.idx_in_epoch, dtype=np.int32)
+
+
 def test_a_branchs_function_is_called_on_that_branchs_samples_only(tmp_path: Path) -> None:
     log = tmp_path / "calls"
 
     def graph() -> Any:
-        x = fn.external_source(source=_index, batch=False)
-        if x < 3:
+        x = fn.external_source(source=_epoch_index, batch=False)
+        if x % 6 < 3:
             y = fn.python_function(x, function=_Log(log, "if", 2), reseed="always")
             c = fn.python_function(function=_minus_one, reseed="always")
         else:
@@ -130,10 +136,21 @@ def test_a_branchs_function_is_called_on_that_branchs_samples_only(tmp_path: Pat
         return y, c
 
     y, c = run(graph, batch_size=6, num_workers=2, iterations=2)[1]
-    assert y == [0, 2, 4, 9, 12, 15]
-    assert c == [-1, -1, -1, 3, 4, 5]
-    # Each function saw its own samples, each once per iteration.
-    assert _logged(log) == {"if": [0, 1, 2], "else": [3, 4, 5]}
+    assert y == [12, 14, 16, 27, 30, 33]
+    assert c == [-1, -1, -1, 9, 10, 11]
+    calls: dict[str, collections.Counter[int]] = {
+        "if": collections.Counter(),
+        "else": collections.Counter(),
+    }
+    for line in log.read_text().splitlines():
+        tag, value = line.split()
+        calls[tag][int(value)] += 1
+    # Each function saw its own samples only, each once. Iterations prefetched past
+    # the two consumed may have run in part when the pipeline closed: at most once.
+    assert all(v % 6 < 3 for v in calls["if"]), calls
+    assert all(v % 6 >= 3 for v in calls["else"]), calls
+    assert all(n == 1 for counts in calls.values() for n in counts.values()), calls
+    assert sorted(v for counts in calls.values() for v in counts if v < 12) == list(range(12))
 
 
 def _image(info: Any) -> np.ndarray[Any, Any]:
