@@ -51,11 +51,6 @@ from ._protocol import (
 )
 from ._tracebacks import FULL_TRACEBACK_ENV, format_exception
 
-#: Seconds a result waits for the caller's releases when the worker's arena is at
-#: its cap (``arena_capacity``) and results it holds are still out, before the call
-#: fails with ``shm.ArenaFullError``.
-RESULT_FULL_WAIT = 1.0
-
 
 @dataclass
 class WorkerBoot:
@@ -198,21 +193,13 @@ class _Worker:
         A result may hold the pool's memory (a function that returned a view of
         its argument): the pool's release of the result reaches this arena,
         which lets go of that memory in turn. Applied here, as it arrives, an
-        idle worker never pins memory that the pool's caller has dropped; and
-        an arena that gives freed pages back (``discard_min``: the DataLoader's
-        workers) gives them back as soon as a batch is dropped. Otherwise the
-        release of a result in this arena's own memory waits for the next
-        allocation, so that dropping results never wakes an idle worker.
+        idle worker never pins memory that the pool's caller has dropped.
         """
         boot = self.boot
-        arena = self.arena
         while True:
-            arena.collect()
+            self.arena.collect()
             shm.flush_releases()
-            watch = [boot.tasks, boot.lifeline]
-            if arena.forwarding or arena.discard_min is not None:
-                watch.append(boot.result_releases)
-            ready = shm.wait(watch)
+            ready = shm.wait([boot.tasks, boot.result_releases, boot.lifeline])
             if boot.tasks in ready or boot.lifeline in ready:
                 return
 
@@ -334,12 +321,7 @@ def main(boot: WorkerBoot) -> None:
         _set_parent_death_signal(boot.main_pid)
     done = boot.done
     try:
-        arena = shm.Arena(
-            boot.segment_size,
-            boot.capacity,
-            name=f"worker-{boot.index}",
-            full_wait=RESULT_FULL_WAIT,
-        )
+        arena = shm.Arena(boot.segment_size, boot.capacity, name=f"worker-{boot.index}")
     except BaseException as exc:
         done.push(record(FAILED, _pickle_error(exc)), timeout=10)
         return

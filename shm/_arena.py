@@ -24,13 +24,6 @@ front and adds segments when full, up to ``capacity``; every allocation is
 Releases made by garbage collection never block: they are queued and the
 queue is drained by whoever next holds the arena's lock.
 
-Releases from peers travel on quiet rings (see ``_ring.py``): a peer's release
-costs it no system call and wakes nobody, because nobody waits for one; the
-arena reads them when it next allocates or shares (or :meth:`Arena.collect`). The one
-wait for releases is bounded: an allocation that finds the arena at its cap
-while peers hold references may wait up to :attr:`Arena.full_wait` seconds
-for them to come back, asleep on the link rings, which then ring.
-
 *Forwarding*: sharing a view of another arena's memory (typically one this
 process imported from another process) copies nothing. The arena records a
 *proxy* allocation holding the view's anchor, so the real owner keeps the
@@ -43,12 +36,10 @@ release then goes back to the owner. A proxy has no bytes here.
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import os
 import secrets
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +50,7 @@ from numpy.typing import DTypeLike
 from ._allocator import FreeList
 from ._errors import ArenaFullError, SharedMemoryError
 from ._platform import ALIGNMENT, PAGE_SIZE
-from ._ring import Ring, RingStats, wait
+from ._ring import Ring, RingStats
 from ._segment import Segment, SegmentHandle, format_bytes
 from ._views import (
     RELEASE,
@@ -73,9 +64,6 @@ from ._views import (
 )
 
 _MiB = 1 << 20
-#: While an allocation waits for releases (``full_wait``), how often it looks again
-#: for memory freed in this process (by another thread: no doorbell for those).
-_RECHECK_S = 0.02
 #: What a new segment commits at once; the rest is committed as allocations
 #: reach it, doubling what is committed each time (a few system calls in a
 #: segment's life). Committing zeroes pages (~0.25 ms a MiB): a pool's arenas
@@ -210,7 +198,7 @@ class Arena:
     ``sealed``: no other process can write this arena's memory, however it
     maps it (see :meth:`Segment.create`), but for allocations made
     ``peer_writable``, which get segments of their own.
-    ``discard_min``, ``full_wait``: see the attributes.
+    ``discard_min``: see the attribute.
     Close it with :meth:`close` (or a ``with`` block); arrays handed out stay
     valid after that for as long as they are referenced.
     """
@@ -223,7 +211,6 @@ class Arena:
         name: str = "arena",
         sealed: bool = False,
         discard_min: int | None = None,
-        full_wait: float = 0.0,
     ) -> None:
         if segment_size <= 0:
             raise ValueError(f"segment_size must be positive, not {segment_size}")
@@ -245,11 +232,6 @@ class Arena:
         #: default) keeps freed pages resident, so that a call's cost stays flat
         #: in array size. Unsealed segments on Linux only.
         self.discard_min = discard_min
-        #: Seconds an allocation that finds the arena at its cap waits for peers
-        #: to send references back before it raises :class:`ArenaFullError`; it
-        #: waits only while peers hold some (0: never waits). A thread that waits
-        #: holds no lock of the arena's meanwhile.
-        self.full_wait = full_wait
         self._discard: list[tuple[_Seg, int, int]] = []  # freed, to give back (lock held)
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -349,11 +331,6 @@ class Arena:
         readonly = anchor.readonly or not arr.flags.writeable
         start = arr.__array_interface__["data"][0] - anchor.address
         with self._lock:
-            # Releases are read here too, not only when allocating: a caller
-            # that only passes arrays already shared (pool.put) allocates
-            # nothing, and its peers' releases would pile up (in their rings,
-            # then in the peers). Nothing new costs a look at each ring's head.
-            self._collect_locked()
             owed = self._owed_by(peer)
             if anchor.arena_id == self.id:
                 alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go
@@ -492,53 +469,31 @@ class Arena:
 
     def _allocate(self, nbytes: int, tag: str, peer_writable: bool = False) -> _Alloc:
         opened = peer_writable or not self.sealed  # the kind of segment it goes in
-        deadline: float | None = None
-        while True:
-            with self._lock:
-                self._check_open()
-                # Blocks released by peers meanwhile are freed first, so that the
-                # block just released (the last call's result) is taken again: its
-                # pages are mapped, in cache, and written already. Left for later,
-                # every block would be a fresh one until the segment wraps: a
-                # worker's working set becomes its whole segment, and every page
-                # of it faults in once.
-                self._collect_locked()
-                try:
-                    found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
-                except ArenaFullError:
-                    now = time.monotonic()
-                    deadline = now + self.full_wait if deadline is None else deadline
-                    if now >= deadline or not self._exported:
-                        raise
-                    links = list(self._links)
-                    pause = min(deadline - now, _RECHECK_S)
-                    found = None
-                alloc = None if found is None else self._take(found, nbytes, tag)
-            self._drain_deferred()
-            if alloc is not None:
-                return alloc
-            # Full, but peers hold references: asleep on the link rings (a
-            # release rings them while we wait), looking again now and then
-            # for memory that another thread of this process freed.
-            with contextlib.suppress(ValueError):  # a link closed meanwhile (reclaim)
-                wait(links, pause)
-
-    def _take(self, found: tuple[_Seg, int], nbytes: int, tag: str) -> _Alloc:
-        """Allocate ``nbytes`` at ``found``, a free block of that size (lock held)."""
-        seg, offset = found
-        size = seg.free.round(nbytes)
-        if offset + size > seg.committed:
-            self._commit(seg, offset, size)
-        if self._discard or seg.holes:
-            self._claim(seg, offset, size)
-        alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
-        self._next_id += 1
-        self._allocs[alloc.id] = alloc
-        seg.live += 1
-        self._in_use += size
-        self._peak = max(self._peak, self._in_use)
-        if self._discard:
-            self._give_back()
+        with self._lock:
+            self._check_open()
+            # Blocks released by peers meanwhile are freed first, so that the
+            # block just released (the last call's result) is taken again: its
+            # pages are mapped, in cache, and written already. Left for later,
+            # every block would be a fresh one until the segment wraps: a
+            # worker's working set becomes its whole segment, and every page
+            # of it faults in once.
+            self._collect_locked()
+            found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
+            seg, offset = found
+            size = seg.free.round(nbytes)
+            if offset + size > seg.committed:
+                self._commit(seg, offset, size)
+            if self._discard or seg.holes:
+                self._claim(seg, offset, size)
+            alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
+            self._next_id += 1
+            self._allocs[alloc.id] = alloc
+            seg.live += 1
+            self._in_use += size
+            self._peak = max(self._peak, self._in_use)
+            if self._discard:
+                self._give_back()
+        self._drain_deferred()
         return alloc
 
     def _commit(self, seg: _Seg, offset: int, size: int) -> None:
@@ -730,8 +685,7 @@ class Arena:
         ``shm.set_release_route(arena.id, ring)`` before opening descriptors.
         """
         if ring is None:
-            # Quiet: a release costs the peer no system call and wakes nobody.
-            ring = Ring(capacity, RELEASE.size, self.backend, quiet=True)
+            ring = Ring(capacity, RELEASE.size, self.backend)
         elif ring.record_size < RELEASE.size:
             raise ValueError(f"a release ring needs records of at least {RELEASE.size} bytes")
         with self._lock:
@@ -838,16 +792,6 @@ class Arena:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def forwarding(self) -> int:
-        """How many views of other arenas' memory this arena forwards now.
-
-        Each holds its owner's memory until a peer releases it here: a process
-        whose arena forwards some should collect releases while it idles (wait
-        on the link rings), or that memory stays held until it next allocates.
-        """
-        return len(self._proxies)
 
     def close(self) -> None:
         """Stop allocating and give the segments' fds and names back; idempotent.

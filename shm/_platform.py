@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import platform
 import sys
 from dataclasses import dataclass
 
@@ -31,17 +30,6 @@ def memfd_supported() -> bool:
 def eventfd_supported() -> bool:
     """True where ``eventfd`` doorbells exist (Linux); pipes are used elsewhere."""
     return hasattr(os, "eventfd") and sys.platform.startswith("linux")
-
-
-def stores_in_order() -> bool:
-    """True where every CPU sees one CPU's stores in the order it made them (x86).
-
-    There, a reader that sees a ring's ``head`` move also sees the record
-    written before it, so a ring may publish records without the kernel's
-    help (see ``_ring.py``, quiet rings). Weakly ordered CPUs (ARM, POWER) may
-    make them visible in another order, and Python has no fence to prevent it.
-    """
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
 def default_backend() -> str:

@@ -7,11 +7,10 @@ block nobody, and no lock is held while user code runs.
 Layout (one segment; every field on its own 64-byte line so the two sides
 never write the same cache line)::
 
-    0    magic, capacity, record_size, slot_stride, mode   (written once)
+    0    magic, capacity, record_size, slot_stride     (written once)
     64   head    records pushed so far                 (producer writes)
     128  tail    records popped so far                 (consumer writes)
-    192  flags   producer_closed, consumer_closed,     (each side its own bytes)
-                 consumer_asleep, producer_asleep      (quiet rings only)
+    192  flags   producer_closed, consumer_closed      (each side its own byte)
     256  peak, producer_waits, consumer_waits          (statistics only)
          progress                                      (producer writes, read racily)
     320  slots   (capacity + 1) x slot_stride; a slot is [u32 length][payload]
@@ -50,24 +49,6 @@ Cost: one syscall per push (``eventfd_write``) and, on the consumer side, one
 per wait; space credits go back in batches of half the ring (or whenever the
 consumer is about to sleep), which is enough: a producer can only be out of
 credits when the consumer holds at least half a ring of them.
-
-Quiet rings
------------
-A ring made with ``quiet=True`` publishes records with no system call at all,
-for traffic that nobody waits for: the releases of shared memory, which their
-owner collects when it next allocates. ``head`` and ``tail`` are then trusted:
-the producer writes a record, then ``head``; the consumer reads ``head``, then
-the record (and symmetrically for ``tail`` and the slots it frees). That is
-correct where a CPU's stores become visible to others in the order it made
-them and loads are not reordered with older loads (x86's total store order,
-:func:`~shm._platform.stores_in_order`); elsewhere ``quiet`` is ignored and the
-ring rings as above. A side that must sleep (a blocking pop on an empty ring,
-a blocking push on a full one, :func:`wait`) says so with its *asleep* flag,
-and the other side rings the doorbell only while that flag is set. The flag
-and the index are a Dekker pair: each side stores its own (the flag; the
-record and ``head``), then a full barrier (a locked instruction: acquiring an
-uncontended lock), then loads the other's, so at least one of them sees the
-other and no wake-up is lost.
 """
 
 from __future__ import annotations
@@ -82,14 +63,12 @@ from typing import Any
 
 from ._doorbell import Doorbell
 from ._errors import PeerDiedError, RingClosedError, RingTimeoutError
-from ._platform import ALIGNMENT, stores_in_order
+from ._platform import ALIGNMENT
 from ._segment import Segment
 
 _MAGIC = 0x6D70_7872_696E_6731  # "mpxring1"
 _HEAD, _TAIL, _FLAGS, _STATS, _SLOTS = 64, 128, 192, 256, 320
 _PRODUCER_CLOSED, _CONSUMER_CLOSED = _FLAGS, _FLAGS + 1
-_CONSUMER_ASLEEP, _PRODUCER_ASLEEP = _FLAGS + 2, _FLAGS + 3  # quiet rings: "ring me"
-_MODE, _QUIET = 32, 1  # header word 4: bit 0, the producer publishes quietly
 _PEAK, _PRODUCER_WAITS, _CONSUMER_WAITS = _STATS, _STATS + 8, _STATS + 16
 _PROGRESS = _STATS + 24
 _FENCE = threading.Lock()
@@ -143,23 +122,10 @@ def wait(objects: Iterable[Watchable], timeout: float | None = None) -> list[Wat
     an empty list on timeout. One ``poll`` call: a dead peer is seen at once.
     """
     objs = list(objects)
-    # A quiet ring rings only a consumer that said it sleeps: say so first.
-    quiet = [o for o in objs if isinstance(o, Ring) and o.quiet]
-    for ring in quiet:
-        ring._consumer_sleeps(True)  # noqa: SLF001 - the consumer's end, waited on here
-    try:
-        return _wait(objs, timeout)
-    finally:
-        for ring in quiet:
-            ring._consumer_sleeps(False)  # noqa: SLF001 - the consumer's end, waited on here
-
-
-def _wait(objs: list[Watchable], timeout: float | None) -> list[Watchable]:
     # A consumer takes every credit at once, so records it holds credits for
     # no longer show on the doorbell's fd: such a ring is ready already (the
-    # ring's own count, read by this module's wait()); so is a quiet ring
-    # whose head has moved.
-    held = {id(o) for o in objs if isinstance(o, Ring) and o._ready_now()}  # noqa: SLF001 - its own count
+    # ring's own count, read by this module's wait()).
+    held = {id(o) for o in objs if isinstance(o, Ring) and o._item_credits}  # noqa: SLF001
     if held:
         timeout = 0
     poller = select.poll()
@@ -192,20 +158,8 @@ class Ring:
     """
 
     def __init__(
-        self,
-        capacity: int = 1024,
-        record_size: int = 120,
-        backend: str | None = None,
-        *,
-        quiet: bool = False,
+        self, capacity: int = 1024, record_size: int = 120, backend: str | None = None
     ) -> None:
-        """``quiet``: publish records without a system call (see the module doc).
-
-        For records nobody waits for, read when the consumer gets round to it;
-        a consumer that does wait (``pop`` with a timeout, :func:`wait`) is
-        still rung. Ignored where the CPU may reorder stores (:attr:`quiet`
-        says which the ring got).
-        """
         if capacity < 1 or capacity > 1 << 20:
             raise ValueError(f"capacity must be in 1..{1 << 20}, not {capacity}")
         if record_size < 1 or record_size > 1 << 20:
@@ -215,9 +169,7 @@ class Ring:
         # Handed over by fd, so a named segment needs no name from now on.
         seg.unlink()
         _HEADER.pack_into(seg.buf, 0, _MAGIC, capacity, record_size, stride)
-        quiet = quiet and stores_in_order()
-        _U64.pack_into(seg.buf, _MODE, _QUIET if quiet else 0)
-        self._setup(seg, Doorbell(0), Doorbell(0 if quiet else capacity))
+        self._setup(seg, Doorbell(0), Doorbell(capacity))
 
     def _setup(self, seg: Segment, items: Doorbell, spaces: Doorbell) -> None:
         magic, self.capacity, self.record_size, self._stride = _HEADER.unpack_from(seg.buf, 0)
@@ -229,10 +181,6 @@ class Ring:
         self._closed = False
         self._items = items
         self._spaces = spaces
-        self._quiet = bool(_U64.unpack_from(seg.buf, _MODE)[0] & _QUIET)
-        # Each end's own lock, so never contended: acquiring it is the full
-        # barrier of the quiet protocol (a failed attempt need not be one).
-        self._barrier = threading.Lock()
         # Local to the process using each end; see the module docstring.
         self._head = _U64.unpack_from(self._buf, _HEAD)[0]
         self._tail = _U64.unpack_from(self._buf, _TAIL)[0]
@@ -249,16 +197,6 @@ class Ring:
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_ring, (self._seg, self._items, self._spaces))
 
-    @property
-    def quiet(self) -> bool:
-        """Whether records are published without a system call (see the module doc)."""
-        return self._quiet
-
-    def _fence(self) -> None:
-        """A full memory barrier: no load after it is made before a store before it."""
-        if self._barrier.acquire(blocking=False):
-            self._barrier.release()
-
     # ---------------------------------------------------------------- producer
     def fileno(self) -> int:
         """Readable while records wait to be popped (for :func:`wait`)."""
@@ -271,7 +209,7 @@ class Ring:
         if not self._acquire_space(1, 0.0, ()):
             return False
         self._write(data)
-        self._publish(1)
+        self._items.ring(1)
         return True
 
     def push(
@@ -285,7 +223,7 @@ class Ring:
         if not self._acquire_space(1, timeout, watch):
             raise RingTimeoutError(f"no free slot in the ring within {timeout} s")
         self._write(data)
-        self._publish(1)
+        self._items.ring(1)
 
     def push_many(
         self,
@@ -307,7 +245,7 @@ class Ring:
             k = min(n - i, self._space_credits)
             for rec in records[i : i + k]:
                 self._write(rec)
-            self._publish(k)
+            self._items.ring(k)
             i += k
 
     def _check_size(self, data: bytes | bytearray | memoryview) -> None:
@@ -332,27 +270,10 @@ class Ring:
         if occupancy > _U64.unpack_from(self._buf, _PEAK)[0]:
             _U64.pack_into(self._buf, _PEAK, occupancy)
 
-    def _publish(self, k: int) -> None:
-        """The ``k`` records just written (``head`` moved) go to the consumer."""
-        if not self._quiet:
-            self._items.ring(k)
-            return
-        self._fence()  # head stored above; then look whether the consumer sleeps
-        if self._buf[_CONSUMER_ASLEEP]:
-            self._items.ring(k)
-
-    def _refill_space(self) -> None:
-        if self._quiet:
-            # ``tail`` is trusted (see the module doc): every slot up to it is free.
-            tail = _U64.unpack_from(self._buf, _TAIL)[0]
-            self._space_credits = self.capacity - (self._head - tail)
-        else:
-            self._space_credits += self._spaces.take()
-
     def _acquire_space(self, need: int, timeout: float | None, watch: Sequence[Watchable]) -> bool:
         if self._space_credits >= need:
             return True
-        self._refill_space()
+        self._space_credits += self._spaces.take()
         self._check_open(self._buf[_CONSUMER_CLOSED], "consumer")
         if self._space_credits >= need:
             return True
@@ -360,20 +281,11 @@ class Ring:
             return False
         self._bump(_PRODUCER_WAITS)
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while self._space_credits < need:
-                if self._quiet:
-                    self._sleeps(_PRODUCER_ASLEEP, self._spaces)
-                    self._refill_space()
-                    if self._space_credits >= need:
-                        break
-                if not self._block(self._spaces, deadline, watch):
-                    return False
-                self._refill_space()
-                self._check_open(self._buf[_CONSUMER_CLOSED], "consumer")
-        finally:
-            if self._quiet:
-                self._buf[_PRODUCER_ASLEEP] = 0
+        while self._space_credits < need:
+            if not self._block(self._spaces, deadline, watch):
+                return False
+            self._space_credits += self._spaces.take()
+            self._check_open(self._buf[_CONSUMER_CLOSED], "consumer")
         return True
 
     # ---------------------------------------------------------------- consumer
@@ -406,7 +318,7 @@ class Ring:
         """Pop every waiting record (at most ``max_records``), waiting for the first."""
         if not self._acquire_items(timeout, watch):
             raise RingTimeoutError(f"no record arrived within {timeout} s")
-        got = self._new_items()
+        got = self._items.take()
         self._item_credits += got
         self._taken += got
         k = self._item_credits if max_records is None else min(max_records, self._item_credits)
@@ -447,41 +359,7 @@ class Ring:
         freed = self._tail - self._returned
         if freed:
             self._returned = self._tail
-            if not self._quiet:
-                self._spaces.ring(freed)
-                return
-            self._fence()  # tail stored (by _consumed); then look whether the producer sleeps
-            if self._buf[_PRODUCER_ASLEEP]:
-                self._spaces.ring(1)
-
-    def _new_items(self) -> int:
-        """Records pushed since the last call (credits taken, or ``head`` read)."""
-        if self._quiet:
-            return int(_U64.unpack_from(self._buf, _HEAD)[0] - self._taken)
-        return self._items.take()
-
-    def _sleeps(self, flag: int, bell: Doorbell) -> None:
-        """Quiet ring: say this side is about to sleep on ``bell`` (then look again)."""
-        self._buf[flag] = 1
-        self._fence()
-        # Rings from earlier sleeps would make the poll return at once; any
-        # ring from now on is for this one (the caller looks at the index next).
-        bell.take()
-
-    def _consumer_sleeps(self, asleep: bool) -> None:
-        """For :func:`wait`: set (and look again) or clear the consumer's asleep flag."""
-        if self._closed:
-            return  # fileno() says so, in _wait
-        if asleep:
-            self._bump(_CONSUMER_WAITS)
-            self._return_spaces()
-            self._sleeps(_CONSUMER_ASLEEP, self._items)
-        else:
-            self._buf[_CONSUMER_ASLEEP] = 0
-
-    def _ready_now(self) -> bool:
-        """Records this end can pop without waiting: credits held, or (quiet) a moved head."""
-        return bool(self._item_credits) or (self._quiet and self.may_have_records())
+            self._spaces.ring(freed)
 
     def _acquire_items(self, timeout: float | None, watch: Sequence[Watchable]) -> bool:
         if self._item_credits:
@@ -494,8 +372,8 @@ class Ring:
         # so a blocking pop goes straight to sleep (poll() returns at once if a
         # credit did arrive) and a non-blocking one saves the empty read (an
         # exception, as costly as a small record's whole pop).
-        nothing = _U64.unpack_from(self._buf, _HEAD)[0] == self._taken
-        got = 0 if nothing else self._new_items()
+        quiet = _U64.unpack_from(self._buf, _HEAD)[0] == self._taken
+        got = 0 if quiet else self._items.take()
         if not got:
             # About to sleep: give back every freed slot first, so that a
             # producer waiting for space can never wait on us.
@@ -504,19 +382,10 @@ class Ring:
                 return False
             self._bump(_CONSUMER_WAITS)
             deadline = None if timeout is None else time.monotonic() + timeout
-            try:
-                while not got:
-                    if self._quiet:
-                        self._sleeps(_CONSUMER_ASLEEP, self._items)
-                        got = self._new_items()
-                        if got:
-                            break
-                    if not self._block(self._items, deadline, watch):
-                        return False
-                    got = self._new_items()
-            finally:
-                if self._quiet:
-                    self._buf[_CONSUMER_ASLEEP] = 0
+            while not got:
+                if not self._block(self._items, deadline, watch):
+                    return False
+                got = self._items.take()
         self._item_credits += got
         self._taken += got
         return True

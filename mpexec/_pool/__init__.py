@@ -14,8 +14,6 @@
       set the future [_future]
     views of results dropped  -----> result-release ring i ----------->  arena collects
     worker's views dropped    <----- arg-release ring i  <-------------  finalizer pushes
-      (release rings are quiet: no system call, no wake-up; each arena reads its
-       rings when it next allocates, an idle worker only while it forwards memory)
 
     one wait in the manager: every done ring + every worker sentinel + a wake-up doorbell
 

@@ -82,9 +82,7 @@ class Slot:
         self.tasks = shm.Ring(_TASK_RING, _protocol.RECORD_SIZE)
         self.done = shm.Ring(_DONE_RING, _protocol.RECORD_SIZE)
         self.arg_releases: shm.Ring | None = None
-        # Quiet (as arena.link() makes the arg-release ring): a release costs
-        # the caller no system call, and wakes the worker only while it waits.
-        self.result_releases = shm.Ring(4096, shm.RELEASE_RECORD_SIZE, quiet=True)
+        self.result_releases = shm.Ring(4096, shm.RELEASE_RECORD_SIZE)
         self.arena_id = 0
         self.queue: collections.deque[Task] = collections.deque()
         self.fns: set[int] = set()

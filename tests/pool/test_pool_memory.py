@@ -4,15 +4,12 @@ worker, what a worker can write, running out of memory, broadcast arrays."""
 from __future__ import annotations
 
 import ctypes
-import gc
 import os
 import resource
 import signal
-import time
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 
 import mpexec
@@ -205,54 +202,6 @@ def test_a_worker_reuses_the_block_of_its_last_released_result() -> None:
             pool.submit(_image_sized, size).result(T)
         per_call = (pool.stats().worker_faults - before) / calls
         assert per_call < 5, per_call  # 150 pages a result: fresh blocks fault each
-
-
-def _within(seconds: float, predicate: Any) -> bool:
-    """Whether ``predicate()`` comes true within ``seconds`` (for what must not happen)."""
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-def test_results_dropped_while_a_worker_idles_do_not_wake_it() -> None:
-    # Releases travel on quiet rings: a worker reads those of its results when
-    # it next allocates. Each one used to ring its doorbell and wake the idle
-    # worker to collect it: a context switch, on a busy host, for nothing.
-    with WorkerPool(1) as pool:
-        held = [pool.submit(_arange, BIG // 8).result(T) for _ in range(8)]
-        ring = pool._state.slots[0].result_releases
-        worker = psutil.Process(pool.pids[0])
-        wait_until(lambda: worker.status() == psutil.STATUS_SLEEPING, T, "the worker to idle")
-        popped = ring.stats().popped
-        del held
-        gc.collect()
-        # A worker woken by them collects them at once: give it the time to.
-        assert not _within(0.5, lambda: ring.stats().popped > popped), "a release woke the worker"
-        # Not lost: its next allocation applies them.
-        pool.submit(_arange, BIG // 8).result(T)
-        assert ring.stats().popped >= popped + 8
-
-
-def _first(a: np.ndarray[Any, Any]) -> float:
-    return float(a[0])
-
-
-def test_releases_of_arguments_in_pool_memory_do_not_pile_up() -> None:
-    # Calls on an array already in shared memory allocate nothing in the caller,
-    # which read its release rings only when it allocated: the worker's releases
-    # filled the ring (4,096), then piled up in the worker, one more a call, for
-    # as long as such calls went on. The caller reads them when it shares too.
-    with WorkerPool(1) as pool:
-        x = pool.put(np.ones(BIG // 8))
-        ring = pool._state.slots[0].arg_releases
-        assert ring is not None
-        for _ in range(ring.capacity + 100):
-            assert pool.submit(_first, x).result(T) == 1.0
-        assert ring.stats().occupancy <= 16, ring.stats()
-        assert pool.stats().arena.exported <= 16
 
 
 def _temporaries(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

@@ -12,7 +12,6 @@ import contextlib
 import os
 import pickle
 import random
-import select
 import threading
 import time
 from collections import deque
@@ -24,7 +23,6 @@ import pytest
 from conftest import wait_until
 
 import shm
-from shm._platform import stores_in_order
 
 LONG = 30.0  # the bound on every wait that should succeed (never reached when all is well)
 PROMPT = 5.0  # how soon a dead peer must be noticed, far below LONG
@@ -140,9 +138,8 @@ def test_bad_arguments(capacity: int, record_size: int) -> None:
         shm.Ring(capacity, record_size)
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_fresh_ring(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(8, 24, quiet=quiet)
+def test_fresh_ring(no_leaks: None) -> None:
+    ring = shm.Ring(8, 24)
     with _rings(ring):
         assert ring.capacity == 8
         assert ring.record_size == 24
@@ -153,9 +150,8 @@ def test_fresh_ring(quiet: bool, no_leaks: None) -> None:
     ring.close()  # idempotent
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_may_have_records_hint(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(4, 8, quiet=quiet)
+def test_may_have_records_hint(no_leaks: None) -> None:
+    ring = shm.Ring(4, 8)
     with _rings(ring):
         assert not ring.may_have_records()
         ring.push(b"a")
@@ -213,9 +209,8 @@ def test_input_types(no_leaks: None) -> None:
         assert all(type(r) is bytes for r in got)
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_fifo_order_with_every_pop_flavour(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(16, 8, quiet=quiet)
+def test_fifo_order_with_every_pop_flavour(no_leaks: None) -> None:
+    ring = shm.Ring(16, 8)
     with _rings(ring):
         assert all(ring.try_push(_u64(i)) for i in range(6))
         ring.push_many([_u64(i) for i in range(6, 16)], timeout=LONG)
@@ -227,9 +222,8 @@ def test_fifo_order_with_every_pop_flavour(quiet: bool, no_leaks: None) -> None:
         assert ring.try_pop() is None
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_capacity_one(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(1, 8, quiet=quiet)
+def test_capacity_one(no_leaks: None) -> None:
+    ring = shm.Ring(1, 8)
     with _rings(ring):
         for i in range(200):
             ring.push(_u64(i), timeout=LONG)
@@ -240,9 +234,8 @@ def test_capacity_one(quiet: bool, no_leaks: None) -> None:
 
 
 @pytest.mark.parametrize("capacity", [2, 3, 7])
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_wraparound_many_times(quiet: bool, capacity: int, no_leaks: None) -> None:
-    ring = shm.Ring(capacity, 12, quiet=quiet)
+def test_wraparound_many_times(capacity: int, no_leaks: None) -> None:
+    ring = shm.Ring(capacity, 12)
     rng = random.Random(capacity)
     with _rings(ring):
         n = 0
@@ -259,11 +252,10 @@ def test_wraparound_many_times(quiet: bool, capacity: int, no_leaks: None) -> No
         assert s.peak == capacity
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_random_try_push_try_pop_against_model(quiet: bool, no_leaks: None) -> None:
+def test_random_try_push_try_pop_against_model(no_leaks: None) -> None:
     """try_* never lose, duplicate or reorder records; a drained ring refills completely."""
     capacity = 5
-    ring = shm.Ring(capacity, 8, quiet=quiet)
+    ring = shm.Ring(capacity, 8)
     rng = random.Random(7)
     model: deque[bytes] = deque()
     seq = 0
@@ -294,9 +286,8 @@ def test_random_try_push_try_pop_against_model(quiet: bool, no_leaks: None) -> N
 # ------------------------------------------------------------ timeouts
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_pop_timeout_on_empty_ring(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(4, 8, quiet=quiet)
+def test_pop_timeout_on_empty_ring(no_leaks: None) -> None:
+    ring = shm.Ring(4, 8)
     with _rings(ring):
         t0 = time.monotonic()
         with pytest.raises(shm.RingTimeoutError, match="no record arrived") as info:
@@ -313,9 +304,8 @@ def test_pop_timeout_on_empty_ring(quiet: bool, no_leaks: None) -> None:
         assert ring.stats().consumer_waits == 2  # try_pop and timeout=0 never wait
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_push_timeout_on_full_ring(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(3, 8, quiet=quiet)
+def test_push_timeout_on_full_ring(no_leaks: None) -> None:
+    ring = shm.Ring(3, 8)
     with _rings(ring):
         for i in range(3):
             ring.push(_u64(i), timeout=LONG)
@@ -332,9 +322,8 @@ def test_push_timeout_on_full_ring(quiet: bool, no_leaks: None) -> None:
         assert _drain(ring) == [_u64(i) for i in range(3)]
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_push_many_timeout_reports_progress(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(4, 8, quiet=quiet)
+def test_push_many_timeout_reports_progress(no_leaks: None) -> None:
+    ring = shm.Ring(4, 8)
     with _rings(ring):
         ring.push_many([b"a", b"b"], timeout=LONG)
         with pytest.raises(shm.RingTimeoutError, match=r"\(2 of 5 pushed\)"):
@@ -345,9 +334,8 @@ def test_push_many_timeout_reports_progress(quiet: bool, no_leaks: None) -> None
 # ------------------------------------------------------------ closing
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_close_producer_delivers_everything_then_closed(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(8, 8, quiet=quiet)
+def test_close_producer_delivers_everything_then_closed(no_leaks: None) -> None:
+    ring = shm.Ring(8, 8)
     with _rings(ring):
         ring.push_many([b"a", b"b", b"c"], timeout=LONG)
         ring.close_producer()
@@ -373,19 +361,17 @@ def test_close_producer_delivers_everything_then_closed(quiet: bool, no_leaks: N
             assert not isinstance(info.value, shm.PeerDiedError)
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_close_producer_on_empty_ring(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(2, 8, quiet=quiet)
+def test_close_producer_on_empty_ring(no_leaks: None) -> None:
+    ring = shm.Ring(2, 8)
     with _rings(ring):
         ring.close_producer()
         with pytest.raises(shm.RingClosedError):
             ring.pop_many(timeout=LONG)
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_close_producer_on_full_ring_reaches_consumer(quiet: bool, no_leaks: None) -> None:
+def test_close_producer_on_full_ring_reaches_consumer(no_leaks: None) -> None:
     # The ring is full: the end marker must still get through (it has a spare slot).
-    ring = shm.Ring(2, 8, quiet=quiet)
+    ring = shm.Ring(2, 8)
     with _rings(ring):
         ring.push_many([b"a", b"b"], timeout=LONG)
         ring.close_producer()
@@ -404,9 +390,8 @@ def test_close_producer_on_full_ring_reaches_consumer(quiet: bool, no_leaks: Non
         )
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_close_consumer_makes_push_fail(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(4, 8, quiet=quiet)
+def test_close_consumer_makes_push_fail(no_leaks: None) -> None:
+    ring = shm.Ring(4, 8)
     with _rings(ring):
         ring.push(b"a", timeout=LONG)
         ring.close_consumer()
@@ -474,9 +459,8 @@ def test_use_after_close_does_not_touch_reused_fds(no_leaks: None) -> None:
 # ------------------------------------------------------------ waiting
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_wait_returns_ready_rings_and_sentinel(quiet: bool, no_leaks: None) -> None:
-    rings = [shm.Ring(4, 8, quiet=quiet) for _ in range(3)]
+def test_wait_returns_ready_rings_and_sentinel(no_leaks: None) -> None:
+    rings = [shm.Ring(4, 8) for _ in range(3)]
     r_fd, w_fd = os.pipe()
     try:
         with _rings(*rings):
@@ -501,9 +485,8 @@ def test_wait_returns_ready_rings_and_sentinel(quiet: bool, no_leaks: None) -> N
         os.close(w_fd)
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_wait_sees_records_already_credited_to_consumer(quiet: bool, no_leaks: None) -> None:
-    ring = shm.Ring(8, 8, quiet=quiet)
+def test_wait_sees_records_already_credited_to_consumer(no_leaks: None) -> None:
+    ring = shm.Ring(8, 8)
     with _rings(ring):
         ring.push_many([b"a", b"b", b"c"], timeout=LONG)
         assert ring.pop(timeout=LONG) == b"a"  # takes the credits of all three
@@ -514,65 +497,6 @@ def test_wait_sees_records_already_credited_to_consumer(quiet: bool, no_leaks: N
             "is 'ready' only while its items doorbell holds credits, and pop() takes every "
             "credit at once, so a consumer that waits on several rings between pops stalls"
         )
-
-
-# ------------------------------------------------------------ quiet rings
-
-
-def _readable(fd: int) -> bool:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-def test_a_quiet_ring_publishes_without_its_doorbells(no_leaks: None) -> None:
-    ring = shm.Ring(4, 8, quiet=True)
-    with _rings(ring):
-        assert ring.quiet == stores_in_order()
-        if not ring.quiet:
-            pytest.skip("this CPU may reorder stores: quiet rings ring as usual")
-        for i in range(4):
-            assert ring.try_push(_u64(i))
-        assert not ring.try_push(b"full")
-        # Nobody waits: no credit went through the kernel, either way.
-        assert not _readable(ring.fileno())
-        assert ring.may_have_records()
-        assert _drain(ring) == [_u64(i) for i in range(4)]
-        assert not _readable(ring._spaces.fileno())
-        assert all(ring.try_push(_u64(i)) for i in range(4))  # the slots are free again
-        assert ring.pop_many(timeout=LONG) == [_u64(i) for i in range(4)]
-
-
-def test_a_quiet_ring_rings_a_consumer_that_sleeps(no_leaks: None) -> None:
-    ring = shm.Ring(4, 8, quiet=True)
-    got: list[Any] = []
-    with _rings(ring):
-        for n, sleep in enumerate(
-            [lambda: got.append(ring.pop(timeout=LONG)), lambda: got.append(shm.wait([ring], LONG))]
-        ):
-            thread = threading.Thread(target=sleep, daemon=True)
-            thread.start()
-            # Pushed once the consumer sleeps: only the doorbell can wake it.
-            wait_until(lambda n=n: ring.stats().consumer_waits > n, LONG, "the consumer to sleep")
-            ring.push(_u64(n), timeout=LONG)
-            thread.join(LONG)
-            assert not thread.is_alive()
-        assert got == [_u64(0), [ring]]
-        assert ring.try_pop() == _u64(1)
-
-
-def test_a_quiet_ring_rings_a_producer_waiting_for_space(no_leaks: None) -> None:
-    ring = shm.Ring(4, 8, quiet=True)
-    with _rings(ring):
-        ring.push_many([_u64(i) for i in range(4)], timeout=LONG)
-        thread = threading.Thread(target=ring.push, args=(_u64(4), LONG), daemon=True)
-        thread.start()
-        wait_until(lambda: ring.stats().producer_waits == 1, LONG, "the producer to sleep")
-        # A consumer that has emptied the ring hands its slots back (and rings).
-        assert _drain(ring) == [_u64(i) for i in range(4)]
-        thread.join(LONG)
-        assert not thread.is_alive()
-        assert ring.pop(timeout=LONG) == _u64(4)
 
 
 # ------------------------------------------------------------ stats
@@ -641,10 +565,9 @@ def _pop_counters(ring: shm.Ring, proc: Any, n: int, max_records: int) -> None:
 
 
 @pytest.mark.parametrize("ctx", ["forkserver"], indirect=True)
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_million_records_in_order(quiet: bool, ctx: Any, no_leaks: None) -> None:
+def test_million_records_in_order(ctx: Any, no_leaks: None) -> None:
     n = 10**6
-    ring = shm.Ring(1024, 8, quiet=quiet)
+    ring = shm.Ring(1024, 8)
     with _rings(ring), _child(ctx, _produce_counters, ring, n, 256) as proc:
         _pop_counters(ring, proc, n, 1024)
         proc.join(LONG)
@@ -652,10 +575,9 @@ def test_million_records_in_order(quiet: bool, ctx: Any, no_leaks: None) -> None
         assert ring.stats().occupancy == 0
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_ping_pong(quiet: bool, ctx: Any, no_leaks: None) -> None:
+def test_ping_pong(ctx: Any, no_leaks: None) -> None:
     n = 2000
-    requests, replies = shm.Ring(4, 8, quiet=quiet), shm.Ring(4, 8, quiet=quiet)
+    requests, replies = shm.Ring(4, 8), shm.Ring(4, 8)
     with _rings(requests, replies), _child(ctx, _echo, requests, replies, n) as proc:
         for i in range(n):
             requests.push(_u64(i), timeout=LONG, watch=[proc])
@@ -670,10 +592,9 @@ def test_ping_pong(quiet: bool, ctx: Any, no_leaks: None) -> None:
 
 
 @pytest.mark.parametrize("how", ["exits", "killed"])
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_consumer_sees_producer_die(quiet: bool, ctx: Any, how: str, no_leaks: None) -> None:
+def test_consumer_sees_producer_die(ctx: Any, how: str, no_leaks: None) -> None:
     k = 5
-    ring = shm.Ring(8, 8, quiet=quiet)
+    ring = shm.Ring(8, 8)
     target = _produce_then_exit if how == "exits" else _produce_then_hang
     with _rings(ring), _child(ctx, target, ring, k) as proc:
         # The records pushed before the death are all delivered.
@@ -710,10 +631,9 @@ def _push_until_error(
 
 
 @pytest.mark.parametrize("how", ["exits", "killed"])
-@pytest.mark.parametrize("quiet", [False, True], ids=["rung", "quiet"])
-def test_producer_sees_consumer_die(quiet: bool, ctx: Any, how: str, no_leaks: None) -> None:
+def test_producer_sees_consumer_die(ctx: Any, how: str, no_leaks: None) -> None:
     k, capacity = 3, 8
-    ring = shm.Ring(capacity, 8, quiet=quiet)
+    ring = shm.Ring(capacity, 8)
     target = _consume_then_exit if how == "exits" else _consume_then_hang
     with _rings(ring), _child(ctx, target, ring, k) as proc:
         ring.push_many([_u64(i) for i in range(k)], timeout=LONG, watch=[proc])

@@ -5,9 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import select
 import signal
-import threading
 import time
 from typing import Any
 
@@ -15,7 +13,6 @@ import numpy as np
 import pytest
 
 import shm
-from shm._platform import stores_in_order
 from tests.conftest import memfd_count, run_python, shm_names, wait_until
 
 MiB = 1 << 20
@@ -363,165 +360,6 @@ def test_exhaustion_by_a_peer_is_an_error_then_recovers(how: str, no_leaks: None
     arena.close()
     for r in (inbox, outbox, bye):
         r.close()
-
-
-def _readable(fd: int) -> bool:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-def test_releases_reach_the_owner_without_waking_it(no_leaks: None) -> None:
-    # A release costs the peer no system call and wakes nobody: the owner
-    # reads its link rings when it next allocates (or collects).
-    import multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    arena = shm.Arena(segment_size=MiB, capacity=4 * MiB)
-    route, inbox, outbox = arena.link(), shm.Ring(16, 1024), shm.Ring(16, 16)
-    p = ctx.Process(target=_consume, args=(arena.id, route, inbox, outbox))
-    p.start()
-    data = np.arange(1000, dtype=np.float64)
-    for _ in range(3):
-        inbox.push(pickle.dumps(arena.share(data, peer=route)), timeout=T, watch=[p])
-        assert int.from_bytes(outbox.pop(timeout=T, watch=[p]), "little") == _checksum(data)
-    inbox.close_producer()
-    with pytest.raises(shm.RingClosedError):
-        outbox.pop(timeout=T, watch=[p])
-    p.join(T)
-    assert p.exitcode == 0
-    if stores_in_order():
-        assert not _readable(route.fileno()), "a release rang the owner's doorbell"
-    assert route.quiet == stores_in_order()
-    assert arena.stats().exported == 0  # stats() collects: all three came back
-    assert arena.stats().releases_received == 3
-    arena.close()
-    for r in (inbox, outbox):
-        r.close()
-
-
-def _hold_then_drop(arena_id: int, route: shm.Ring, inbox: shm.Ring, outbox: shm.Ring) -> None:
-    """Open and hold each descriptor; "drop" them all, "flush" what the full route kept."""
-    shm.set_release_route(arena_id, route)
-    held = []
-    while True:
-        try:
-            rec = inbox.pop(timeout=T)
-        except shm.RingClosedError:
-            break
-        if rec == b"drop":
-            held.clear()
-        elif rec == b"flush":
-            shm.flush_releases()
-        else:
-            held.append(shm.open_array(pickle.loads(rec)))
-        outbox.push(b"k", timeout=T)
-
-
-def test_a_full_release_ring_never_blocks_the_peer(no_leaks: None) -> None:
-    # The owner reads releases when it gets round to it: a peer that drops more
-    # views than the ring holds keeps the rest and goes on; they follow later.
-    import multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    arena = shm.Arena(segment_size=MiB, capacity=4 * MiB)
-    route, inbox, outbox = arena.link(capacity=4), shm.Ring(16, 1024), shm.Ring(16, 16)
-    p = ctx.Process(target=_hold_then_drop, args=(arena.id, route, inbox, outbox))
-    p.start()
-
-    def ask(rec: bytes) -> None:
-        inbox.push(rec, timeout=T, watch=[p])
-        assert outbox.pop(timeout=T, watch=[p]) == b"k"
-
-    data = arena.put(np.arange(100.0))
-    for _ in range(10):
-        ask(pickle.dumps(arena.share(data, peer=route)))
-    ask(b"drop")  # ten releases: four fit, the peer answers all the same
-    assert route.stats().occupancy == 4
-    assert arena.stats().exported == 6  # stats() read the four
-    for left in (2, 0):
-        ask(b"flush")
-        assert arena.stats().exported == left
-    inbox.close_producer()
-    p.join(T)
-    assert p.exitcode == 0
-    arena.close()
-    for r in (inbox, outbox):
-        r.close()
-
-
-def _fill_from_peer(arena: shm.Arena, route: shm.Ring, blocks: int) -> tuple[Any, shm.Ring]:
-    """A peer that opens ``blocks`` MiB-blocks of ``arena`` and holds them until told."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    inbox, outbox, bye = shm.Ring(16, 1024), shm.Ring(16, 16), shm.Ring(1, 1)
-    p = ctx.Process(target=_fill_remote, args=(arena.id, route, inbox, outbox, bye))
-    p.start()
-    for _ in range(blocks):
-        desc = arena.share(np.ones(MiB // 8), peer=route)
-        inbox.push(pickle.dumps(desc), timeout=T, watch=[p])
-        assert outbox.pop(timeout=T, watch=[p]) == b"k"
-    inbox.close_producer()
-    assert outbox.pop(timeout=T, watch=[p]) == b"holding"
-    inbox.close()
-    outbox.close()
-    return p, bye
-
-
-def test_a_full_arena_waits_for_a_peers_releases_and_recovers(no_leaks: None) -> None:
-    # At its cap with references out, an allocation sleeps on the link rings:
-    # the peer's releases (quiet) ring because the owner said it waits, and the
-    # allocation takes the memory they free.
-    arena = shm.Arena(segment_size=MiB, capacity=4 * MiB, full_wait=T)
-    route = arena.link()
-    p, bye = _fill_from_peer(arena, route, 4)
-    got: list[Any] = []
-
-    def allocate() -> None:
-        try:
-            got.append(arena.empty(MiB, np.uint8))
-        except BaseException as exc:
-            got.append(exc)
-
-    thread = threading.Thread(target=allocate, daemon=True)
-    thread.start()
-    wait_until(lambda: route.stats().consumer_waits > 0, T, "the allocation to wait")
-    assert not got
-    assert thread.is_alive()
-    bye.push(b"x", timeout=T)  # the peer drops its views now, and exits
-    thread.join(T)
-    assert not thread.is_alive()
-    assert isinstance(got[0], np.ndarray), got
-    assert got[0].nbytes == MiB
-    p.join(T)
-    assert p.exitcode == 0
-    got.clear()
-    arena.close()
-    bye.close()
-
-
-def test_a_full_arena_waits_boundedly_and_only_for_peers(no_leaks: None) -> None:
-    arena = shm.Arena(segment_size=MiB, capacity=2 * MiB, full_wait=0.2)
-    route = arena.link()
-    # Everything held here: no release can come from a peer, so no wait.
-    keep = [arena.empty(MiB, np.uint8) for _ in range(2)]
-    with pytest.raises(shm.ArenaFullError, match="0 of them referenced"):
-        arena.empty(MiB, np.uint8)
-    assert route.stats().consumer_waits == 0
-    del keep
-    # A peer that holds on: the allocation waits its bound, then raises.
-    p, bye = _fill_from_peer(arena, route, 2)
-    with pytest.raises(shm.ArenaFullError, match="2 of them referenced"):
-        arena.empty(MiB, np.uint8)
-    assert route.stats().consumer_waits > 0
-    bye.push(b"x", timeout=T)
-    p.join(T)
-    assert p.exitcode == 0
-    wait_until(lambda: arena.stats().allocations == 0, T, "the peer's releases")
-    assert arena.empty(MiB, np.uint8).nbytes == MiB
-    arena.close()
-    bye.close()
 
 
 @pytest.mark.parametrize("relay", [False, True], ids=["A-M-B", "A-M-R-B"])
