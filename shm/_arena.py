@@ -331,6 +331,11 @@ class Arena:
         readonly = anchor.readonly or not arr.flags.writeable
         start = arr.__array_interface__["data"][0] - anchor.address
         with self._lock:
+            # Releases are read here too, not only when allocating: a caller
+            # that only passes arrays already shared (pool.put) allocates
+            # nothing, and its peers' releases would pile up (in their rings,
+            # then in the peers). Nothing new costs a look at each ring's head.
+            self._collect_locked()
             owed = self._owed_by(peer)
             if anchor.arena_id == self.id:
                 alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go

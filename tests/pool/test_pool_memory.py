@@ -204,6 +204,25 @@ def test_a_worker_reuses_the_block_of_its_last_released_result() -> None:
         assert per_call < 5, per_call  # 150 pages a result: fresh blocks fault each
 
 
+def _first(a: np.ndarray[Any, Any]) -> float:
+    return float(a[0])
+
+
+def test_releases_of_arguments_in_pool_memory_do_not_pile_up() -> None:
+    # Calls on an array already in shared memory allocate nothing in the caller,
+    # which read its release rings only when it allocated: the worker's releases
+    # filled the ring (4,096), then piled up in the worker, one more a call, for
+    # as long as such calls went on. The caller reads them when it shares too.
+    with WorkerPool(1) as pool:
+        x = pool.put(np.ones(BIG // 8))
+        ring = pool._state.slots[0].arg_releases
+        assert ring is not None
+        for _ in range(ring.capacity + 100):
+            assert pool.submit(_first, x).result(T) == 1.0
+        assert ring.stats().occupancy <= 16, ring.stats()
+        assert pool.stats().arena.exported <= 16
+
+
 def _temporaries(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     # An augmentation's shape of work: a few image-sized temporaries per call.
     a = x.astype(np.float32) * 0.5
