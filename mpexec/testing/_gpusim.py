@@ -674,9 +674,11 @@ class SimCuPy:
         self.cuda.get_current_stream()._drain()
 
     def _device_at(self, ptr: int, size: int) -> np.ndarray[Any, Any]:
-        ptrs = [p for p, _ in self._device]
+        # Read once: a free in another thread (a finalizer) replaces the list meanwhile.
+        entries = self._device
+        ptrs = [p for p, _ in entries]
         i = bisect.bisect_right(ptrs, ptr) - 1
-        mem = self._device[i][1]() if i >= 0 else None
+        mem = entries[i][1]() if i >= 0 else None
         if mem is None or not mem.ptr <= ptr <= ptr + size <= mem.ptr + mem.buf.nbytes:
             raise CUDARuntimeError(INVALID_VALUE)
         return mem.buf[ptr - mem.ptr : ptr - mem.ptr + size]
