@@ -45,7 +45,7 @@ class _Log:
     def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         with open(self.path, "a") as f:
             f.write(f"{self.tag} {int(x)}\n")
-        return x * self.factor
+        return np.asarray(x * self.factor, dtype=x.dtype)  # NumPy 1.x would widen a 0-d int32
 
 
 def _logged(path: Path) -> dict[str, list[int]]:
@@ -69,7 +69,7 @@ def _logged(path: Path) -> dict[str, list[int]]:
 def _only_multiples_of_3(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     if int(x) % 3:
         raise ValueError(f"saw sample {int(x)}, which its branch does not hold")
-    return np.asarray(x * 10)
+    return np.asarray(x * 10, dtype=x.dtype)  # NumPy 1.x would widen a 0-d int32
 
 
 def _minus_one() -> np.ndarray[Any, Any]:
