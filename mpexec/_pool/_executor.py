@@ -144,9 +144,11 @@ class WorkerPool(CallExecutor):
         )
         try:
             self._factory.start(range(num_workers), generation=0, wait_all=ready == "all")
-        except BaseException:
+        except BaseException as exc:
             _stop.shutdown(state, self._lifeline, None, wait=False, cancel=True)
-            raise
+            # The factory's frames hold the started workers' rings, whose mappings
+            # keep an fd each for as long as the error is kept (pytest keeps it).
+            raise exc.with_traceback(None)
         # What the manager holds of the pool: a weak reference, so that the pool can be collected.
         self._manager = Manager(state, self._factory, self._sender, timeout, weakref.ref(self))
         self._manager.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -211,11 +212,16 @@ def test_shutdown_releases_fds_and_mappings_at_once() -> None:
 
 # ---------------------------------------------------------------- ready="first"
 def _first_fast_others_slow(flag: str, done: str, fail: bool) -> None:
-    """worker_init: the first worker here starts at once; the others take 3 s, or fail."""
+    """worker_init: the first worker here starts at once; the others take 3 s, or
+    fail once the file ``done`` exists (the test makes it once the pool is up: a
+    failure the first worker's hello could race would break the constructor)."""
     try:
         os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
     except FileExistsError:
         if fail:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(done) and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise RuntimeError("a later worker's init exploded on purpose") from None
         time.sleep(3)
         open(done, "w").close()
@@ -243,10 +249,11 @@ def test_ready_all_waits_for_every_worker(tmp_path: Path) -> None:
 
 
 def test_ready_first_a_later_worker_that_cannot_start_breaks_the_pool(tmp_path: Path) -> None:
-    flag = str(tmp_path / "first")
+    flag, go = str(tmp_path / "first"), str(tmp_path / "fail-now")
     with WorkerPool(
-        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, "", True)
+        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, go, True)
     ) as pool:
+        open(go, "w").close()
         wait_until(lambda: pool.status.state == "broken", 20, "the pool to break")
         with pytest.raises(mpexec.BrokenPoolError) as info:
             pool.submit(_square, 3).result(T)
@@ -256,6 +263,23 @@ def test_ready_first_a_later_worker_that_cannot_start_breaks_the_pool(tmp_path: 
             chain.append(str(err))
             err = err.__cause__
         assert any("a later worker's init exploded on purpose" in text for text in chain)
+
+
+def _explode() -> None:
+    raise RuntimeError("this worker's init exploded on purpose")
+
+
+@pytest.mark.parametrize("ready", ["all", "first"])
+def test_a_kept_start_error_holds_none_of_the_pools_fds(ready: str) -> None:
+    # pytest keeps a failed test's error through teardown, and a user may log it
+    # later: its traceback must not keep the started workers' rings mapped.
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(mpexec.BrokenPoolError, match="exploded on purpose") as info:
+        WorkerPool(2, ready=ready, worker_init=_explode)  # type: ignore[arg-type]
+    gc.collect()
+    assert info.value.__traceback__ is not None
+    assert len(os.listdir("/proc/self/fd")) <= before + 2  # the forkserver's socket
 
 
 def test_ready_must_be_all_or_first() -> None:
