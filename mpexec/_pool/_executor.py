@@ -148,7 +148,7 @@ class WorkerPool(CallExecutor):
             _stop.shutdown(state, self._lifeline, None, wait=False, cancel=True)
             # The factory's frames hold the started workers' rings, whose mappings
             # keep an fd each for as long as the error is kept (pytest keeps it).
-            raise exc.with_traceback(None)
+            raise exc.with_traceback(None)  # noqa: B904 - the same error, cause kept
         # What the manager holds of the pool: a weak reference, so that the pool can be collected.
         self._manager = Manager(state, self._factory, self._sender, timeout, weakref.ref(self))
         self._manager.start()
