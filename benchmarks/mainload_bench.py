@@ -12,8 +12,9 @@ concerned. The model is then one line: a main process saturates its core at
 ``1 / cpu_per_sample`` samples/s, whatever the number of workers.
 
 Systems: the mpexec pipeline per sample and in batch mode, ``WorkerPool.map``
-(per sample, and in chunks of 64 calls), ``mpexec.torch.DataLoader`` and
-``torch.utils.data.DataLoader`` (both: map-style data set, batches of 64,
+(one call a sample, its automatic chunks, and chunks of 64 calls),
+``mpexec.torch.DataLoader`` and ``torch.utils.data.DataLoader`` (both: map-style
+data set, batches of 64,
 persistent workers). Samples: light (16 float32) and heavy (224x224x3
 float32, 588 KiB). Rounds interleave the systems; medians and spreads.
 
@@ -102,7 +103,7 @@ def _pipeline(workers: int, n: int, batch_mode: bool) -> Epoch:
     return epoch, p.close
 
 
-def _pool_map(workers: int, n: int, chunksize: int) -> Epoch:
+def _pool_map(workers: int, n: int, chunksize: int | None) -> Epoch:
     import mpexec
 
     pool = mpexec.WorkerPool(workers)
@@ -142,6 +143,7 @@ def _systems(have_torch: bool) -> dict[str, Callable[[int, int], Any]]:
         "mpexec pipeline, per sample": lambda w, n: _pipeline(w, n, False),
         "mpexec pipeline, batch mode": lambda w, n: _pipeline(w, n, True),
         "WorkerPool.map": lambda w, n: _pool_map(w, n, 1),
+        "WorkerPool.map, automatic chunks": lambda w, n: _pool_map(w, n, None),
         "WorkerPool.map, chunks of 64": lambda w, n: _pool_map(w, n, 64),
     }
     if have_torch:

@@ -23,11 +23,16 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import pickle
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar
+
+import cloudpickle
+
+from ._errors import RemoteTraceback, SerializationError
 
 __all__ = [
     "FULL_TRACEBACK_ENV",
@@ -35,7 +40,9 @@ __all__ = [
     "format_exception",
     "full_tracebacks",
     "is_internal",
+    "pack_error",
     "reraise",
+    "unpack_error",
 ]
 
 E = TypeVar("E", bound=BaseException)
@@ -178,3 +185,35 @@ def format_exception(exc: BaseException) -> str:
     for t in _chain(te):
         _trim(t)
     return "".join(te.format())
+
+
+def pack_error(exc: BaseException) -> bytes:
+    """A worker's exception and its traceback as text; a stand-in if it does not pickle.
+
+    :func:`unpack_error` makes the exception the caller sees from it.
+    """
+    tb = format_exception(exc)  # mpexec's own frames left out (and counted)
+    exc.__traceback__ = None
+    try:
+        try:
+            data = pickle.dumps((exc, tb), protocol=5)
+        except Exception:
+            # A class defined in the caller's __main__ (which workers never
+            # import) goes by value; cloudpickle brings back the caller's own.
+            data = cloudpickle.dumps((exc, tb), protocol=5)
+        pickle.loads(data)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        stand_in = SerializationError(
+            f"the function raised {name}: {exc}; that exception cannot be pickled, so it "
+            "is reported as this error (the worker's traceback is the __cause__)"
+        )
+        data = pickle.dumps((stand_in, tb), protocol=5)
+    return bytes(data)
+
+
+def unpack_error(data: bytes | memoryview) -> BaseException:
+    """The exception :func:`pack_error` packed, the worker's traceback its ``__cause__``."""
+    exc, tb = pickle.loads(data)
+    exc.__cause__ = RemoteTraceback(tb)
+    return exc  # type: ignore[no-any-return]

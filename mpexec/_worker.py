@@ -49,7 +49,7 @@ from ._protocol import (
     spill,
     spin_until,
 )
-from ._tracebacks import FULL_TRACEBACK_ENV, format_exception
+from ._tracebacks import FULL_TRACEBACK_ENV, pack_error
 
 
 @dataclass
@@ -227,7 +227,7 @@ class _Worker:
         try:
             rec = self.run(task_id, fn_id, body)
         except BaseException as exc:
-            rec = spill(ERROR, _pickle_error(exc), self.arena, self.peer, task_id)
+            rec = spill(ERROR, pack_error(exc), self.arena, self.peer, task_id)
         self.boot.done.push(rec, timeout=None, watch=self.watch)
 
     def run(self, task_id: int, fn_id: int, body: bytes | memoryview) -> bytes:
@@ -259,28 +259,6 @@ class _LoadFailure:
         )
         err.__cause__ = self.exc
         return err
-
-
-def _pickle_error(exc: BaseException) -> bytes:
-    """The exception and its traceback as text; a stand-in if it does not pickle."""
-    tb = format_exception(exc)  # mpexec's own frames left out (and counted)
-    exc.__traceback__ = None
-    try:
-        try:
-            data = pickle.dumps((exc, tb), protocol=5)
-        except Exception:
-            # A class defined in the caller's __main__ (which workers never
-            # import) goes by value; cloudpickle brings back the caller's own.
-            data = cloudpickle.dumps((exc, tb), protocol=5)
-        pickle.loads(data)  # some exceptions pickle but cannot be rebuilt
-    except Exception:
-        name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-        stand_in = SerializationError(
-            f"the function raised {name}: {exc}; that exception cannot be pickled, so it "
-            "is reported as this error (the worker's traceback is the __cause__)"
-        )
-        data = pickle.dumps((stand_in, tb), protocol=5)
-    return data
 
 
 def _load_init(data: bytes) -> Any:
@@ -323,7 +301,7 @@ def main(boot: WorkerBoot) -> None:
     try:
         arena = shm.Arena(boot.segment_size, boot.capacity, name=f"worker-{boot.index}")
     except BaseException as exc:
-        done.push(record(FAILED, _pickle_error(exc)), timeout=10)
+        done.push(record(FAILED, pack_error(exc)), timeout=10)
         return
 
     # The pool escalates with SIGTERM: unlink named segments, then go.
@@ -345,7 +323,7 @@ def main(boot: WorkerBoot) -> None:
             init, init_args = _load_init(boot.init)
             init(*init_args)
     except BaseException as exc:
-        done.push(spill(FAILED, _pickle_error(exc), arena, boot.result_releases), timeout=10)
+        done.push(spill(FAILED, pack_error(exc), arena, boot.result_releases), timeout=10)
         arena.unlink()
         return
     done.push(record(HELLO, pickle.dumps((os.getpid(), arena.id))), timeout=10)

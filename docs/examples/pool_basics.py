@@ -34,10 +34,13 @@ def main() -> None:
         means = list(pool.map(np.mean, images, prefetch=4))
         print("means:", np.round(means, 1))
 
-        # Many tiny calls: 256 of them per task, so each costs a few microseconds.
+        # Many tiny calls: map() sends them many to a task by itself (chunksize=None),
+        # results still one per item, in order; chunksize=256 would fix the size.
         rows = images[0].reshape(-1, 3)  # 50,176 pixels
-        peaks = list(pool.map(np.max, rows, chunksize=256))
+        before = pool.stats().submitted
+        peaks = list(pool.map(np.max, rows))
         assert peaks == [int(p.max()) for p in rows]
+        print(f"{len(rows)} calls in {pool.stats().submitted - before} tasks")
 
         # A user exception comes back as itself, with the worker's traceback as __cause__.
         try:

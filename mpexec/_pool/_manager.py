@@ -11,7 +11,6 @@ stops everything, this thread included). Its loop is a few named steps.
 from __future__ import annotations
 
 import contextlib
-import pickle
 import select
 import threading
 import time
@@ -24,12 +23,12 @@ from .. import _codec
 from .._errors import (
     BrokenPoolError,
     PoolClosedError,
-    RemoteTraceback,
     SerializationError,
     TaskTimeoutError,
 )
 from .._mapping import settle
 from .._protocol import HEADER, OK, SKIPPED, body_of
+from .._tracebacks import unpack_error
 from . import _crash, _stop
 from ._factory import WorkerFactory, died_starting, hello
 from ._future import cancel_now
@@ -312,9 +311,7 @@ def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, An
         body = body_of(rec, flags)
         if kind == OK:
             return True, _codec.decode(body, True, view_ok)
-        exc, tb = pickle.loads(body)
-        exc.__cause__ = RemoteTraceback(tb)
-        return False, exc
+        return False, unpack_error(body)
     except MemoryError as exc:
         # Out of memory or address space mapping the result (shm.ReservationError is
         # a MemoryError): not a pickling problem, so not disguised as one.

@@ -1,0 +1,224 @@
+"""``map()``'s automatic chunking (``chunksize=None``, the default): what a user keeps.
+
+Order, one result per item, an exception at its own item, laziness over an
+endless iterable, a pool timeout that stays per call, bounded memory a chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpexec
+import mpexec._mapping
+from mpexec import WorkerPool
+from mpexec._mapping import AUTO_CHUNK_BYTES, AUTO_CHUNK_MAX, ChunkSizer, known_length
+
+T = 30  # every wait in this file is bounded by this
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
+def _fail_at(x: int, bad: int) -> int:
+    if x == bad:
+        raise ValueError(f"bad item {x}")
+    return x * x
+
+
+def _slow_square(x: int) -> int:
+    time.sleep(0.03)  # longer than a chunk's target: never chunked
+    return x * x
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+def _raise_unpicklable(x: int) -> int:
+    if x == 50:
+        raise _Unpicklable
+    return x
+
+
+# ---------------------------------------------------------------- end to end
+def test_short_calls_travel_in_chunks_and_come_back_one_per_item_in_order() -> None:
+    n = 2000
+    with WorkerPool(2) as pool:
+        assert list(pool.map(_square, range(n), timeout=T)) == [x * x for x in range(n)]
+        tasks = pool.stats().submitted
+        assert tasks < n // 4, f"{tasks} tasks for {n} trivial calls: not chunked"
+        unordered = pool.map(_add, range(n), range(n), ordered=False, timeout=T)
+        assert sorted(unordered) == [2 * x for x in range(n)]
+        assert list(pool.map(_square, [], timeout=T)) == []
+
+
+def test_calls_longer_than_a_chunk_go_alone() -> None:
+    with WorkerPool(2) as pool:
+        assert list(pool.map(_slow_square, range(12), timeout=T)) == [x * x for x in range(12)]
+        assert pool.stats().submitted == 12
+
+
+def test_a_pool_timeout_stays_per_call() -> None:
+    with WorkerPool(2, timeout=T) as pool:
+        assert list(pool.map(_square, range(300), timeout=T)) == [x * x for x in range(300)]
+        assert pool.stats().submitted == 300
+
+
+def test_chunksize_1_sends_every_call_alone() -> None:
+    with WorkerPool(2) as pool:
+        assert list(pool.map(_square, range(300), chunksize=1, timeout=T)) == [
+            x * x for x in range(300)
+        ]
+        assert pool.stats().submitted == 300
+
+
+@pytest.mark.parametrize("bad", [0, 1, 700])
+def test_an_error_is_raised_at_its_item_after_the_results_before_it(bad: int) -> None:
+    with WorkerPool(2) as pool:
+        results = pool.map(_fail_at, range(1000), itertools.repeat(bad), timeout=T)
+        got = [next(results) for _ in range(bad)]
+        assert got == [x * x for x in range(bad)]
+        with pytest.raises(ValueError, match=f"bad item {bad}") as info:
+            next(results)
+        assert isinstance(info.value.__cause__, mpexec.RemoteTraceback)
+        assert "_fail_at" in str(info.value.__cause__)
+        with pytest.raises(StopIteration):
+            next(results)  # a raised map() is over
+        if bad > 100:
+            assert pool.stats().submitted < bad // 4, "not chunked: the test proves nothing"
+        assert list(pool.map(_square, range(3), timeout=T)) == [0, 1, 4]
+
+
+def test_an_error_in_an_unordered_map_keeps_its_type_and_traceback() -> None:
+    with WorkerPool(2) as pool:
+        results = pool.map(_fail_at, range(1000), itertools.repeat(600), ordered=False, timeout=T)
+        got = []
+        with pytest.raises(ValueError, match="bad item 600") as info:
+            got.extend(results)
+        assert "_fail_at" in str(info.value.__cause__)
+        assert set(got) <= {x * x for x in range(1000) if x != 600}
+
+
+def test_an_exception_that_cannot_be_pickled_is_reported_at_its_item() -> None:
+    with WorkerPool(2) as pool:
+        results = pool.map(_raise_unpicklable, range(400), timeout=T)
+        assert [next(results) for _ in range(50)] == list(range(50))
+        with pytest.raises(mpexec.SerializationError, match="_Unpicklable"):
+            next(results)
+
+
+def test_an_unpicklable_function_is_named() -> None:
+    lock = threading.Lock()
+    with WorkerPool(1) as pool, pytest.raises(mpexec.SerializationError, match="lock"):
+        list(pool.map(lambda x: (lock, x), range(4), timeout=T))
+
+
+def test_an_endless_iterable_is_read_lazily_and_closing_stops_it() -> None:
+    pulled = 0
+
+    def endless() -> Iterator[int]:
+        nonlocal pulled
+        for i in itertools.count():
+            pulled += 1
+            yield i
+
+    with WorkerPool(2) as pool:
+        results = pool.map(_square, endless(), timeout=T)
+        assert next(results) == 0
+        assert pulled <= 2 * pool.num_workers + 1, "read ahead before any chunk came back"
+        got = [0] + [next(results) for _ in range(2999)]
+        assert got == [x * x for x in range(3000)]
+        # At most the window of chunks (twice the workers), each of at most the largest size.
+        assert pulled <= 3000 + (2 * pool.num_workers + 1) * AUTO_CHUNK_MAX
+        assert pool.stats().submitted < 3000 // 4, "not chunked: the test proves nothing"
+        results.close()
+        before = pulled
+        assert list(pool.map(_square, range(5), timeout=T)) == [0, 1, 4, 9, 16]
+        assert pulled == before, "a closed map read on"
+
+
+def test_a_chunk_carries_a_bounded_size_of_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 64 KiB in and 64 KiB out a call, at most 256 KiB a chunk: two calls a chunk at most.
+    monkeypatch.setattr(mpexec._mapping, "AUTO_CHUNK_BYTES", 256 << 10)
+    n, half = 128, 64 << 10
+    arrays = (np.full(half // 8, i, np.float64) for i in range(n))  # no length
+    with WorkerPool(2) as pool:
+        for i, out in enumerate(pool.map(_identity, arrays, timeout=T)):
+            assert out[0] == i
+            assert out.nbytes == half
+        tasks = pool.stats().submitted
+    assert n // 2 <= tasks < n, tasks
+
+
+# ---------------------------------------------------------------- the sizing rule
+def test_chunk_size_grows_at_most_twofold_toward_the_target() -> None:
+    sizer = ChunkSizer(workers=2, length=None)
+    assert sizer.size == 1
+    ms = 1 / 1024  # about a millisecond a call: 20 calls make the 20 ms target
+    for expected in (2, 4, 8, 16, 20, 20):
+        sizer.learn(ran=sizer.size, seconds=sizer.size * ms, nbytes=0)
+        assert sizer.size == expected
+    sizer.learn(ran=20, seconds=1.0, nbytes=0)  # calls turned slow: alone at once
+    assert sizer.size == 1
+    sizer.learn(ran=1, seconds=0.0, nbytes=0)  # too quick to time: the cap, in steps
+    assert sizer.size == 2
+    for _ in range(20):
+        sizer.learn(ran=sizer.size, seconds=0.0, nbytes=0)
+    assert sizer.size == AUTO_CHUNK_MAX
+
+
+def test_chunk_size_keeps_within_the_bytes_bound() -> None:
+    sizer = ChunkSizer(workers=2, length=None)
+    for _ in range(10):
+        sizer.learn(ran=sizer.size, seconds=0.0, nbytes=sizer.size * (1 << 20))
+    assert sizer.size == AUTO_CHUNK_BYTES >> 20
+    sizer.learn(ran=2, seconds=0.0, nbytes=2 * AUTO_CHUNK_BYTES)
+    assert sizer.size == 1
+
+
+def test_the_last_calls_of_a_known_length_go_in_smaller_chunks() -> None:
+    sizer = ChunkSizer(workers=2, length=100)
+    sizer.size = 50
+    calls = iter([(i,) for i in range(100)])
+    sizes = []
+    while chunk := sizer.take(calls):
+        sizes.append(len(chunk))
+    assert sum(sizes) == 100
+    assert sizes[0] == 25  # a quarter: every one of 2 workers keeps two chunks' share
+    assert sizes[-4:] == [1, 1, 1, 1]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+class _NoLen:
+    def __len__(self) -> int:
+        raise RuntimeError("no length")
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
+
+
+def test_known_length_is_the_shortest_known_one() -> None:
+    assert known_length((range(10), [1, 2, 3])) == 3
+    assert known_length((range(10), (x for x in range(2)))) == 10
+    assert known_length(((x for x in range(2)),)) is None
+    assert known_length((_NoLen(),)) is None
