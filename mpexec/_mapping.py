@@ -29,13 +29,17 @@ from ._tracebacks import for_caller, pack_error, unpack_error
 T = TypeVar("T")
 
 # Automatic chunking (map's default): once calls prove short, they travel in
-# chunks that run about AUTO_CHUNK_SECONDS in a worker, so that the main
+# chunks of about AUTO_CHUNK_SECONDS of a worker's CPU time, so that the main
 # process's fixed cost per task (100-200 us of its CPU, which on busy cores
-# comes out of the workers') is a percent or so of the work; a chunk carries at
-# most AUTO_CHUNK_BYTES of arrays (its calls' arguments and results, top
-# level), so that reading ahead in chunks holds no more memory than a few calls
-# on large arrays would, and at most AUTO_CHUNK_MAX calls.
+# comes out of the workers') is a percent or so of the work. CPU time, not
+# wall time: on a loaded host a call's wall time grows, its work does not. A
+# chunk still runs at most AUTO_CHUNK_WALL seconds (calls that wait, on I/O
+# say, use little CPU), so calls of half that or more go alone. A chunk
+# carries at most AUTO_CHUNK_BYTES of arrays (its calls' arguments and
+# results, top level), so that reading ahead in chunks holds no more memory
+# than a few calls on large arrays would, and at most AUTO_CHUNK_MAX calls.
 AUTO_CHUNK_SECONDS = 0.02
+AUTO_CHUNK_WALL = 0.05
 AUTO_CHUNK_BYTES = 4 << 20
 AUTO_CHUNK_MAX = 256
 
@@ -75,10 +79,11 @@ class CallExecutor(Executor):
         yields results as they complete. ``timeout`` bounds the whole map.
 
         ``chunksize=None`` (the default) chunks automatically: one call a task
-        until the first results show that calls are short (well under 20 ms
-        in the worker), then as many a task as run about 20 ms (at most 256,
-        and 4 MiB of arrays in and out), fewer again near the end of an
-        iterable of known length. Results still come one per item, and an
+        until the first results show that calls are short, then as many a
+        task as take about 20 ms of a worker's CPU (and run at most 50 ms: a
+        call of 25 ms or more goes alone), at most 256, with at most 4 MiB of
+        arrays in and out; fewer again near the end of an iterable of known
+        length. Results still come one per item, and an
         exception is raised at its own item, after the results before it; a
         pool with a per-call ``timeout`` never chunks by itself (its timeout
         is per call), nor does an inline one. ``chunksize=1`` sends every
@@ -171,25 +176,29 @@ def run_chunk(fn: Callable[..., T], calls: tuple[tuple[Any, ...], ...]) -> list[
 
 def run_measured(
     fn: Callable[..., T], calls: tuple[tuple[Any, ...], ...]
-) -> tuple[list[T], float, int, bytes | None]:
+) -> tuple[list[T], float, float, int, bytes | None]:
     """A chunk of an automatic ``map()``, run in a worker: what :func:`map_auto` needs.
 
-    ``(results, seconds, array bytes, error)``: the calls' results up to the
-    first that raised, how long they ran, the bytes of their arrays (in and
-    out, top level), and that exception packed (the worker's own way, see
-    :func:`pack_error`), or None. Later calls of the chunk are not run.
+    ``(results, seconds, cpu seconds, array bytes, error)``: the calls' results
+    up to the first that raised, how long they ran (wall time, and this
+    thread's CPU time), the bytes of their arrays (in and out, top level), and
+    that exception packed (the worker's own way, see :func:`pack_error`), or
+    None. Later calls of the chunk are not run.
     """
     results: list[T] = []
     nbytes = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for call in calls:
         try:
             result = fn(*call)
         except BaseException as exc:  # as the worker reports a call's exception
-            return results, time.perf_counter() - start, nbytes, pack_error(exc)
+            error = pack_error(exc)
+            break
         nbytes += _array_bytes(call) + _array_bytes(result)
         results.append(result)
-    return results, time.perf_counter() - start, nbytes, None
+    else:
+        error = None
+    return results, time.perf_counter() - start, time.thread_time() - cpu, nbytes, error
 
 
 def _array_bytes(value: Any) -> int:
@@ -217,11 +226,12 @@ def known_length(iterables: tuple[Iterable[Any], ...]) -> int | None:
 class ChunkSizer:
     """How many calls the next chunk of an automatic ``map()`` takes.
 
-    One at first; after each chunk, as many as run :data:`AUTO_CHUNK_SECONDS`
-    and carry :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed (at most
-    twice as many as it had: calls that were quick may turn slow). With a
-    known length, the last calls go in smaller chunks, so that every worker
-    has a share of the end.
+    One at first; after each chunk, as many as take :data:`AUTO_CHUNK_SECONDS`
+    of CPU, run at most :data:`AUTO_CHUNK_WALL` and carry at most
+    :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed (at most twice as
+    many as it had: calls that were quick may turn slow). With a known
+    length, the last calls go in smaller chunks, so that every worker has a
+    share of the end.
     """
 
     def __init__(self, workers: int, length: int | None) -> None:
@@ -238,13 +248,15 @@ class ChunkSizer:
             self.left = max(0, self.left - len(chunk))
         return chunk
 
-    def learn(self, ran: int, seconds: float, nbytes: int) -> None:
-        """A chunk ran ``ran`` calls in ``seconds``, with ``nbytes`` of arrays."""
+    def learn(self, ran: int, seconds: float, cpu: float, nbytes: int) -> None:
+        """A chunk ran ``ran`` calls: ``seconds`` (``cpu`` on a CPU), ``nbytes`` of arrays."""
         if ran < 1:
             return
         best = AUTO_CHUNK_MAX
+        if cpu > 0:
+            best = min(best, int(AUTO_CHUNK_SECONDS * ran / cpu))
         if seconds > 0:
-            best = min(best, int(AUTO_CHUNK_SECONDS * ran / seconds))
+            best = min(best, int(AUTO_CHUNK_WALL * ran / seconds))
         if nbytes > 0:
             best = min(best, AUTO_CHUNK_BYTES * ran // nbytes)
         self.size = max(1, min(best, 2 * ran))
@@ -275,7 +287,7 @@ def map_auto(
     try:
         while error is None:
             try:
-                results, seconds, nbytes, error = next(outcomes)
+                results, seconds, cpu, nbytes, error = next(outcomes)
             except StopIteration:
                 return
             except SerializationError as exc:
@@ -286,7 +298,7 @@ def map_auto(
                 raise for_caller(exc)  # noqa: B904
             except Exception as exc:
                 raise for_caller(exc)  # noqa: B904 - as above
-            sizer.learn(len(results) + (error is not None), seconds, nbytes)
+            sizer.learn(len(results) + (error is not None), seconds, cpu, nbytes)
             yield from results
     finally:
         outcomes.close()  # now, not when collected: it cancels the chunks in flight

@@ -18,7 +18,13 @@ import pytest
 import mpexec
 import mpexec._mapping
 from mpexec import WorkerPool
-from mpexec._mapping import AUTO_CHUNK_BYTES, AUTO_CHUNK_MAX, ChunkSizer, known_length
+from mpexec._mapping import (
+    AUTO_CHUNK_BYTES,
+    AUTO_CHUNK_MAX,
+    AUTO_CHUNK_WALL,
+    ChunkSizer,
+    known_length,
+)
 
 T = 30  # every wait in this file is bounded by this
 
@@ -40,7 +46,7 @@ def _fail_at(x: int, bad: int) -> int:
 
 
 def _slow_square(x: int) -> int:
-    time.sleep(0.03)  # longer than a chunk's target: never chunked
+    time.sleep(0.03)  # over half a chunk's longest run: never chunked
     return x * x
 
 
@@ -174,25 +180,39 @@ def test_a_chunk_carries_a_bounded_size_of_arrays(monkeypatch: pytest.MonkeyPatc
 def test_chunk_size_grows_at_most_twofold_toward_the_target() -> None:
     sizer = ChunkSizer(workers=2, length=None)
     assert sizer.size == 1
-    ms = 1 / 1024  # about a millisecond a call: 20 calls make the 20 ms target
+    ms = 1 / 1024  # about a millisecond of CPU a call: 20 calls make the 20 ms target
     for expected in (2, 4, 8, 16, 20, 20):
-        sizer.learn(ran=sizer.size, seconds=sizer.size * ms, nbytes=0)
+        sizer.learn(ran=sizer.size, seconds=sizer.size * ms, cpu=sizer.size * ms, nbytes=0)
         assert sizer.size == expected
-    sizer.learn(ran=20, seconds=1.0, nbytes=0)  # calls turned slow: alone at once
+    sizer.learn(ran=20, seconds=1.0, cpu=1.0, nbytes=0)  # calls turned slow: alone at once
     assert sizer.size == 1
-    sizer.learn(ran=1, seconds=0.0, nbytes=0)  # too quick to time: the cap, in steps
+    sizer.learn(ran=1, seconds=0.0, cpu=0.0, nbytes=0)  # too quick to time: the cap, in steps
     assert sizer.size == 2
     for _ in range(20):
-        sizer.learn(ran=sizer.size, seconds=0.0, nbytes=0)
+        sizer.learn(ran=sizer.size, seconds=0.0, cpu=0.0, nbytes=0)
     assert sizer.size == AUTO_CHUNK_MAX
+
+
+def test_chunk_size_follows_cpu_time_within_a_wall_time_bound() -> None:
+    ms = 1 / 1024
+    sizer = ChunkSizer(workers=2, length=None)
+    sizer.size = 16
+    # A loaded host: 1 ms of CPU a call took 2 ms; the CPU target still rules.
+    sizer.learn(ran=16, seconds=16 * 2 * ms, cpu=16 * ms, nbytes=0)
+    assert sizer.size == 20
+    # Calls that wait (I/O): little CPU, but a chunk runs at most AUTO_CHUNK_WALL.
+    sizer.learn(ran=16, seconds=16 * 5 * ms, cpu=16 * 0.01 * ms, nbytes=0)
+    assert sizer.size == int(AUTO_CHUNK_WALL / (5 * ms))
+    sizer.learn(ran=4, seconds=4 * 0.03, cpu=4 * 0.0001, nbytes=0)  # 30 ms waits: alone
+    assert sizer.size == 1
 
 
 def test_chunk_size_keeps_within_the_bytes_bound() -> None:
     sizer = ChunkSizer(workers=2, length=None)
     for _ in range(10):
-        sizer.learn(ran=sizer.size, seconds=0.0, nbytes=sizer.size * (1 << 20))
+        sizer.learn(ran=sizer.size, seconds=0.0, cpu=0.0, nbytes=sizer.size * (1 << 20))
     assert sizer.size == AUTO_CHUNK_BYTES >> 20
-    sizer.learn(ran=2, seconds=0.0, nbytes=2 * AUTO_CHUNK_BYTES)
+    sizer.learn(ran=2, seconds=0.0, cpu=0.0, nbytes=2 * AUTO_CHUNK_BYTES)
     assert sizer.size == 1
 
 
