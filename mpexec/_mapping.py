@@ -293,7 +293,9 @@ def map_auto(
             except SerializationError as exc:
                 named = _function_error(fn) if check_fn else None
                 if named is not None:
-                    raise named from None  # fn itself does not pickle: say so, not the wrapper
+                    # fn itself does not pickle: say so, not the wrapper (its cause kept).
+                    named.__suppress_context__ = True
+                    raise named  # noqa: B904 - the context is suppressed, not lost
                 # The same exception, its own __cause__ kept (a user sees this line).
                 raise for_caller(exc)  # noqa: B904
             except Exception as exc:

@@ -135,8 +135,9 @@ def test_an_exception_that_cannot_be_pickled_is_reported_at_its_item() -> None:
 
 def test_an_unpicklable_function_is_named() -> None:
     lock = threading.Lock()
-    with WorkerPool(1) as pool, pytest.raises(mpexec.SerializationError, match="lock"):
+    with WorkerPool(1) as pool, pytest.raises(mpexec.SerializationError, match="lock") as info:
         list(pool.map(lambda x: (lock, x), range(4), timeout=T))
+    assert info.value.__cause__ is not None, "the pickling error it names is its cause"
 
 
 def test_an_endless_iterable_is_read_lazily_and_closing_stops_it() -> None:
