@@ -25,6 +25,7 @@ from mpexec._mapping import (
     ChunkSizer,
     known_length,
 )
+from tests.conftest import wait_until
 
 T = 30  # every wait in this file is bounded by this
 
@@ -243,3 +244,22 @@ def test_known_length_is_the_shortest_known_one() -> None:
     assert known_length((range(10), (x for x in range(2)))) == 10
     assert known_length(((x for x in range(2)),)) is None
     assert known_length((_NoLen(),)) is None
+
+
+def _soak(i: int, a: np.ndarray[Any, Any]) -> Any:
+    return a + i if a.size > 4 else i + 1
+
+
+def test_chunks_give_back_their_memory() -> None:
+    small, big = np.ones(4, np.int64), np.ones(8192, np.int64)  # big: past the inline limit
+    with WorkerPool(2) as pool:
+        start = pool.stats().arena.in_use
+        n = 5000
+        args = (big if i % 50 == 0 else small for i in range(n))
+        total = 0
+        for i, r in enumerate(pool.map(_soak, range(n), args, timeout=T)):
+            total += int(r[-1]) if i % 50 == 0 else r
+        assert total == sum(i + 1 for i in range(n))
+        assert pool.stats().submitted < n // 4, "not chunked: the test proves nothing"
+        wait_until(lambda: pool.stats().arena.in_use == start, 10, "the arena to empty again")
+        assert pool.stats().pending == 0

@@ -1456,7 +1456,8 @@ def test_soak_no_fd_or_arena_growth() -> None:
     small = np.ones(4, dtype=np.int64)
     big = np.ones(BIG // 8, dtype=np.int64)
     with WorkerPool(2) as pool:
-        assert list(pool.map(_soak, range(100), [small] * 100, timeout=T)) == list(range(1, 101))
+        warm_up = pool.map(_soak, range(100), [small] * 100, chunksize=1, timeout=T)
+        assert list(warm_up) == list(range(1, 101))
         gc.collect()
         wait_until(lambda: pool.stats().arena.in_use == 0, 10, "warm-up releases")
         in_use = pool.stats().arena.in_use
@@ -1464,7 +1465,8 @@ def test_soak_no_fd_or_arena_growth() -> None:
         n = 20_000
         args = (big if i % 100 == 0 else small for i in range(n))
         total = 0
-        for i, r in enumerate(pool.map(_soak, range(n), args, timeout=60)):
+        # One task a call (map would chunk these by itself): the per-call path is soaked.
+        for i, r in enumerate(pool.map(_soak, range(n), args, chunksize=1, timeout=60)):
             if i % 100 == 0:
                 assert r.shape == big.shape
                 assert r[-1] == i + 1
