@@ -125,10 +125,12 @@ def log(msg: str) -> None:
 
 
 def targets_text(targets: list[dict[str, Any]]) -> str:
-    """The PASS/MISS table; a target's ``unit`` is ``"x"`` (a ratio, default) or ``"us"``."""
+    """The PASS/MISS table; a target's ``unit`` is ``"x"`` (a ratio, default), ``"us"``,
+    or any other text, written after the value as it is (``" faults"``)."""
     rows = []
     for t in targets:
-        unit = " us" if t.get("unit") == "us" else "x"
+        unit = t.get("unit") or "x"
+        unit = " us" if unit == "us" else unit
         value = "" if t["value"] is None else f"{t['value']:.2f}{unit}"
         want = "" if t["threshold"] is None else f"{t['op']} {t['threshold']:g}{unit}"
         rows.append([t["target"], value, want, "PASS" if t["pass"] else "MISS", t["note"]])

@@ -571,12 +571,23 @@ class DaliParallelSource(DaliBase):
         self._pipeline(build, num_threads=1, py_num_workers=self.workers, py_start_method="fork")
 
 
+def import_grain() -> Any:
+    """Grain, with absl's flags marked parsed: its workers read them (grain 0.2.18 with
+    absl-py 2.5 raises ``UnparsedFlagAccessError`` in a program that is not an absl app)."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    import grain
+
+    return grain
+
+
 class Grain(Augment):
     """``MapDataset.source(...).map(augment).batch(64)``, ``mp_prefetch`` with w workers."""
 
     def start(self) -> None:
-        import grain
-
+        grain = import_grain()
         self.version = installed_version("grain") or ""
         self.start_method = "grain"
         self.dataset = (
@@ -798,10 +809,8 @@ class GrainCaller(Caller):
     start_method = "grain"
 
     def start(self) -> None:
-        import grain
-
+        self.grain = import_grain()
         self.version = installed_version("grain") or ""
-        self.grain = grain
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         g = self.grain

@@ -7,7 +7,8 @@ each system's median and spread are reported with the ratio to its peer
 measured in the same rounds.
 
 pool
-    ``import mpexec``; then ``WorkerPool(2)`` until both workers answered,
+    ``import mpexec`` and the loading of ``mpexec.WorkerPool`` (which
+    ``import mpexec`` defers to first use); then ``WorkerPool(2)`` until both workers answered,
     plus its first round trip (``submit(echo).result()``); then a second and
     a third pool in the same process ("later pools": what a test suite or a
     notebook pays again). For each start method: fork, forkserver, spawn.
@@ -53,6 +54,7 @@ _POOL_PROBE = """
 import time
 t0 = time.perf_counter()
 import mpexec
+mpexec.WorkerPool  # its modules load on first use: part of the import here
 t_import = time.perf_counter() - t0
 from benchmarks._workloads import echo
 out = {"import mpexec": t_import}

@@ -17,36 +17,109 @@ Run ``python -m mpexec demo`` to see it work, ``python -m mpexec doctor`` to
 see what this machine offers.
 """
 
-from . import contrib, fn, ops, pipeline, types
-from ._batch import Batch
-from ._codec import writable
-from ._errors import (
-    BrokenPoolError,
-    ConditionalError,
-    ForkedPoolError,
-    GpuError,
-    GpuUnavailableError,
-    InputMutatedError,
-    LoaderTimeoutError,
-    MainModuleError,
-    MpexecError,
-    NodeLostError,
-    OpArgumentError,
-    OpOutputError,
-    PoolClosedError,
-    RemoteTraceback,
-    ResourceLimitError,
-    SerializationError,
-    TaskTimeoutError,
-    WorkerCrashedError,
-)
-from ._graph import DataNode
-from ._pipeline import Pipeline, PipelineStats, pipeline_def
-from ._pool import PoolStats, PoolStatus, WorkerPool
-from ._runtime import BatchInfo, SampleInfo, sample_info
-from ._scheduler import OpStats
-from ._tf import default_pool, numpy_function, py_func, py_function, set_default_pool
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
 from ._version import __version__
+
+if _TYPE_CHECKING:  # the same names, imported for type checkers; at run time see __getattr__
+    from . import contrib, fn, ops, pipeline, types
+    from ._batch import Batch
+    from ._codec import writable
+    from ._errors import (
+        BrokenPoolError,
+        ConditionalError,
+        ForkedPoolError,
+        GpuError,
+        GpuUnavailableError,
+        InputMutatedError,
+        LoaderTimeoutError,
+        MainModuleError,
+        MpexecError,
+        NodeLostError,
+        OpArgumentError,
+        OpOutputError,
+        PoolClosedError,
+        RemoteTraceback,
+        ResourceLimitError,
+        SerializationError,
+        TaskTimeoutError,
+        WorkerCrashedError,
+    )
+    from ._graph import DataNode
+    from ._pipeline import Pipeline, PipelineStats, pipeline_def
+    from ._pool import PoolStats, PoolStatus, WorkerPool
+    from ._runtime import BatchInfo, SampleInfo, sample_info
+    from ._scheduler import OpStats
+    from ._tf import default_pool, numpy_function, py_func, py_function, set_default_pool
+
+#: Where each public name lives. ``import mpexec`` loads none of them: a worker
+#: process (spawn, forkserver) imports only what it runs, and a script only
+#: what it uses; each module loads on first access (PEP 562).
+_WHERE = {
+    "contrib": "contrib",
+    "fn": "fn",
+    "ops": "ops",
+    "pipeline": "pipeline",
+    "types": "types",
+    "Batch": "_batch",
+    "writable": "_codec",
+    "DataNode": "_graph",
+    "Pipeline": "_pipeline",
+    "PipelineStats": "_pipeline",
+    "pipeline_def": "_pipeline",
+    "PoolStats": "_pool",
+    "PoolStatus": "_pool",
+    "WorkerPool": "_pool",
+    "BatchInfo": "_runtime",
+    "SampleInfo": "_runtime",
+    "sample_info": "_runtime",
+    "OpStats": "_scheduler",
+    "default_pool": "_tf",
+    "numpy_function": "_tf",
+    "py_func": "_tf",
+    "py_function": "_tf",
+    "set_default_pool": "_tf",
+    **dict.fromkeys(
+        (
+            "BrokenPoolError",
+            "ConditionalError",
+            "ForkedPoolError",
+            "GpuError",
+            "GpuUnavailableError",
+            "InputMutatedError",
+            "LoaderTimeoutError",
+            "MainModuleError",
+            "MpexecError",
+            "NodeLostError",
+            "OpArgumentError",
+            "OpOutputError",
+            "PoolClosedError",
+            "RemoteTraceback",
+            "ResourceLimitError",
+            "SerializationError",
+            "TaskTimeoutError",
+            "WorkerCrashedError",
+        ),
+        "_errors",
+    ),
+}
+
+
+def __getattr__(name: str) -> _Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _importlib.import_module(f"{__name__}.{where}")
+    value = module if where == name else getattr(module, name)
+    globals()[name] = value  # found once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "Batch",

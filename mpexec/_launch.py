@@ -365,7 +365,10 @@ class _ForkServerPopen(popen_forkserver.Popen):
 
 _server: forkserver.ForkServer | None = None
 _server_lock = threading.Lock()
-_preload = ["mpexec._worker"]  # what mpexec's fork server imports before forking workers
+#: What mpexec's fork server imports before forking workers: the worker's loop,
+#: and the multiprocessing modules a forked child's bootstrap reads (imported
+#: once there rather than after every fork).
+_preload = ["mpexec._launch", "mpexec._worker"]
 
 
 def preload(module: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import cloudpickle
 import numpy as np
+import numpy.random  # every worker seeds it: loaded before the fork server forks
 
 import shm
 

@@ -124,3 +124,31 @@ def test_cpu_only_use_never_imports_cupy(tmp_path: pathlib.Path) -> None:
     probe = [sys.executable, "-c", "import cupy"]
     subprocess.run(probe, env=env, check=True, timeout=60)
     assert mark.exists()
+
+
+def test_import_mpexec_loads_what_is_used_only() -> None:
+    # A spawned or forkserver worker imports mpexec to run its loop: the
+    # pipeline, TensorFlow and DALI front ends are not its to load.
+    code = (
+        "import sys, mpexec\n"
+        "print(sorted(m for m in sys.modules if m.startswith('mpexec')))\n"
+        "pool = mpexec.WorkerPool(1, start_method='spawn')\n"
+        "print(pool.submit(eval, \"sorted(m for m in __import__('sys').modules "
+        "if m.startswith('mpexec'))\").result(60))\n"
+        "pool.shutdown()\n"
+        "print(mpexec.pipeline_def is mpexec.pipeline.pipeline_def, 'Batch' in dir(mpexec))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
+    assert out[0] == "['mpexec', 'mpexec._version']"
+    in_worker = set(eval(out[1]))  # a list of names, printed by the worker
+    assert "mpexec._worker" in in_worker
+    assert not in_worker & {"mpexec._pipeline", "mpexec._tf", "mpexec._scheduler", "mpexec.fn"}
+    assert out[2] == "True True"
+
+
+def test_a_name_mpexec_lacks_raises_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchThing'"):
+        mpexec.NoSuchThing  # type: ignore[attr-defined]
+    assert set(mpexec.__all__) <= set(dir(mpexec))

@@ -223,12 +223,12 @@ BROKEN_ENV = """\
 import os
 import sys
 
-import mpexec
+from mpexec import BrokenPoolError, WorkerPool  # loaded here before sys.path changes
 
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.getcwd())  # the workers' numpy is broken
 try:
-    mpexec.WorkerPool(2, start_method=sys.argv[1])
-except mpexec.BrokenPoolError as exc:
+    WorkerPool(2, start_method=sys.argv[1])
+except BrokenPoolError as exc:
     print("MESSAGE", exc)
     print("CAUSE", type(exc.__cause__).__name__)
     print(getattr(exc.__cause__, "tb", ""))

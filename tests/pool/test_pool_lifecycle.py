@@ -211,30 +211,40 @@ def test_shutdown_releases_fds_and_mappings_at_once() -> None:
 
 
 # ---------------------------------------------------------------- ready="first"
-def _first_fast_others_slow(flag: str, done: str, fail: bool) -> None:
-    """worker_init: the first worker here starts at once; the others take 3 s, or
-    fail once the file ``done`` exists (the test makes it once the pool is up: a
-    failure the first worker's hello could race would break the constructor)."""
+def _first_fast_others_slow(flag: str, done: str, fail: bool, go: str = "") -> None:
+    """worker_init: the first worker here starts at once; the others wait until the
+    file ``go`` exists (3 s without one), then fail, or start and make ``done``.
+
+    Waiting on the test rather than on a clock keeps the order the test asserts
+    on a loaded machine: a later worker's failure that raced the first one's
+    hello would break the constructor instead of the running pool.
+    """
     try:
         os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
     except FileExistsError:
-        if fail:
+        if go:
             deadline = time.monotonic() + 60
-            while not os.path.exists(done) and time.monotonic() < deadline:
+            while not os.path.exists(go) and time.monotonic() < deadline:
                 time.sleep(0.01)
+        else:
+            time.sleep(3)
+        if fail:
             raise RuntimeError("a later worker's init exploded on purpose") from None
-        time.sleep(3)
         open(done, "w").close()
 
 
 def test_ready_first_starts_calls_while_the_other_workers_come_up(tmp_path: Path) -> None:
-    flag, done = str(tmp_path / "first"), str(tmp_path / "slow-one-started")
+    flag, done, go = (str(tmp_path / n) for n in ("first", "slow-one-started", "go"))
     with WorkerPool(
-        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, done, False)
+        2,
+        ready="first",
+        worker_init=_first_fast_others_slow,
+        worker_init_args=(flag, done, False, go),
     ) as pool:
         results = [pool.submit(_square, i).result(T) for i in range(5)]
         assert results == [i * i for i in range(5)]
         assert not os.path.exists(done), "the pool waited for its slow worker"
+        open(go, "w").close()
         # The slow one joins: a call pinned to each worker runs there.
         pids = {pool.submit_call(os.getpid, worker=w).result(T) for w in range(2)}
         assert os.path.exists(done)
@@ -251,7 +261,7 @@ def test_ready_all_waits_for_every_worker(tmp_path: Path) -> None:
 def test_ready_first_a_later_worker_that_cannot_start_breaks_the_pool(tmp_path: Path) -> None:
     flag, go = str(tmp_path / "first"), str(tmp_path / "fail-now")
     with WorkerPool(
-        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, go, True)
+        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, "", True, go)
     ) as pool:
         open(go, "w").close()
         wait_until(lambda: pool.status.state == "broken", 20, "the pool to break")
@@ -288,12 +298,15 @@ def test_ready_must_be_all_or_first() -> None:
 
 
 def test_ready_first_shuts_down_while_a_worker_is_still_starting(tmp_path: Path) -> None:
-    flag, done = str(tmp_path / "first"), str(tmp_path / "slow-one-started")
+    flag, done, go = (str(tmp_path / n) for n in ("first", "slow-one-started", "go"))
     pool = WorkerPool(
-        2, ready="first", worker_init=_first_fast_others_slow, worker_init_args=(flag, done, False)
+        2,
+        ready="first",
+        worker_init=_first_fast_others_slow,
+        worker_init_args=(flag, done, False, go),  # never told to go on
     )
     pids = pool.pids
     assert pool.submit(_square, 4).result(T) == 16
-    assert not os.path.exists(done)
     pool.shutdown(wait=True)  # no hang; the no_leaks fixture checks nothing is left
+    assert not os.path.exists(done)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).ppid() == os.getpid()]
