@@ -1,6 +1,6 @@
 """``mpexec.WorkerPool`` against ``ProcessPoolExecutor``, ``multiprocessing.Pool`` and loky.
 
-Three measurements, each taken side by side in one run (the systems take
+Each measurement is taken side by side in one run (the systems take
 turns, round after round, and the one that goes first rotates), so that their
 ratios hold on a noisy machine even where absolute times do not. Every pool
 has two workers and starts them with ``forkserver`` (loky too, when it is
@@ -22,6 +22,17 @@ array
     answer is checked in full before timing (every element, and the sum), and
     a few elements of every timed answer; each answer is dropped before the
     next call.
+
+medium arrays
+    ``x + 1`` of a float32 array of 64 KiB and of 1 MiB, one call at a time,
+    each timed, beside a trivial call (``echo`` of 16 float64) on the same
+    pool in the same rounds: mpexec with the argument copied in (a plain
+    ndarray) and with it ``pool.put`` first; and DALI's in-process
+    ``fn.python_function`` (a CPU pipeline, ``device_id=None``, batch size 1,
+    run synchronously: ``feed_input``, ``run``, ``as_array``), where DALI is
+    installed. The kinds take turns, the one going first rotating; the
+    ratios to the trivial call and to DALI are the figures. Every answer is
+    checked (a few elements; every element before timing).
 
 augment
     A Python-heavy augmentation of 224x224x3 uint8 images (a random crop and
@@ -63,6 +74,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -121,6 +133,9 @@ class Config:
     # small calls
     small_calls: int  # calls per map() in chunks
     small_rounds: int
+    # medium arrays
+    medium_rounds: int
+    medium_calls: int  # calls per kind per round, each timed
     # augment
     aug_images: int
     aug_rounds: int
@@ -137,6 +152,8 @@ FULL = Config(
     array_slow_per_round=1,
     small_calls=20_000,
     small_rounds=5,
+    medium_rounds=20,
+    medium_calls=50,
     aug_images=64,
     aug_rounds=12,
     deadline_s=600.0,
@@ -152,6 +169,8 @@ QUICK = Config(
     array_slow_per_round=1,
     small_calls=4_000,
     small_rounds=2,
+    medium_rounds=4,
+    medium_calls=20,
     aug_images=16,
     aug_rounds=3,
     deadline_s=120.0,
@@ -163,6 +182,9 @@ TARGET_RT_VS_PPE = 10.0  # ProcessPoolExecutor / mpexec round trip
 TARGET_ARRAY_VS_PPE = 15.0  # ProcessPoolExecutor (a) / mpexec (a), 64 MiB
 TARGET_SHARED_VS_INLINE = 1.3  # mpexec (b) / inline (c), 64 MiB
 TARGET_AUG_SPEEDUP = 1.9  # mpexec images/s / serial images/s
+TARGET_MEDIUM_VS_TRIVIAL = 2.0  # mpexec 64 KiB call / trivial call, same run
+TARGET_MEDIUM_VS_DALI = 1.0  # DALI in-process python_function / mpexec, 64 KiB and 1 MiB
+MEDIUM_SIZES = (64 << 10, 1 << 20)
 
 
 # ============================================================ worker functions
@@ -173,6 +195,10 @@ def echo(x: Any) -> Any:
 
 def double(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return x * 2
+
+
+def add_one(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return x + np.float32(1)
 
 
 def double_into(x: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -731,6 +757,140 @@ def small_calls_table(res: dict[str, Any], skipped: list[str]) -> str:
     return head + table(cols, rows)
 
 
+# ============================================================ medium arrays
+def _dali_add_one() -> tuple[Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]], str]:
+    """``add_one`` through DALI's in-process ``fn.python_function``, and DALI's version."""
+    import nvidia.dali.fn as dfn
+    from nvidia import dali
+
+    pipe = dali.Pipeline(
+        batch_size=1,
+        num_threads=1,
+        device_id=None,
+        exec_async=False,
+        exec_pipelined=False,
+        prefetch_queue_depth=1,
+    )
+    with pipe:
+        x = dfn.external_source(name="x", batch=True, no_copy=False)
+        pipe.set_outputs(dfn.python_function(x, function=add_one))
+    pipe.build()
+
+    def call(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        pipe.feed_input("x", [a])
+        (out,) = pipe.run()
+        return out.as_array()[0]  # type: ignore[no-any-return]
+
+    return call, str(dali.__version__)
+
+
+def bench_medium(cfg: Config, problems: list[str]) -> dict[str, Any]:
+    """``x + 1`` on 64 KiB and 1 MiB: mpexec (copied in, put) beside a trivial call and DALI."""
+    system = MpexecSystem()
+    trivial = np.arange(ROUND_TRIP_FLOATS, dtype=np.float64)
+    dali_call: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]] | None = None
+    try:
+        dali_call, dali_version = _dali_add_one()
+    except Exception as exc:  # not installed, or no CPU pipeline here
+        dali_version = f"skipped: {type(exc).__name__}: {exc}"
+    with running([system], cfg.deadline_s, "medium arrays", problems):
+        pool = system.pool
+        kinds: list[tuple[str, int, Callable[[], Any], np.ndarray[Any, Any] | None]] = [
+            ("trivial", 0, lambda: pool.submit(echo, trivial).result(OP_S), None)
+        ]
+        for size in MEDIUM_SIZES:
+            x = (np.arange(size // 4, dtype=np.int64) % 1021).astype(np.float32)
+            put = pool.put(x)
+            want = x + np.float32(1)
+            kinds.append(("plain", size, partial(pool.submit, add_one, x), want))
+            kinds.append(("put", size, partial(pool.submit, add_one, put), want))
+            if dali_call is not None:
+                kinds.append(("dali", size, partial(dali_call, x), want))
+        samples: dict[tuple[str, int], list[float]] = {(k, n): [] for k, n, _, _ in kinds}
+
+        def once(kind: str, call: Callable[[], Any], want: Any, out: list[float] | None) -> None:
+            t0 = time.perf_counter_ns()
+            r = call()
+            if kind in ("plain", "put"):
+                r = r.result(OP_S)
+            dt = time.perf_counter_ns() - t0
+            if out is not None:
+                out.append(dt / 1e3)
+            if want is None:
+                ok = isinstance(r, np.ndarray) and np.array_equal(r, trivial)
+            else:
+                ok = r.shape == want.shape and r[0] == want[0] and r[-1] == want[-1]
+            if not ok:
+                raise RuntimeError(f"{kind}: wrong answer {r!r}")
+
+        for kind, size, call, want in kinds:  # warm-up, and every element checked once
+            for _ in range(cfg.medium_calls):
+                once(kind, call, want, None)
+            if want is not None:
+                got = call()
+                got = got.result(OP_S) if kind != "dali" else got
+                if not np.array_equal(got, want):
+                    raise RuntimeError(f"{kind} {size} B: wrong result")
+                del got
+        for r in range(cfg.medium_rounds):
+            for kind, size, call, want in rotated(kinds, r):
+                for _ in range(cfg.medium_calls):
+                    once(kind, call, want, samples[kind, size])
+            if (r + 1) % 5 == 0 or r + 1 == cfg.medium_rounds:
+                log(f"  medium arrays: round {r + 1}/{cfg.medium_rounds}")
+        kinds.clear()  # let go of the pool's arrays before it shuts down
+    base = float(np.median(samples["trivial", 0]))
+    rows = []
+    for (kind, size), values in samples.items():
+        st = stats(values)
+        st["vs_trivial"] = st["median"] / base
+        rows.append({"kind": kind, "bytes": size, "us": st})
+    by = {(row["kind"], row["bytes"]): row["us"]["median"] for row in rows}
+    ratios: dict[str, float] = {}
+    for size in MEDIUM_SIZES:
+        for kind in ("plain", "put"):
+            ratios[f"{kind}_{size}_over_trivial"] = by[kind, size] / base
+            if ("dali", size) in by:
+                ratios[f"dali_{size}_over_{kind}"] = by["dali", size] / by[kind, size]
+    return {
+        "rows": rows,
+        "ratios": ratios,
+        "dali": dali_version,
+        "calls_per_kind": cfg.medium_rounds * cfg.medium_calls,
+        "rounds": cfg.medium_rounds,
+    }
+
+
+def _size_text(n: int) -> str:
+    return "-" if n == 0 else f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def medium_table(res: dict[str, Any]) -> str:
+    labels = {
+        "trivial": "mpexec trivial call (echo of 16 float64)",
+        "plain": "mpexec, argument copied in",
+        "put": "mpexec, argument pool.put",
+        "dali": "DALI fn.python_function, in-process",
+    }
+    rows = [
+        [
+            labels[row["kind"]],
+            _size_text(row["bytes"]),
+            fmt_time(row["us"]["median"]),
+            fmt_time(row["us"]["p10"]),
+            fmt_time(row["us"]["p90"]),
+            f"{row['us']['vs_trivial']:.2f}x",
+        ]
+        for row in res["rows"]
+    ]
+    head = (
+        f"Medium arrays: x + 1 on float32, one call at a time ({res['calls_per_kind']} calls "
+        f"per kind, each timed, in {res['rounds']} interleaved rounds; DALI "
+        f"{res['dali']})\n\n"
+    )
+    return head + table(["call", "array", "median", "p10", "p90", "time/trivial"], rows)
+
+
 # ============================================================ array
 def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
     systems = [cls() for cls in system_classes()]
@@ -997,7 +1157,10 @@ def augment_table(res: dict[str, Any], skipped: list[str]) -> str:
 
 # ============================================================ targets
 def evaluate(
-    rt: dict[str, Any] | None, ar: dict[str, Any] | None, au: dict[str, Any] | None
+    rt: dict[str, Any] | None,
+    ar: dict[str, Any] | None,
+    au: dict[str, Any] | None,
+    md: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
@@ -1050,6 +1213,26 @@ def evaluate(
             "x",
             "(b) with the output written into pool memory by the function",
         )
+    if md is not None:
+        ratios = md["ratios"]
+        for kind, how in (("plain", "copied in"), ("put", "pool.put")):
+            add(
+                f"medium 64 KiB, argument {how}: mpexec / trivial call",
+                ratios[f"{kind}_{64 << 10}_over_trivial"],
+                "<=",
+                TARGET_MEDIUM_VS_TRIVIAL,
+                "x",
+            )
+        for size in MEDIUM_SIZES:
+            for kind, how in (("plain", "copied in"), ("put", "pool.put")):
+                add(
+                    f"medium {_size_text(size)}: DALI in-process / mpexec, argument {how}",
+                    ratios.get(f"dali_{size}_over_{kind}"),
+                    ">=",
+                    TARGET_MEDIUM_VS_DALI,
+                    "x",
+                    "" if f"dali_{size}_over_{kind}" in ratios else f"DALI {md['dali']}",
+                )
     if au is not None:
         add(
             "augment: mpexec images/s / serial",
@@ -1222,12 +1405,14 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     }
     gc.collect()
     baseline, fds_before = _descendants(), _open_fds()
-    rt = sc = ar = au = None
+    rt = sc = md = ar = au = None
     load: dict[str, Any] = {}  # CPU used by other processes, per section
     with _section("round trip", errors, load):
         rt = bench_round_trip(cfg, problems)
     with _section("small calls", errors, load):
         sc = bench_small_calls(cfg, problems)
+    with _section("medium arrays", errors, load):
+        md = bench_medium(cfg, problems)
     with _section("array", errors, load):
         ar = bench_array(cfg, problems)
     with _section("augment", errors, load):
@@ -1237,10 +1422,11 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     result.update(
         round_trip=rt,
         small_calls=sc,
+        medium=md,
         array=ar,
         augment=au,
         skipped={"loky": env["loky_skipped"]} if env["loky_skipped"] else {},
-        targets=evaluate(rt, ar, au),
+        targets=evaluate(rt, ar, au, md),
         hygiene=hyg,
         machine_load=load,
         problems=problems,
@@ -1276,6 +1462,8 @@ def report(result: dict[str, Any]) -> str:
         parts.append(round_trip_table(result["round_trip"], skipped))
     if result.get("small_calls") is not None:
         parts.append(small_calls_table(result["small_calls"], skipped))
+    if result.get("medium") is not None:
+        parts.append(medium_table(result["medium"]))
     if result["array"] is not None:
         parts.append(array_table(result["array"], skipped))
     if result["augment"] is not None:

@@ -133,17 +133,26 @@ class _Worker:
         self.closed = False  # the task ring's end marker was seen
 
     def serve(self) -> None:
-        tasks = self.boot.tasks
         while True:
             if not self.backlog:
                 if self.closed:
                     return
-                if not spin_until(tasks.may_have_records, SPIN_SECONDS):
+                if not spin_until(self.poll, SPIN_SECONDS):
                     self.idle()
                 self.take(None)
             while self.backlog:
                 self.handle(self.backlog.popleft())
             shm.flush_releases()
+
+    def poll(self) -> bool:
+        """Whether a task may wait; meanwhile the pool's releases of our results are applied.
+
+        A released result's block is then free before the next call's result
+        needs one, instead of being collected on that call's way back.
+        """
+        if self.boot.result_releases.may_have_records():
+            self.arena.collect()
+        return self.boot.tasks.may_have_records()
 
     def take(self, timeout: float | None) -> None:
         """Pop what the task ring holds (waiting up to ``timeout``) into the backlog."""
@@ -225,14 +234,23 @@ class _Worker:
                 self.fns.pop(dead, None)
 
     def call(self, task_id: int, fn_id: int, body: bytes | memoryview) -> None:
+        held: list[Any] = []  # the decoded arguments, dropped once the answer is pushed
         try:
-            rec = self.run(task_id, fn_id, body)
+            rec = self.run(task_id, fn_id, body, held)
         except BaseException as exc:
             rec = spill(ERROR, pack_error(exc), self.arena, self.peer, task_id)
         self.boot.done.push(rec, timeout=None, watch=self.watch)
+        # Only now do the arguments' views go, and their releases with them:
+        # the caller is reading the answer meanwhile, not waiting on them. The
+        # pool's thread that reads it often wakes on this core: let it run first.
+        os.sched_yield()
+        held.clear()
 
-    def run(self, task_id: int, fn_id: int, body: bytes | memoryview) -> bytes:
-        """Call the function on the decoded arguments; the OK record of its result."""
+    def run(self, task_id: int, fn_id: int, body: bytes | memoryview, held: list[Any]) -> bytes:
+        """Call the function on the decoded arguments; the OK record of its result.
+
+        The arguments are left in ``held`` for the caller to drop.
+        """
         fn = self.fns[fn_id]
         if isinstance(fn, _LoadFailure):
             raise fn.error()
@@ -243,6 +261,7 @@ class _Worker:
                 f"the arguments could not be unpickled in the worker: {type(exc).__name__}: {exc}"
             ) from exc
         del body
+        held.append((args, kwargs))
         result = fn(*args, **kwargs)
         del args, kwargs
         enc = _codec.encode(result, self.arena, self.peer, "the result", self.boot.inline_max)

@@ -36,6 +36,7 @@ release then goes back to the owner. A proxy has no bytes here.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import secrets
@@ -60,6 +61,8 @@ from ._views import (
     check_shareable,
     find_anchor,
     local_arenas,
+    new_descriptor,
+    on_release,
     owner_gone,
 )
 
@@ -69,6 +72,12 @@ _MiB = 1 << 20
 #: segment's life). Committing zeroes pages (~0.25 ms a MiB): a pool's arenas
 #: committed whole made every pool start pay ~25 ms for memory most never use.
 FIRST_COMMIT = 2 * _MiB
+
+
+def _forget(arena_id: int, ref: Any) -> None:
+    """An arena collected without ``close()``: drop its entry (if still its own)."""
+    if local_arenas.get(arena_id) is ref:
+        del local_arenas[arena_id]
 
 
 def _round_up(n: int, to: int) -> int:
@@ -163,7 +172,7 @@ class _Alloc:
 
 
 class _Seg:
-    __slots__ = ("committed", "free", "holes", "live", "open", "ro", "rw")
+    __slots__ = ("committed", "free", "holes", "live", "open", "parked", "ro", "rw")
 
     def __init__(self, segment: Segment, open_to_peers: bool, committed: int) -> None:
         self.rw = segment
@@ -173,6 +182,18 @@ class _Seg:
         self.live = 0
         self.holes: list[tuple[int, int]] = []  # page ranges given back (see discard_min)
         self.committed = committed  # bytes from the start committed (see FIRST_COMMIT)
+        # The last block freed, kept allocated in ``free`` to be handed out
+        # again as it is to the next allocation of its size (a call's argument
+        # or result, call after call): merging it into the free list and
+        # splitting it off again costs more than the rest of an allocation.
+        self.parked: tuple[int, int] | None = None  # (offset, size)
+
+    def unpark(self) -> None:
+        """Give the parked block back to the free list."""
+        if self.parked is not None:
+            offset, size = self.parked
+            self.parked = None
+            self.free.free(offset, size)
 
 
 def _new_segment(size: int, backend: str | None, sealed: bool) -> _Seg:
@@ -249,7 +270,7 @@ class Arena:
         self._owed: dict[int, dict[int, int]] = {}  # id(link) -> alloc id -> refs
         self._closed = False
         self._segs.append(_new_segment(segment_size, backend, sealed))
-        local_arenas[self.id] = self
+        local_arenas[self.id] = weakref.ref(self, functools.partial(_forget, self.id))
 
     # ------------------------------------------------------------- allocating
     def empty(
@@ -315,7 +336,8 @@ class Arena:
         the reference back if that peer dies holding it.
         """
         arr = np.asarray(array)
-        check_shareable(arr)
+        if arr.dtype.hasobject:
+            check_shareable(arr)
         if arr.nbytes == 0:
             return ArrayDescriptor(
                 self.id, 0, None, 0, 0, arr.dtype, arr.shape, (), 0, not arr.flags.writeable
@@ -329,7 +351,11 @@ class Arena:
             # peer gets a copy of what the view holds now.
             return self._share_copy(arr, tag, peer)
         readonly = anchor.readonly or not arr.flags.writeable
-        start = arr.__array_interface__["data"][0] - anchor.address
+        first = anchor.first
+        if first is not None and first() is arr:
+            start = anchor.first_start  # the view made with the allocation (no pointer to read)
+        else:
+            start = arr.__array_interface__["data"][0] - anchor.address
         with self._lock:
             # Releases are read here too, not only when allocating: a caller
             # that only passes arrays already shared (pool.put) allocates
@@ -342,7 +368,8 @@ class Arena:
             else:
                 alloc = self._proxy(anchor, tag)
             desc = self._export(alloc, owed, arr, start, readonly)
-        self._drain_deferred()
+        if self._deferred:
+            self._drain_deferred()
         return desc
 
     def _share_copy(
@@ -354,32 +381,56 @@ class Arena:
         ``put`` would add cost more than copying a few KiB). Only what is real
         is copied: a broadcast axis (stride 0) keeps its stride over one copy
         of its data, and such a view is shared read-only, as NumPy makes it.
+        The reference is counted before the copy and owed to ``peer`` after
+        it: a :meth:`reclaim` meanwhile cannot free the block under the copy.
         """
+        core, strides = _compact(arr) if 0 in arr.strides else (arr, None)
+        nbytes = core.nbytes
         with self._lock:
             self._check_open()
             self._owed_by(peer)  # a bad peer fails before anything is allocated
-        core, strides = _compact(arr)
-        alloc = self._allocate(core.nbytes, tag)
-        assert alloc.seg is not None
+            alloc = self._allocate_locked(nbytes, tag, not self.sealed)
+            alloc.exported += 1
+            self._exported += 1
+        if self._deferred:
+            self._drain_deferred()
+        seg = alloc.seg
+        assert seg is not None
         try:
-            copy: np.ndarray[Any, Any] = np.ndarray(
-                core.shape, core.dtype, buffer=alloc.seg.rw.buf, offset=alloc.offset
-            )
+            buf = seg.rw.buf
+            copy: np.ndarray[Any, Any] = np.ndarray(core.shape, core.dtype, buf, alloc.offset)
             np.copyto(copy, core, casting="no")
             if strides is not None:
-                copy = np.ndarray(arr.shape, arr.dtype, alloc.seg.rw.buf, alloc.offset, strides)
+                copy = np.ndarray(arr.shape, arr.dtype, buf, alloc.offset, strides)
         except BaseException:
             with self._lock:
+                alloc.exported -= 1
+                self._exported -= 1
                 self._maybe_free(alloc)
             raise
         with self._lock:
             try:
                 owed = self._owed_by(peer)  # reclaimed meanwhile: nobody will release it
             except ValueError:
+                alloc.exported -= 1
+                self._exported -= 1
                 self._maybe_free(alloc)
                 raise
-            self.bytes_copied += core.nbytes
-            return self._export(alloc, owed, copy, 0, readonly=strides is not None)
+            if owed is not None:
+                owed[alloc.id] = owed.get(alloc.id, 0) + 1
+            self.bytes_copied += nbytes
+        return new_descriptor(
+            self.id,
+            alloc.id,
+            alloc.handle,
+            alloc.offset,
+            alloc.size,
+            copy.dtype,
+            copy.shape,
+            copy.strides,
+            0,
+            strides is not None,
+        )
 
     def _export(
         self,
@@ -394,17 +445,17 @@ class Arena:
         self._exported += 1
         if owed is not None:
             owed[alloc.id] = owed.get(alloc.id, 0) + 1
-        return ArrayDescriptor(
-            arena_id=self.id,
-            alloc_id=alloc.id,
-            segment=alloc.handle,
-            offset=alloc.offset,
-            nbytes=alloc.size,
-            dtype=view.dtype,
-            shape=view.shape,
-            strides=view.strides,
-            start=start,
-            readonly=readonly,
+        return new_descriptor(
+            self.id,
+            alloc.id,
+            alloc.handle,
+            alloc.offset,
+            alloc.size,
+            view.dtype,
+            view.shape,
+            view.strides,
+            start,
+            readonly,
         )
 
     def _owed_by(self, peer: Ring | None) -> dict[int, int] | None:
@@ -473,32 +524,37 @@ class Arena:
         return anchor is not None and anchor.arena_id == self.id and os.getpid() == self._pid
 
     def _allocate(self, nbytes: int, tag: str, peer_writable: bool = False) -> _Alloc:
-        opened = peer_writable or not self.sealed  # the kind of segment it goes in
         with self._lock:
-            self._check_open()
-            # Blocks released by peers meanwhile are freed first, so that the
-            # block just released (the last call's result) is taken again: its
-            # pages are mapped, in cache, and written already. Left for later,
-            # every block would be a fresh one until the segment wraps: a
-            # worker's working set becomes its whole segment, and every page
-            # of it faults in once.
-            self._collect_locked()
-            found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
-            seg, offset = found
-            size = seg.free.round(nbytes)
-            if offset + size > seg.committed:
-                self._commit(seg, offset, size)
-            if self._discard or seg.holes:
-                self._claim(seg, offset, size)
-            alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
-            self._next_id += 1
-            self._allocs[alloc.id] = alloc
-            seg.live += 1
-            self._in_use += size
-            self._peak = max(self._peak, self._in_use)
-            if self._discard:
-                self._give_back()
-        self._drain_deferred()
+            alloc = self._allocate_locked(nbytes, tag, peer_writable or not self.sealed)
+        if self._deferred:
+            self._drain_deferred()
+        return alloc
+
+    def _allocate_locked(self, nbytes: int, tag: str, opened: bool) -> _Alloc:
+        """A new block in a segment ``opened`` to peers' writes, or not (lock held)."""
+        self._check_open()
+        # Blocks released by peers meanwhile are freed first, so that the
+        # block just released (the last call's result) is taken again: its
+        # pages are mapped, in cache, and written already. Left for later,
+        # every block would be a fresh one until the segment wraps: a
+        # worker's working set becomes its whole segment, and every page
+        # of it faults in once.
+        self._collect_locked()
+        found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
+        seg, offset = found
+        size = seg.free.round(nbytes)
+        if offset + size > seg.committed:
+            self._commit(seg, offset, size)
+        if self._discard or seg.holes:
+            self._claim(seg, offset, size)
+        alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
+        self._next_id += 1
+        self._allocs[alloc.id] = alloc
+        seg.live += 1
+        self._in_use += size
+        self._peak = max(self._peak, self._in_use)
+        if self._discard:
+            self._give_back()
         return alloc
 
     def _commit(self, seg: _Seg, offset: int, size: int) -> None:
@@ -549,7 +605,14 @@ class Arena:
         for seg in self._segs:
             if seg.open != opened:
                 continue
+            parked = seg.parked
+            if parked is not None and parked[1] == max(ALIGNMENT, _round_up(nbytes, ALIGNMENT)):
+                seg.parked = None
+                return seg, parked[0]
             offset = seg.free.allocate(nbytes)
+            if offset is None and parked is not None:
+                seg.unpark()
+                offset = seg.free.allocate(nbytes)
             if offset is not None:
                 return seg, offset
         return None
@@ -630,8 +693,11 @@ class Arena:
             if take_export:
                 alloc.exported -= 1
                 self._exported -= 1
-        weakref.finalize(anchor, self._released, alloc.id)
-        return build_view(anchor, dtype, shape, strides, start)
+        on_release(anchor, self._released, alloc.id)
+        view = build_view(anchor, dtype, shape, strides, start)
+        anchor.first = weakref.ref(view)
+        anchor.first_start = start
+        return view
 
     def _open_local(self, desc: ArrayDescriptor, writable: bool) -> np.ndarray[Any, Any]:
         alloc = self._allocs.get(desc.alloc_id)
@@ -672,10 +738,14 @@ class Arena:
             del self._proxies[id(alloc.source)]
             alloc.source = None
             return
-        alloc.seg.free.free(alloc.offset, alloc.size)
-        alloc.seg.live -= 1
+        seg = alloc.seg
+        seg.live -= 1
         self._in_use -= alloc.size
-        if self.discard_min is not None and alloc.size >= self.discard_min:
+        if self.discard_min is None or alloc.size < self.discard_min:
+            seg.unpark()
+            seg.parked = (alloc.offset, alloc.size)
+        else:
+            seg.free.free(alloc.offset, alloc.size)
             lo = _round_up(alloc.offset, PAGE_SIZE)
             hi = (alloc.offset + alloc.size) // PAGE_SIZE * PAGE_SIZE
             if hi > lo:
@@ -745,7 +815,12 @@ class Arena:
             if not ring.may_have_records():
                 continue
             owed = self._owed[id(ring)]
-            while (rec := ring.try_pop()) is not None:
+            # Popped while the hint says more may wait, not until a pop finds
+            # none: that empty pop costs a system call (it hands the freed
+            # slots back first), and a release ring's producer never waits for
+            # them (it pushes without blocking, and gets them back every half
+            # ring). A record the hint misses is collected the next time.
+            while ring.may_have_records() and (rec := ring.try_pop()) is not None:
                 arena_id, alloc_id, count = RELEASE.unpack(rec)
                 alloc = self._allocs.get(alloc_id)
                 n += 1

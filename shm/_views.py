@@ -10,7 +10,8 @@ Lifetimes. Every view is built on an *anchor*: a tiny object that exports the
 bytes through ``__array_interface__``. numpy keeps the anchor alive as the
 base of the view and of every view derived from it (slices, reshapes, DLPack
 exports), so the anchor dies exactly when the last of them does, and a
-``weakref.finalize`` on it reports the release:
+weak reference's callback on it (:func:`on_release`, a lean
+``weakref.finalize``) reports the release:
 
 - in the arena's own process, to the arena (a local reference);
 - in any other process, through the *release route* for that arena: a
@@ -31,6 +32,7 @@ deque before letting go (CPython ``multiprocessing/heap.py``, bpo-12352).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import ctypes
@@ -39,10 +41,10 @@ import mmap
 import os
 import pickle
 import struct
+import sys
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -61,8 +63,7 @@ KEEP_MAPPED = 4
 KEEP_WINDOWS = 8
 
 
-@dataclass(frozen=True)
-class ArrayDescriptor:
+class ArrayDescriptor(NamedTuple):
     """A picklable description of an array living in an arena.
 
     ``offset`` is where the allocation starts in its segment, ``start`` where
@@ -70,6 +71,10 @@ class ArrayDescriptor:
     non-contiguous view of the allocation. ``segment`` may belong to another
     process than the arena's owner (a forwarded view, see :meth:`Arena.share`).
     A ``readonly`` descriptor only ever opens as a read-only view.
+
+    A named tuple, not a dataclass: one is made and read at each end of every
+    call that passes an array by descriptor, and a frozen dataclass costs
+    several times as much to build.
     """
 
     arena_id: int
@@ -92,62 +97,138 @@ class ArrayDescriptor:
         """A compact encoding (about 100 bytes) for ring records; see :meth:`unpack`.
 
         Pickling uses it too: a descriptor travels with every task, and the
-        generic pickle of a dataclass holding a dtype is 3x larger and 10x slower.
+        generic pickle of a tuple holding a dtype is 3x larger and 10x slower.
+        Only the first 41 bytes change from one allocation to the next; the
+        rest (segment, dtype, shape, strides) is made once and cached.
         """
-        seg = self.segment
-        name = seg.name.encode() if seg is not None and seg.name else b""
-        dt = dtype_code(self.dtype)
-        if len(dt) > 0xFFFF:
-            raise ValueError(f"dtype {self.dtype} is too complex to describe in a descriptor")
-        nd = len(self.shape)
+        flags = _READONLY if self.readonly else 0
         head = _DESC_HEAD.pack(
-            self.arena_id,
-            self.alloc_id,
-            self.offset,
-            self.nbytes,
-            self.start,
-            0 if seg is None else seg.owner_pid,
-            -1 if seg is None else seg.fd,
-            0 if seg is None else seg.inode,
-            0 if seg is None else seg.size,
-            (_NO_SEGMENT if seg is None else _BACKENDS.index(seg.backend))
-            | (_READONLY if self.readonly else 0),
-            nd,
-            len(self.strides),
-            len(dt),
-            len(name),
+            self.arena_id, self.alloc_id, self.offset, self.nbytes, self.start, flags
         )
-        dims = struct.pack(f"<{nd + len(self.strides)}q", *self.shape, *self.strides)
-        return head + dims + dt + name
+        return (
+            head
+            + _segment_code(self.segment)
+            + _geometry_code(self.dtype, self.shape, self.strides)
+        )
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> ArrayDescriptor:
         """The descriptor that :meth:`pack` encoded."""
-        fields = _DESC_HEAD.unpack_from(data, 0)
-        arena_id, alloc_id, offset, nbytes, start, pid, fd, inode, size = fields[:9]
-        flags, nd, ns, nt, nn = fields[9:]
-        backend = flags & ~_READONLY
-        pos = _DESC_HEAD.size
-        dims = struct.unpack_from(f"<{nd + ns}q", data, pos)
-        pos += 8 * (nd + ns)
-        dtype = dtype_from_code(bytes(data[pos : pos + nt]))
-        pos += nt
-        segment = None
-        if backend != _NO_SEGMENT:
-            name = bytes(data[pos : pos + nn]).decode()
-            segment = SegmentHandle(_BACKENDS[backend], pid, fd, inode, name, size)
-        shape, strides, ro = dims[:nd], dims[nd:], bool(flags & _READONLY)
-        return cls(arena_id, alloc_id, segment, offset, nbytes, dtype, shape, strides, start, ro)
+        return unpack_descriptor(data, len(data))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ArrayDescriptor.unpack, (self.pack(),))
+        return (_unpack_bytes, (self.pack(),))
 
 
-_DESC_HEAD = struct.Struct("<QQQQqqiQQBBBHB")
+def unpack_descriptor(data: bytes | bytearray | memoryview, end: int) -> ArrayDescriptor:
+    """The descriptor packed in ``data[:end]`` (:meth:`ArrayDescriptor.unpack`)."""
+    arena_id, alloc_id, offset, nbytes, start, flags = _DESC_HEAD.unpack_from(data, 0)
+    tail = bytes(data[_DESC_HEAD.size : end])
+    parsed = _tails.get(tail)
+    if parsed is None:
+        parsed = _parse_tail(tail)
+        if len(_tails) >= _CACHE_MAX:
+            _tails.clear()
+        _tails[tail] = parsed
+    segment, dtype, shape, strides = parsed
+    return _new_tuple(
+        ArrayDescriptor,
+        (arena_id, alloc_id, segment, offset, nbytes, dtype, shape, strides, start, flags & 1 == 1),
+    )
+
+
+def _unpack_bytes(data: bytes) -> ArrayDescriptor:
+    return unpack_descriptor(data, len(data))
+
+
+def new_descriptor(
+    arena_id: int,
+    alloc_id: int,
+    segment: SegmentHandle | None,
+    offset: int,
+    nbytes: int,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    start: int,
+    readonly: bool,
+) -> ArrayDescriptor:
+    """``ArrayDescriptor(...)`` with every field given, without the keyword parsing."""
+    return _new_tuple(
+        ArrayDescriptor,
+        (arena_id, alloc_id, segment, offset, nbytes, dtype, shape, strides, start, readonly),
+    )
+
+
+_new_tuple = tuple.__new__
+# A packed descriptor: this head (what changes from one allocation to the
+# next: arena, allocation, offset, size, start, flags), then the segment's
+# code and the geometry's (each cached: they recur call after call).
+_DESC_HEAD = struct.Struct("<QQQQqB")
+_SEG_CODE = struct.Struct("<qiQQBH")  # owner pid, fd, inode, size, backend, name length
+_GEO_CODE = struct.Struct("<BBH")  # ndim, len(strides), dtype code length
 _BACKENDS = ("memfd", "posix")
-# The backend byte: the backend's index (or _NO_SEGMENT), high bit set if read-only.
-_NO_SEGMENT = 0x7F
-_READONLY = 0x80
+_NO_SEGMENT = 0xFF
+_READONLY = 1
+_CACHE_MAX = 1024
+# id(handle) -> (handle, code): the handle is kept, so its id is not reused meanwhile.
+_segment_codes: dict[int, tuple[SegmentHandle | None, bytes]] = {}
+_geometry_codes: dict[tuple[np.dtype[Any], tuple[int, ...], tuple[int, ...]], bytes] = {}
+_Tail = tuple[SegmentHandle | None, np.dtype[Any], tuple[int, ...], tuple[int, ...]]
+_tails: dict[bytes, _Tail] = {}
+
+
+def _segment_code(seg: SegmentHandle | None) -> bytes:
+    hit = _segment_codes.get(id(seg))
+    if hit is not None and hit[0] is seg:
+        return hit[1]
+    if seg is None:
+        code = _SEG_CODE.pack(0, -1, 0, 0, _NO_SEGMENT, 0)
+    else:
+        name = seg.name.encode() if seg.name else b""
+        backend = _BACKENDS.index(seg.backend)
+        code = _SEG_CODE.pack(seg.owner_pid, seg.fd, seg.inode, seg.size, backend, len(name))
+        code += name
+    if len(_segment_codes) >= _CACHE_MAX:
+        _segment_codes.clear()
+    _segment_codes[id(seg)] = (seg, code)
+    return code
+
+
+def _geometry_code(dtype: np.dtype[Any], shape: tuple[int, ...], strides: tuple[int, ...]) -> bytes:
+    key = (dtype, shape, strides)
+    code = _geometry_codes.get(key)
+    if code is None:
+        dt = dtype_code(dtype)
+        if len(dt) > 0xFFFF:
+            raise ValueError(f"dtype {dtype} is too complex to describe in a descriptor")
+        nd, ns = len(shape), len(strides)
+        code = _GEO_CODE.pack(nd, ns, len(dt)) + struct.pack(f"<{nd + ns}q", *shape, *strides)
+        code += dt
+        if len(_geometry_codes) >= _CACHE_MAX:
+            _geometry_codes.clear()
+        _geometry_codes[key] = code
+    return code
+
+
+def _parse_tail(tail: bytes) -> _Tail:
+    pid, fd, inode, size, backend, nn = _SEG_CODE.unpack_from(tail, 0)
+    pos = _SEG_CODE.size
+    segment = None
+    if backend != _NO_SEGMENT:
+        name = tail[pos : pos + nn].decode()
+        segment = SegmentHandle(_BACKENDS[backend], pid, fd, inode, name, size)
+    pos += nn
+    nd, ns, nt = _GEO_CODE.unpack_from(tail, pos)
+    pos += _GEO_CODE.size
+    dims = struct.unpack_from(f"<{nd + ns}q", tail, pos)
+    pos += 8 * (nd + ns)
+    dtype = dtype_from_code(tail[pos : pos + nt])
+    if pos + nt != len(tail):
+        raise ValueError("not a packed array descriptor")
+    return segment, dtype, dims[:nd], dims[nd:]
+
+
 _dtype_codes: dict[np.dtype[Any], bytes] = {}
 _code_dtypes: dict[bytes, np.dtype[Any]] = {}
 
@@ -181,7 +262,18 @@ def dtype_from_code(code: bytes) -> np.dtype[Any]:
 class Anchor:
     """Exports ``nbytes`` bytes at ``address``; lives as long as any view of them."""
 
-    __slots__ = ("__array_interface__", "__weakref__", "alloc_id", "arena_id", "keep")
+    __slots__ = (
+        "__array_interface__",
+        "__weakref__",
+        "address",
+        "alloc_id",
+        "arena_id",
+        "first",
+        "first_start",
+        "keep",
+        "nbytes",
+        "readonly",
+    )
 
     __array_interface__: dict[str, Any]
 
@@ -194,21 +286,69 @@ class Anchor:
             "data": (address, readonly),
             "version": 3,
         }
+        self.address = address
+        self.nbytes = nbytes
+        self.readonly = readonly
         self.keep = keep  # the mapping: it must outlive every view
         self.arena_id = arena_id
         self.alloc_id = alloc_id
+        # The view made with an allocation, and its start: sharing it needs no
+        # pointer read (``__array_interface__`` costs a microsecond).
+        self.first: weakref.ref[np.ndarray[Any, Any]] | None = None
+        self.first_start = 0
 
-    @property
-    def address(self) -> int:
-        return int(self.__array_interface__["data"][0])
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.__array_interface__["shape"][0])
+class _Release(weakref.ref):  # type: ignore[type-arg]
+    """Calls ``fn(*args)`` once its anchor is gone: a lean ``weakref.finalize``.
 
-    @property
-    def readonly(self) -> bool:
-        return bool(self.__array_interface__["data"][1])
+    Every view opened or made costs one, so it does only what a release needs
+    (``weakref.finalize`` costs 3x as much to make and fire). As with
+    ``finalize``, the pending ones run at interpreter exit (before modules are
+    torn down), and never after.
+    """
+
+    __slots__ = ("args", "fn")
+    fn: Any
+    args: tuple[Any, ...]
+
+
+# Made, not fired yet: the refs must stay alive to fire. By id: weak references
+# to one live object compare (and hash) equal, and a window's view has two.
+_pending: dict[int, _Release] = {}
+_exit_hooked = False
+_exited = False
+
+
+def on_release(anchor: Anchor, fn: Any, *args: Any) -> None:
+    """Call ``fn(*args)`` when ``anchor`` (the last view of its bytes) is gone."""
+    global _exit_hooked
+    ref = _Release(anchor, _fire)
+    ref.fn = fn
+    ref.args = args
+    _pending[id(ref)] = ref
+    if not _exit_hooked:
+        _exit_hooked = True
+        atexit.register(_fire_all)
+
+
+def _fire(ref: _Release) -> None:
+    # Popped atomically: a release runs once, here or at exit.
+    if _pending.pop(id(ref), None) is not None and not _exited:
+        ref.fn(*ref.args)
+
+
+def _fire_all() -> None:
+    """At exit: run the pending releases now, as ``weakref.finalize`` does."""
+    global _exited
+    for key in list(_pending):
+        ref = _pending.pop(key, None)
+        if ref is None:
+            continue
+        try:
+            ref.fn(*ref.args)
+        except Exception:
+            sys.excepthook(*sys.exc_info())
+    _exited = True
 
 
 def build_view(
@@ -219,8 +359,8 @@ def build_view(
     start: int,
 ) -> np.ndarray[Any, Any]:
     """An ndarray over an anchor's bytes; its ``.base`` chain ends at the anchor."""
-    raw = np.asarray(anchor)
-    view: np.ndarray[Any, Any] = np.ndarray(shape, dtype, buffer=raw, offset=start, strides=strides)
+    # Positional: numpy parses keywords several times slower.
+    view: np.ndarray[Any, Any] = np.ndarray(shape, dtype, np.asarray(anchor), start, strides)
     return view
 
 
@@ -305,7 +445,6 @@ class _Importer:
         self.owners: dict[int, set[int]] = {}
         self.deferred = _Deferred()
         self.dropped = 0  # releases for arenas with no route (their owner is gone)
-        self.pid = os.getpid()
         # Owners of arenas whose route was removed: gone, or done with us.
         self.retired: set[int] = set()
         # Read-write mappings of whole segments for views opened ``alone``:
@@ -316,6 +455,13 @@ class _Importer:
         self.window_lock = threading.Lock()
 
     def segment(self, handle: SegmentHandle, readonly: bool) -> Segment:
+        recent = self.recent
+        if recent:
+            # The segment of the last view opened, nearly always: descriptors
+            # of one segment share one handle object (see unpack_descriptor).
+            last = recent[-1]
+            if last.handle is handle and last.readonly == readonly:
+                return last
         key = (handle.owner_pid, handle.inode, readonly)
         seg = self.mappings.get(key)
         if seg is None:
@@ -324,7 +470,6 @@ class _Importer:
         # Keep the last few mapped after their views die: mapping a segment
         # costs an open and an mmap, far more than the rest of open_array. The
         # bound limits the memory a peer can keep alive after its owner freed it.
-        recent = self.recent
         if recent and recent[-1] is not seg:
             with contextlib.suppress(ValueError):
                 recent.remove(seg)
@@ -384,7 +529,7 @@ class _Importer:
 
     def released(self, arena_id: int, alloc_id: int) -> None:
         """Finalizer of an imported view: never blocks, never raises."""
-        if self.pid != os.getpid():
+        if self is not _importer:
             # A view inherited through fork: the route rings are the parent's
             # (one producer each); the parent releases its own views.
             return
@@ -420,14 +565,19 @@ class _Importer:
 
 
 _importer = _Importer()
-_importer_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _importer
+    _importer = _Importer()
+
+
+# A child gets a fresh importer: its parent's routes are the parent's to use.
+os.register_at_fork(after_in_child=_forked)
 
 
 def importer() -> _Importer:
     """This process's importer (a fresh one after ``fork``)."""
-    global _importer, _importer_pid
-    if _importer_pid != os.getpid():
-        _importer, _importer_pid = _Importer(), os.getpid()
     return _importer
 
 
@@ -470,8 +620,10 @@ def flush_releases() -> None:
     importer().flush()
 
 
-# The arena registers itself here so that opening one's own descriptor stays local.
-local_arenas: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+# The arena registers itself here so that opening one's own descriptor stays
+# local. Weak references in a plain dict: a WeakValueDictionary's miss (every
+# descriptor of another process's arena) costs a caught KeyError.
+local_arenas: dict[int, weakref.ref[Any]] = {}
 
 
 def open_array(
@@ -490,47 +642,54 @@ def open_array(
     nothing but those pages (or faults).
     """
     writable = writable and not desc.readonly
-    if desc.segment is None:  # no bytes: nothing was allocated
+    handle = desc.segment
+    if handle is None:  # no bytes: nothing was allocated
         out: np.ndarray[Any, Any] = np.ndarray(desc.shape, desc.dtype, strides=desc.strides or None)
         out.flags.writeable = writable
         return out
-    arena = local_arenas.get(desc.arena_id)
+    ref = local_arenas.get(desc.arena_id)
+    arena = ref() if ref is not None else None
     # Our own arena (not a forked copy of our parent's): its allocations, and
     # its proxies of other processes' memory, are opened without the importer.
     # A deliberate seam inside shm: views of an arena's own memory are its to open.
     if arena is not None and arena._pid == os.getpid():  # noqa: SLF001
         view: np.ndarray[Any, Any] = arena._open_local(desc, writable)  # noqa: SLF001
         return view
-    imp = importer()
+    imp = _importer
     if desc.arena_id not in imp.routes:
         raise AttachError(
             f"no release route to arena {desc.arena_id:#x} (the descriptor maps memory "
-            f"of process {desc.segment.owner_pid}) in this process: call "
+            f"of process {handle.owner_pid}) in this process: call "
             "shm.set_release_route(arena_id, ring) with a ring from Arena.link() first, "
             "so that the memory can be given back when the view is gone"
         )
-    imp.flush()
-    imp.owners.setdefault(desc.arena_id, set()).add(desc.segment.owner_pid)
-    imp.retired.discard(desc.segment.owner_pid)  # alive: a recycled pid, say
+    if imp.deferred.items:
+        imp.flush()
+    owners = imp.owners.get(desc.arena_id)
+    if owners is None:
+        owners = imp.owners[desc.arena_id] = set()
+    owners.add(handle.owner_pid)
+    if imp.retired:
+        imp.retired.discard(handle.owner_pid)  # alive: a recycled pid, say
     keep: Any
     win = None
     if writable and alone:
         lo, hi = byte_extent(desc)
         first = (desc.offset + lo) // PAGE_SIZE * PAGE_SIZE
-        end = min(-(-(desc.offset + hi) // PAGE_SIZE) * PAGE_SIZE, desc.segment.size)
-        win = imp.alone(desc.segment, first, end - first)
+        end = min(-(-(desc.offset + hi) // PAGE_SIZE) * PAGE_SIZE, handle.size)
+        win = imp.alone(handle, first, end - first)
         # The window itself, not its Segment, keeps the view's memory: a
         # consumer asking for the whole mapping (segment_of) must not get pages
         # that are inaccessible here.
-        keep = win if win is not None else Segment.attach(desc.segment, False, first, end - first)
+        keep = win if win is not None else Segment.attach(handle, False, first, end - first)
         address = (win.seg.address if win is not None else keep.address - first) + desc.offset
     else:
-        keep = imp.segment(desc.segment, readonly=not writable)
+        keep = imp.segment(handle, not writable)
         address = keep.address + desc.offset - keep.offset
     anchor = Anchor(address, desc.nbytes, not writable, keep, desc.arena_id, desc.alloc_id)
     if win is not None:
-        weakref.finalize(anchor, imp.close_span, win, first, end)
-    weakref.finalize(anchor, imp.released, desc.arena_id, desc.alloc_id)
+        on_release(anchor, imp.close_span, win, first, end)
+    on_release(anchor, imp.released, desc.arena_id, desc.alloc_id)
     return build_view(anchor, desc.dtype, desc.shape, desc.strides, desc.start)
 
 

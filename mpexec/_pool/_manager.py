@@ -116,9 +116,14 @@ class Manager(threading.Thread):
     def deliver(self, slot: Slot) -> None:
         """Complete the futures of every record waiting in ``slot``'s done ring."""
         state = self.state
-        while True:
+        done = slot.done
+        # Until the ring's hint says nothing more waits, not until a pop finds
+        # nothing: that empty pop costs a system call (it hands the freed slots
+        # back first; a worker never runs short of them, see _DONE_RING). No
+        # credit is left held either way, so the doorbell's fd tells the next wait.
+        while done.may_have_records():
             try:
-                rec = slot.done.try_pop()
+                rec = done.try_pop()
             except shm.RingClosedError:
                 return
             if rec is None:

@@ -28,8 +28,8 @@ _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
 # A task takes up to five records (forget, function, call; cancel and verdict):
 # 40 in flight. A busy worker gives freed slots back only every half ring, so it
 # may sit on up to half of them: the task ring needs 40 + 47 < 96. The manager
-# drains the done ring to empty (which returns every slot), and a worker sends
-# one record a task.
+# gives freed done-ring slots back every half ring too (up to 11 held), and a
+# worker sends one record a task: 8 + 11 < 24.
 _TASK_RING = 96
 _DONE_RING = 3 * _IN_FLIGHT
 

@@ -8,7 +8,6 @@ import mmap
 import os
 import pickle
 import threading
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -349,7 +348,7 @@ def test_readonly_descriptors(arena: shm.Arena) -> None:
         assert desc.readonly is readonly
         assert shm.ArrayDescriptor.unpack(desc.pack()) == desc
         assert pickle.loads(pickle.dumps(desc)) == desc
-        assert len(desc.pack()) == len(replace(desc, readonly=not readonly).pack())
+        assert len(desc.pack()) == len(desc._replace(readonly=not readonly).pack())
         out = shm.open_array(desc, writable=True)  # never writable where the sender was not
         assert out.flags.writeable is not readonly
         if readonly:
@@ -636,3 +635,49 @@ def test_memory_that_cannot_be_committed_is_an_error_and_the_block_is_not_lost(
         again[:] = 9
         assert (again == 9).all()
         del small, again
+
+
+def test_a_freed_block_is_taken_again_by_the_next_allocation_of_its_size(
+    arena: shm.Arena,
+) -> None:
+    """A call's argument or result, block after block: the same block, warm, every time."""
+    a = arena.empty(64 * KiB, np.uint8)
+    where = a.__array_interface__["data"][0]
+    del a
+    for _ in range(3):
+        b = arena.empty(64 * KiB, np.uint8)
+        assert b.__array_interface__["data"][0] == where
+        del b
+    # Kept aside for its size, the block still serves any allocation that needs it.
+    rest = arena.stats().reserved // MiB * MiB
+    whole = arena.empty(rest - 64, np.uint8)
+    assert whole.__array_interface__["data"][0] <= where
+    del whole
+    gc.collect()
+    assert arena.stats().in_use == 0
+
+
+def test_a_release_runs_once_when_its_anchor_goes_and_at_exit_for_those_alive() -> None:
+    """The views' lean finalizer keeps ``weakref.finalize``'s contract."""
+    import subprocess
+    import sys
+
+    script = (
+        "import gc, numpy as np, shm\n"
+        "from shm._views import Anchor, on_release\n"
+        "a, b = Anchor(0, 0, True, None, 0, 0), Anchor(0, 0, True, None, 0, 1)\n"
+        "on_release(a, print, 'a released')\n"
+        "on_release(b, print, 'b released')\n"
+        "on_release(a, print, 'a released again')\n"  # two on one anchor: both run
+        "del a; gc.collect(); print('a gone')\n"
+        "arena = shm.Arena(1 << 20)\n"
+        "kept = arena.empty(1000, np.uint8)\n"
+        "import atexit; atexit.register(lambda: print('in use', arena.stats().in_use))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    lines = out.stdout.splitlines()
+    assert sorted(lines[:2]) == ["a released", "a released again"]
+    assert lines[2:] == ["a gone", "in use 1024", "b released"]
+    assert out.stderr == ""
