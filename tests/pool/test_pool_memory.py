@@ -263,11 +263,14 @@ def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
                     stretches.append(faults / (after.samples - before.samples))
             return min(stretches)
 
-    # Under load a stretch may still meet an output block a worker has not
-    # written before (~7-14 faults a sample); the others see none.
-    assert per_sample(64 << 20) < 3
-    # glibc's defaults hand the temporaries back after every call: ~90 faults each
-    assert per_sample(0) > 50
+    # glibc's defaults hand the temporaries back after every call: ~90 faults each.
+    cold = per_sample(0)
+    assert cold > 50
+    # Warm, the temporaries stay mapped. A stretch may still meet an output block
+    # a worker has not written before: 0-9 faults a sample in the quietest of
+    # three stretches since blocks are parked for reuse (0 before; see the
+    # issue 26 note), against the cold ~90.
+    assert per_sample(64 << 20) < cold / 8
 
 
 def test_warm_memory_must_be_a_byte_count() -> None:
