@@ -419,18 +419,7 @@ class Arena:
             if owed is not None:
                 owed[alloc.id] = owed.get(alloc.id, 0) + 1
             self.bytes_copied += nbytes
-        return new_descriptor(
-            self.id,
-            alloc.id,
-            alloc.handle,
-            alloc.offset,
-            alloc.size,
-            copy.dtype,
-            copy.shape,
-            copy.strides,
-            0,
-            strides is not None,
-        )
+        return self._describe(alloc, copy, 0, strides is not None)
 
     def _export(
         self,
@@ -445,6 +434,12 @@ class Arena:
         self._exported += 1
         if owed is not None:
             owed[alloc.id] = owed.get(alloc.id, 0) + 1
+        return self._describe(alloc, view, start, readonly)
+
+    def _describe(
+        self, alloc: _Alloc, view: np.ndarray[Any, Any], start: int, readonly: bool
+    ) -> ArrayDescriptor:
+        """The descriptor of ``view``, ``start`` bytes into ``alloc``'s block."""
         return new_descriptor(
             self.id,
             alloc.id,
