@@ -244,7 +244,13 @@ def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
     image = np.ones((224, 224, 3), np.uint8)
 
     def per_sample(warm_memory: int) -> float:
-        """Workers' faults a sample in the quietest of three stretches of 8 batches."""
+        """Workers' faults a sample in the quietest of up to ten stretches of 8 batches.
+
+        A worker takes whichever samples come free, so until it has read and
+        written every block the pipeline cycles through, a stretch still meets
+        pages new to it (one batch's worth, ~5 faults a sample): one to three
+        stretches on a quiet host, more under load.
+        """
         with WorkerPool(2, warm_memory=warm_memory, results="view") as pool:
             pipe = mpexec.Pipeline(batch_size=16, pool=pool, prefetch_depth=2)
             with pipe:
@@ -254,7 +260,7 @@ def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
             with pipe:
                 for _ in range(8):
                     pipe.run()
-                for _ in range(3):
+                while len(stretches) < 10 and min(stretches, default=1.0) >= 1.0:
                     before = pipe.stats()
                     for _ in range(8):
                         pipe.run()
@@ -266,11 +272,8 @@ def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
     # glibc's defaults hand the temporaries back after every call: ~90 faults each.
     cold = per_sample(0)
     assert cold > 50
-    # Warm, the temporaries stay mapped. A stretch may still meet an output block
-    # a worker has not written before: 0-9 faults a sample in the quietest of
-    # three stretches since blocks are parked for reuse (0 before; see the
-    # issue 26 note), against the cold ~90.
-    assert per_sample(64 << 20) < cold / 8
+    # Warm, the temporaries stay mapped: once the blocks are warm, no faults.
+    assert per_sample(64 << 20) < 3
 
 
 def test_warm_memory_must_be_a_byte_count() -> None:
