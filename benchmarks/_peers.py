@@ -69,6 +69,7 @@ AUGMENT = [
     System("mpexec_pool", "mpexec WorkerPool.map", mpexec=True),
     System("torch", "PyTorch DataLoader", "torch"),
     System("mpexec_torch", "mpexec.torch.DataLoader", "torch", mpexec=True),
+    System("mpexec_torch_warm", "mpexec.torch.DataLoader, warm_batches", "torch", mpexec=True),
     System("tf", "tf.data + numpy_function", "tensorflow", multiprocess=False),
     System("dali_pyfunc", "DALI fn.python_function", "nvidia.dali", multiprocess=False),
     System("dali_parallel", "DALI parallel external_source", "nvidia.dali"),
@@ -456,6 +457,8 @@ class TorchLoader(Augment):
 class MpexecTorchLoader(TorchLoader):
     """:class:`TorchLoader` with ``mpexec.torch.DataLoader``: one import changed."""
 
+    warm_batches = 0
+
     def start(self) -> None:
         import torch
 
@@ -468,8 +471,15 @@ class MpexecTorchLoader(TorchLoader):
             num_workers=self.workers,
             persistent_workers=True,
             timeout=CALL_S,
+            warm_batches=self.warm_batches,
         )
         self.start_method = _start_method(self.loader.multiprocessing_context)
+
+
+class MpexecTorchWarmLoader(MpexecTorchLoader):
+    """:class:`MpexecTorchLoader` whose workers keep two batches' pages warm."""
+
+    warm_batches = 2 * wl.BATCH_SIZE * wl.CROP * wl.CROP * 3 * 4  # float32 samples
 
 
 class TfData(Augment):
@@ -612,6 +622,7 @@ AUGMENT_CLASSES: dict[str, type[Augment]] = {
     "mpexec_pipeline_batch": MpexecPipelineBatch,
     "torch": TorchLoader,
     "mpexec_torch": MpexecTorchLoader,
+    "mpexec_torch_warm": MpexecTorchWarmLoader,
     "tf": TfData,
     "dali_pyfunc": DaliPythonFunction,
     "dali_parallel": DaliParallelSource,

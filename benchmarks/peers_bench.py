@@ -940,6 +940,8 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
             "",
         )
         for key in ("mpexec_pipeline", "mpexec_pool"):
+            if key not in rows:
+                continue  # not in this run's --systems
             add(
                 f"1b augment: {rows.get(key, {}).get('label', key)}, workers' minor faults"
                 " a sample",
@@ -982,6 +984,19 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
         if not section or "skipped" in section:  # workload 2 without Pillow
             continue
         rows = section["by_system"]
+        warm = rows.get("mpexec_torch_warm", {}).get("images_per_s", {}).get("median")
+        base = rows.get("torch", {}).get("images_per_s", {}).get("median")
+        if "mpexec_torch_warm" in rows:
+            add(
+                f"{number} {name}: mpexec.torch.DataLoader, warm_batches / PyTorch DataLoader",
+                warm / base if warm and base else None,
+                ">=",
+                TARGET_TORCH_LOADER,
+                "x",
+                rows["mpexec_torch_warm"].get("why", ""),
+            )
+        if "mpexec_torch" not in rows:
+            continue  # not in this run's --systems
         ours, torch = rows.get("mpexec_torch", {}), rows.get("torch", {})
         rate = ours.get("images_per_s", {}).get("median")
         base = torch.get("images_per_s", {}).get("median")

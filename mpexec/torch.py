@@ -108,12 +108,24 @@ class DataLoader(_dl.DataLoader[_T_co]):  # type: ignore[misc]
       and the late batch still comes on the next ``next()``.
     - :meth:`state_dict` / :meth:`load_state_dict` resume an epoch where it
       stopped, in another process; :meth:`stats` says where the time goes.
+
+    One keyword is mpexec's own: ``warm_batches`` (bytes, default 0). As
+    torch's batches do, a batch's pages go back to the system once the
+    caller drops it, so each batch's pages are faulted in and zeroed again
+    in its worker. With ``warm_batches=n`` each worker keeps up to ``n``
+    bytes of dropped batches' pages, the newest, for its next batches to
+    take warm (and keeps its own mapping of the batches it made): faster
+    where making a batch is cheap against its size, for up to ``n`` bytes of
+    memory per worker. See docs/loaders.md, "Warm batches".
     """
 
     _iterator: Any  # torch's: the persistent workers' iterator
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, warm_batches: int = 0, **kwargs: Any) -> None:
+        if type(warm_batches) is not int or warm_batches < 0:  # bool, float: refused too
+            raise ValueError(f"warm_batches must be an int >= 0 (bytes), not {warm_batches!r}")
         super().__init__(*args, **kwargs)
+        self.warm_batches = warm_batches
         self._mp_progress: _Progress | None = None  # the epoch now running, or last run
         self._mp_resume: _Resume | None = None  # load_state_dict(), for the next epoch
         self._mp_counters = _Counters()
@@ -539,6 +551,7 @@ class _WorkerConfig:
     shared_seed: int | None  # an IterDataPipe's, for its shuffling
     num_workers: int
     worker_init_fn: Any
+    warm_batches: int  # bytes of dropped batches' pages a worker keeps
 
 
 class _WorkersIter(_EpochIter):
@@ -579,6 +592,7 @@ class _WorkersIter(_EpochIter):
             shared_seed=self._shared_seed,
             num_workers=self._num_workers,
             worker_init_fn=init_fn,
+            warm_batches=loader.warm_batches,
         )
         self._pool = _start_pool(config, _start_method(loader.multiprocessing_context))
         # batch position -> (worker, future of the batch, its indices), in the
@@ -1043,6 +1057,7 @@ def _start_worker(config: _WorkerConfig | int | _launch.Sent) -> None:
     # torch's per-batch segments do, rather than staying resident at the
     # arena's high-water mark (batches in flight at the busiest moment).
     here[1].discard_min = _DISCARD_MIN
+    here[1].keep_free = config.warm_batches
     if config.worker_init_fn is not None:
         config.worker_init_fn(index)
     _state = _WorkerState(config, index)
@@ -1101,9 +1116,12 @@ def _sent(wire: Any) -> Any:
     does. Dropping the worker's own mapping of its pages (``MADV_DONTNEED``
     on shared memory keeps the data: it is the memfd's) leaves them mapped by
     the caller alone, as torch's batches are once sent, instead of counting
-    in both processes' memory while the batch waits to be taken.
+    in both processes' memory while the batch waits to be taken. With warm
+    batches the worker keeps its mapping: its next batches reuse these pages,
+    and each page dropped is a fault to take it again.
     """
-    _walk(wire, _Tensor, _unmap_own)
+    if _state is None or not _state.config.warm_batches:
+        _walk(wire, _Tensor, _unmap_own)
     return wire
 
 

@@ -51,6 +51,31 @@ class FreeList:
         self._used[offset] = need
         return offset
 
+    def allocate_near(self, offset: int, nbytes: int) -> int | None:
+        """Offset of a new block of ``round(nbytes)`` bytes over ``offset``, or None.
+
+        The block is cut from the free block holding ``offset``, as close to
+        starting there as it fits: for a caller that knows which free pages
+        are warm. A linear search, for the few large blocks that ask.
+        """
+        need = self.round(nbytes)
+        for start, size in self._start.items():
+            if start <= offset < start + size:
+                break
+        else:
+            return None
+        if size < need:
+            return None
+        at = max(start, min(offset // self.alignment * self.alignment, start + size - need))
+        self._remove(start)
+        if at > start:
+            self._insert(start, at - start)
+        if start + size > at + need:
+            self._insert(at + need, start + size - at - need)
+        self.free_bytes -= need
+        self._used[at] = need
+        return at
+
     def free(self, offset: int, nbytes: int) -> None:
         """Return a block given by :meth:`allocate`, merging it with free neighbours."""
         size = self.round(nbytes)

@@ -253,7 +253,14 @@ class Arena:
         #: default) keeps freed pages resident, so that a call's cost stays flat
         #: in array size. Unsealed segments on Linux only.
         self.discard_min = discard_min
-        self._discard: list[tuple[_Seg, int, int]] = []  # freed, to give back (lock held)
+        #: With :attr:`discard_min`: bytes of those freed pages kept resident
+        #: anyway, the most recently freed first, for the next allocations to
+        #: take warm (a loader's next batch); the older ones are given back.
+        #: A bound, not a reservation: 0 (the default) gives every one back.
+        self.keep_free = 0
+        # Freed pages not given back yet, oldest first (lock held): given back
+        # after the next allocation, but for the newest keep_free bytes.
+        self._discard: list[tuple[_Seg, int, int]] = []
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
@@ -589,14 +596,27 @@ class Arena:
         """Give back the pages of the large blocks freed since the last time (lock held).
 
         Done after an allocation has taken what it needs, so that a block
-        freed and taken again at once (a worker's next batch) stays committed.
+        freed and taken again at once (a worker's next batch) stays committed;
+        the newest :attr:`keep_free` bytes of them stay for the next ones.
         """
         pending, self._discard = self._discard, []
+        kept = 0
+        while pending and kept + pending[-1][2] - pending[-1][1] <= self.keep_free:
+            kept += pending[-1][2] - pending[-1][1]
+            self._discard.insert(0, pending.pop())
         for seg, a, b in pending:
             if seg.rw.discard(a, b - a):
                 seg.holes.append((a, b))
 
     def _fit(self, nbytes: int, opened: bool) -> tuple[_Seg, int] | None:
+        if self.keep_free and self._discard and nbytes >= (self.discard_min or 0):
+            # Freed pages kept warm (keep_free): the newest taken first, rather
+            # than the first fit, which may be pages already given back.
+            for seg, lo, _ in reversed(self._discard):
+                if seg.open != opened:
+                    continue
+                if (offset := seg.free.allocate_near(lo, nbytes)) is not None:
+                    return seg, offset
         for seg in self._segs:
             if seg.open != opened:
                 continue
@@ -793,7 +813,8 @@ class Arena:
         """Apply the releases that other processes sent back; returns how many.
 
         With :attr:`discard_min`, the pages of large blocks freed meanwhile go
-        back to the system here too (an idle owner calls this).
+        back to the system here too (an idle owner calls this), but for the
+        newest :attr:`keep_free` bytes of them.
         """
         with self._lock:
             n = self._collect_locked()

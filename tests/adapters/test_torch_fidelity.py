@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import mmap
 import multiprocessing as mp
 import os
 import threading
@@ -530,3 +531,47 @@ def test_workers_let_go_of_made_batches_and_reserve_little() -> None:
     assert it._pool.stats().arena.reserved <= 1 << 20
     assert [int(b[0, 0, 0]) for b in it] == [8, 16, 24]
     del first, it, futures
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def _epoch_faults(**kwargs: Any) -> list[int]:
+    """A loader's worker's minor faults in each epoch after the first (persistent workers)."""
+    loader = mt.DataLoader(Big(), batch_size=8, num_workers=1, persistent_workers=True, **kwargs)
+    it = iter(loader)
+    pid = it._pool.pids[0]
+    assert [int(b[0, 0, 0]) for b in it] == [0, 8, 16, 24]
+    faults = []
+    for _ in range(4):
+        before = _minor_faults(pid)  # before iter(): it sets the worker going
+        it = iter(loader)
+        assert [int(b[0, 0, 0]) for b in it] == [0, 8, 16, 24]
+        faults.append(_minor_faults(pid) - before)
+    del it, loader  # its workers stop here, not with a failed test's frame
+    gc.collect()
+    return faults
+
+
+def test_warm_batches_let_a_worker_make_its_next_batches_in_warm_pages() -> None:
+    pages = 8 * 128 * 1024 * 4 // mmap.PAGESIZE  # of one batch
+    # Default, as torch's segments: each batch's pages are faulted in anew.
+    assert min(_epoch_faults()) >= 3 * pages  # of the epoch's 4 batches
+    # Warm: the worker takes the dropped batches' pages again, as they are.
+    # (Until the worker has had as many batches alive at once as it ever
+    # will, which under load can take an epoch or two, one may still need a
+    # new block: the quietest epoch is the steady state.)
+    assert min(_epoch_faults(warm_batches=64 << 20)) < pages // 4
+    # A bound below one batch keeps none of them: batches are given back and
+    # faulted in again (but for a block freed and taken again at once, which
+    # stays committed either way: about half of them here).
+    assert min(_epoch_faults(warm_batches=1 << 20)) >= pages
+
+
+def test_warm_batches_must_be_a_byte_count() -> None:
+    for bad in (-1, True, 1.5, "64M"):
+        with pytest.raises(ValueError, match="warm_batches"):
+            mt.DataLoader(Big(), batch_size=8, num_workers=1, warm_batches=bad)
+    assert mt.DataLoader(Big(), batch_size=8).warm_batches == 0

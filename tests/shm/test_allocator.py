@@ -306,3 +306,53 @@ def test_random_ops_match_bitmap_model(alignment: int, units: int, seed: int) ->
     assert fl.empty
     assert fl.largest_free == fl.size
     assert fl._by_size == [(fl.size, 0)]
+
+
+def test_allocate_near_cuts_the_block_from_the_free_block_holding_the_offset() -> None:
+    fl = FreeList(64 * A, A)
+    a = fl.allocate(8 * A)
+    b = fl.allocate(8 * A)
+    c = fl.allocate(8 * A)
+    assert (a, b, c) == (0, 8 * A, 16 * A)
+    fl.free(b, 8 * A)
+    # Inside b's free block, where it fits: there; too near its end: as close as fits.
+    assert fl.allocate_near(8 * A + 5, 4 * A) == 8 * A
+    assert fl.allocate_near(15 * A, 3 * A) == 13 * A
+    assert fl.free_bytes == (64 - 8 - 8 - 4 - 3) * A
+    # Too big for the free block holding the offset, or an offset in use: None.
+    assert fl.allocate_near(12 * A, 2 * A) is None
+    assert fl.allocate_near(0, A) is None
+    assert fl.allocate_near(30 * A, 41 * A) is None  # its free block, [24, 64), holds 40
+    fl.free(8 * A, 4 * A)
+    fl.free(13 * A, 3 * A)
+    fl.free(a, 8 * A)
+    fl.free(c, 8 * A)
+    assert fl.empty
+    assert fl.largest_free == 64 * A
+
+
+def test_allocate_near_keeps_the_lists_consistent_with_a_model() -> None:
+    rng = random.Random(3)
+    units = 256
+    fl = FreeList(units * A, A)
+    used = [False] * units
+    live: dict[int, int] = {}
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            off = rng.choice(list(live))
+            n = live.pop(off)
+            fl.free(off, n * A)
+            for i in range(off // A, off // A + n):
+                used[i] = False
+            _check_against_model(fl, used, A)
+            continue
+        n = rng.randint(1, 12)
+        off = fl.allocate_near(rng.randrange(units * A), n * A - rng.randrange(A))
+        if off is None:
+            continue
+        assert off % A == 0
+        assert not any(used[off // A : off // A + n]), "overlaps a live block"
+        for i in range(off // A, off // A + n):
+            used[i] = True
+        live[off] = n
+    _check_against_model(fl, used, A)

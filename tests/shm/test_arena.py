@@ -568,6 +568,33 @@ def test_a_block_freed_and_taken_again_at_once_is_not_given_back(backend: str) -
 
 
 @needs_discard
+def test_keep_free_keeps_the_newest_freed_pages_and_the_next_block_takes_them(
+    backend: str,
+) -> None:
+    # A loader's worker: batches freed in turn; the newest stay warm for the
+    # next one, within the bound, and the older ones go back.
+    with shm.Arena(16 * MiB, backend=backend, discard_min=1 * MiB) as arena:
+        arena.keep_free = 4 * MiB
+        blocks = [arena.empty(3 * MiB, np.uint8) for _ in range(3)]
+        for i in range(3):
+            blocks[i][:] = i + 1
+        full = _committed(arena)
+        for _ in range(3):
+            del blocks[0]  # freed oldest first: the third is the newest
+            gc.collect()
+        arena.collect()
+        assert full - _committed(arena) == 6 * MiB  # two given back; 3 MiB <= 4 kept
+        again = arena.empty(3 * MiB, np.uint8)
+        assert (again == 3).all()  # the newest's pages, never zeroed (first fit: the first's)
+        assert full - _committed(arena) == 6 * MiB
+        del again
+        gc.collect()
+        arena.keep_free = 2 * MiB  # below a block: nothing is kept
+        arena.collect()
+        assert full - _committed(arena) == 9 * MiB
+
+
+@needs_discard
 def test_a_hole_that_cannot_be_committed_again_is_an_error(
     backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
