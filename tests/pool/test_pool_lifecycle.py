@@ -157,24 +157,29 @@ def test_a_worker_killed_while_idle_is_reported_as_idle(restart: bool) -> None:
         assert pool.stats().failed == 0, "no call was running: none may fail"
 
 
-def _slow_start(flag: str) -> None:
-    if os.path.exists(flag):  # only replacements: the flag is made after the pool starts
-        time.sleep(3)
+def _slow_start(flag: str, go: str) -> None:
+    """worker_init: replacements (the flag is made after the pool starts) start only
+    once the file ``go`` exists (bounded)."""
+    if os.path.exists(flag):
+        deadline = time.monotonic() + T
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 def test_a_restart_does_not_hold_up_other_workers_results(tmp_path: Path) -> None:
-    flag = str(tmp_path / "slow")
-    with WorkerPool(2, restart=True, worker_init=_slow_start, worker_init_args=(flag,)) as pool:
+    flag, go = str(tmp_path / "slow"), str(tmp_path / "go")
+    with WorkerPool(2, restart=True, worker_init=_slow_start, worker_init_args=(flag, go)) as pool:
         pids = pool.pids
         assert sorted(pool.map(lambda _: os.getpid(), range(8), timeout=T)) != []
         open(flag, "w").close()
         os.kill(pids[0], signal.SIGKILL)
         wait_until(lambda: pool.stats().restarts == 1, 10, "the restart to begin")
-        # The replacement takes 3 s to start; worker 1's results come meanwhile.
-        t0 = time.monotonic()
+        # The replacement cannot start until the test says so: worker 1's results
+        # come meanwhile (on a clock, a 3 s start against 20 results in 2 s, load
+        # could make the results slower than the start).
         for i in range(20):
             assert pool.submit_call(_square, (i,), worker=1).result(T) == i * i
-        assert time.monotonic() - t0 < 2, "results waited for the replacement's start"
+        open(go, "w").close()
         assert pool.submit_call(os.getpid, worker=0).result(T) not in pids
         assert pool.stats().restarts == 1
 
