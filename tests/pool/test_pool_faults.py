@@ -145,7 +145,9 @@ _DROPPED_AT_EXIT = """
 import time
 from mpexec import WorkerPool
 future = WorkerPool(1).submit(time.sleep, 120)
-time.sleep(0.5)
+deadline = time.monotonic() + 30  # running at exit (a 0.5 s clock: load could make it late)
+while not future.running() and time.monotonic() < deadline:
+    time.sleep(0.01)
 print(future.running())
 """
 
