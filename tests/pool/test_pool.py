@@ -367,6 +367,11 @@ import os, signal, sys, time
 import mpexec
 from mpexec._pool import _stop as _pool
 
+# A shell starts a background job with SIGINT ignored, and Python then installs no
+# KeyboardInterrupt handler: the Ctrl-Cs below would do nothing (the child then
+# sleeps, then waits for its calls, past the test's timeout). Ctrl-C as at a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 where = sys.argv[1]
 real = getattr(_pool, where)
 sent = []

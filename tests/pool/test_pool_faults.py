@@ -12,6 +12,7 @@ import time
 import traceback
 import weakref
 from concurrent.futures import wait as wait_futures
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -101,18 +102,27 @@ def test_a_dropped_pool_finishes_the_calls_it_was_given() -> None:
     wait_until(lambda: all(_gone(p) for p in pids), 10, "the dropped pool's worker to exit")
 
 
-def _die_soon() -> None:
-    time.sleep(0.2)
+def _die_once_told(go: str) -> None:
+    deadline = time.monotonic() + T
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.005)
     os._exit(3)
 
 
 @pytest.mark.parametrize("how", ["dropped", "shutdown"])
-def test_a_worker_dying_while_its_pool_stops_fails_every_waiting_call(how: str) -> None:
+def test_a_worker_dying_while_its_pool_stops_fails_every_waiting_call(
+    how: str, tmp_path: Path
+) -> None:
     # More calls than a worker takes in flight: some wait in the pool itself,
-    # for a worker that is not replaced while the pool stops.
+    # for a worker that is not replaced while the pool stops. The worker dies
+    # once the pool is stopping, not on a clock: a main thread slowed by load
+    # (gc.collect, the stopper's start) let it die while the pool still ran,
+    # which replaces it and runs the calls (WorkerCrashedError, not closed).
+    go = str(tmp_path / "die-now")
     pool = WorkerPool(1, restart=True)
+    state = pool._state
     assert pool.submit(_identity, 1).result(T) == 1
-    futures = [pool.submit(_die_soon)] + [pool.submit(_identity, i) for i in range(20)]
+    futures = [pool.submit(_die_once_told, go)] + [pool.submit(_identity, i) for i in range(20)]
     stopper = None
     if how == "dropped":
         del pool
@@ -120,6 +130,8 @@ def test_a_worker_dying_while_its_pool_stops_fails_every_waiting_call(how: str) 
     else:
         stopper = threading.Thread(target=pool.shutdown, daemon=True)  # never hold up exit
         stopper.start()
+    wait_until(lambda: state.stopping, T, "the pool to begin stopping")
+    open(go, "w").close()
     _, not_done = wait_futures(futures, timeout=T)
     assert not not_done, "calls waiting for a worker that never comes"
     for future in futures:
@@ -133,7 +145,9 @@ _DROPPED_AT_EXIT = """
 import time
 from mpexec import WorkerPool
 future = WorkerPool(1).submit(time.sleep, 120)
-time.sleep(0.5)
+deadline = time.monotonic() + 30  # running at exit (a 0.5 s clock: load could make it late)
+while not future.running() and time.monotonic() < deadline:
+    time.sleep(0.01)
 print(future.running())
 """
 
