@@ -38,6 +38,7 @@ from tests.conftest import _children, run_python, wait_until  # noqa: E402
 from tests.pipeline.test_determinism import assert_identical, make, run_two_epochs  # noqa: E402
 
 T = 60  # every .result() here is bounded by this
+START = 300  # but a pool's first calls, which wait for Ray and the agents to be up
 STORE = 100 << 20  # each node's object store: small, the machine is shared
 
 
@@ -130,6 +131,11 @@ def ray_setup(request: pytest.FixtureRequest) -> Iterator[Any]:
 def pool(ray_setup: Any) -> Iterator[RayPool]:
     """One pool for the tests that leave it usable (agents take seconds to start)."""
     with RayPool() as p:
+        # Warmed first, under a bound of its own: on a loaded host (CI runs two
+        # suites at once on 2 cores) Ray's processes and the agents' workers can
+        # take over a minute to come up, which is not what these tests time.
+        warm = [p.submit(_square, i) for i in range(2 * p.num_workers)]
+        assert [f.result(START) for f in warm] == [i * i for i in range(len(warm))]
         yield p
     assert_gone(p)
 
