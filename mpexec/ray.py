@@ -50,6 +50,7 @@ from typing import Any, Literal, TypeVar
 
 import cloudpickle
 import numpy as np
+import psutil
 
 try:
     import ray
@@ -143,7 +144,14 @@ class _Agent:
             return _failure(exc)
 
     def close(self) -> None:
+        """Stop the pool, then end this actor's process through its exit handlers.
+
+        ``ray.kill`` ends a process at once, which leaves behind what exit
+        handlers clean up: multiprocessing's temporary directory holding the
+        fork server's socket (one ``/tmp/pymp-*`` per agent, each pool).
+        """
         self._pool.shutdown(wait=False, cancel_futures=True)
+        ray.actor.exit_actor()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def _failure(exc: BaseException) -> tuple[Any, ...]:
@@ -338,7 +346,7 @@ class RayPool(CallExecutor):
         try:
             self._start_agents(start_timeout)
         except BaseException:
-            _kill_agents(self._state.agents)
+            _kill_agents(self._state.agents, before_shutdown=self._owns_ray)
             if self._owns_ray:
                 ray.shutdown()
             raise
@@ -951,8 +959,12 @@ def _fail_pending(state: _State, error: BaseException) -> None:
         _settle(state, call, exc=error)
 
 
-def _kill_agents(agents: list[_AgentInfo]) -> None:
-    """Ask each agent to stop its pool (bounded), then kill its actor."""
+def _kill_agents(agents: list[_AgentInfo], *, before_shutdown: bool = False) -> None:
+    """Ask each agent to stop its pool and exit (bounded), then kill its actor.
+
+    ``before_shutdown``: ``ray.shutdown()`` comes next, which would cut short the
+    exit of the agents on this node; wait (bounded) for their processes to end.
+    """
     live = [a for a in agents if a.alive]
     closing = []
     for a in live:
@@ -964,6 +976,15 @@ def _kill_agents(agents: list[_AgentInfo]) -> None:
         a.alive = False
         with contextlib.suppress(Exception):
             ray.kill(a.handle, no_restart=True)
+    if before_shutdown:
+        with contextlib.suppress(Exception):
+            here = ray.get_runtime_context().get_node_id()
+            procs = []
+            for a in live:
+                if a.node_id == here and a.pid is not None:
+                    with contextlib.suppress(psutil.Error):
+                        procs.append(psutil.Process(a.pid))
+            psutil.wait_procs(procs, timeout=_STOP_GRACE)
 
 
 def _abandon(state: _State, agents: list[_AgentInfo], owns_ray: bool) -> None:
@@ -972,7 +993,7 @@ def _abandon(state: _State, agents: list[_AgentInfo], owns_ray: bool) -> None:
         state.closed = True
     state.stop_watching.set()
     if _session() == state.session:  # else Ray went, and the agents with it
-        _kill_agents(agents)
+        _kill_agents(agents, before_shutdown=owns_ray)
     error = PoolClosedError("the pool was shut down before this call finished")
     with state.lock:
         _fail_pending(state, error)

@@ -290,14 +290,30 @@ def test_workers_per_node_and_bad_arguments(ray_setup: Any) -> None:
         assert list(p.map(_square, range(5), timeout=T)) == [0, 1, 4, 9, 16]
 
 
-def test_close_leaves_no_actor_or_process(ray_setup: Any) -> None:
+def _fork_server_dirs(processes: list[tuple[int, list[int]]]) -> set[str]:
+    """The directories of the agents' fork-server sockets: multiprocessing's temp dirs."""
+    dirs = set()
+    for agent_pid, _ in processes:
+        for child in psutil.Process(agent_pid).children():
+            with contextlib.suppress(psutil.Error):
+                for conn in child.net_connections(kind="unix"):
+                    if os.path.basename(conn.laddr).startswith("listener-"):
+                        dirs.add(os.path.dirname(conn.laddr))
+    return dirs
+
+
+def test_close_leaves_no_actor_process_or_temp_dir(ray_setup: Any) -> None:
+    """Agents exit through their exit handlers: ray.kill alone left one /tmp/pymp-* each."""
     p = RayPool()
     processes = p._agent_processes()
     assert len(processes) == len(p.nodes)
+    dirs = _fork_server_dirs(processes)
+    assert len(dirs) == len(processes), dirs  # one fork server each (all nodes are here)
     futures = [p.submit(_slow_square, i) for i in range(8)]
     p.shutdown(wait=True)
     assert [f.result(0) for f in futures] == [i * i for i in range(8)]
     assert_gone(p, processes)
+    wait_until(lambda: not any(map(os.path.exists, dirs)), 30, f"{sorted(dirs)} to go")
 
 
 def test_shutdown_without_wait_fails_queued_calls(ray_setup: Any) -> None:
