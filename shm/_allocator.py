@@ -8,6 +8,9 @@ dictionary lookup or a binary search:
 - ``_start``: offset -> size, and ``_end``: end offset -> offset, so that a
   freed block merges with both neighbours in O(1).
 
+The exception is :meth:`FreeList.allocate_near`, a linear search over the free
+blocks, asked only by an arena that keeps freed pages warm (``keep_free``).
+
 Allocated blocks are kept too (``_used``), so a double free or a free of a range
 that was never handed out raises instead of corrupting the lists.
 """

@@ -599,11 +599,13 @@ class Arena:
         freed and taken again at once (a worker's next batch) stays committed;
         the newest :attr:`keep_free` bytes of them stay for the next ones.
         """
-        pending, self._discard = self._discard, []
-        kept = 0
-        while pending and kept + pending[-1][2] - pending[-1][1] <= self.keep_free:
-            kept += pending[-1][2] - pending[-1][1]
-            self._discard.insert(0, pending.pop())
+        cut, kept = len(self._discard), 0
+        while (
+            cut and kept + self._discard[cut - 1][2] - self._discard[cut - 1][1] <= self.keep_free
+        ):
+            cut -= 1
+            kept += self._discard[cut][2] - self._discard[cut][1]
+        pending, self._discard = self._discard[:cut], self._discard[cut:]
         for seg, a, b in pending:
             if seg.rw.discard(a, b - a):
                 seg.holes.append((a, b))
