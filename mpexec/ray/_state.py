@@ -152,18 +152,22 @@ class RayState:
             )
 
     def no_agent_left(self, cause: BaseException | None) -> None:
-        """Every agent is lost: the pool is broken, every waiting call fails."""
+        """Every agent is lost: the pool is broken, every waiting call fails.
+
+        With a copy of the error that broke the pool (``cause`` its cause), also
+        for a call that comes back lost after that.
+        """
         with self.lock:
-            error = NodeLostError(
-                f"every agent of the RayPool is gone (nodes lost: {', '.join(self.lost)}); "
-                "no node is left to run calls on. Check the Ray cluster (`ray status`) "
-                "and create a new pool.",
-                nodes=list(self.lost),
-            )
-            error.__cause__ = cause
             if self.broken is None:
+                error = NodeLostError(
+                    f"every agent of the RayPool is gone (nodes lost: {', '.join(self.lost)}); "
+                    "no node is left to run calls on. Check the Ray cluster (`ray status`) "
+                    "and create a new pool.",
+                    nodes=list(self.lost),
+                )
+                error.__cause__ = cause
                 self.broken = error
-            self.fail_pending(error)
+            self.fail_pending(self.broken, stored=True)
 
     def ray_gone(self) -> None:
         """Ray was shut down under the pool: it is broken, every call waiting fails now."""
@@ -179,13 +183,14 @@ class RayState:
                 for agent in self.agents:
                     agent.alive = False
             error = self.broken
-            self.fail_pending(error)
+            self.fail_pending(error, stored=True)
             futures = list(self.outstanding)
             self.outstanding.clear()
             self.failed += sum(not f.done() for f in futures)
         self.flush()
         for future in futures:  # in flight: Ray's callbacks for them never come
-            settle(future, exc=error)
+            if not future.done():
+                settle(future, exc=raised_again(error))
 
     # ------------------------------------------------------------ calls
     def add(self, call: Call) -> None:
@@ -291,13 +296,20 @@ class RayState:
                     continue
                 settle(call.future, result, exc)
 
-    def fail_pending(self, error: BaseException) -> None:
-        """Fail every call not yet sent (:meth:`flush` settles them)."""
+    def fail_pending(self, error: BaseException, *, stored: bool = False) -> None:
+        """Fail every call not yet sent (:meth:`flush` settles them).
+
+        ``stored``: ``error`` is the one the pool keeps (``self.broken``): each
+        call gets a copy of it, whose ``__cause__`` it is. Each caller's
+        ``result()`` raises what its future holds, and raising the stored
+        object would add that caller's frames to it, kept for as long as the
+        pool lives (see ``raised_again``).
+        """
         with self.lock:
             calls = list(self.pending)
             self.pending.clear()
             for call in calls:
-                self.settle(call, exc=error)
+                self.settle(call, exc=raised_again(error) if stored else error)
 
     # ------------------------------------------------------------ closing
     def close(self, fail_pending: bool) -> tuple[bool, list[Future[Any]]]:
