@@ -93,6 +93,7 @@ LAYERS: dict[str, int] = {
     "mpexec._gpu": 3,
     "mpexec._arith": 3,  # DataNode arithmetic: the expressions the workers run
     "mpexec._types": 3,  # DALI's type names and NumPy dtypes, for _arith and the ops
+    "mpexec._dali_runner": 3,  # dali.python_function's chunks, run in workers
     # 4: the executors that run units (a pool's, the GPU's)
     "mpexec._executors": 4,
     # 5: the scheduler and the graph it walks
