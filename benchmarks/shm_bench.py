@@ -572,77 +572,12 @@ def bench_handoff(ctx: Any, cfg: Config, problems: list[str]) -> dict[str, Any]:
                 arrays[size] = a
             del a
 
-            def shm_once(arr: np.ndarray[Any, Any], i: int) -> int:
-                arr[0] = i  # a fresh value each time: the child must see this write
-                t0 = time.perf_counter_ns()
-                desc = arena.share(arr)
-                req.push(pickle.dumps(desc), OP_S, watch)
-                ack = rep.pop(OP_S, watch)
-                arena.collect()
-                dt = time.perf_counter_ns() - t0
-                if ACK.unpack(ack)[0] != i + 2.0:
-                    raise RuntimeError(f"child read {ACK.unpack(ack)[0]}, expected {i + 2.0}")
-                return dt
-
-            def pipe_once(arr: np.ndarray[Any, Any], i: int) -> int:
-                assert conn is not None
-                arr[0] = i
-                limit = OP_S + arr.nbytes / (20 * MiB)  # >= 20 MiB/s each way
-                t0 = time.perf_counter_ns()
-                conn.send(arr)  # bounded by the watchdog
-                if not conn.poll(limit):
-                    raise TimeoutError(f"array of {arr.nbytes} B not back in {limit:.0f} s")
-                back = conn.recv()
-                dt = time.perf_counter_ns() - t0
-                if back[0] != i or back[-1] != 2.0:
-                    raise RuntimeError("the array came back different")
-                del back
-                return dt
-
+            links = _Handoff(arena, req, rep, watch, conn)
             for size, iters in cfg.handoff_sizes:
                 gc.collect()
                 arr = arrays[size]
-                plain = np.ones(size // 4, np.float32)  # not in the arena
-                plain[-1] = 2.0
-                per_round = max(1, math.ceil(cfg.shm_iterations / iters))
-                t_shm: list[float] = []
-                t_copy: list[float] = []
-                t_pipe: list[float] = []
-                warm = 2 if size >= 16 * MiB else 10
-                for i in range(warm):
-                    shm_once(arr, i)
-                    shm_once(plain, i)
-                    pipe_once(plain, i)
-                for i in range(iters):
-                    # Alternate who goes first.
-                    if i % 2:
-                        t_pipe.append(pipe_once(plain, i))
-                    t_shm.extend(shm_once(arr, i * per_round + j) for j in range(per_round))
-                    t_copy.append(shm_once(plain, i))
-                    if not i % 2:
-                        t_pipe.append(pipe_once(plain, i))
-                del plain
-                s_shm, s_copy, s_pipe = summarize(t_shm), summarize(t_copy), summarize(t_pipe)
-                results["by_size"][str(size)] = {
-                    "shm": s_shm,
-                    "shm_copy_in": s_copy,
-                    "pipe": s_pipe,
-                    "pipe_over_shm": s_pipe["median_us"] / s_shm["median_us"],
-                    "pipe_over_shm_copy_in": s_pipe["median_us"] / s_copy["median_us"],
-                }
-                st = arena.stats()
-                results["arena_after_size"][str(size)] = {
-                    "in_use": st.in_use,
-                    "peak": st.peak,
-                    "reserved": st.reserved,
-                    "exported": st.exported,
-                    "releases_received": st.releases_received,
-                }
-                log(
-                    f"  handoff {fmt_size(size)}: shm {fmt_time(s_shm['median_us'])}, "
-                    f"copy-in {fmt_time(s_copy['median_us'])}, "
-                    f"pipe {fmt_time(s_pipe['median_us'])}"
-                )
+                results["by_size"][str(size)] = _handoff_size(links, arr, size, iters, cfg)
+                results["arena_after_size"][str(size)] = _arena_after(arena)
             del arrays, arr
             gc.collect()
             # Every reference the child held must come back, and nothing else stay.
@@ -668,6 +603,103 @@ def bench_handoff(ctx: Any, cfg: Config, problems: list[str]) -> dict[str, Any]:
             req.close()
             rep.close()
             arena.close()  # closes the link ring too
+    _flatness(results)
+    return results
+
+
+class _Handoff:
+    """One array handed over each way: through the arena (a descriptor on a ring to a
+    reader child) and through a Pipe (pickled, to an echo child)."""
+
+    def __init__(
+        self,
+        arena: shm.Arena,
+        req: shm.Ring,
+        rep: shm.Ring,
+        watch: list[Any],
+        conn: Connection,
+    ) -> None:
+        self.arena, self.req, self.rep, self.watch, self.conn = arena, req, rep, watch, conn
+
+    def shm_once(self, arr: np.ndarray[Any, Any], i: int) -> int:
+        arr[0] = i  # a fresh value each time: the child must see this write
+        t0 = time.perf_counter_ns()
+        desc = self.arena.share(arr)
+        self.req.push(pickle.dumps(desc), OP_S, self.watch)
+        ack = self.rep.pop(OP_S, self.watch)
+        self.arena.collect()
+        dt = time.perf_counter_ns() - t0
+        if ACK.unpack(ack)[0] != i + 2.0:
+            raise RuntimeError(f"child read {ACK.unpack(ack)[0]}, expected {i + 2.0}")
+        return dt
+
+    def pipe_once(self, arr: np.ndarray[Any, Any], i: int) -> int:
+        arr[0] = i
+        limit = OP_S + arr.nbytes / (20 * MiB)  # >= 20 MiB/s each way
+        t0 = time.perf_counter_ns()
+        self.conn.send(arr)  # bounded by the watchdog
+        if not self.conn.poll(limit):
+            raise TimeoutError(f"array of {arr.nbytes} B not back in {limit:.0f} s")
+        back = self.conn.recv()
+        dt = time.perf_counter_ns() - t0
+        if back[0] != i or back[-1] != 2.0:
+            raise RuntimeError("the array came back different")
+        del back
+        return dt
+
+
+def _handoff_size(
+    links: _Handoff, arr: np.ndarray[Any, Any], size: int, iters: int, cfg: Config
+) -> dict[str, Any]:
+    """One size's round trips: the arena's array, a plain one copied in, the Pipe."""
+    plain = np.ones(size // 4, np.float32)  # not in the arena
+    plain[-1] = 2.0
+    per_round = max(1, math.ceil(cfg.shm_iterations / iters))
+    t_shm: list[float] = []
+    t_copy: list[float] = []
+    t_pipe: list[float] = []
+    warm = 2 if size >= 16 * MiB else 10
+    for i in range(warm):
+        links.shm_once(arr, i)
+        links.shm_once(plain, i)
+        links.pipe_once(plain, i)
+    for i in range(iters):
+        # Alternate who goes first.
+        if i % 2:
+            t_pipe.append(links.pipe_once(plain, i))
+        t_shm.extend(links.shm_once(arr, i * per_round + j) for j in range(per_round))
+        t_copy.append(links.shm_once(plain, i))
+        if not i % 2:
+            t_pipe.append(links.pipe_once(plain, i))
+    del plain
+    s_shm, s_copy, s_pipe = summarize(t_shm), summarize(t_copy), summarize(t_pipe)
+    log(
+        f"  handoff {fmt_size(size)}: shm {fmt_time(s_shm['median_us'])}, "
+        f"copy-in {fmt_time(s_copy['median_us'])}, "
+        f"pipe {fmt_time(s_pipe['median_us'])}"
+    )
+    return {
+        "shm": s_shm,
+        "shm_copy_in": s_copy,
+        "pipe": s_pipe,
+        "pipe_over_shm": s_pipe["median_us"] / s_shm["median_us"],
+        "pipe_over_shm_copy_in": s_pipe["median_us"] / s_copy["median_us"],
+    }
+
+
+def _arena_after(arena: shm.Arena) -> dict[str, Any]:
+    st = arena.stats()
+    return {
+        "in_use": st.in_use,
+        "peak": st.peak,
+        "reserved": st.reserved,
+        "exported": st.exported,
+        "releases_received": st.releases_received,
+    }
+
+
+def _flatness(results: dict[str, Any]) -> None:
+    """The largest size's median over the smallest's: 1.0 when size costs nothing."""
     sizes_done = [int(s) for s in results["by_size"]]
     big, small = max(sizes_done), min(sizes_done)
     results["largest"], results["smallest"] = big, small
@@ -675,7 +707,6 @@ def bench_handoff(ctx: Any, cfg: Config, problems: list[str]) -> dict[str, Any]:
         results["by_size"][str(big)]["shm"]["median_us"]
         / results["by_size"][str(small)]["shm"]["median_us"]
     )
-    return results
 
 
 def handoff_table(res: dict[str, Any]) -> str:

@@ -181,7 +181,9 @@ class GpuStats:
     pending_releases: int
 
 
-class _Slot:
+class _StagingSlot:
+    """One pinned host buffer of the staging ring, and the event of its last copy."""
+
     __slots__ = ("event", "host", "mem")
 
     def __init__(self) -> None:
@@ -322,7 +324,7 @@ class GpuStage:
         self._streams: dict[str, Any] = {}
         self._registered: dict[int, tuple[int, Any]] = {}  # address -> (size, segment)
         self._unregistrable: set[int] = set()
-        self._slots = [_Slot() for _ in range(max(1, staging_slots))]
+        self._slots = [_StagingSlot() for _ in range(max(1, staging_slots))]
         self._next_slot = 0
         # (event, things to drop, callbacks) per copy, oldest first: the copy stream is
         # in order, so events complete in this order.
@@ -443,7 +445,7 @@ class GpuStage:
         # The slot is reused only after this copy's event: record one for it alone.
         slot.event = self.h2d.record()
 
-    def _take_slot(self, nbytes: int) -> _Slot:
+    def _take_slot(self, nbytes: int) -> _StagingSlot:
         slot = self._slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self._slots)
         if slot.event is not None and not slot.event.done:
@@ -856,8 +858,3 @@ def _contiguous(xp: Any, a: Any, stream: Any) -> Any:
         return a
     with stream:
         return a.copy()
-
-
-def is_cuda_error(exc: BaseException, xp: Any) -> bool:
-    """True if ``exc`` is a CUDA runtime error or a device out-of-memory."""
-    return isinstance(exc, (xp.cuda.runtime.CUDARuntimeError, xp.cuda.memory.OutOfMemoryError))

@@ -395,12 +395,14 @@ class OpRunner:
         self.entropy = entropy
         self.output_dtypes = output_dtypes
         self.output_shapes = output_shapes
+        # On the CPU a DLPack op's inputs go as they are (NumPy arrays are DLPack
+        # producers already); its outputs are converted as every op's (_array).
         self.dlpack = dlpack
         self.debug = debug
         self.takes_rng = takes_keyword(function, "rng")
         # Calls with nothing around them but the reseeding, and outputs with no
         # declaration to check, take a short path (most ops of most pipelines).
-        self._plain = not (self.takes_rng or self.dlpack or self.debug)
+        self._plain = not (self.takes_rng or self.debug)
         self._unchecked = self.output_dtypes is None and self.output_shapes is None
         # Reseed before every call, for good: a call that may not run twice (stateful
         # ops, ops kept for their side effects, reseed="always", under a timeout)
@@ -505,7 +507,7 @@ class OpRunner:
             self._streak = 0
 
     def _invoke(self, args: tuple[Any, ...], sample: int | None) -> Any:
-        """The function's call: with ``rng``, DLPack inputs, debug checks as declared."""
+        """The function's call: with ``rng`` and debug checks as declared."""
         if self._plain:
             try:
                 return self.function(*args)
@@ -517,8 +519,6 @@ class OpRunner:
             key = (*self._where, 0 if sample is None else sample + 1)
             seq = np.random.SeedSequence(self.entropy, spawn_key=key)
             kwargs["rng"] = np.random.Generator(np.random.PCG64(seq))
-        if self.dlpack and self.kind is not CallKind.SOURCE:
-            args = tuple(_from_dlpack_inputs(a) for a in args)
         sums = _checksums(args) if self.debug else None
         try:
             return self.function(*args, **kwargs)
@@ -958,10 +958,6 @@ def _checksums(args: tuple[Any, ...]) -> list[int]:
 
 #: ``np.from_dlpack`` (NumPy 1.22 called it ``np._from_dlpack``).
 np_from_dlpack: Any = getattr(np, "from_dlpack", None) or getattr(np, "_from_dlpack", None)
-
-
-def _from_dlpack_inputs(value: Any) -> Any:
-    return value  # NumPy arrays are DLPack producers already; lists stay lists
 
 
 def takes_keyword(function: Any, name: str) -> bool:

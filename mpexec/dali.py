@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -47,17 +46,14 @@ import numpy as np
 
 from ._batch import Batch
 from ._codec import writable
+from ._dali_runner import ChunkRunner
 from ._extras import INSTALL_DOC, install_command
+from ._mapping import ChunkSizer
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
 
 __all__ = ["DaliFunction", "PipelineSource", "external_source", "python_function", "source"]
 
-#: A chunk of a batch should keep a worker busy about this long (CPU time): short
-#: enough that a worker slowed down by other load leaves a short tail, long enough
-#: that a chunk's cost here (a call: ~0.2 ms of this process's CPU) is a small
-#: part of it.
-_CHUNK_SECONDS = 0.02
 _MAX_CHUNKS_PER_WORKER = 4
 
 
@@ -98,70 +94,6 @@ def python_function(
     )
 
 
-class _ChunkRunner:
-    """Runs in a worker: ``function`` over rows of a batch (sent once, cached there).
-
-    ``out``: per output, the rows of the batch's output block for this chunk
-    (writable shared memory), or None. An output whose samples all fit their
-    rows (shape and dtype) is written there and comes back as None: only the
-    block travels, as one descriptor, and the caller hands DALI its rows.
-    """
-
-    def __init__(self, function: Callable[..., Any], num_outputs: int, batch: bool) -> None:
-        self.function = function
-        self.num_outputs = num_outputs
-        self.batch = batch
-
-    def __call__(
-        self, *columns: Sequence[Any], out: tuple[Any, ...] = ()
-    ) -> tuple[float, tuple[Any, ...]]:
-        """(CPU seconds the chunk took here, per output: its samples, or None if written)."""
-        t0 = time.thread_time()
-        n = self.num_outputs
-        results = self._compute(columns)
-        written = tuple(
-            None if block is not None and _write_rows(block, col) else col
-            for col, block in zip(results, out or (None,) * n, strict=True)
-        )
-        return time.thread_time() - t0, written
-
-    def _compute(self, columns: Sequence[Sequence[Any]]) -> list[list[Any]]:
-        n = self.num_outputs
-        if self.batch:
-            got = self.function(*(list(c) for c in columns))  # lists, as DALI gives
-            parts = () if n == 0 else (got,) if n == 1 else _outputs(got, n)
-            return [[np.asarray(v) for v in p] for p in parts]
-        results: list[list[Any]] = [[] for _ in range(n)]
-        for row in zip(*columns, strict=True):
-            got = self.function(*row)
-            if n == 0:
-                continue
-            for col, value in zip(results, (got,) if n == 1 else _outputs(got, n), strict=True):
-                col.append(np.asarray(value))
-        return results
-
-
-def _write_rows(block: np.ndarray[Any, Any], samples: list[Any]) -> bool:
-    """``samples`` copied into the rows of ``block`` if every one fits its row exactly."""
-    if len(samples) != len(block):
-        return False
-    shape, dtype = block.shape[1:], block.dtype
-    if not all(s.shape == shape and s.dtype == dtype for s in samples):
-        return False
-    for row, s in zip(block, samples, strict=True):
-        row[...] = s
-    return True
-
-
-def _outputs(out: Any, n: int) -> tuple[Any, ...]:
-    if not isinstance(out, (tuple, list)) or len(out) != n:
-        got = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
-        raise ValueError(
-            f"the function has num_outputs={n}: it must return a tuple of {n} outputs, not {got}"
-        )
-    return tuple(out)
-
-
 class DaliFunction:
     """What :func:`python_function` returns: call it with DALI's batches (lists of arrays)."""
 
@@ -183,7 +115,7 @@ class DaliFunction:
         self.function = function
         self.num_outputs = num_outputs
         self.batch_processing = batch_processing
-        self._runner = _ChunkRunner(function, num_outputs, batch_processing)
+        self._runner = ChunkRunner(function, num_outputs, batch_processing)
         self._given_pool = pool
         self._pool_args = {"start_method": start_method, "timeout": timeout}
         self._num_workers = num_workers
@@ -346,10 +278,21 @@ def _adjacent(arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any] | None
 
 
 def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]:
-    """Rows per call: one chunk per worker, more where samples are slow (a shorter tail)."""
+    """Rows per call: one chunk per worker, more where samples are slow (a shorter tail).
+
+    How many samples a chunk should hold is ``map()``'s automatic policy
+    (:class:`~mpexec._mapping.ChunkSizer`: about ``AUTO_CHUNK_SECONDS`` of a
+    worker's CPU, at most ``AUTO_CHUNK_MAX`` samples), learned from the last
+    batch's CPU seconds per sample; a batch is then cut into 1 to
+    ``_MAX_CHUNKS_PER_WORKER`` chunks a worker.
+    """
     if size == 0:
         return [(0, 0)]
-    per_worker = round(size * per_sample / workers / _CHUNK_SECONDS) if per_sample else 1
+    per_worker = 1
+    if per_sample:
+        sizer = ChunkSizer(workers, None)
+        sizer.learn(size, 0.0, size * per_sample, 0)  # CPU time only, whatever the load
+        per_worker = round(size / sizer.size / workers)
     k = max(1, min(size, workers * max(1, min(_MAX_CHUNKS_PER_WORKER, per_worker))))
     return [(size * i // k, size * (i + 1) // k) for i in range(k)]
 

@@ -716,6 +716,18 @@ class Arena:
         anchor.first_start = start
         return view
 
+    def open_own(self, desc: ArrayDescriptor, writable: bool) -> np.ndarray[Any, Any] | None:
+        """A view of one of this arena's own descriptors (its allocations, its proxies of
+        other processes' memory), opened in place, without the importer; None in a
+        process forked from the arena's, whose copy of the arena is not its own.
+
+        What :func:`shm.open_descriptor` does first with a descriptor of an arena
+        of this process: each descriptor once (it takes over its reference).
+        """
+        if self._pid != os.getpid():
+            return None
+        return self._open_local(desc, writable)
+
     def _open_local(self, desc: ArrayDescriptor, writable: bool) -> np.ndarray[Any, Any]:
         alloc = self._allocs.get(desc.alloc_id)
         if alloc is None or alloc.exported <= 0:

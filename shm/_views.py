@@ -650,11 +650,11 @@ def open_array(
     ref = local_arenas.get(desc.arena_id)
     arena = ref() if ref is not None else None
     # Our own arena (not a forked copy of our parent's): its allocations, and
-    # its proxies of other processes' memory, are opened without the importer.
-    # A deliberate seam inside shm: views of an arena's own memory are its to open.
-    if arena is not None and arena._pid == os.getpid():  # noqa: SLF001
-        view: np.ndarray[Any, Any] = arena._open_local(desc, writable)  # noqa: SLF001
-        return view
+    # its proxies of other processes' memory, are its to open, without the importer.
+    if arena is not None:
+        view: np.ndarray[Any, Any] | None = arena.open_own(desc, writable)
+        if view is not None:
+            return view
     imp = _importer
     if desc.arena_id not in imp.routes:
         raise AttachError(

@@ -118,6 +118,55 @@ class _Info:
         self.idx_in_epoch = i
 
 
+def test_python_function_runner_loads_no_caller_side_module_in_a_worker() -> None:
+    """A worker that unpickles the chunk runner imports the worker side only: not the
+    pool, the pipeline or the scheduler (which ``mpexec.dali`` itself imports)."""
+    import ast
+    import pickle
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    # np.negative pickles by reference, as numpy's: the child imports nothing of the test.
+    runner = cloudpickle.dumps(mpexec.dali.python_function(np.negative)._runner)
+    code = (
+        "import pickle, sys; runner = pickle.loads(sys.stdin.buffer.read()); "
+        "print(sorted(m for m in sys.modules if m.startswith('mpexec')))"
+    )
+    root = str(Path(mpexec.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=runner,
+        capture_output=True,
+        check=True,
+        env=env,
+        timeout=60,
+    )
+    loaded = set(ast.literal_eval(out.stdout.decode()))
+    assert "mpexec._dali_runner" in loaded
+    assert not loaded & {"mpexec.dali", "mpexec._pool", "mpexec._pipeline", "mpexec._scheduler"}
+    assert pickle.loads(runner)(*[[np.ones(2)]])[1][0][0].tolist() == [-1.0, -1.0]
+
+
+def test_python_function_chunks_follow_maps_chunk_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows per chunk come from ``map()``'s automatic policy (one time target for both):
+    about AUTO_CHUNK_SECONDS of CPU a chunk, 1 to 4 chunks a worker."""
+    import mpexec._mapping as mapping
+    from mpexec.dali import _chunks
+
+    assert _chunks(0, 4, 0.0) == [(0, 0)]
+    assert len(_chunks(64, 4, 0.0)) == 4  # nothing measured yet: one a worker
+    assert len(_chunks(64, 4, 1e-6)) == 4  # quick samples: one a worker
+    assert len(_chunks(64, 4, 0.01)) == 16  # slow samples: a shorter tail, 4 a worker
+    bounds = _chunks(64, 4, 0.002)  # 0.02 s a chunk: 10 samples, 2 chunks a worker
+    assert len(bounds) == 8
+    assert (bounds[0][0], bounds[-1][1]) == (0, 64)
+    monkeypatch.setattr(mapping, "AUTO_CHUNK_SECONDS", 0.064)  # 32 samples a chunk
+    assert len(_chunks(64, 4, 0.002)) == 4
+
+
 def test_source_gives_dense_blocks_and_ends_epochs() -> None:
     pipe = _source_pipe(8)
     with pipe:

@@ -383,14 +383,20 @@ def test_a_broken_pool_raises_a_new_error_per_call_and_keeps_no_caller_alive(
     ray_setup: Any,
 ) -> None:
     """As WorkerPool (tests/pool/test_pool_faults.py): each later submit raises a new
-    NodeLostError, the stored one its ``__cause__``, and keeps none of its frames."""
+    NodeLostError, the stored one its ``__cause__``, and keeps none of its frames. The
+    calls that failed when it broke got copies too: raising them (as each caller's
+    ``result()`` does) never adds a frame to the stored error."""
     p = RayPool()
     processes = p._agent_processes()
-    future = p.submit(_slow_square, 1)
+    # More calls than the agents take at once (2 a worker): some wait in the pool.
+    futures = [p.submit(_slow_square, i) for i in range(2 * p.num_workers + 4)]
     for name in p.agent_names():
         ray.kill(ray.get_actor(name, namespace="mpexec"), no_restart=True)
-    with pytest.raises(NodeLostError):
-        future.result(T)
+    failed = [f for f in futures if f.exception(T) is not None]
+    assert len(failed) >= 4
+    for f in failed:
+        with pytest.raises(NodeLostError):
+            f.result(T)
     assert p.status.state == "broken"
 
     def failed_call() -> tuple[BaseException | None, int, weakref.ref[_Payload]]:
@@ -416,6 +422,11 @@ def test_a_broken_pool_raises_a_new_error_per_call_and_keeps_no_caller_alive(
         depths.add(depth)
     assert len(causes) == 1, "each later call's cause is the error that broke the pool"
     assert len(depths) == 1, "the traceback grows with every failed call"
+    # Raised by nobody: it holds no caller's frame (nor, through them, their arguments).
+    assert stored.__traceback__ is None, "a failed call's result() raised the stored error"
+    errors = [f.exception(0) for f in failed]
+    assert all(e is not stored and e.__cause__ is stored for e in errors)
+    assert len({id(e) for e in errors}) == len(errors), "one error object for many callers"
     p.shutdown()
     assert_gone(p, processes)
 

@@ -185,6 +185,25 @@ def test_descriptor_holds_a_reference_until_opened(arena: shm.Arena) -> None:
         shm.open_array(desc)
 
 
+def test_open_own_opens_the_arenas_descriptors_in_this_process_only(
+    arena: shm.Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seam shm.open_array uses for an arena's own memory: in place here, None in a
+    forked child (whose copy of the arena is not its own: the importer opens it there)."""
+    desc = arena.share(np.arange(6.0))
+    view = arena.open_own(desc, writable=False)
+    assert view is not None
+    assert view.tolist() == list(range(6))
+    assert not view.flags.writeable
+    assert arena.owns(view)
+    assert arena.stats().exported == 0  # it took over the descriptor's reference
+    other = arena.share(np.ones(1))
+    with monkeypatch.context() as m:
+        m.setattr(os, "getpid", lambda: -1)  # as a forked child sees it: another pid
+        assert arena.open_own(other, writable=False) is None
+    assert shm.open_array(other).tolist() == [1.0]
+
+
 def test_alignment_and_no_overlap(arena: shm.Arena) -> None:
     arrays = [arena.empty(n, np.uint8) for n in (1, 63, 64, 65, 1000, 4097)]
     spans = []
