@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 
 import mpexec
-from mpexec import _tf, contrib
+from mpexec import _pyfunc as _tf
+from mpexec import contrib
 from mpexec._graph import DataNode
-from mpexec._tf import numpy_function, py_func, py_function
+from mpexec._pyfunc import numpy_function, py_func, py_function
 from tests.conftest import _children, shm_names, wait_until
 
 TOKEN = r"pyfunc_\d+"

@@ -1,0 +1,300 @@
+"""mpexec's py_func family inside TensorFlow graphs: TF's own op, its body waiting on a worker.
+
+:mod:`mpexec._pyfunc` hands a call here when it belongs to TensorFlow (see
+:func:`wanted`): TF is building a graph (``tf.function``, a ``tf.data`` map, a
+Keras layer, a v1 graph), or an input is a TF tensor. The op added is
+TensorFlow's own ``numpy_function`` (kernels ``PyFunc`` / ``PyFuncStateless``),
+so TF's rules hold as they are: ``Tout``, names, control dependencies,
+placement, Python errors mapped to TF's error codes. Its Python body only
+hands the arrays to a worker and waits::
+
+    TF kernel thread (holds the GIL)            mpexec worker (a GIL of its own)
+    _Body(*arrays)   (views of TF's tensors)
+      pool.submit_call(call, arrays)  ------->  PyFuncCall: the user's function,
+        inputs copied once into shared memory     TF's checks on what it returns
+      future.result()  (the GIL released)  <---   outputs in the worker's arena
+    return read-only views of them   (TF aliases a 64-byte aligned array, else copies)
+
+A blocking wait releases the GIL, so N TF threads (``num_parallel_calls=N``,
+inter-op threads) keep N workers busy at once; under the GIL each call costs
+only the submit and the input copy. This module imports TensorFlow; it is
+imported only once TensorFlow has been (by the user).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import traceback
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from . import _pyfunc
+from ._pyfunc import OutputStructure, PyFuncCall
+
+__all__ = ["contrib_op", "script_op", "wanted"]
+
+#: Python exceptions as TF's py_func kernel maps them (py_func.cc); the rest are UnknownError.
+_TF_ERRORS: tuple[tuple[type[BaseException], type[Exception]], ...] = (
+    (ValueError, tf.errors.InvalidArgumentError),
+    (TypeError, tf.errors.InvalidArgumentError),
+    (StopIteration, tf.errors.OutOfRangeError),
+    (MemoryError, tf.errors.ResourceExhaustedError),
+    (NotImplementedError, tf.errors.UnimplementedError),
+)
+
+_homes = itertools.count()
+_failed = threading.local()  # the last exception a body raised on this thread, for eager calls
+
+
+def is_tensor(value: Any) -> bool:
+    """A TF tensor, variable or composite tensor (ragged, sparse): TF's, not an array."""
+    return bool(tf.is_tensor(value)) or isinstance(value, tf.Variable)
+
+
+def wanted(inputs: Sequence[Any], tout: Any) -> bool:
+    """Whether a call with these inputs and ``Tout`` is a TF op (see ``_pyfunc.in_tensorflow``)."""
+    if not tf.executing_eagerly():
+        return True  # building a graph: tf.function, tf.data, Keras, v1
+    leaves: list[Any] = []
+    _pyfunc.flatten_all(list(inputs), leaves)
+    if any(is_tensor(x) for x in leaves):
+        return True
+    if any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
+        return False
+    touts: list[Any] = []
+    _pyfunc.flatten_all(tout if isinstance(tout, (list, tuple, Mapping)) else [tout], touts)
+    return any(isinstance(t, tf.DType) for t in touts)
+
+
+def tf_dtype(spec: Any) -> Any:
+    """A ``Tout`` entry as a ``tf.DType``: TF's reading first (``float`` is float32), then ours."""
+    try:
+        return tf.as_dtype(spec)
+    except TypeError:
+        pass
+    dtype = _pyfunc.as_dtype(spec)  # raises TF's "Cannot convert ... to a TensorFlow DType"
+    return tf.string if dtype.kind == "O" else tf.as_dtype(dtype)
+
+
+class _Autograph:
+    """TF's autograph runtime (``ag__``) for a function autograph converted.
+
+    A lambda written inside a function that TensorFlow converts (a ``tf.data``
+    map's, a ``tf.function``'s) reaches us converted, calling ``ag__``: a module
+    TF builds at run time, which pickles under a name that lacks most of it.
+    This stands in for it: here it is TF's, in a worker it is rebuilt there
+    (which imports TensorFlow in that worker).
+    """
+
+    def __init__(self, module: Any = None) -> None:
+        self._module = module
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Autograph, ())
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if self._module is None:
+            from tensorflow.python.autograph.impl import api  # TF's own runtime, in the worker
+
+            self._module = api.PyToTF().get_extra_locals()["ag__"]
+        return getattr(self._module, name)
+
+
+def shippable(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func``, or a copy of an autograph-converted one whose ``ag__`` pickles."""
+    if not isinstance(func, types.FunctionType) or not hasattr(func, "autograph_info__"):
+        return func
+    names = func.__code__.co_freevars
+    if "ag__" not in names or func.__closure__ is None:
+        return func
+    cells = list(func.__closure__)
+    i = names.index("ag__")
+    if isinstance(cells[i].cell_contents, _Autograph):
+        return func
+    cells[i] = types.CellType(_Autograph(cells[i].cell_contents))
+    clone = types.FunctionType(
+        func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(cells)
+    )
+    clone.__kwdefaults__ = func.__kwdefaults__
+    return clone
+
+
+class _Body:
+    """The op's Python body, run by TF's kernel: hands the arrays to a worker, waits.
+
+    Calls made one after another go to the op's home worker, so state the
+    function keeps (an iterator, a counter) advances as it does in TF; calls
+    made while one is in flight spread over the pool's least busy workers.
+    The pool is the default pool at the time of the call.
+    """
+
+    __slots__ = ("__weakref__", "busy", "call", "home", "lock")
+
+    def __init__(self, call: PyFuncCall) -> None:
+        self.call = call
+        self.home = next(_homes)  # taken modulo the pool's workers
+        self.busy = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, *arrays: Any) -> Any:
+        with self.lock:
+            worker = self.home if self.busy == 0 else None
+            self.busy += 1
+        try:
+            future = _pyfunc.default_pool().submit_call(
+                self.call, arrays, worker=worker, view=True
+            )
+            return future.result()  # waits with the GIL released
+        except BaseException as exc:
+            _failed.error = (exc, exc.__cause__)
+            raise
+        finally:
+            with self.lock:
+                self.busy -= 1
+
+    def __repr__(self) -> str:
+        return f"<mpexec op body {self.call!r}>"
+
+
+def _no_gradient(name: str) -> Callable[..., Any]:
+    def grad(*_: Any, **__: Any) -> Any:
+        raise LookupError(
+            f"No gradient defined for {name}: mpexec.py_function runs its function in a "
+            "worker process, outside TensorFlow's gradient tape, so it has no gradient. "
+            "Use tf.py_function where the gradient is needed (docs/tensorflow.md)"
+        )
+
+    return grad
+
+
+def _op(
+    body: _Body,
+    inputs: Sequence[Any],
+    touts: list[Any],
+    is_list: bool,
+    stateful: bool,
+    name: str | None,
+    differentiable: bool,
+) -> Any:
+    """TF's numpy_function over ``body``; py_function's gradient is a clear error."""
+    tout: Any = touts if is_list else touts[0]
+
+    def build(*xs: Any) -> Any:
+        return tf.numpy_function(body, list(xs), tout, stateful=stateful, name=name)
+
+    if not differentiable or not touts or not inputs:
+        return build(*inputs)
+
+    @tf.custom_gradient
+    def with_gradient_error(*xs: Any) -> Any:
+        return build(*xs), _no_gradient(body.call.name)
+
+    return with_gradient_error(*inputs)
+
+
+def _run(make: Callable[[], Any], tf_errors: bool) -> Any:
+    """``make()``; run eagerly, a failed call keeps its worker traceback as the cause.
+
+    TensorFlow re-raises an eager numpy_function's exception ``from None``; its
+    worker traceback is put back. ``tf_errors`` (py_function): raised as TF's
+    error class for it instead, as TF's py_function does, the original as cause.
+    """
+    if not tf.executing_eagerly():
+        return make()
+    _failed.error = None
+    try:
+        return make()
+    except Exception as exc:
+        raised = getattr(_failed, "error", None)
+        _failed.error = None
+        if raised is None or raised[0] is not exc:
+            raise
+        cause = raised[1]
+        if tf_errors:
+            kind = next((e for p, e in _TF_ERRORS if isinstance(exc, p)), tf.errors.UnknownError)
+            text = "".join(traceback.format_exception(exc))
+            raise kind(None, None, f"{type(exc).__name__}: {exc}\n{text}") from exc
+        raise exc.with_traceback(exc.__traceback__) from cause
+
+
+def _refuse_composites(leaves: Sequence[Any]) -> None:
+    for x in leaves:
+        if is_tensor(x) and not isinstance(x, (tf.Tensor, tf.Variable)):
+            raise TypeError(
+                f"{type(x).__name__} inputs are not supported by mpexec's py_func family: "
+                "pass its dense parts (for a RaggedTensor: .flat_values and .row_splits)"
+            )
+
+
+def script_op(
+    func: Callable[..., Any],
+    inputs: list[Any],
+    Tout: Any,
+    stateful: bool,
+    name: str | None,
+    cast: bool,
+) -> Any:
+    """``py_func``/``numpy_function`` (``cast``: ``py_function``) as a TF op; TF tensors out."""
+    is_list = isinstance(Tout, (list, tuple))
+    specs = list(Tout) if is_list else [Tout]
+    if any(isinstance(t, tf.TypeSpec) and not isinstance(t, tf.TensorSpec) for t in specs):
+        raise TypeError(
+            "composite TypeSpecs (RaggedTensorSpec, SparseTensorSpec) in Tout are not "
+            "supported by mpexec's py_func family: return dense tensors"
+        )
+    touts = [tf_dtype(t.dtype if isinstance(t, tf.TensorSpec) else t) for t in specs]
+    _refuse_composites(inputs)
+    call = PyFuncCall(
+        shippable(func),
+        tuple(_pyfunc.as_dtype(t.as_numpy_dtype) for t in touts),
+        _pyfunc.op_name(name),
+        cast,
+        tensors=cast,
+    )
+    body = _Body(call)
+    # py_function is stateful, as TF's is.
+    return _run(
+        lambda: _op(body, inputs, touts, is_list, stateful or cast, name, differentiable=cast),
+        tf_errors=cast,
+    )
+
+
+def contrib_op(
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    structure: OutputStructure,
+    stateful: bool,
+    name: str | None,
+) -> Any:
+    """``contrib.py_func`` as a TF op: tensors anywhere in ``args``/``kwargs``, nested outputs."""
+    tensors: list[Any] = []
+    bound_args = tuple(_pyfunc.bind(a, tensors, True, is_tensor) for a in args)
+    bound_kwargs = {k: _pyfunc.bind(v, tensors, True, is_tensor) for k, v in kwargs.items()}
+    _refuse_composites(tensors)
+    call = PyFuncCall(
+        shippable(func),
+        structure.dtypes,
+        _pyfunc.op_name(name),
+        False,
+        (bound_args, bound_kwargs),
+        structure,
+    )
+    touts = [tf_dtype(d) for d in structure.dtypes]
+    body = _Body(call)
+    out = _run(lambda: _op(body, tensors, touts, True, stateful, name, False), False)
+    if not touts:
+        return None
+    flat = list(out) if isinstance(out, (list, tuple)) else [out]  # eager: one is a Tensor
+    if structure.shapes is not None:
+        for tensor, shape in zip(flat, structure.shapes, strict=True):
+            if shape is not None:
+                tensor.set_shape(shape)
+    return structure.pack(flat)
