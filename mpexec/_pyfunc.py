@@ -72,6 +72,11 @@ def as_dtype(spec: Any) -> DType:
     """
     if spec is None:
         raise TypeError("None is not a dtype: use Tout=[] for a function that returns nothing")
+    if isinstance(spec, (Mapping, list, tuple)):  # NumPy would read a structured dtype
+        raise TypeError(
+            f"Cannot convert {spec!r} to a TensorFlow DType: {spec!r} is not a dtype; Tout "
+            "takes NumPy dtypes (anything np.dtype() accepts), TensorFlow DTypes, or 'string'"
+        )
     as_numpy = getattr(spec, "as_numpy_dtype", None)
     if as_numpy is not None and not isinstance(spec, np.dtype):
         spec = as_numpy  # a tf.DType; tf.string gives `object`

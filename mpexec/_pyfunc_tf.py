@@ -163,15 +163,18 @@ class _Body:
         return f"<mpexec op body {self.call!r}>"
 
 
-def _no_gradient(name: str) -> Callable[..., Any]:
-    def grad(*_: Any, **__: Any) -> Any:
-        raise LookupError(
-            f"No gradient defined for {name}: mpexec.py_function runs its function in a "
-            "worker process, outside TensorFlow's gradient tape, so it has no gradient. "
-            "Use tf.py_function where the gradient is needed (docs/tensorflow.md)"
-        )
+def _no_gradient_text(name: str) -> str:
+    return (
+        f"No gradient defined for {name}: mpexec.py_function runs its function in a worker "
+        "process, outside TensorFlow's gradient tape, so it has no gradient. Use "
+        "tf.py_function where the gradient is needed (docs/tensorflow.md)"
+    )
 
-    return grad
+
+@tf.RegisterGradient("MpexecPyFunction")
+def _refuse_gradient(op: Any, *grads: Any) -> Any:
+    """A graph's gradient of an ``mpexec.py_function`` op: a clear error when it is built."""
+    raise LookupError(_no_gradient_text(op.name))
 
 
 def _op(
@@ -183,7 +186,14 @@ def _op(
     name: str | None,
     differentiable: bool,
 ) -> Any:
-    """TF's numpy_function over ``body``; py_function's gradient is a clear error."""
+    """TF's numpy_function over ``body``; py_function's gradient is a clear error.
+
+    TF's own py_function has a gradient (its function runs on TF's tape); ours
+    cannot, so asking for one raises: in a graph (``tf.function``, v1) the op's
+    gradient is :func:`_refuse_gradient`; eagerly, a ``tf.custom_gradient``
+    whose gradient raises (graphs do not get one: it would keep them alive in
+    TF's gradient registry).
+    """
     tout: Any = touts if is_list else touts[0]
 
     def build(*xs: Any) -> Any:
@@ -191,10 +201,20 @@ def _op(
 
     if not differentiable or not touts or not inputs:
         return build(*inputs)
+    if not tf.executing_eagerly():
+        graph = tf.compat.v1.get_default_graph()
+        with graph.gradient_override_map(
+            {"PyFunc": "MpexecPyFunction", "PyFuncStateless": "MpexecPyFunction"}
+        ):
+            return build(*inputs)
+    text = _no_gradient_text(body.call.name)
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise LookupError(text)
 
     @tf.custom_gradient
     def with_gradient_error(*xs: Any) -> Any:
-        return build(*xs), _no_gradient(body.call.name)
+        return build(*xs), refuse
 
     return with_gradient_error(*inputs)
 
@@ -260,10 +280,13 @@ def script_op(
     )
     body = _Body(call)
     # py_function is stateful, as TF's is.
-    return _run(
+    out = _run(
         lambda: _op(body, inputs, touts, is_list, stateful or cast, name, differentiable=cast),
         tf_errors=cast,
     )
+    if cast and is_list and touts and not isinstance(out, (list, tuple)):
+        return [out]  # TF's py_function gives a list for a list Tout; eager numpy_function not
+    return out
 
 
 def contrib_op(
