@@ -223,6 +223,8 @@ def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
                     return n
 
                 def __call__(self, info: Any) -> Any:
+                    if info.idx_in_epoch >= n:
+                        raise StopIteration
                     return _indexed(f)(info)
 
             @mpexec.pipeline_def(batch_size=64, num_workers=2, seed=0)

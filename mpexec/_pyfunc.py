@@ -750,7 +750,8 @@ def in_tensorflow(inputs: Sequence[Any], tout: Any) -> bool:
 
 
 def _inputs(inp: Any) -> list[Any]:
-    if isinstance(inp, (np.ndarray, str, bytes, DataNode)) or not isinstance(inp, Iterable):
+    tensor_like = hasattr(inp, "dtype") and hasattr(inp, "shape")  # an array, a TF tensor
+    if tensor_like or isinstance(inp, (str, bytes, DataNode)) or not isinstance(inp, Iterable):
         raise TypeError(
             f"inp must be a list of inputs, not {type(inp).__name__}; for one input write [x]"
         )

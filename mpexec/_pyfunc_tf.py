@@ -189,10 +189,10 @@ def _op(
     """TF's numpy_function over ``body``; py_function's gradient is a clear error.
 
     TF's own py_function has a gradient (its function runs on TF's tape); ours
-    cannot, so asking for one raises: in a graph (``tf.function``, v1) the op's
-    gradient is :func:`_refuse_gradient`; eagerly, a ``tf.custom_gradient``
-    whose gradient raises (graphs do not get one: it would keep them alive in
-    TF's gradient registry).
+    cannot, so asking for one raises: in a v1 graph (``tf.gradients``) the op's
+    gradient is :func:`_refuse_gradient`; eagerly and in a ``tf.function`` (whose
+    tape looks gradients up by op type), a ``tf.custom_gradient`` whose gradient
+    raises (not in v1 graphs: TF's gradient registry would keep each alive).
     """
     tout: Any = touts if is_list else touts[0]
 
@@ -201,7 +201,7 @@ def _op(
 
     if not differentiable or not touts or not inputs:
         return build(*inputs)
-    if not tf.executing_eagerly():
+    if not tf.executing_eagerly() and not tf.inside_function():  # a v1 graph
         graph = tf.compat.v1.get_default_graph()
         with graph.gradient_override_map(
             {"PyFunc": "MpexecPyFunction", "PyFuncStateless": "MpexecPyFunction"}

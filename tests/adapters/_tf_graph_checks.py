@@ -110,6 +110,7 @@ def check_tensors_out_everywhere() -> None:
 
 def _meet(i: Any, folder: str) -> Any:
     """Element i waits (bounded) for element 1 - i to arrive: they must run at once."""
+    folder = folder.decode() if isinstance(folder, bytes) else folder  # a tf.string input
     Path(folder, f"arrived-{int(i)}").touch()
     other = Path(folder, f"arrived-{1 - int(i)}")
     deadline = time.monotonic() + 60
@@ -199,13 +200,13 @@ def check_bad_input() -> None:
                 assert "Cannot convert" in str(exc), exc
             else:
                 raise AssertionError(f"Tout={bad!r} accepted")
-        # A non-tensor argument: TF refuses it when the op is built.
+        # A tensor where the list of inputs goes: refused when the op is built.
         try:
-            mpexec.numpy_function(_double, [tf.constant(1.0), {"a": object()}], tf.float32)
-        except (TypeError, ValueError) as exc:
-            assert "object" in str(exc), exc
+            mpexec.numpy_function(_double, tf.constant([1.0]), tf.float32)
+        except TypeError as exc:
+            assert "inp must be a list of inputs" in str(exc), exc
         else:
-            raise AssertionError("a dict of objects was accepted")
+            raise AssertionError("a bare tensor was taken as inp")
         try:
             mpexec.py_function(_double, [tf.ragged.constant([[1], [2, 3]])], tf.int32)
         except TypeError as exc:
@@ -251,8 +252,8 @@ def check_gradients_are_a_clear_error() -> None:
 
         try:
             grad(x)
-        except LookupError as exc:
-            assert "No gradient defined for" in str(exc), exc
+        except Exception as exc:  # noqa: BLE001 - autograph wraps it in its StagingError
+            assert "LookupError: No gradient defined for" in str(exc), exc
         else:
             raise AssertionError("no LookupError in a tf.function")
 
