@@ -23,9 +23,9 @@ Then a ``tf.data`` map inside TensorFlow's graph (``map_ways``), side by side:
 ``mpexec.tf.dataset`` over an mpexec pipeline running ``f`` (two workers); ``f``
 is workload 1's heavy augment (``process_sample``, ~11 ms a sample) and the
 light op (``x + 1`` on 16 floats). The main process's CPU a sample (all its
-threads: TF's runtime and the calls' hand-off) is reported beside the times. The CPU that other processes used during
-the run is reported: figures from a busy machine are flagged. Only the ratios
-travel between machines.
+threads: TF's runtime and the calls' hand-off) is reported beside the times.
+The CPU that other processes used during the run is reported: figures from a
+busy machine are flagged. Only the ratios travel between machines.
 """
 
 from __future__ import annotations
@@ -191,11 +191,19 @@ def light(i: Any) -> np.ndarray[Any, Any]:
     return np.full(16, i, np.float32) + 1
 
 
-def _indexed(f: Any) -> Any:
-    def per_sample(info: Any) -> Any:
-        return f(np.int64(info.idx_in_epoch))
+class Sized:
+    """``f`` of each sample's index, ``n`` samples an epoch: a sized pipeline source."""
 
-    return per_sample
+    def __init__(self, f: Any, n: int) -> None:
+        self.f, self.n = f, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __call__(self, info: Any) -> Any:
+        if info.idx_in_epoch >= self.n:
+            raise StopIteration
+        return self.f(np.int64(info.idx_in_epoch))
 
 
 def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
@@ -206,30 +214,26 @@ def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
     pool = mpexec.WorkerPool(2)
     mpexec.set_default_pool(pool)
     try:
-        for label, f, n in (("heavy (workload 1)", heavy, 128 if quick else 512),
-                            ("light (x + 1, 16 floats)", light, 2048 if quick else 8192)):  # fmt: skip
+        workloads = (
+            ("heavy (workload 1)", heavy, 128 if quick else 512),
+            ("light (x + 1, 16 floats)", light, 2048 if quick else 8192),
+        )
+        for label, f, n in workloads:
             log(f"[{NAME}] tf.data map, {label} ...")
             ops = {"tf.numpy_function": tf.numpy_function,
                    "mpexec.numpy_function": mpexec.numpy_function}  # fmt: skip
             datasets = {
                 way: tf.data.Dataset.range(n)
-                .map(lambda i, op=op: op(f, [i], tf.float32), num_parallel_calls=2)
+                .map(lambda i, op=op, f=f: op(f, [i], tf.float32), num_parallel_calls=2)
                 .batch(64)
                 for way, op in ops.items()
             }
 
-            class Sized:
-                def __len__(self) -> int:
-                    return n
-
-                def __call__(self, info: Any) -> Any:
-                    if info.idx_in_epoch >= n:
-                        raise StopIteration
-                    return _indexed(f)(info)
+            source = Sized(f, n)
 
             @mpexec.pipeline_def(batch_size=64, num_workers=2, seed=0)
-            def piped() -> Any:
-                return fn.external_source(source=Sized(), batch=False)
+            def piped(source: Sized = source) -> Any:
+                return fn.external_source(source=source, batch=False)
 
             with piped() as pipe:
                 datasets["mpexec.tf.dataset"] = mtf.dataset(pipe)

@@ -50,9 +50,9 @@ if _TYPE_CHECKING:  # the same names, imported for type checkers; at run time se
     from ._graph import DataNode
     from ._pipeline import Pipeline, PipelineStats, pipeline_def
     from ._pool import PoolStats, PoolStatus, WorkerPool
+    from ._pyfunc import default_pool, numpy_function, py_func, py_function, set_default_pool
     from ._runtime import BatchInfo, SampleInfo, sample_info
     from ._scheduler import OpStats
-    from ._pyfunc import default_pool, numpy_function, py_func, py_function, set_default_pool
 
 #: Where each public name lives. ``import mpexec`` loads none of them: a worker
 #: process (spawn, forkserver) imports only what it runs, and a script only

@@ -641,7 +641,7 @@ def _from_tensors(values: list[Any]) -> list[Any]:
     out = []
     for value in values:
         if isinstance(value, tf.Variable):
-            raise RuntimeError(  # TF's words; its runtime makes this an UnknownError
+            raise RuntimeError(  # noqa: TRY004 - TF's type and words (an UnknownError in TF)
                 "Attempting to return a variable from an eagerly executed py_func. Only "
                 "numeric data structures like Tensors or NumPy arrays should be returned; "
                 "to return the value of a variable, make sure to obtain the Tensor backing "
@@ -852,7 +852,7 @@ def py_function(
 # converting its source (as it converts a tf.data map's or a tf.function's code):
 # these entry points run in Python, TensorFlow need not be imported to mark them.
 for _entry in (py_func, numpy_function, py_function):
-    _entry.autograph_info__ = frozenset()  # type: ignore[attr-defined]
+    vars(_entry)["autograph_info__"] = frozenset()
 
 
 # ---------------------------------------------------------------------------- default pool

@@ -148,9 +148,7 @@ class _Body:
             worker = self.home if self.busy == 0 else None
             self.busy += 1
         try:
-            future = _pyfunc.default_pool().submit_call(
-                self.call, arrays, worker=worker, view=True
-            )
+            future = _pyfunc.default_pool().submit_call(self.call, arrays, worker=worker, view=True)
             return future.result()  # waits with the GIL released
         except BaseException as exc:
             _failed.error = (exc, exc.__cause__)
@@ -171,7 +169,7 @@ def _no_gradient_text(name: str) -> str:
     )
 
 
-@tf.RegisterGradient("MpexecPyFunction")
+@tf.RegisterGradient("MpexecPyFunction")  # type: ignore[untyped-decorator]
 def _refuse_gradient(op: Any, *grads: Any) -> Any:
     """A graph's gradient of an ``mpexec.py_function`` op: a clear error when it is built."""
     raise LookupError(_no_gradient_text(op.name))
@@ -212,7 +210,7 @@ def _op(
     def refuse(*_: Any, **__: Any) -> Any:
         raise LookupError(text)
 
-    @tf.custom_gradient
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
     def with_gradient_error(*xs: Any) -> Any:
         return build(*xs), refuse
 

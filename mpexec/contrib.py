@@ -88,7 +88,7 @@ def py_func(
     return structure.pack(_pyfunc.add_op(wrapper, nodes, stateful, name))
 
 
-py_func.autograph_info__ = frozenset()  # type: ignore[attr-defined]  # see _pyfunc
+vars(py_func)["autograph_info__"] = frozenset()  # autograph calls it as it is (see _pyfunc)
 
 
 def _is_function(value: Any) -> bool:

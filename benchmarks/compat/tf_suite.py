@@ -65,7 +65,7 @@ ALLOWED: dict[str, str] = {
 }
 
 # Records every test's outcome, subtests folded in: a test fails if any part did.
-_PLUGIN = '''\
+_PLUGIN = """\
 import json, os
 _out = os.environ["MPEXEC_TF_COMPAT_RESULTS"]
 def _write(nodeid, outcome, message):
@@ -81,7 +81,7 @@ def pytest_runtest_logreport(report):
     if report.failed:
         message = str(getattr(report.longrepr, "reprcrash", report.longrepr))
     _write(report.nodeid, outcome, message[-2000:])
-'''
+"""
 
 
 def swapped(text: str) -> str:

@@ -1,3 +1,4 @@
+# ruff: noqa: PT017, PT018  (plain asserts: these run outside pytest, in a fresh interpreter)
 """mpexec's py_func family inside TensorFlow graphs: checks run in a fresh interpreter each.
 
 Run by tests/adapters/test_tf.py (TensorFlow starts threads of its own and keeps
@@ -24,7 +25,7 @@ import mpexec
 from tests.conftest import _children, shm_names, wait_until
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import tensorflow as tf  # noqa: E402  (after the log level)
+import tensorflow as tf
 
 
 @contextmanager
@@ -252,7 +253,7 @@ def check_gradients_are_a_clear_error() -> None:
 
         try:
             grad(x)
-        except Exception as exc:  # noqa: BLE001 - autograph wraps it in its StagingError
+        except Exception as exc:  # autograph wraps it in its StagingError
             assert "LookupError: No gradient defined for" in str(exc), exc
         else:
             raise AssertionError("no LookupError in a tf.function")
@@ -302,7 +303,11 @@ def _fit(op: Callable[..., Any]) -> tuple[list[float], list[str]]:
         .batch(32)
     )
     model = tf.keras.Sequential(
-        [tf.keras.Input((8,)), tf.keras.layers.Dense(4, activation="relu"), tf.keras.layers.Dense(1)]
+        [
+            tf.keras.Input((8,)),
+            tf.keras.layers.Dense(4, activation="relu"),
+            tf.keras.layers.Dense(1),
+        ]
     )
     model.compile(optimizer="sgd", loss="mse")
     with warnings.catch_warnings(record=True) as caught:
