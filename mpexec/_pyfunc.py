@@ -746,7 +746,32 @@ def in_tensorflow(inputs: Sequence[Any], tout: Any) -> bool:
         return False
     from . import _pyfunc_tf
 
-    return _pyfunc_tf.wanted(inputs, tout)
+    leaves: list[Any] = []
+    flatten_all(list(inputs), leaves)
+    touts: list[Any] = []
+    flatten_all(tout if isinstance(tout, (list, tuple, Mapping)) else [tout], touts)
+    return _pyfunc_tf.wanted(leaves, touts)
+
+
+def _tf_script_op(
+    func: Callable[..., Any],
+    inputs: list[Any],
+    Tout: Any,
+    stateful: bool,
+    name: str | None,
+    cast: bool,
+) -> Any:
+    """``py_func``/``numpy_function`` (``cast``: ``py_function``) as a TF op; TF tensors out."""
+    from . import _pyfunc_tf
+
+    is_list = isinstance(Tout, (list, tuple))
+    specs = list(Tout) if is_list else [Tout]
+    _pyfunc_tf.refuse_composites(inputs, specs)
+    touts = [_pyfunc_tf.tf_dtype(t, as_dtype) for t in specs]
+    dtypes = tuple(as_dtype(t.as_numpy_dtype) for t in touts)
+    # py_function's function gets EagerTensors in the worker, as TF's gets them.
+    call = PyFuncCall(_pyfunc_tf.shippable(func), dtypes, op_name(name), cast, tensors=cast)
+    return _pyfunc_tf.add_op(call, default_pool, inputs, touts, is_list, stateful, name, cast)
 
 
 def _inputs(inp: Any) -> list[Any]:
@@ -769,9 +794,7 @@ def _script_op(
     check_callable(func)
     inputs = _inputs(inp)
     if current_graph() is None and in_tensorflow(inputs, Tout):
-        from . import _pyfunc_tf
-
-        return _pyfunc_tf.script_op(func, inputs, Tout, stateful, name, cast)
+        return _tf_script_op(func, inputs, Tout, stateful, name, cast)
     is_list = isinstance(Tout, (list, tuple))
     dtypes = tuple(as_dtype(t) for t in (Tout if is_list else [Tout]))
     if current_graph() is None:

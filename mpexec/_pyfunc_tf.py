@@ -1,7 +1,7 @@
 """mpexec's py_func family inside TensorFlow graphs: TF's own op, its body waiting on a worker.
 
 :mod:`mpexec._pyfunc` hands a call here when it belongs to TensorFlow (see
-:func:`wanted`): TF is building a graph (``tf.function``, a ``tf.data`` map, a
+``_pyfunc.in_tensorflow``): TF is building a graph (``tf.function``, a ``tf.data`` map, a
 Keras layer, a v1 graph), or an input is a TF tensor. The op added is
 TensorFlow's own ``numpy_function`` (kernels ``PyFunc`` / ``PyFuncStateless``),
 so TF's rules hold as they are: ``Tout``, names, control dependencies,
@@ -18,7 +18,9 @@ hands the arrays to a worker and waits::
 A blocking wait releases the GIL, so N TF threads (``num_parallel_calls=N``,
 inter-op threads) keep N workers busy at once; under the GIL each call costs
 only the submit and the input copy. This module imports TensorFlow; it is
-imported only once TensorFlow has been (by the user).
+imported only once TensorFlow has been (by the user), and imports nothing of
+mpexec: :mod:`mpexec._pyfunc` and :mod:`mpexec.contrib` build the call (a
+``PyFuncCall``) and hand it here with the pool to run it on.
 """
 
 from __future__ import annotations
@@ -27,16 +29,13 @@ import itertools
 import threading
 import traceback
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from . import _pyfunc
-from ._pyfunc import OutputStructure, PyFuncCall
-
-__all__ = ["contrib_op", "script_op", "wanted"]
+__all__ = ["add_op", "is_tensor", "refuse_composites", "shippable", "tf_dtype", "wanted"]
 
 #: Python exceptions as TF's py_func kernel maps them (py_func.cc); the rest are UnknownError.
 _TF_ERRORS: tuple[tuple[type[BaseException], type[Exception]], ...] = (
@@ -56,28 +55,28 @@ def is_tensor(value: Any) -> bool:
     return bool(tf.is_tensor(value)) or isinstance(value, tf.Variable)
 
 
-def wanted(inputs: Sequence[Any], tout: Any) -> bool:
-    """Whether a call with these inputs and ``Tout`` is a TF op (see ``_pyfunc.in_tensorflow``)."""
+def wanted(leaves: Sequence[Any], touts: Sequence[Any]) -> bool:
+    """Whether a call is a TF op: TF builds a graph, a leaf of its inputs is a TF tensor,
+    or none is an array and a ``Tout`` leaf is a ``tf.DType``."""
     if not tf.executing_eagerly():
         return True  # building a graph: tf.function, tf.data, Keras, v1
-    leaves: list[Any] = []
-    _pyfunc.flatten_all(list(inputs), leaves)
     if any(is_tensor(x) for x in leaves):
         return True
     if any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
         return False
-    touts: list[Any] = []
-    _pyfunc.flatten_all(tout if isinstance(tout, (list, tuple, Mapping)) else [tout], touts)
     return any(isinstance(t, tf.DType) for t in touts)
 
 
-def tf_dtype(spec: Any) -> Any:
-    """A ``Tout`` entry as a ``tf.DType``: TF's reading first (``float`` is float32), then ours."""
+def tf_dtype(spec: Any, fallback: Callable[[Any], Any]) -> Any:
+    """A ``Tout`` entry as a ``tf.DType``: TF's reading first (``float`` is float32), then
+    ``fallback``'s NumPy dtype (which raises TF's "Cannot convert" for a non-dtype)."""
+    if isinstance(spec, tf.TensorSpec):
+        spec = spec.dtype
     try:
         return tf.as_dtype(spec)
     except TypeError:
         pass
-    dtype = _pyfunc.as_dtype(spec)  # raises TF's "Cannot convert ... to a TensorFlow DType"
+    dtype = fallback(spec)
     return tf.string if dtype.kind == "O" else tf.as_dtype(dtype)
 
 
@@ -135,10 +134,11 @@ class _Body:
     The pool is the default pool at the time of the call.
     """
 
-    __slots__ = ("__weakref__", "busy", "call", "home", "lock")
+    __slots__ = ("__weakref__", "busy", "call", "home", "lock", "pool")
 
-    def __init__(self, call: PyFuncCall) -> None:
+    def __init__(self, call: Any, pool: Callable[[], Any]) -> None:
         self.call = call
+        self.pool = pool
         self.home = next(_homes)  # taken modulo the pool's workers
         self.busy = 0
         self.lock = threading.Lock()
@@ -148,7 +148,7 @@ class _Body:
             worker = self.home if self.busy == 0 else None
             self.busy += 1
         try:
-            future = _pyfunc.default_pool().submit_call(self.call, arrays, worker=worker, view=True)
+            future = self.pool().submit_call(self.call, arrays, worker=worker, view=True)
             return future.result()  # waits with the GIL released
         except BaseException as exc:
             _failed.error = (exc, exc.__cause__)
@@ -242,80 +242,40 @@ def _run(make: Callable[[], Any], tf_errors: bool) -> Any:
         raise exc.with_traceback(exc.__traceback__) from cause
 
 
-def _refuse_composites(leaves: Sequence[Any]) -> None:
+def refuse_composites(leaves: Sequence[Any], touts: Sequence[Any] = ()) -> None:
+    """Ragged and sparse tensors, and their TypeSpecs in ``Tout``: a clear TypeError."""
     for x in leaves:
         if is_tensor(x) and not isinstance(x, (tf.Tensor, tf.Variable)):
             raise TypeError(
                 f"{type(x).__name__} inputs are not supported by mpexec's py_func family: "
                 "pass its dense parts (for a RaggedTensor: .flat_values and .row_splits)"
             )
-
-
-def script_op(
-    func: Callable[..., Any],
-    inputs: list[Any],
-    Tout: Any,
-    stateful: bool,
-    name: str | None,
-    cast: bool,
-) -> Any:
-    """``py_func``/``numpy_function`` (``cast``: ``py_function``) as a TF op; TF tensors out."""
-    is_list = isinstance(Tout, (list, tuple))
-    specs = list(Tout) if is_list else [Tout]
-    if any(isinstance(t, tf.TypeSpec) and not isinstance(t, tf.TensorSpec) for t in specs):
+    if any(isinstance(t, tf.TypeSpec) and not isinstance(t, tf.TensorSpec) for t in touts):
         raise TypeError(
             "composite TypeSpecs (RaggedTensorSpec, SparseTensorSpec) in Tout are not "
             "supported by mpexec's py_func family: return dense tensors"
         )
-    touts = [tf_dtype(t.dtype if isinstance(t, tf.TensorSpec) else t) for t in specs]
-    _refuse_composites(inputs)
-    call = PyFuncCall(
-        shippable(func),
-        tuple(_pyfunc.as_dtype(t.as_numpy_dtype) for t in touts),
-        _pyfunc.op_name(name),
-        cast,
-        tensors=cast,
-    )
-    body = _Body(call)
-    # py_function is stateful, as TF's is.
-    out = _run(
-        lambda: _op(body, inputs, touts, is_list, stateful or cast, name, differentiable=cast),
-        tf_errors=cast,
-    )
-    if cast and is_list and touts and not isinstance(out, (list, tuple)):
-        return [out]  # TF's py_function gives a list for a list Tout; eager numpy_function not
-    return out
 
 
-def contrib_op(
-    func: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    structure: OutputStructure,
+def add_op(
+    call: Any,
+    pool: Callable[[], Any],
+    inputs: Sequence[Any],
+    touts: list[Any],
+    is_list: bool,
     stateful: bool,
     name: str | None,
+    py_function: bool = False,
 ) -> Any:
-    """``contrib.py_func`` as a TF op: tensors anywhere in ``args``/``kwargs``, nested outputs."""
-    tensors: list[Any] = []
-    bound_args = tuple(_pyfunc.bind(a, tensors, True, is_tensor) for a in args)
-    bound_kwargs = {k: _pyfunc.bind(v, tensors, True, is_tensor) for k, v in kwargs.items()}
-    _refuse_composites(tensors)
-    call = PyFuncCall(
-        shippable(func),
-        structure.dtypes,
-        _pyfunc.op_name(name),
-        False,
-        (bound_args, bound_kwargs),
-        structure,
-    )
-    touts = [tf_dtype(d) for d in structure.dtypes]
-    body = _Body(call)
-    out = _run(lambda: _op(body, tensors, touts, True, stateful, name, False), False)
-    if not touts:
-        return None
-    flat = list(out) if isinstance(out, (list, tuple)) else [out]  # eager: one is a Tensor
-    if structure.shapes is not None:
-        for tensor, shape in zip(flat, structure.shapes, strict=True):
-            if shape is not None:
-                tensor.set_shape(shape)
-    return structure.pack(flat)
+    """TF's numpy_function op running ``call`` (its ``.name`` for messages) on ``pool()``.
+
+    Returns what TF's op returns (tensors). ``py_function``: as TF's py_function —
+    stateful, a list for a list ``Tout``, TF's error classes when run eagerly —
+    and its gradient a clear error.
+    """
+    body = _Body(call, pool)
+    stateful = stateful or py_function
+    out = _run(lambda: _op(body, inputs, touts, is_list, stateful, name, py_function), py_function)
+    if py_function and is_list and touts and not isinstance(out, (list, tuple)):
+        return [out]  # TF's py_function gives a list for a list Tout; eager numpy_function not
+    return out

@@ -63,9 +63,7 @@ def py_func(
         output_shapes = output_shapes(*args, **kwargs)
     structure = _pyfunc.OutputStructure.build(output_types, output_shapes)
     if current_graph() is None and _pyfunc.in_tensorflow([args, dict(kwargs)], output_types):
-        from . import _pyfunc_tf
-
-        return _pyfunc_tf.contrib_op(func, args, kwargs, structure, stateful, name)
+        return _tf_op(func, args, kwargs, structure, stateful, name)
     if current_graph() is None:
         if _pyfunc.contains_node(args) or _pyfunc.contains_node(dict(kwargs)):
             raise TypeError(
@@ -86,6 +84,42 @@ def py_func(
         structure,
     )
     return structure.pack(_pyfunc.add_op(wrapper, nodes, stateful, name))
+
+
+def _tf_op(
+    func: Callable[..., Any],
+    args: Any,
+    kwargs: Mapping[str, Any],
+    structure: _pyfunc.OutputStructure,
+    stateful: bool,
+    name: str | None,
+) -> Any:
+    """As a TF op: tensors anywhere in ``args``/``kwargs``; outputs nested, shapes set."""
+    from . import _pyfunc_tf
+
+    tensors: list[Any] = []
+    is_tensor = _pyfunc_tf.is_tensor
+    bound_args = tuple(_pyfunc.bind(a, tensors, True, is_tensor) for a in args)
+    bound_kwargs = {k: _pyfunc.bind(v, tensors, True, is_tensor) for k, v in kwargs.items()}
+    _pyfunc_tf.refuse_composites(tensors)
+    call = _pyfunc.PyFuncCall(
+        _pyfunc_tf.shippable(func),
+        structure.dtypes,
+        _pyfunc.op_name(name),
+        False,
+        (bound_args, bound_kwargs),
+        structure,
+    )
+    touts = [_pyfunc_tf.tf_dtype(d, _pyfunc.as_dtype) for d in structure.dtypes]
+    out = _pyfunc_tf.add_op(call, _pyfunc.default_pool, tensors, touts, True, stateful, name)
+    if not touts:
+        return None
+    flat = list(out) if isinstance(out, (list, tuple)) else [out]  # eager: one is a Tensor
+    if structure.shapes is not None:
+        for tensor, shape in zip(flat, structure.shapes, strict=True):
+            if shape is not None:
+                tensor.set_shape(shape)
+    return structure.pack(flat)
 
 
 vars(py_func)["autograph_info__"] = frozenset()  # autograph calls it as it is (see _pyfunc)

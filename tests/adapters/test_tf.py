@@ -9,6 +9,7 @@ twice: against a stand-in ``fn.python_function`` (the glue: bound constants,
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import re
 import subprocess
@@ -556,6 +557,9 @@ class _FakeFn:
 @pytest.fixture
 def graph(monkeypatch: pytest.MonkeyPatch) -> _FakeFn:
     """Inside a pipeline definition, with ``mpexec.fn`` replaced by a recorder."""
+    # The real module is loaded first, so that undoing the patches puts it back (else a
+    # later test's `from mpexec import fn` finds neither: the end-to-end tests failed so).
+    importlib.import_module("mpexec.fn")
     fake = _FakeFn()
     module = types.ModuleType("mpexec.fn")
     module.python_function = fake.python_function  # type: ignore[attr-defined]
