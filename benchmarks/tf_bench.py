@@ -215,7 +215,7 @@ def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
     mpexec.set_default_pool(pool)
     try:
         workloads = (
-            ("heavy (workload 1)", heavy, 128 if quick else 512),
+            ("heavy (workload 1)", heavy, 128 if quick else 256),
             ("light (x + 1, 16 floats)", light, 2048 if quick else 8192),
         )
         for label, f, n in workloads:

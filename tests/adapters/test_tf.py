@@ -833,3 +833,22 @@ def test_tf_saved_model_with_the_op_fails_clearly_when_loaded_elsewhere(tmp_path
 
 def test_tf_keras_fit_over_mpexec_numpy_function_matches_tf() -> None:
     run_tf_check("check_keras_fit_same_loss")
+
+
+def test_compat_runner_swaps_tfs_three_names() -> None:
+    """``python -m benchmarks compat tf``: the port a user makes, nothing more."""
+    from benchmarks.compat import SUITES
+    from benchmarks.compat.tf_suite import swapped
+
+    assert SUITES["tf"] == "benchmarks.compat.tf_suite"
+    text = (
+        "import gc\nfrom tensorflow.python.ops import script_ops\n"
+        "a = script_ops.py_func(f, [x], t)\nb = script_ops.eager_py_func(f, [x], t)\n"
+        "c = script_ops.numpy_function(f, [x], t)\nn = script_ops._py_funcs.size()\n"
+    )
+    out = swapped(text)
+    assert "import gc\n\nimport mpexec\n" in out
+    assert "a = mpexec.py_func(f, [x], t)" in out
+    assert "b = mpexec.py_function(f, [x], t)" in out
+    assert "c = mpexec.numpy_function(f, [x], t)" in out
+    assert "script_ops._py_funcs.size()" in out  # TF's internals stay TF's
