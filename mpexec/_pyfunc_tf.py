@@ -47,7 +47,8 @@ _TF_ERRORS: tuple[tuple[type[BaseException], type[Exception]], ...] = (
 )
 
 _homes = itertools.count()
-_failed = threading.local()  # the last exception a body raised on this thread, for eager calls
+#: On a thread running an eager call (``watching``): the exception its body raised.
+_failed = threading.local()
 
 
 def is_tensor(value: Any) -> bool:
@@ -151,7 +152,8 @@ class _Body:
             future = self.pool().submit_call(self.call, arrays, worker=worker, view=True)
             return future.result()  # waits with the GIL released
         except BaseException as exc:
-            _failed.error = (exc, exc.__cause__)
+            if getattr(_failed, "watching", False):  # an eager call of this thread: see _run
+                _failed.error = (exc, exc.__cause__)
             raise
         finally:
             with self.lock:
@@ -226,12 +228,11 @@ def _run(make: Callable[[], Any], tf_errors: bool) -> Any:
     """
     if not tf.executing_eagerly():
         return make()
-    _failed.error = None
+    _failed.error, _failed.watching = None, True
     try:
         return make()
     except Exception as exc:
-        raised = getattr(_failed, "error", None)
-        _failed.error = None
+        raised = _failed.error
         if raised is None or raised[0] is not exc:
             raise
         cause = raised[1]
@@ -240,6 +241,8 @@ def _run(make: Callable[[], Any], tf_errors: bool) -> Any:
             text = "".join(traceback.format_exception(exc))
             raise kind(None, None, f"{type(exc).__name__}: {exc}\n{text}") from exc
         raise exc.with_traceback(exc.__traceback__) from cause
+    finally:
+        _failed.error, _failed.watching = None, False
 
 
 def refuse_composites(leaves: Sequence[Any], touts: Sequence[Any] = ()) -> None:
