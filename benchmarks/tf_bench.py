@@ -14,9 +14,18 @@ batches' shared memory, uncopied):
   least a hand-off that copies would cost.
 
 Per batch size: the median time a batch (spread over rounds) and each way's
-ratio to ``pipeline``. The CPU that other processes used during
-the run is reported: figures from a busy machine are flagged. Only the ratios
-travel between machines.
+ratio to ``pipeline``.
+
+Then a ``tf.data`` map inside TensorFlow's graph (``map_ways``), side by side:
+``Dataset.range(N).map(lambda i: OP(f, [i], tf.float32), num_parallel_calls=2)
+.batch(64)`` with ``OP`` TensorFlow's ``tf.numpy_function`` and mpexec's
+``mpexec.numpy_function`` (a worker each call, two workers), against
+``mpexec.tf.dataset`` over an mpexec pipeline running ``f`` (two workers); ``f``
+is workload 1's heavy augment (``process_sample``, ~11 ms a sample) and the
+light op (``x + 1`` on 16 floats). The main process's CPU a sample (all its
+threads: TF's runtime and the calls' hand-off) is reported beside the times.
+The CPU that other processes used during the run is reported: figures from a
+busy machine are flagged. Only the ratios travel between machines.
 """
 
 from __future__ import annotations
@@ -133,8 +142,9 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
                 "vs_pipeline": {w: med[w] / med["pipeline"] for w in WAYS},
             }
         )
+    maps = map_ways(mtf, quick)
     load = meter.stop()
-    result.update(rows=rows, host_load=load.to_json())
+    result.update(rows=rows, maps=maps, host_load=load.to_json())
     text = (
         "Time a batch, median over rounds (min - max), and its ratio to iterating the "
         "pipeline itself\n\n"
@@ -160,9 +170,118 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
         + (" (busy: take the ratios as approximate)" if load.other_share >= 0.1 else "")
         + "\n"
     )
+    text += "\n" + map_table(maps)
     print(text)
-    write(NAME, result, text, out_dir, "ways of reading one pipeline")
+    write(NAME, result, text, out_dir, "ways of reading one pipeline; tf.data maps")
     return result
+
+
+MAP_WAYS = ("tf.numpy_function", "mpexec.numpy_function", "mpexec.tf.dataset")
+
+
+def heavy(i: Any) -> np.ndarray[Any, Any]:
+    """Workload 1 (the augment), from the index TF hands over."""
+    from benchmarks._workloads import process_sample
+
+    return process_sample(int(i))
+
+
+def light(i: Any) -> np.ndarray[Any, Any]:
+    """The light op: ``x + 1`` on 16 floats made from the index."""
+    return np.full(16, i, np.float32) + 1
+
+
+class Sized:
+    """``f`` of each sample's index, ``n`` samples an epoch: a sized pipeline source."""
+
+    def __init__(self, f: Any, n: int) -> None:
+        self.f, self.n = f, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __call__(self, info: Any) -> Any:
+        if info.idx_in_epoch >= self.n:
+            raise StopIteration
+        return self.f(np.int64(info.idx_in_epoch))
+
+
+def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
+    """Each workload through each of :data:`MAP_WAYS`, rounds interleaved."""
+    import tensorflow as tf
+
+    rows = []
+    pool = mpexec.WorkerPool(2)
+    mpexec.set_default_pool(pool)
+    try:
+        workloads = (
+            ("heavy (workload 1)", heavy, 128 if quick else 256),
+            ("light (x + 1, 16 floats)", light, 2048 if quick else 8192),
+        )
+        for label, f, n in workloads:
+            log(f"[{NAME}] tf.data map, {label} ...")
+            ops = {"tf.numpy_function": tf.numpy_function,
+                   "mpexec.numpy_function": mpexec.numpy_function}  # fmt: skip
+            datasets = {
+                way: tf.data.Dataset.range(n)
+                .map(lambda i, op=op, f=f: op(f, [i], tf.float32), num_parallel_calls=2)
+                .batch(64)
+                for way, op in ops.items()
+            }
+
+            source = Sized(f, n)
+
+            @mpexec.pipeline_def(batch_size=64, num_workers=2, seed=0)
+            def piped(source: Sized = source) -> Any:
+                return fn.external_source(source=source, batch=False)
+
+            with piped() as pipe:
+                datasets["mpexec.tf.dataset"] = mtf.dataset(pipe)
+                times: dict[str, list[float]] = {w: [] for w in MAP_WAYS}
+                cpu: dict[str, list[float]] = {w: [] for w in MAP_WAYS}
+                for r in range((2 if quick else 3) + 1):
+                    for way in MAP_WAYS:
+                        c0, t0 = time.process_time(), time.perf_counter()
+                        for _ in datasets[way]:
+                            pass
+                        if r:  # the first round warms up: workers, tracing, functions shipped
+                            times[way].append((time.perf_counter() - t0) / n)
+                            cpu[way].append((time.process_time() - c0) / n)
+            med = {w: statistics.median(v) for w, v in times.items()}
+            rows.append({
+                "workload": label, "samples": n, "median_s": med,
+                "min_s": {w: min(v) for w, v in times.items()},
+                "max_s": {w: max(v) for w, v in times.items()},
+                "main_cpu_s": {w: statistics.median(v) for w, v in cpu.items()},
+                "speedup_vs_tf": {w: med["tf.numpy_function"] / med[w] for w in MAP_WAYS},
+            })  # fmt: skip
+    finally:
+        mpexec.set_default_pool(None)
+        pool.shutdown()
+    return rows
+
+
+def map_table(rows: list[dict[str, Any]]) -> str:
+    text = (
+        "tf.data map, num_parallel_calls=2, batches of 64: time a sample, median over rounds "
+        "(min - max), its speed-up over tf.numpy_function, and the main process's CPU a "
+        "sample\n\n"
+    )
+    return text + table(
+        ["workload", *MAP_WAYS],
+        [
+            [
+                f"{r['workload']} ({r['samples']})",
+                *(
+                    f"{r['median_s'][w] * 1e6:.0f} us ({r['min_s'][w] * 1e6:.0f} - "
+                    f"{r['max_s'][w] * 1e6:.0f}) {r['speedup_vs_tf'][w]:.2f}x, cpu "
+                    f"{r['main_cpu_s'][w] * 1e6:.0f} us"
+                    for w in MAP_WAYS
+                ),
+            ]
+            for r in rows
+        ],
+    )
 
 
 if __name__ == "__main__":

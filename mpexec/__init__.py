@@ -50,9 +50,9 @@ if _TYPE_CHECKING:  # the same names, imported for type checkers; at run time se
     from ._graph import DataNode
     from ._pipeline import Pipeline, PipelineStats, pipeline_def
     from ._pool import PoolStats, PoolStatus, WorkerPool
+    from ._pyfunc import default_pool, numpy_function, py_func, py_function, set_default_pool
     from ._runtime import BatchInfo, SampleInfo, sample_info
     from ._scheduler import OpStats
-    from ._tf import default_pool, numpy_function, py_func, py_function, set_default_pool
 
 #: Where each public name lives. ``import mpexec`` loads none of them: a worker
 #: process (spawn, forkserver) imports only what it runs, and a script only
@@ -76,11 +76,11 @@ _WHERE = {
     "SampleInfo": "_runtime",
     "sample_info": "_runtime",
     "OpStats": "_scheduler",
-    "default_pool": "_tf",
-    "numpy_function": "_tf",
-    "py_func": "_tf",
-    "py_function": "_tf",
-    "set_default_pool": "_tf",
+    "default_pool": "_pyfunc",
+    "numpy_function": "_pyfunc",
+    "py_func": "_pyfunc",
+    "py_function": "_pyfunc",
+    "set_default_pool": "_pyfunc",
     **dict.fromkeys(
         (
             "BrokenPoolError",

@@ -1,7 +1,7 @@
 """TensorFlow back-end: a pipeline as a ``tf.data.Dataset``.
 
 Not to be confused with mpexec's TF-compatible entry points (``mpexec.py_func``
-and friends, in ``_tf.py``), which never import TensorFlow; this module does.
+and friends, in ``_pyfunc.py`` and ``_pyfunc_tf.py``); this module imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -132,7 +132,10 @@ def epoch_length(pipe: Pipeline) -> int | None:
 
 def _built_graph(pipe: Pipeline) -> Graph:
     pipe.build()
-    graph = pipe._graph  # noqa: SLF001 - the pipeline's graph has no public face yet
+    # Why the private reach: the outputs' declared dtypes/shapes and the sources' lengths live in
+    # the pipeline's graph, which Pipeline does not expose; a public face for it belongs
+    # to _pipeline.py (its owner's call), and this is the one place that reads it.
+    graph = pipe._graph  # noqa: SLF001 - no public face for the pipeline's graph (above)
     assert graph is not None
     return graph
 

@@ -105,7 +105,8 @@ LAYERS: dict[str, int] = {
     "mpexec._conditionals": 6,  # DALI's conditional execution: scopes, splits, merges
     "mpexec._autograph": 6,  # the rewrite of `if`/`and`/`or`/`not` it runs on
     "mpexec.fn": 6,
-    "mpexec._tf": 6,
+    "mpexec._pyfunc": 6,  # TF's py_func family: rules, entry points, default pool
+    "mpexec._pyfunc_tf": 6,  # the same ops inside TensorFlow graphs (imports TF)
     "mpexec.contrib": 6,
     # 7: adapters, the package's face, test doubles
     "mpexec": 7,

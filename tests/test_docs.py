@@ -26,7 +26,11 @@ def test_example_runs(example: Path, no_leaks: None) -> None:
 
 
 #: Each optional framework's example, and the module it cannot do without.
-OPTIONAL = [("torch_loader.py", "torch"), ("ray_basics.py", "ray")]
+OPTIONAL = [
+    ("torch_loader.py", "torch"),
+    ("ray_basics.py", "ray"),
+    ("tf_data_map.py", "tensorflow"),
+]
 
 
 @pytest.mark.parametrize(("name", "framework"), OPTIONAL, ids=[n for n, _ in OPTIONAL])

@@ -144,7 +144,7 @@ def test_import_mpexec_loads_what_is_used_only() -> None:
     assert out[0] == "['mpexec', 'mpexec._version']"
     in_worker = set(eval(out[1]))  # a list of names, printed by the worker
     assert "mpexec._worker" in in_worker
-    assert not in_worker & {"mpexec._pipeline", "mpexec._tf", "mpexec._scheduler", "mpexec.fn"}
+    assert not in_worker & {"mpexec._pipeline", "mpexec._pyfunc", "mpexec._scheduler", "mpexec.fn"}
     assert out[2] == "True True"
 
 

@@ -9,6 +9,7 @@ twice: against a stand-in ``fn.python_function`` (the glue: bound constants,
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import re
 import subprocess
@@ -23,9 +24,10 @@ import numpy as np
 import pytest
 
 import mpexec
-from mpexec import _tf, contrib
+from mpexec import _pyfunc as _tf
+from mpexec import contrib
 from mpexec._graph import DataNode
-from mpexec._tf import numpy_function, py_func, py_function
+from mpexec._pyfunc import numpy_function, py_func, py_function
 from tests.conftest import _children, shm_names, wait_until
 
 TOKEN = r"pyfunc_\d+"
@@ -555,6 +557,9 @@ class _FakeFn:
 @pytest.fixture
 def graph(monkeypatch: pytest.MonkeyPatch) -> _FakeFn:
     """Inside a pipeline definition, with ``mpexec.fn`` replaced by a recorder."""
+    # The real module is loaded first, so that undoing the patches puts it back (else a
+    # later test's `from mpexec import fn` finds neither: the end-to-end tests failed so).
+    importlib.import_module("mpexec.fn")
     fake = _FakeFn()
     module = types.ModuleType("mpexec.fn")
     module.python_function = fake.python_function  # type: ignore[attr-defined]
@@ -758,3 +763,92 @@ def test_public_names() -> None:
     assert mpexec.py_function is py_function
     assert mpexec.contrib.py_func is contrib.py_func
     assert {"py_func", "numpy_function", "py_function", "contrib"} <= set(mpexec.__all__)
+
+
+# ---------------------------------------------------------------- inside TensorFlow graphs
+def test_tensorflow_is_never_imported_for_arrays() -> None:
+    """Eager calls on arrays, pipelines and contrib never import TensorFlow."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import mpexec
+        from mpexec import contrib
+        with mpexec.WorkerPool(1) as pool:
+            mpexec.set_default_pool(pool)
+            assert mpexec.numpy_function(np.negative, [np.ones(2)], np.float64)[0] == -1
+            assert mpexec.py_function(np.negative, [np.ones(2)], [np.float32])[0][0] == -1
+            assert contrib.py_func(lambda a: a, [np.ones(1)], output_types=np.float64)[0] == 1
+            mpexec.set_default_pool(None)
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_tout_that_numpy_reads_as_a_structure_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"Cannot convert \{\} to a TensorFlow DType"):
+        py_function(_double, [np.ones(1)], [{}])
+
+
+def run_tf_check(check: str, *args: str) -> None:
+    """A check of tests/adapters/_tf_graph_checks.py, in a fresh interpreter (TF's threads)."""
+    pytest.importorskip("tensorflow")  # tox -e frameworks installs it
+    code = f"from tests.adapters._tf_graph_checks import {check}; {check}(*{args!r})"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+def test_tf_tensors_out_in_eager_tf_function_session_and_tf_data() -> None:
+    run_tf_check("check_tensors_out_everywhere")
+
+
+def test_tf_data_parallel_calls_run_in_two_workers_at_once(tmp_path: Any) -> None:
+    run_tf_check("check_parallel_calls_in_two_workers", str(tmp_path))
+
+
+def test_tf_bad_input_raising_killed_worker_wrong_tout_non_tensor() -> None:
+    run_tf_check("check_bad_input")
+
+
+def test_tf_py_function_gradient_is_a_clear_error() -> None:
+    run_tf_check("check_gradients_are_a_clear_error")
+
+
+def test_tf_saved_model_with_the_op_fails_clearly_when_loaded_elsewhere(tmp_path: Any) -> None:
+    run_tf_check("check_saved_model_fails_clearly", str(tmp_path / "model"))
+
+
+def test_tf_keras_fit_over_mpexec_numpy_function_matches_tf() -> None:
+    run_tf_check("check_keras_fit_same_loss")
+
+
+def test_compat_runner_swaps_tfs_three_names() -> None:
+    """``python -m benchmarks compat tf``: the port a user makes, nothing more."""
+    from benchmarks.compat import SUITES
+    from benchmarks.compat.tf_suite import swapped
+
+    assert SUITES["tf"] == "benchmarks.compat.tf_suite"
+    text = (
+        "import gc\nfrom tensorflow.python.ops import script_ops\n"
+        "a = script_ops.py_func(f, [x], t)\nb = script_ops.eager_py_func(f, [x], t)\n"
+        "c = script_ops.numpy_function(f, [x], t)\nn = script_ops._py_funcs.size()\n"
+    )
+    out = swapped(text)
+    assert "import gc\n\nimport mpexec\n" in out
+    assert "a = mpexec.py_func(f, [x], t)" in out
+    assert "b = mpexec.py_function(f, [x], t)" in out
+    assert "c = mpexec.numpy_function(f, [x], t)" in out
+    assert "script_ops._py_funcs.size()" in out  # TF's internals stay TF's

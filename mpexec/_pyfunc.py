@@ -32,6 +32,7 @@ import atexit
 import collections
 import itertools
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -71,6 +72,11 @@ def as_dtype(spec: Any) -> DType:
     """
     if spec is None:
         raise TypeError("None is not a dtype: use Tout=[] for a function that returns nothing")
+    if isinstance(spec, (Mapping, list, tuple)):  # NumPy would read a structured dtype
+        raise TypeError(
+            f"Cannot convert {spec!r} to a TensorFlow DType: {spec!r} is not a dtype; Tout "
+            "takes NumPy dtypes (anything np.dtype() accepts), TensorFlow DTypes, or 'string'"
+        )
     as_numpy = getattr(spec, "as_numpy_dtype", None)
     if as_numpy is not None and not isinstance(spec, np.dtype):
         spec = as_numpy  # a tf.DType; tf.string gives `object`
@@ -80,8 +86,8 @@ def as_dtype(spec: Any) -> DType:
         dtype = np.dtype(spec)
     except (TypeError, ValueError) as exc:
         raise TypeError(
-            f"{spec!r} is not a dtype: Tout takes NumPy dtypes (anything np.dtype() "
-            "accepts), TensorFlow DTypes, or 'string'"
+            f"Cannot convert {spec!r} to a TensorFlow DType: {spec!r} is not a dtype; Tout "
+            "takes NumPy dtypes (anything np.dtype() accepts), TensorFlow DTypes, or 'string'"
         ) from exc
     if dtype.kind in "SUO":
         return STRING
@@ -249,29 +255,34 @@ def _convert_tree(value: Any) -> Any:
     return _as_input(value, scalar=True)
 
 
-def _flatten_all(value: Any, out: list[Any]) -> None:
+def flatten_all(value: Any, out: list[Any]) -> None:
     """Every leaf of ``value`` (dicts in sorted key order where keys sort), like nest."""
     if isinstance(value, (tuple, list)):
         for v in value:
-            _flatten_all(v, out)
+            flatten_all(v, out)
     elif isinstance(value, Mapping):
         try:
             keys = sorted(value)
         except TypeError:
             keys = list(value)
         for k in keys:
-            _flatten_all(value[k], out)
+            flatten_all(value[k], out)
     else:
         out.append(value)
 
 
-def contains_node(value: Any) -> bool:
-    if isinstance(value, DataNode):
+def _is_node(value: Any) -> bool:
+    return isinstance(value, DataNode)
+
+
+def contains_node(value: Any, is_input: Callable[[Any], bool] = _is_node) -> bool:
+    """Whether ``value`` is, or nests, an input (a DataNode; a TF tensor for the TF op)."""
+    if is_input(value):
         return True
     if isinstance(value, (tuple, list)):
-        return any(contains_node(v) for v in value)
+        return any(contains_node(v, is_input) for v in value)
     if isinstance(value, Mapping):
-        return any(contains_node(v) for v in value.values())
+        return any(contains_node(v, is_input) for v in value.values())
     return False
 
 
@@ -300,21 +311,24 @@ class _Node:
         return (_Node, (self.kind, self.items))
 
 
-def bind(value: Any, nodes: list[DataNode], nested: bool) -> Any:
-    """``value`` with each DataNode replaced by a :class:`_Slot` (appended to ``nodes``).
+def bind(
+    value: Any, nodes: list[Any], nested: bool, is_input: Callable[[Any], bool] = _is_node
+) -> Any:
+    """``value`` with each input (a DataNode; ``is_input``) made a :class:`_Slot` (appended
+    to ``nodes``).
 
-    Containers without a DataNode stay as they are, so filling the template in
+    Containers without an input stay as they are, so filling the template in
     does not walk constants.
     """
-    if isinstance(value, DataNode):
+    if is_input(value):
         nodes.append(value)
         return _Slot(len(nodes) - 1)
-    if not nested or not contains_node(value):
+    if not nested or not contains_node(value, is_input):
         return value
     if isinstance(value, Mapping):
-        return _Node("dict", [(k, bind(v, nodes, nested)) for k, v in value.items()])
+        return _Node("dict", [(k, bind(v, nodes, nested, is_input)) for k, v in value.items()])
     kind: Any = "list" if isinstance(value, list) else type(value)
-    return _Node(kind, [(i, bind(v, nodes, nested)) for i, v in enumerate(value)])
+    return _Node(kind, [(i, bind(v, nodes, nested, is_input)) for i, v in enumerate(value)])
 
 
 def _fill(value: Any, inputs: Sequence[Any]) -> Any:
@@ -510,7 +524,7 @@ def _flatten_as(types: Any, ret: Any, out: list[Any]) -> None:
         for t, r in zip(types, ret, strict=True):
             _flatten_as(t, r, out)
     else:
-        _flatten_all(ret, out)  # as nest.flatten: a leaf's value is flattened whole
+        flatten_all(ret, out)  # as nest.flatten: a leaf's value is flattened whole
 
 
 def _pack(types: Any, it: Any) -> Any:
@@ -541,10 +555,13 @@ class PyFuncCall:
     casting) and returned as None (no outputs), one array, or a tuple of
     arrays. ``template`` binds the constant inputs of a pipeline op around
     its DataNode inputs; ``structure`` holds contrib's nested output_types.
-    Objects are compared by identity, so that a pool ships each one once.
+    ``tensors`` (py_function inside a TensorFlow graph): ``func`` gets
+    EagerTensors, as TF's py_function hands them, and may return them; the
+    worker imports TensorFlow for it. Objects are compared by identity, so
+    that a pool ships each one once.
     """
 
-    __slots__ = ("cast", "dtypes", "func", "name", "structure", "template")
+    __slots__ = ("cast", "dtypes", "func", "name", "structure", "template", "tensors")
 
     def __init__(
         self,
@@ -554,6 +571,7 @@ class PyFuncCall:
         cast: bool = False,
         template: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
         structure: OutputStructure | None = None,
+        tensors: bool = False,
     ) -> None:
         self.func = func
         self.dtypes = dtypes
@@ -561,11 +579,20 @@ class PyFuncCall:
         self.cast = cast
         self.template = template
         self.structure = structure
+        self.tensors = tensors
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             PyFuncCall,
-            (self.func, self.dtypes, self.name, self.cast, self.template, self.structure),
+            (
+                self.func,
+                self.dtypes,
+                self.name,
+                self.cast,
+                self.template,
+                self.structure,
+                self.tensors,
+            ),
         )
 
     def __repr__(self) -> str:
@@ -580,7 +607,11 @@ class PyFuncCall:
             args = tuple(_fill(a, inputs) for a in bound_args)
             kwargs = {**{k: _fill(v, inputs) for k, v in bound_kwargs.items()}, **kwargs}
         structure = self.structure
-        if structure is None:
+        if self.tensors:
+            ret = self.func(*_eager_tensors([_as_input(a, scalar=False) for a in args]))
+            values = _from_tensors(_returned_values(ret))
+            paths = None
+        elif structure is None:
             ret = self.func(*[_as_input(a, scalar=not self.cast) for a in args])
             values = _returned_values(ret)
             paths = None
@@ -594,6 +625,30 @@ class PyFuncCall:
         if not arrays:
             return None
         return arrays[0] if len(arrays) == 1 else tuple(arrays)
+
+
+def _eager_tensors(arrays: list[Any]) -> list[Any]:
+    """The inputs as TF's py_function hands them: EagerTensors (TF imported here, in the worker)."""
+    import tensorflow as tf
+
+    return [tf.convert_to_tensor(a) for a in arrays]
+
+
+def _from_tensors(values: list[Any]) -> list[Any]:
+    """What a py_function returned, tensors as arrays; a variable is refused, as in TF."""
+    import tensorflow as tf
+
+    out = []
+    for value in values:
+        if isinstance(value, tf.Variable):
+            raise RuntimeError(  # noqa: TRY004 - TF's type and words (an UnknownError in TF)
+                "Attempting to return a variable from an eagerly executed py_func. Only "
+                "numeric data structures like Tensors or NumPy arrays should be returned; "
+                "to return the value of a variable, make sure to obtain the Tensor backing "
+                f"it by calling `.read_value()` on the variable in question: {value}"
+            )
+        out.append(value.numpy() if isinstance(value, tf.Tensor) else value)
+    return out
 
 
 _tokens = itertools.count()
@@ -679,8 +734,49 @@ def add_op(
     return list(out)
 
 
+def in_tensorflow(inputs: Sequence[Any], tout: Any) -> bool:
+    """Whether a call belongs inside TensorFlow (:mod:`mpexec._pyfunc_tf`): never before
+    TensorFlow is imported.
+
+    It does when TensorFlow is building a graph (``tf.function``, a ``tf.data`` map,
+    a v1 graph), when an input is a TF tensor, and when no input is an array and
+    ``Tout`` names a TF DType; else it runs on arrays, as always.
+    """
+    if "tensorflow" not in sys.modules:
+        return False
+    from . import _pyfunc_tf
+
+    leaves: list[Any] = []
+    flatten_all(list(inputs), leaves)
+    touts: list[Any] = []
+    flatten_all(tout if isinstance(tout, (list, tuple, Mapping)) else [tout], touts)
+    return _pyfunc_tf.wanted(leaves, touts)
+
+
+def _tf_script_op(
+    func: Callable[..., Any],
+    inputs: list[Any],
+    Tout: Any,
+    stateful: bool,
+    name: str | None,
+    cast: bool,
+) -> Any:
+    """``py_func``/``numpy_function`` (``cast``: ``py_function``) as a TF op; TF tensors out."""
+    from . import _pyfunc_tf
+
+    is_list = isinstance(Tout, (list, tuple))
+    specs = list(Tout) if is_list else [Tout]
+    _pyfunc_tf.refuse_composites(inputs, specs)
+    touts = [_pyfunc_tf.tf_dtype(t, as_dtype) for t in specs]
+    dtypes = tuple(as_dtype(t.as_numpy_dtype) for t in touts)
+    # py_function's function gets EagerTensors in the worker, as TF's gets them.
+    call = PyFuncCall(_pyfunc_tf.shippable(func), dtypes, op_name(name), cast, tensors=cast)
+    return _pyfunc_tf.add_op(call, default_pool, inputs, touts, is_list, stateful, name, cast)
+
+
 def _inputs(inp: Any) -> list[Any]:
-    if isinstance(inp, (np.ndarray, str, bytes, DataNode)) or not isinstance(inp, Iterable):
+    tensor_like = hasattr(inp, "dtype") and hasattr(inp, "shape")  # an array, a TF tensor
+    if tensor_like or isinstance(inp, (str, bytes, DataNode)) or not isinstance(inp, Iterable):
         raise TypeError(
             f"inp must be a list of inputs, not {type(inp).__name__}; for one input write [x]"
         )
@@ -697,6 +793,8 @@ def _script_op(
 ) -> Any:
     check_callable(func)
     inputs = _inputs(inp)
+    if current_graph() is None and in_tensorflow(inputs, Tout):
+        return _tf_script_op(func, inputs, Tout, stateful, name, cast)
     is_list = isinstance(Tout, (list, tuple))
     dtypes = tuple(as_dtype(t) for t in (Tout if is_list else [Tout]))
     if current_graph() is None:
@@ -771,6 +869,13 @@ def py_function(
     raise ``TypeError``. The op counts as stateful, as TF's does.
     """
     return _script_op(func, inp, Tout, True, name, cast=True)
+
+
+# TensorFlow's autograph calls a function carrying this attribute as it is, instead of
+# converting its source (as it converts a tf.data map's or a tf.function's code):
+# these entry points run in Python, TensorFlow need not be imported to mark them.
+for _entry in (py_func, numpy_function, py_function):
+    vars(_entry)["autograph_info__"] = frozenset()
 
 
 # ---------------------------------------------------------------------------- default pool
