@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import gc
@@ -718,6 +719,36 @@ def test_load_state_dict_rejects_garbage() -> None:
         loader.load_state_dict({"batches": 2})
     with pytest.raises(ValueError, match="batches"):
         loader.load_state_dict({"version": 1, "rng": loader.state_dict()["rng"], "batches": -1})
+
+
+def test_the_state_format_is_checked_without_a_loader() -> None:
+    # The format's own room: a state read against a loader's facts, no loader, no process.
+    from mpexec.torch import _state
+
+    g = gen(3)
+    rng = {"loader": base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")}
+    state = {"version": 2, "rng": rng, "fresh": False, "base_seed": 7, "batches": 2}
+    state |= {"beyond": [4], "batch_size": 4, "length": 6}
+    facts = {"generators": {"loader": g}, "batch_size": 4, "length": 6}
+    resume = _state.validate(state, **facts)
+    assert (resume.batches, resume.beyond, resume.fresh, resume.base_seed) == (
+        2,
+        frozenset({4}),
+        False,
+        7,
+    )
+    with pytest.raises(ValueError, match="batch_size=8"):
+        _state.validate(state, **{**facts, "batch_size": 8})
+    with pytest.raises(ValueError, match="over 6 batches an epoch, this loader has 5"):
+        _state.validate(state, **{**facts, "length": 5})
+    with pytest.raises(ValueError, match="generators"):
+        _state.validate(state, **{**facts, "generators": {"loader": g, "sampler": gen(4)}})
+    with pytest.raises(ValueError, match="not a generator state"):
+        _state.validate({**state, "rng": {"loader": rng["loader"][:-8]}}, **facts)
+    with pytest.raises(ValueError, match="past 2"):
+        _state.validate({**state, "beyond": [1]}, **facts)
+    with pytest.raises(ValueError, match="past the epoch's 6"):
+        _state.validate({**state, "beyond": [6]}, **facts)
 
 
 def test_state_between_epochs_starts_the_next_epoch() -> None:
