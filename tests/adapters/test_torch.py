@@ -652,6 +652,37 @@ def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert _processes.start_method(None) == mpexec._host.default_start_method()
 
 
+WORKER_MODULES_SCRIPT = """
+import multiprocessing as mp, sys
+import torch.utils.data
+from mpexec.torch import DataLoader
+
+class Modules(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+    def __getitem__(self, i):  # runs in the loader's worker: what it has imported
+        return " ".join(sorted(m for m in sys.modules if m.split(".")[0] in ("mpexec", "shm")))
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[1])
+    print(*DataLoader(Modules(), batch_size=None, num_workers=1, multiprocessing_context=ctx))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_spawned_loader_worker_imports_no_caller_room(tmp_path: Any, method: str) -> None:
+    # The worker's rooms (_fetch, _tensors, _compat) and the pool's worker side: not the
+    # caller's loader, nor the pool, scheduler, pipeline, executors or graph.
+    script = tmp_path / "modules.py"
+    script.write_text(WORKER_MODULES_SCRIPT)
+    loaded = set(run_python(str(script), method, timeout=300).split())
+    assert {"mpexec.torch._fetch", "mpexec._worker"} <= loaded
+    caller = {"_loader", "_epoch", "_iterator", "_state", "_stats", "_processes", "_convert"}
+    machinery = {"_pool", "_scheduler", "_pipeline", "_executors", "_graph"}
+    assert sorted(m for m in loaded if m.split(".")[-1] in caller) == []
+    assert sorted(m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in machinery) == []
+
+
 # ------------------------------------------------------------------ resuming
 RESUME_SCRIPT = """
 import json, sys, torch
