@@ -28,8 +28,10 @@ attachers never register it anywhere (CPython gh-82300).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import re
@@ -372,29 +374,8 @@ class Segment:
         if start % PAGE_SIZE or start < 0 or length < 0 or start + length > handle.size:
             raise ValueError(f"cannot map [{start}, +{length}) of a {handle.size}-byte segment")
         length = length or handle.size - start
-        flags = os.O_RDONLY if readonly else os.O_RDWR
+        fd = _open_fd(handle, writable=not readonly)
         try:
-            if handle.backend == "memfd":
-                fd = os.open(f"/proc/{handle.owner_pid}/fd/{handle.fd}", flags | os.O_CLOEXEC)
-            else:
-                fd = _shm_module().shm_open(handle.name, flags, mode=0o600)
-        except OSError as exc:
-            raise AttachError(
-                f"cannot map shared memory of process {handle.owner_pid} "
-                f"({os.strerror(exc.errno or 0)}): its owner has exited or closed it"
-                + (", or /proc is not readable here" if handle.backend == "memfd" else "")
-            ) from exc
-        try:
-            st = os.fstat(fd)
-            if (
-                st.st_ino != handle.inode
-                or st.st_size < handle.size
-                or not stat.S_ISREG(st.st_mode)
-            ):
-                raise AttachError(
-                    f"shared memory of process {handle.owner_pid} is gone: its owner "
-                    "closed it (the fd now names something else)"
-                )
             access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
             buf = map_fd(fd, length, access, start, populate)
         finally:
@@ -407,6 +388,51 @@ class Segment:
             raise TypeError("only the owner of a segment can hand it to a child process")
         token = fd_for_child(self._fd, "a Segment")
         return (_rebuild_segment, (token, self.handle))
+
+    # ---------------------------------------------------------------- pages
+    def open_fd(self, writable: bool = False) -> int:
+        """A new fd of this segment, for code that maps by fd (torch's shared storage).
+
+        The caller closes it. Raises :class:`AttachError` once the segment's
+        owner has exited or closed it.
+        """
+        return _open_fd(self.handle, writable)
+
+    def map_private(self, start: int, length: int, keep: Any = None) -> Any:
+        """``[start, start + length)`` of the segment, mapped copy-on-write (``MAP_PRIVATE``).
+
+        Reads share the segment's pages, uncopied; a write copies the page it
+        touches into memory of this mapping's own, so it never changes the
+        segment. Pages not yet written read what the segment holds *now*:
+        ``keep`` (the arrays whose memory is read) is held as long as the
+        mapping, so that their memory is not reused underneath. ``start`` is a
+        multiple of the page size. Returns a writable buffer (a ctypes array),
+        unmapped once the last reference to it goes. Raises
+        :class:`AttachError` if the segment is gone, ``OSError`` if the
+        mapping fails.
+        """
+        if start % PAGE_SIZE or start < 0 or length <= 0 or start + length > self.handle.size:
+            size = self.handle.size
+            raise ValueError(f"cannot map [{start}, +{length}) of a {size}-byte segment")
+        fd = _open_fd(self.handle, writable=False)
+        try:
+            return _map_private(fd, start, length, keep)
+        finally:
+            os.close(fd)  # the mapping keeps the memory alive on its own
+
+    def drop_pages(self, start: int, length: int) -> None:
+        """Drop this process's mapping of the pages under ``[start, start + length)``.
+
+        Offsets are in the segment; ``start`` is rounded down to a page, the
+        end up. The data stays (``MADV_DONTNEED`` on shared memory: the pages
+        are the segment's), and the next touch here maps them again; other
+        processes' mappings are untouched. For memory this process will not
+        read for a while: it stops counting in this process's resident set.
+        """
+        lo = max(start // PAGE_SIZE * PAGE_SIZE, self.offset)
+        hi = min(start + length, self.offset + self.size)
+        if hi > lo and _MADV_DONTNEED is not None:
+            self.buf.madvise(_MADV_DONTNEED, lo - self.offset, hi - lo)
 
     def discard(self, start: int, length: int) -> bool:
         """Give the pages of ``[start, start + length)`` back to the system (owner only).
@@ -467,6 +493,73 @@ class Segment:
 
 #: ``madvise(MADV_REMOVE)``: frees a shared mapping's pages and their backing store.
 _MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
+
+#: ``madvise(MADV_DONTNEED)``: drops a mapping's pages (a shared mapping's data stays).
+_MADV_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
+
+
+def _open_fd(handle: SegmentHandle, writable: bool) -> int:
+    """A new fd of the segment ``handle`` names; :class:`AttachError` once it is gone."""
+    flags = os.O_RDWR if writable else os.O_RDONLY
+    try:
+        if handle.backend == "memfd":
+            fd = os.open(f"/proc/{handle.owner_pid}/fd/{handle.fd}", flags | os.O_CLOEXEC)
+        else:
+            fd = _shm_module().shm_open(handle.name, flags, mode=0o600)
+    except OSError as exc:
+        raise AttachError(
+            f"cannot map shared memory of process {handle.owner_pid} "
+            f"({os.strerror(exc.errno or 0)}): its owner has exited or closed it"
+            + (", or /proc is not readable here" if handle.backend == "memfd" else "")
+        ) from exc
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if st.st_ino != handle.inode or st.st_size < handle.size or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise AttachError(
+            f"shared memory of process {handle.owner_pid} is gone: its owner "
+            "closed it (the fd now names something else)"
+        )
+    return fd
+
+
+def _map_private(fd: int, offset: int, length: int, keep: Any) -> Any:
+    """``length`` bytes of ``fd`` mapped copy-on-write; unmapped when the buffer goes.
+
+    libc's mmap, not Python's: Python's keeps a duplicate of the fd for each
+    mapping (before 3.13), an open file per mapping.
+    """
+    libc = _libc()
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    address = libc.mmap(None, length, prot, mmap.MAP_PRIVATE, fd, offset)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    pages = (ctypes.c_char * length).from_address(address)
+    pages.shm_keep = keep  # type: ignore[attr-defined]  # held as long as the mapping
+    weakref.finalize(pages, libc.munmap, address, length)
+    return pages
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.mmap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.munmap.restype = ctypes.c_int
+    return libc
+
 
 #: ``F_SEAL_FUTURE_WRITE`` (Linux 5.1), which the fcntl module may not name.
 _SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)

@@ -1,11 +1,11 @@
 """``python -m benchmarks compat SUITE PATH [options]``: a peer's own tests against our drop-in.
 
-The incumbents' own tests are the measure of "drop-in" (DESIGN §6). Each suite
-module here knows how to run one peer's test file twice in one environment —
-once as shipped, once with the peer's names swapped for mpexec's in every
-process — and prints the two outcomes side by side, test by test. The peer's
-test file is read from ``PATH`` (a copy of the peer's source): it is never
-part of this repository.
+The incumbents' own tests are the measure of "drop-in" (docs/design.md, "Drop-in
+fidelity"). Each suite module here knows how to run one peer's test file twice in one
+environment — once as shipped, once with the peer's names swapped for mpexec's in every
+process — and prints the two outcomes side by side, test by test. The peer's test file
+is read from ``PATH`` (a copy of the peer's source): it is never part of this
+repository.
 """
 
 from __future__ import annotations

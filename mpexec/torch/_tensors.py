@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import collections.abc
 import copy
-import ctypes
-import functools
 import mmap
 import os
 import resource
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -145,14 +142,9 @@ def _segment_fd(array: np.ndarray[Any, Any], writable: bool) -> tuple[int, int] 
     seg = shm.segment_of(array)
     if seg is None:
         return None
-    h = seg.handle
-    path = f"/proc/{h.owner_pid}/fd/{h.fd}" if h.backend == "memfd" else f"/dev/shm{h.name}"
     try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
-    except OSError:
-        return None
-    if os.fstat(fd).st_ino != h.inode:  # the owner is gone, its fd number reused
-        os.close(fd)
+        fd = seg.open_fd(writable)
+    except shm.AttachError:
         return None
     return fd, seg.offset + (array.ctypes.data - seg.address)
 
@@ -234,19 +226,17 @@ def private_tensor(
     dtype = TORCH_DTYPES.get(first.dtype)
     if dtype is None or any(st < 0 for st in strides) or 0 in shape:
         return None
-    found = _segment_fd(first, writable=False)
-    if found is None:
+    seg = shm.segment_of(first)
+    if seg is None:
         return None
-    fd, start = found
+    start = seg.offset + (first.ctypes.data - seg.address)
     end = start + first.itemsize + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+    base = start // mmap.PAGESIZE * mmap.PAGESIZE
     try:
-        base = start // mmap.PAGESIZE * mmap.PAGESIZE
-        pages = _map_private(fd, base, end - base)
-    except OSError:
+        # The shared memory stays allocated while the copy reads it: keep holds it.
+        pages = seg.map_private(base, end - base, keep)
+    except (OSError, ValueError, shm.AttachError):  # gone, or out of address space: a copy
         return None
-    finally:
-        os.close(fd)
-    pages._mpexec_keep = keep  # noqa: SLF001 - our tag: keeps the memory mapped; the shared memory stays allocated while the copy reads it
     view: np.ndarray[Any, Any] = np.ndarray(
         shape, first.dtype, buffer=pages, offset=start - base, strides=strides
     )
@@ -260,49 +250,10 @@ def extent(array: np.ndarray[Any, Any]) -> int:
 
 
 def discard_pages(array: np.ndarray[Any, Any]) -> None:
-    """Drop this process's mapping of the pages ``array`` spans (the memfd keeps the data)."""
-    start = array.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-    end = array.ctypes.data + extent(array)
-    _libc().madvise(start, end - start, _MADV_DONTNEED)
-
-
-_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
-
-
-def _map_private(fd: int, offset: int, length: int) -> Any:
-    """``length`` bytes of ``fd`` mapped copy-on-write (``MAP_PRIVATE``); unmapped when dropped.
-
-    libc's mmap, not Python's: Python's keeps a duplicate of the fd for each
-    mapping (before 3.13), an open file per tensor.
-    """
-    libc = _libc()
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    address = libc.mmap(None, length, prot, mmap.MAP_PRIVATE, fd, offset)
-    if address is None or address == ctypes.c_void_p(-1).value:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    pages = (ctypes.c_char * length).from_address(address)
-    weakref.finalize(pages, libc.munmap, address, length)
-    return pages
-
-
-@functools.cache
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.argtypes = (
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    )
-    libc.mmap.restype = ctypes.c_void_p
-    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    libc.munmap.restype = ctypes.c_int
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise.restype = ctypes.c_int
-    return libc
+    """Drop this process's mapping of the pages ``array`` spans (the segment keeps the data)."""
+    seg = shm.segment_of(array)
+    if seg is not None:
+        seg.drop_pages(seg.offset + (array.ctypes.data - seg.address), extent(array))
 
 
 def walk(data: Any, kind: type, fn: Callable[[Any], Any]) -> Any:

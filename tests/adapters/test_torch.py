@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import gc
@@ -651,6 +652,37 @@ def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert _processes.start_method(None) == mpexec._host.default_start_method()
 
 
+WORKER_MODULES_SCRIPT = """
+import multiprocessing as mp, sys
+import torch.utils.data
+from mpexec.torch import DataLoader
+
+class Modules(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+    def __getitem__(self, i):  # runs in the loader's worker: what it has imported
+        return " ".join(sorted(m for m in sys.modules if m.split(".")[0] in ("mpexec", "shm")))
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[1])
+    print(*DataLoader(Modules(), batch_size=None, num_workers=1, multiprocessing_context=ctx))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_spawned_loader_worker_imports_no_caller_room(tmp_path: Any, method: str) -> None:
+    # The worker's rooms (_fetch, _tensors, _compat) and the pool's worker side: not the
+    # caller's loader, nor the pool, scheduler, pipeline, executors or graph.
+    script = tmp_path / "modules.py"
+    script.write_text(WORKER_MODULES_SCRIPT)
+    loaded = set(run_python(str(script), method, timeout=300).split())
+    assert {"mpexec.torch._fetch", "mpexec._worker"} <= loaded
+    caller = {"_loader", "_epoch", "_iterator", "_state", "_stats", "_processes", "_convert"}
+    machinery = {"_pool", "_scheduler", "_pipeline", "_executors", "_graph"}
+    assert sorted(m for m in loaded if m.split(".")[-1] in caller) == []
+    assert sorted(m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in machinery) == []
+
+
 # ------------------------------------------------------------------ resuming
 RESUME_SCRIPT = """
 import json, sys, torch
@@ -718,6 +750,36 @@ def test_load_state_dict_rejects_garbage() -> None:
         loader.load_state_dict({"batches": 2})
     with pytest.raises(ValueError, match="batches"):
         loader.load_state_dict({"version": 1, "rng": loader.state_dict()["rng"], "batches": -1})
+
+
+def test_the_state_format_is_checked_without_a_loader() -> None:
+    # The format's own room: a state read against a loader's facts, no loader, no process.
+    from mpexec.torch import _state
+
+    g = gen(3)
+    rng = {"loader": base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")}
+    state = {"version": 2, "rng": rng, "fresh": False, "base_seed": 7, "batches": 2}
+    state |= {"beyond": [4], "batch_size": 4, "length": 6}
+    facts = {"generators": {"loader": g}, "batch_size": 4, "length": 6}
+    resume = _state.validate(state, **facts)
+    assert (resume.batches, resume.beyond, resume.fresh, resume.base_seed) == (
+        2,
+        frozenset({4}),
+        False,
+        7,
+    )
+    with pytest.raises(ValueError, match="batch_size=8"):
+        _state.validate(state, **{**facts, "batch_size": 8})
+    with pytest.raises(ValueError, match="over 6 batches an epoch, this loader has 5"):
+        _state.validate(state, **{**facts, "length": 5})
+    with pytest.raises(ValueError, match="generators"):
+        _state.validate(state, **{**facts, "generators": {"loader": g, "sampler": gen(4)}})
+    with pytest.raises(ValueError, match="not a generator state"):
+        _state.validate({**state, "rng": {"loader": rng["loader"][:-8]}}, **facts)
+    with pytest.raises(ValueError, match="past 2"):
+        _state.validate({**state, "beyond": [1]}, **facts)
+    with pytest.raises(ValueError, match="past the epoch's 6"):
+        _state.validate({**state, "beyond": [6]}, **facts)
 
 
 def test_state_between_epochs_starts_the_next_epoch() -> None:

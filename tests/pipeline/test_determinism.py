@@ -1,5 +1,5 @@
 """Determinism matrix: with a seed, outputs are bit-identical across runs and across
-``num_workers`` (0 = inline), ``prefetch_depth`` and start method (DESIGN.md §4.2).
+``num_workers`` (0 = inline), ``prefetch_depth`` and start method (docs/design.md, "Determinism").
 
 One pipeline holds every source of randomness a function may use: a per-sample source
 in the workers (``np.random``), an op taking ``rng``, one using ``np.random``'s global

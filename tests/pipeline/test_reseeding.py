@@ -1,7 +1,7 @@
 """Global random state is reseeded only where a call reads it (``_runtime._GlobalRandom``).
 
 A call that draws from ``np.random`` or ``random`` must see exactly the state
-reseeding before every call gives (DESIGN.md §4.2), whatever earlier calls, the
+reseeding before every call gives (docs/design.md, "Determinism"), whatever earlier calls, the
 caller or a cached Gaussian left behind. The reference here reseeds before every
 call (``watch`` off, in this process); the runs under test speculate, in workers
 and inline. A runner speculates only after a streak of cheap calls that drew
