@@ -723,22 +723,22 @@ def test_default_pool_is_made_on_first_use_and_stopped_at_exit() -> None:
     code = textwrap.dedent(
         """
         import os, numpy as np
-        from mpexec import WorkerPool, _tf
+        from mpexec import WorkerPool, _pyfunc
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
-        out = _tf.py_func(lambda x: x + 1, [np.zeros(2)], np.float64)
-        first = _tf.default_pool()
-        assert first is _tf.default_pool() and first.num_workers <= 2
+        out = _pyfunc.py_func(lambda x: x + 1, [np.zeros(2)], np.float64)
+        first = _pyfunc.default_pool()
+        assert first is _pyfunc.default_pool() and first.num_workers <= 2
         assert list(out) == [1.0, 1.0]
         first.shutdown()                      # one made here is replaced when closed
-        second = _tf.default_pool()
+        second = _pyfunc.default_pool()
         assert second is not first
         mine = WorkerPool(1)
-        _tf.set_default_pool(mine)            # shuts `second` down
-        assert _tf.default_pool() is mine and "closed" in repr(second)
-        assert _tf.py_function(lambda: 2, [], np.int8) == 2
-        _tf.set_default_pool(None)
+        _pyfunc.set_default_pool(mine)            # shuts `second` down
+        assert _pyfunc.default_pool() is mine and "closed" in repr(second)
+        assert _pyfunc.py_function(lambda: 2, [], np.int8) == 2
+        _pyfunc.set_default_pool(None)
         mine.shutdown()
-        assert _tf.numpy_function(lambda: 3, [], np.int64) == 3   # a fresh one, left for atexit
+        assert _pyfunc.numpy_function(lambda: 3, [], np.int64) == 3   # a fresh one, left for atexit
         print("ok", os.getpid())
         """
     )
