@@ -149,17 +149,21 @@ def external_source(
     num_outputs: int | None = None,
     *,
     batch: bool = True,
-    cycle: bool | str = False,
+    cycle: bool | str | None = None,
     name: str | None = None,
     layout: str | Sequence[str | None] | None = None,
     dtype: Any = None,
     ndim: int | None = None,
     parallel: bool | None = None,
-    batch_info: bool = False,
-    prefetch_queue_depth: int = 1,
+    batch_info: bool | None = False,
+    prefetch_queue_depth: int | None = 1,
     device: str = "cpu",
     no_copy: bool | None = None,
     blocking: bool | None = None,
+    bytes_per_sample_hint: int | Sequence[int] | None = None,
+    cuda_stream: Any = None,
+    use_copy_kernel: bool | None = None,
+    repeat_last: bool = False,
 ) -> Any:
     """Data entering the pipeline (DALI's ``fn.external_source``).
 
@@ -186,7 +190,15 @@ def external_source(
     graph = graph_for("external_source")
     name_ = name if name is not None else graph.unique_name("external_source", source)
     what = f"fn.external_source '{name_}'"
-    del prefetch_queue_depth, no_copy, blocking
+    del prefetch_queue_depth, no_copy, blocking, bytes_per_sample_hint, cuda_stream
+    del use_copy_kernel
+    if repeat_last:
+        raise ValueError(
+            f"{what}: repeat_last=True (DALI's repeat of the last fed batch) is not "
+            "supported: feed every batch with pipe.feed_input"
+        )
+    if cycle is None:  # DALI's default: the source ends the epoch, once
+        cycle = False
     n: object = 1 if num_outputs is None else num_outputs
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{what}: num_outputs must be an int >= 1, not {num_outputs!r}")
@@ -209,10 +221,15 @@ def external_source(
         source = _BatchCallable(source, batch_info)
     dtypes = None
     if dtype is not None:
-        dtypes = _dtypes(what, dtype if n == 1 else [dtype] * n, n)
+        # One dtype for every output, or (DALI) a list of one per output.
+        per_output = isinstance(dtype, (list, tuple))
+        dtypes = _dtypes(what, dtype if per_output or n == 1 else [dtype] * n, n)
     shapes = None
     if ndim is not None:
-        shapes = tuple((None,) * ndim for _ in range(n))
+        ndims = list(ndim) if isinstance(ndim, (list, tuple)) else [ndim] * n
+        if len(ndims) != n:
+            raise OpArgumentError(f"{what}: {len(ndims)} ndim given for {n} outputs")
+        shapes = tuple((None,) * int(d) for d in ndims)
     op = Op(
         kind=OpKind.EXTERNAL_SOURCE,
         name=name_,

@@ -11,11 +11,20 @@ a pipeline with a ``device_id`` (its tests all give ``device_id=0``): there
 ``MPEXEC_COMPAT_DALI_CPU=1`` makes DALI's ``Pipeline`` build with ``device_id=None``,
 its CPU-only mode, so the CPU tests run as they would on a GPU machine (and
 the GPU one fails, as it must).
+
+nose's test generators (a ``test_*`` function that yields ``(function, *args)``
+cases, as DALI's external_source tests do) are expanded when collected, one
+test per case (``test_x[0]``, ``test_x[1]``, ...), as nose2 does: the
+generator runs at collection, between the ``setup``/``teardown`` that
+``with_setup`` gave it, and each case runs between those of its function.
+pytest itself no longer runs yield tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import inspect
 import json
 import os
 import sys
@@ -57,6 +66,49 @@ def _dali_cpu_only() -> None:
         return params(self)
 
     Pipeline._get_params = cpu_only_params  # type: ignore[method-assign]
+
+
+class _NoseCase(pytest.Function):
+    """One case a nose test generator yielded: ``function(*args)``."""
+
+
+def _run_case(function: Any, args: tuple[Any, ...]) -> None:
+    setup = getattr(function, "setup", None)
+    teardown = getattr(function, "teardown", None)
+    if setup is not None:
+        setup()
+    try:
+        function(*args)
+    finally:
+        if teardown is not None:
+            teardown()
+
+
+def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
+    if not (name.startswith("test") and inspect.isgeneratorfunction(obj)):
+        return None
+    setup = getattr(obj, "setup", None)
+    if setup is not None:
+        setup()
+    cases = []
+    try:
+        for case in obj():
+            function, *args = case if isinstance(case, tuple) else (case,)
+            cases.append((function, tuple(args)))
+    finally:
+        teardown = getattr(obj, "teardown", None)
+        if teardown is not None:
+            # A leak check with nothing run yet fails: each case runs its own.
+            with contextlib.suppress(AssertionError):
+                teardown()
+    items = []
+    for i, (function, args) in enumerate(cases):
+
+        def call(function: Any = function, args: tuple[Any, ...] = args) -> None:
+            _run_case(function, args)
+
+        items.append(_NoseCase.from_parent(collector, name=f"{name}[{i}]", callobj=call))
+    return items
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
