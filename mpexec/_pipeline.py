@@ -167,8 +167,10 @@ class Pipeline:
       :meth:`state_dict`), ``checkpoint``, ``py_callback_pickler`` (functions
       travel with cloudpickle), ``output_layout``, ``exec_dynamic``,
       ``experimental_exec_dynamic``, ``stream_policy``, ``concurrency``.
-    - ``last_batch``: ``"partial"`` returns a short last batch of an epoch as
-      it is; ``"drop"`` drops it.
+    - ``last_batch``: ``"drop"`` (DALI's rule, the default) drops a short
+      last batch of an epoch, which a source's ``StopIteration`` part-way
+      through a batch leaves; ``"partial"`` (mpexec's own choice) returns it
+      as it is.
     - ``debug``: checksum inputs around every call and name the function
       that changed one.
     - ``timeout``: seconds one call may run (then :class:`TaskTimeoutError`).
@@ -205,7 +207,7 @@ class Pipeline:
         start_method: str | None = None,
         debug: bool = False,
         timeout: float | None = None,
-        last_batch: str = "partial",
+        last_batch: str = "drop",
         pool: CallPool | None = None,
         py_num_workers: int | None = None,
         py_start_method: str | None = None,
@@ -501,8 +503,25 @@ class Pipeline:
         """DALI's name for the parallelism here: ``num_workers``."""
         return self.num_workers
 
+    def start_py_workers(self) -> None:
+        """DALI's early start of the Python workers (its recipe before forking): builds
+        the pipeline, which starts its workers."""
+        self.build()
+
+    @property
+    def _py_pool(self) -> Any:
+        """DALI's handle on the workers (``pids()``, ``close()``), which DALI's tests
+        read for their leak checks; None before ``build()`` and without workers."""
+        pool = self._pool
+        if not isinstance(pool, WorkerPool) or not pool.num_workers:
+            return None
+        from ._pypool import PyPool
+
+        return PyPool(self, pool)
+
     def reset(self) -> None:
-        """Start the next epoch: sources begin again from their start."""
+        """Start the next epoch: sources begin again from their start (iterables that do
+        not cycle keep their place: one pass, as in DALI)."""
         self._check_not_forked()
         if self._scheduler is not None:
             self._scheduler.reset()
@@ -570,7 +589,12 @@ class Pipeline:
             raise ValueError(
                 f"state epoch/iteration must be ints >= 0, not {epoch!r}/{iteration!r}"
             )
-        stateful = [op.name for op in (self._graph.ops if self._graph else []) if op.stateful]
+        # (A parallel iterable is stateful too, but its reader skips to the iteration.)
+        stateful = [
+            op.name
+            for op in (self._graph.ops if self._graph else [])
+            if op.stateful and not op.is_source
+        ]
         if stateful:
             raise MpexecError(
                 f"cannot resume a pipeline with stateful ops ({', '.join(stateful)}): "

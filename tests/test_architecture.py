@@ -103,6 +103,7 @@ LAYERS: dict[str, int] = {
     "mpexec._pipeline": 6,
     "mpexec._conditionals": 6,  # DALI's conditional execution: scopes, splits, merges
     "mpexec._autograph": 6,  # the rewrite of `if`/`and`/`or`/`not` it runs on
+    "mpexec._pypool": 6,  # a pipeline's workers under DALI's names (Pipeline._py_pool)
     "mpexec.fn": 6,
     "mpexec._tf": 6,
     "mpexec.contrib": 6,

@@ -11,7 +11,7 @@ import numpy as np
 from .. import _arith, _codec
 from .._errors import MpexecError, OpArgumentError, SerializationError
 from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
-from .._modes import Device, OpKind, Reseed, SourceMode
+from .._modes import WORKER_SOURCES, Device, OpKind, Reseed, SourceMode
 from .._types import ScalarConstant, as_numpy_dtype
 
 
@@ -153,7 +153,7 @@ def external_source(
     name: str | None = None,
     layout: str | Sequence[str | None] | None = None,
     dtype: Any = None,
-    ndim: int | None = None,
+    ndim: int | Sequence[int] | None = None,
     parallel: bool | None = None,
     batch_info: bool | None = False,
     prefetch_queue_depth: int | None = 1,
@@ -215,10 +215,12 @@ def external_source(
             f"{what}: a source without source= is fed by pipe.feed_input(name, data): "
             "give it a name="
         )
-    if mode is SourceMode.SAMPLE:
+    if mode in (SourceMode.BATCH, SourceMode.WORKER_BATCH):
+        source = _BatchCallable(source, bool(batch_info), graph.batch_size)
+    elif mode is SourceMode.WORKER_ITER:
+        source = _BatchIterable(source, graph.batch_size)
+    if mode in WORKER_SOURCES:
         _check_picklable(what, source, "source")
-    if mode is SourceMode.BATCH:
-        source = _BatchCallable(source, batch_info)
     dtypes = None
     if dtype is not None:
         # One dtype for every output, or (DALI) a list of one per output.
@@ -226,7 +228,7 @@ def external_source(
         dtypes = _dtypes(what, dtype if per_output or n == 1 else [dtype] * n, n)
     shapes = None
     if ndim is not None:
-        ndims = list(ndim) if isinstance(ndim, (list, tuple)) else [ndim] * n
+        ndims: list[Any] = list(ndim) if isinstance(ndim, (list, tuple)) else [ndim] * n
         if len(ndims) != n:
             raise OpArgumentError(f"{what}: {len(ndims)} ndim given for {n} outputs")
         shapes = tuple((None,) * int(d) for d in ndims)
@@ -243,17 +245,24 @@ def external_source(
         output_shapes=shapes,
         source_mode=mode,
         cycle=cycle,
+        # Read in order in one worker: pinned there, its calls in iteration order.
+        stateful=mode is SourceMode.WORKER_ITER,
     )
     return _outputs(graph.add(op, auto_named=name is None))
 
 
 class _BatchCallable:
-    """A batch source callable, called with what its signature asks for."""
+    """A batch source callable, called with what its signature asks for.
 
-    def __init__(self, function: Any, batch_info: bool) -> None:
+    ``batch_size``: the pipeline's, which a batch may not exceed (checked
+    where it runs in the workers).
+    """
+
+    def __init__(self, function: Any, batch_info: bool, batch_size: int | None = None) -> None:
         self.function = function
         self.batch_info = batch_info
         self.takes_arg = _positional_params(function) > 0
+        self.batch_size = batch_size
 
     def __call__(self, iteration: int, epoch: int) -> Any:
         from .._runtime import BatchInfo
@@ -263,6 +272,21 @@ class _BatchCallable:
         if self.takes_arg:
             return self.function(iteration)
         return self.function()
+
+
+class _BatchIterable:
+    """An iterable or generator function read in a worker (``parallel=True``, batch mode).
+
+    ``open()`` starts a pass: the iterable itself (``iter()`` is taken of it),
+    or a new generator from the generator function.
+    """
+
+    def __init__(self, source: Any, batch_size: int | None) -> None:
+        self.source = source
+        self.batch_size = batch_size
+
+    def open(self) -> Any:
+        return self.source() if inspect.isgeneratorfunction(self.source) else self.source
 
 
 # ---------------------------------------------------------------- checks
@@ -400,23 +424,43 @@ def _hint(hint: Any) -> int:
 
 
 def _source_mode(what: str, source: Any, batch: bool, parallel: bool | None) -> SourceMode:
+    """How a source gives its data; DALI's refusals (its words) of a source it cannot run.
+
+    ``parallel=True`` runs a callable in the workers (per sample, or per batch
+    with ``batch=True``), and an iterable or a generator function in one worker,
+    which needs ``batch=True``. A per-sample callable always runs in the workers.
+    """
     if source is None:
         return SourceMode.FEED
-    if inspect.isgeneratorfunction(source):
-        return SourceMode.ITER
-    if callable(source):
-        if not batch:
-            return SourceMode.SAMPLE
-        if parallel:
-            raise ValueError(
-                f"{what}: parallel=True runs a per-sample callable in the workers; "
-                "give batch=False (a callable taking SampleInfo)"
-            )
-        return SourceMode.BATCH
-    if hasattr(source, "__iter__"):
+    generator = inspect.isgeneratorfunction(source)
+    if generator or (not callable(source) and hasattr(source, "__iter__")):
         if isinstance(source, (str, bytes)):
             raise TypeError(f"{what}: source is a {type(source).__name__}, not an iterable")
-        return SourceMode.ITER
+        if parallel and not batch:
+            kind = "a generator function" if generator else "an iterable"
+            raise TypeError(
+                f"{what}: Parallel external source with {kind} must be run in a batch mode "
+                "(batch=True): each item is a batch, read in order in one worker"
+            )
+        return SourceMode.WORKER_ITER if parallel else SourceMode.ITER
+    if callable(source):
+        n = _positional_params(source)
+        if n > 1:
+            raise TypeError(
+                f"{what}: The `source` callable must accept either 0 or 1 positional "
+                "arguments to indicate whether it accepts the batch or sample indexing "
+                "information. Found more than one positional argument, which is not allowed."
+            )
+        if parallel and n == 0:
+            raise TypeError(
+                f"{what}: Callable passed to External Source in parallel mode (when "
+                "`parallel=True`) must accept exactly one argument: a SampleInfo with "
+                "batch=False, or a BatchInfo or the iteration number with batch=True. Got a "
+                "callable that does not accept arguments instead."
+            )
+        if not batch:
+            return SourceMode.SAMPLE
+        return SourceMode.WORKER_BATCH if parallel else SourceMode.BATCH
     raise TypeError(
         f"{what}: source must be a callable, an iterable, a generator function or None, "
         f"not {type(source).__name__}"

@@ -879,7 +879,9 @@ def test_sample_source_in_workers(style: str) -> None:
     def graph() -> Any:
         return fn.external_source(source=_info_source, batch=False)
 
-    with make(style, graph, batch_size=5, num_workers=2, prefetch_depth=2) as pipe:
+    with make(
+        style, graph, batch_size=5, num_workers=2, prefetch_depth=2, last_batch="partial"
+    ) as pipe:
         epoch0 = _epoch(pipe)
         assert [len(b) for b in epoch0] == [5, 5, 2], "short last batch returned as it is"
         for i, b in enumerate(epoch0):
@@ -930,7 +932,7 @@ def test_iterable_of_batches(style: str) -> None:
     data = [[np.full(2, 10 * i + j) for j in range(n)] for i, n in enumerate([3, 3, 1])]
 
     def graph() -> Any:
-        return fn.external_source(source=data)
+        return fn.external_source(source=data, cycle="raise")  # reset() starts it again
 
     with make(style, graph, batch_size=3, num_workers=0) as pipe:
         for _ in range(2):
@@ -948,9 +950,11 @@ def test_generator_function_per_sample(style: str) -> None:
             yield np.array([k, k * k])
 
     def graph() -> Any:
-        return fn.python_function(fn.external_source(source=gen, batch=False), function=_plus_one)
+        # cycle="raise": reset() calls it again (DALI's rule: without, one pass).
+        src = fn.external_source(source=gen, batch=False, cycle="raise")
+        return fn.python_function(src, function=_plus_one)
 
-    with make(style, graph, batch_size=3, num_workers=0) as pipe:
+    with make(style, graph, batch_size=3, num_workers=0, last_batch="partial") as pipe:
         for _ in range(2):
             got = _epoch(pipe)
             assert [g[:, 0].tolist() for g in got] == [[1, 2, 3], [4, 5, 6], [7]]

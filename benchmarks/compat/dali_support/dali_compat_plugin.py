@@ -13,11 +13,10 @@ its CPU-only mode, so the CPU tests run as they would on a GPU machine (and
 the GPU one fails, as it must).
 
 nose's test generators (a ``test_*`` function that yields ``(function, *args)``
-cases, as DALI's external_source tests do) are expanded when collected, one
-test per case (``test_x[0]``, ``test_x[1]``, ...), as nose2 does: the
-generator runs at collection, between the ``setup``/``teardown`` that
-``with_setup`` gave it, and each case runs between those of its function.
-pytest itself no longer runs yield tests.
+cases, as DALI's external_source tests do) are one test per case
+(``test_x[0]``, ``test_x[1]``, ...): counted at collection, then run as nose
+runs them, each case when its turn comes, between the ``setup``/``teardown``
+that ``with_setup`` gave its function. pytest itself no longer runs yield tests.
 """
 
 from __future__ import annotations
@@ -84,28 +83,60 @@ def _run_case(function: Any, args: tuple[Any, ...]) -> None:
             teardown()
 
 
-def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
-    if not (name.startswith("test") and inspect.isgeneratorfunction(obj)):
-        return None
-    setup = getattr(obj, "setup", None)
+class _Generator:
+    """A test generator run as nose runs one: lazily, a case when its turn comes.
+
+    The generator resumes (runs the code after its ``yield``, which may close
+    what the case used) only when the next case is due. A case asked for out
+    of order (a run restarted past a crash) starts a fresh generator and skips
+    the cases before it without running them.
+    """
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+        self.generator: Any = None
+        self.next = 0
+
+    def run(self, index: int) -> None:
+        if self.generator is None or self.next > index:
+            setup = getattr(self.function, "setup", None)
+            if setup is not None:
+                setup()
+            self.generator = iter(self.function())
+            self.next = 0
+        for case in self.generator:
+            k, self.next = self.next, self.next + 1
+            if k == index:
+                function, *args = case if isinstance(case, tuple) else (case,)
+                _run_case(function, tuple(args))
+                return
+        raise RuntimeError(f"{self.function.__name__} yielded no case {index} this time")
+
+
+def _count_cases(function: Any) -> int:
+    """How many cases the generator yields (it runs once, at collection, as nose2's does)."""
+    setup = getattr(function, "setup", None)
     if setup is not None:
         setup()
-    cases = []
     try:
-        for case in obj():
-            function, *args = case if isinstance(case, tuple) else (case,)
-            cases.append((function, tuple(args)))
+        return sum(1 for _ in function())
     finally:
-        teardown = getattr(obj, "teardown", None)
+        teardown = getattr(function, "teardown", None)
         if teardown is not None:
             # A leak check with nothing run yet fails: each case runs its own.
             with contextlib.suppress(AssertionError):
                 teardown()
-    items = []
-    for i, (function, args) in enumerate(cases):
 
-        def call(function: Any = function, args: tuple[Any, ...] = args) -> None:
-            _run_case(function, args)
+
+def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
+    if not (name.startswith("test") and inspect.isgeneratorfunction(obj)):
+        return None
+    generator = _Generator(obj)
+    items = []
+    for i in range(_count_cases(obj)):
+
+        def call(i: int = i) -> None:
+            generator.run(i)
 
         items.append(_NoseCase.from_parent(collector, name=f"{name}[{i}]", callobj=call))
     return items
