@@ -61,11 +61,9 @@ class DataNode:
             "put the condition inside the op's function"
         )
 
-    def __iter__(self) -> Iterator[Any]:
-        raise TypeError(
-            f"{self!r} is one output; to get several, give the op num_outputs=N and "
-            "unpack its result"
-        )
+    # Not iterable, as DALI's DataNode (code tells one output from a list of them by
+    # isinstance(x, Iterable)); without this, indexing would make Python iterate it.
+    __iter__ = None
 
     # ------------------------------------------------------------ arithmetic
     # DALI's arithmetic operators: each adds a per-sample op (mpexec._arith).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import struct
 import sys
@@ -35,6 +36,7 @@ from ._modes import Device, LastBatch
 from ._pool import WorkerPool
 from ._scheduler import OpStats, Scheduler
 from ._tracebacks import for_caller
+from ._types import ScalarConstant
 
 _PARAMS = (
     "batch_size",
@@ -285,17 +287,18 @@ class Pipeline:
             graph_fn = _autograph.convert(graph_fn)
         with defining(graph):
             out = graph_fn()
-        if out is None:
-            out = ()
-        elif isinstance(out, DataNode):
-            out = (out,)
-        elif isinstance(out, list):
-            out = tuple(out)
-        if not isinstance(out, tuple):
-            raise TypeError(
-                f"a pipeline definition returns DataNodes (or a tuple of them), not "
-                f"{type(out).__name__}"
-            )
+            if out is None:
+                out = ()
+            elif isinstance(out, (DataNode, ScalarConstant)):
+                out = (out,)
+            elif isinstance(out, list):
+                out = tuple(out)
+            if not isinstance(out, tuple):
+                raise TypeError(
+                    f"a pipeline definition returns DataNodes (or a tuple of them), not "
+                    f"{type(out).__name__}"
+                )
+            out = _scalar_outputs(out)
         graph.set_outputs(out)
         self._graph = graph
 
@@ -351,7 +354,7 @@ class Pipeline:
         if self._defining is None:
             raise MpexecError("set_outputs() belongs inside `with pipe:` of a new pipeline")
         graph = self._defining[0]
-        graph.set_outputs(outputs)
+        graph.set_outputs(_scalar_outputs(outputs))
 
     def __enter__(self) -> Pipeline:
         if self._graph is None and self._defining is None:
@@ -859,16 +862,21 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
     and ``enable_conditionals=True``: DALI's conditional execution (``if`` on
     a DataNode runs each branch on its own samples; docs/pipeline.md).
     """
-    unknown = set(pipeline_kwargs) - _DEF_PARAMS
-    if unknown:
-        raise TypeError(f"pipeline_def got unknown pipeline parameters: {sorted(unknown)}")
 
     def decorate(graph_fn: Callable[..., Any]) -> Callable[..., Pipeline]:
+        # The function's own parameters win over pipeline parameters of the same name
+        # (DALI's rule: a definition taking `max_streams` gets it).
+        own = _parameters(graph_fn)
+
         @functools.wraps(graph_fn)
         def create(*args: Any, **kwargs: Any) -> Pipeline:
+            # An unknown pipeline parameter is an error when the pipeline is made (DALI).
+            unknown = set(pipeline_kwargs) - _DEF_PARAMS
+            if unknown:
+                raise TypeError(f"pipeline_def got unknown pipeline parameters: {sorted(unknown)}")
             params = dict(pipeline_kwargs)
             for k in list(kwargs):
-                if k in _DEF_PARAMS:
+                if k in _DEF_PARAMS and k not in own:
                     params[k] = kwargs.pop(k)
             if "batch_size" not in params:
                 raise TypeError(
@@ -885,6 +893,28 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _parameters(function: Callable[..., Any]) -> frozenset[str]:
+    """The names ``function`` takes as keywords (none where it cannot say)."""
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _scalar_outputs(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A ``types.Constant`` scalar returned as an output: a constant op's (DALI's too)."""
+    if not any(isinstance(o, ScalarConstant) for o in outputs):
+        return outputs
+    from . import fn
+
+    return tuple(
+        fn.constant(fdata=o.value, dtype=o.dtype, shape=()) if isinstance(o, ScalarConstant) else o
+        for o in outputs
+    )
+
 
 _SYSTEM_PATHS = tuple(
     os.path.realpath(p)
