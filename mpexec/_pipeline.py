@@ -874,6 +874,12 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
             unknown = set(pipeline_kwargs) - _DEF_PARAMS
             if unknown:
                 raise TypeError(f"pipeline_def got unknown pipeline parameters: {sorted(unknown)}")
+            if _takes_var_keywords(graph_fn):
+                # DALI's rule (and words): a keyword could be a pipeline option or not.
+                raise TypeError(
+                    f"{graph_fn.__name__}: **kwargs are not allowed in a pipeline_def "
+                    "definition: name its parameters (pipeline options are keywords too)"
+                )
             params = dict(pipeline_kwargs)
             for k in list(kwargs):
                 if k in _DEF_PARAMS and k not in own:
@@ -887,6 +893,7 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
             pipe.define(lambda: definition(*args, **kwargs))
             return pipe
 
+        setattr(create, "_is_pipeline_def", True)  # noqa: B010 - DALI's mark, which its code reads
         return create
 
     return decorate(fn) if fn is not None else decorate
@@ -902,6 +909,14 @@ def _parameters(function: Callable[..., Any]) -> frozenset[str]:
     except (TypeError, ValueError):
         return frozenset()
     return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _takes_var_keywords(function: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _scalar_outputs(outputs: tuple[Any, ...]) -> tuple[Any, ...]:

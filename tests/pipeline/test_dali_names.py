@@ -127,3 +127,23 @@ def test_math_functions_on_data_nodes() -> None:
     assert power.tolist() == [1.0, 16.0]
     assert floor.tolist() == [0.0, 1.0]
     assert mpexec.math is dmath
+
+
+def test_pipeline_def_marks_and_refusals_as_dali() -> None:
+    @pipeline_def
+    def bare() -> Any:
+        return fn.external_source(_batch([0]))
+
+    @pipeline_def(max_batch_size=1, num_threads=1, device_id=0)  # not refused when decorated
+    def configured() -> Any:
+        return fn.external_source(_batch([0]))
+
+    assert getattr(bare, "_is_pipeline_def", False)
+    assert getattr(configured, "_is_pipeline_def", False)
+
+    @pipeline_def(batch_size=1)
+    def open_ended(a: Any, **kwargs: Any) -> Any:
+        return fn.external_source(_batch([a]))
+
+    with pytest.raises(TypeError, match=r"\*\*kwargs are not allowed"):
+        open_ended(1, b=2)

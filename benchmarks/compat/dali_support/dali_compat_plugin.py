@@ -113,19 +113,25 @@ class _Generator:
         raise RuntimeError(f"{self.function.__name__} yielded no case {index} this time")
 
 
-def _count_cases(function: Any) -> int:
-    """How many cases the generator yields (it runs once, at collection, as nose2's does)."""
+def _count_cases(function: Any) -> tuple[int, BaseException | None]:
+    """How many cases the generator yields (it runs once, at collection, as nose2's
+    does), and the error that stopped it, if one did (its next case then fails with it)."""
     setup = getattr(function, "setup", None)
     if setup is not None:
         setup()
+    count = 0
     try:
-        return sum(1 for _ in function())
+        for _ in function():
+            count += 1
+    except Exception as exc:
+        return count, exc
     finally:
         teardown = getattr(function, "teardown", None)
         if teardown is not None:
             # A leak check with nothing run yet fails: each case runs its own.
             with contextlib.suppress(AssertionError):
                 teardown()
+    return count, None
 
 
 def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
@@ -133,12 +139,19 @@ def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
         return None
     generator = _Generator(obj)
     items = []
-    for i in range(_count_cases(obj)):
+    count, error = _count_cases(obj)
+    for i in range(count):
 
         def call(i: int = i) -> None:
             generator.run(i)
 
         items.append(_NoseCase.from_parent(collector, name=f"{name}[{i}]", callobj=call))
+    if error is not None:
+
+        def fail(error: BaseException = error) -> None:
+            raise error
+
+        items.append(_NoseCase.from_parent(collector, name=f"{name}[{count}]", callobj=fail))
     return items
 
 
