@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from .. import _arith, _codec
-from .._errors import MpexecError, OpArgumentError, SerializationError
-from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
+from .._errors import OpArgumentError, SerializationError
+from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph, loose_graph
 from .._modes import WORKER_SOURCES, Device, OpKind, Reseed, SourceMode
 from .._types import ScalarConstant, as_numpy_dtype
 
@@ -293,14 +293,11 @@ class _BatchIterable:
 
 
 def graph_for(kind: str) -> Graph:
+    """The graph an op is added to: the one being defined, or (DALI 2) outside any
+    definition, a loose one that a pipeline's ``set_outputs`` takes the op from."""
+    del kind
     graph = current_graph()
-    if graph is None:
-        raise MpexecError(
-            f"fn.{kind} must be called while a pipeline is being defined: inside a "
-            "function decorated with @mpexec.pipeline_def, or in `with pipe:` of a new "
-            "mpexec.Pipeline (then pipe.set_outputs(...))"
-        )
-    return graph
+    return loose_graph() if graph is None else graph
 
 
 def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
@@ -311,6 +308,7 @@ def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
         )
     for i, x in enumerate(inputs):
         if isinstance(x, DataNode):
+            graph.adopt(x)  # made outside any definition: this pipeline's now
             if x.op not in graph.ops:
                 raise ValueError(f"{what}: input {i} ({x!r}) belongs to another pipeline")
             if x.op.num_outputs == 0:  # pragma: no cover - such ops return None

@@ -147,3 +147,21 @@ def test_pipeline_def_marks_and_refusals_as_dali() -> None:
 
     with pytest.raises(TypeError, match=r"\*\*kwargs are not allowed"):
         open_ended(1, b=2)
+
+
+def test_ops_made_outside_with_pipe_are_taken_by_set_outputs() -> None:
+    """DALI 2: ``fn.*`` and arithmetic outside any definition; ``set_outputs`` (or an op
+    in ``with pipe:`` that takes one as input) brings them and what they need in."""
+    x = fn.external_source(_batch([1, 2]), name="outside")
+    doubled = x * 2
+    pipe = Pipeline(2, 1, None, num_workers=0, seed=1)
+    with pipe:
+        plus = doubled + fn.external_source(_batch([10, 20]))
+        pipe.set_outputs(doubled, plus)
+    with pipe:
+        a, b = pipe.run()
+    assert a.as_array().tolist() == [2, 4]
+    assert b.as_array().tolist() == [12, 24]
+    other = Pipeline(2, 1, None, num_workers=0)
+    with other, pytest.raises(ValueError, match="belongs to another pipeline"):
+        other.set_outputs(doubled)  # taken already: another pipeline's
