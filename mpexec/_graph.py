@@ -245,6 +245,7 @@ class Op:
     reseed: Reseed = Reseed.AUTO  # "always": a call is never run twice (see fn.python_function)
     source_mode: SourceMode = SourceMode.NONE  # external_source: how it gives data
     cycle: Any = False
+    parallel: bool = False  # external_source(parallel=True): DALI's Python workers asked for
     # Inside an `if` on a DataNode: the samples it runs on and its outputs hold
     # (a split's: the branch it selects); None: the whole batch.
     scope: Scope | None = None

@@ -258,6 +258,9 @@ class Pipeline:
         self.timeout = timeout
         self.last_batch = last_batch
         self.enable_conditionals = bool(enable_conditionals)
+        # DALI's py_num_workers=0 (its keyword, not num_workers=0): no Python workers,
+        # which DALI's parallel external source refuses (checked at build).
+        self._no_py_workers = py_num_workers == 0 and pool is None
         self._output_checks = _output_checks(output_dtype, output_ndim)
         self._graph: Graph | None = None
         self._defining: Any = None  # the context of an open `with pipe:` definition
@@ -388,6 +391,13 @@ class Pipeline:
             if self._scheduler is not None:
                 return
             plan = self._defined().plan()
+            if self._no_py_workers and any(op.parallel for op in plan.ops):
+                # DALI's rule and words; num_workers=0 (mpexec's) runs them here instead.
+                raise RuntimeError(
+                    "The external source cannot run in parallel mode without Python workers "
+                    "pool: py_num_workers=0 with external_source(parallel=True). Give "
+                    "py_num_workers >= 1, or num_workers=0 (mpexec's) to run it here, in order"
+                )
             pool: CallPool
             # A pipeline dropped unclosed stops its GPU stage too (first: it unregisters
             # the pool's memory before the pool unmaps it), so the finalizer takes both;

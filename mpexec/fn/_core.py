@@ -247,6 +247,7 @@ def external_source(
         cycle=cycle,
         # Read in order in one worker: pinned there, its calls in iteration order.
         stateful=mode is SourceMode.WORKER_ITER,
+        parallel=bool(parallel),
     )
     return _outputs(graph.add(op, auto_named=name is None))
 

@@ -255,3 +255,18 @@ def test_parallel_sources_dali_refuses_are_refused_when_defined(
 ) -> None:
     with Pipeline(4, 1, None, num_workers=0), pytest.raises(TypeError, match=words):
         fn.external_source(source, parallel=True, batch=batch)
+
+
+def test_dali_py_num_workers_0_refuses_a_parallel_source() -> None:
+    """DALI's keyword, DALI's rule; mpexec's num_workers=0 runs the source here."""
+    pipe = Pipeline(4, 1, None, py_num_workers=0)
+    with pipe:
+        pipe.set_outputs(fn.external_source(_sample, batch=False, parallel=True))
+    with pytest.raises(RuntimeError, match="cannot run in parallel mode without Python workers"):
+        pipe.build()
+    pipe.close()
+    pipe = Pipeline(4, 1, None, num_workers=0)
+    with pipe:
+        pipe.set_outputs(fn.external_source(_sample, batch=False, parallel=True))
+    with pipe:
+        assert len(pipe.run()[0]) == 4
