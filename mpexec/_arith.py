@@ -190,7 +190,8 @@ class Expression:
             if self.name in _FLOATING:
                 t = floating(t)
             return MATH_BINARY[self.name](a.astype(t, copy=False), b.astype(t, copy=False))
-        if a.dtype == _BOOL and b.dtype == _BOOL and self.name in _NOT_ON_BOOLS:
+        # (NumPy's bool dtype is one object: an identity test costs a light op nothing.)
+        if a.dtype is _BOOL and b.dtype is _BOOL and self.name in _NOT_ON_BOOLS:
             raise TypeError(
                 f"arithmetic `{self.name}` is not defined on two bool inputs (as in DALI): "
                 "cast one first, or use `|`, `&`, `^` or `*` on bools"
