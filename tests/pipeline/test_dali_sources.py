@@ -186,7 +186,7 @@ def test_a_parallel_batch_callable_runs_in_the_workers() -> None:
 def test_a_parallel_iterable_is_read_in_order_in_one_worker(source: Any, workers: int) -> None:
     results = {}
     for parallel in (False, True):
-        pipe = Pipeline(4, 1, None, py_num_workers=workers, seed=1, prefetch_queue_depth=3)
+        pipe = Pipeline(4, 1, None, num_workers=workers, seed=1, prefetch_queue_depth=3)
         with pipe:
             pipe.set_outputs(fn.external_source(source, parallel=parallel, cycle="raise"))
         with pipe:
