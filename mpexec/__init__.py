@@ -60,8 +60,10 @@ if _TYPE_CHECKING:  # the same names, imported for type checkers; at run time se
 _WHERE = {
     "contrib": "contrib",
     "fn": "fn",
+    "math": "math",
     "ops": "ops",
     "pipeline": "pipeline",
+    "tensors": "tensors",
     "types": "types",
     "Batch": "_batch",
     "writable": "_codec",
@@ -154,6 +156,7 @@ __all__ = [
     "contrib",
     "default_pool",
     "fn",
+    "math",
     "numpy_function",
     "ops",
     "pipeline",
@@ -162,6 +165,7 @@ __all__ = [
     "py_function",
     "sample_info",
     "set_default_pool",
+    "tensors",
     "types",
     "writable",
 ]

@@ -56,7 +56,45 @@ UNARY: dict[str, Callable[[Any], Any]] = {
     "abs": operator.abs,
     "invert": operator.invert,
 }
+#: ``mpexec.math``'s functions (DALI's ``nvidia.dali.math``): computed in floating
+#: point, float32 for integer inputs (DALI's rule), the input's float type otherwise.
+MATH_UNARY: dict[str, Callable[[Any], Any]] = {
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1 / np.sqrt(x),
+    "cbrt": np.cbrt,
+    "exp": np.exp,
+    "log": np.log,
+    "log2": np.log2,
+    "log10": np.log10,
+    "sin": np.sin,
+    "cos": np.cos,
+    "tan": np.tan,
+    "asin": np.arcsin,
+    "acos": np.arccos,
+    "atan": np.arctan,
+    "sinh": np.sinh,
+    "cosh": np.cosh,
+    "tanh": np.tanh,
+    "asinh": np.arcsinh,
+    "acosh": np.arccosh,
+    "atanh": np.arctanh,
+    "floor": np.floor,
+    "ceil": np.ceil,
+    "fabs": np.fabs,
+}
+#: Two operands: ``fpow`` and ``atan2`` in floating point; ``min``/``max`` in the
+#: operands' promoted type (as the operators).
+MATH_BINARY: dict[str, Callable[[Any, Any], Any]] = {
+    "fpow": np.power,
+    "atan2": np.arctan2,
+    "min": np.minimum,
+    "max": np.maximum,
+}
+_FLOATING = frozenset({"fpow", "atan2"})
+
 _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+#: What DALI 2.4 refuses on two bools (``*`` and the bitwise operators it computes).
+_NOT_ON_BOOLS = frozenset({"add", "sub", "truediv", "floordiv", "mod", "pow"})
 _BOOL = np.dtype(np.bool_)
 
 
@@ -86,6 +124,11 @@ def result_type(name: str, a: np.dtype[Any], b: np.dtype[Any]) -> np.dtype[Any]:
     if name == "truediv" and t.kind != "f":
         return np.dtype(np.float32)
     return t
+
+
+def floating(t: np.dtype[Any]) -> np.dtype[Any]:
+    """The type a math function computes in: ``t`` if a float, else float32 (DALI's)."""
+    return t if t.kind == "f" else np.dtype(np.float32)
 
 
 def constant(value: Any) -> ScalarConstant | np.ndarray[Any, Any]:
@@ -133,8 +176,26 @@ class Expression:
             for c in self.operands
         ]
         if len(values) == 1:
-            return UNARY[self.name](values[0])
+            if self.name in UNARY:
+                return UNARY[self.name](values[0])
+            x = values[0]
+            return MATH_UNARY[self.name](x.astype(floating(x.dtype), copy=False))
+        if len(values) == 3:  # clamp(x, lo, hi), in the three's promoted type
+            x, lo, hi = values
+            t = promote(promote(x.dtype, lo.dtype), hi.dtype)
+            return np.clip(x.astype(t, copy=False), lo.astype(t), hi.astype(t))
         a, b = values
+        if self.name in MATH_BINARY:
+            t = promote(a.dtype, b.dtype)
+            if self.name in _FLOATING:
+                t = floating(t)
+            return MATH_BINARY[self.name](a.astype(t, copy=False), b.astype(t, copy=False))
+        # (NumPy's bool dtype is one object: an identity test costs a light op nothing.)
+        if a.dtype is _BOOL and b.dtype is _BOOL and self.name in _NOT_ON_BOOLS:
+            raise TypeError(
+                f"arithmetic `{self.name}` is not defined on two bool inputs (as in DALI): "
+                "cast one first, or use `|`, `&`, `^` or `*` on bools"
+            )
         t = result_type(self.name, a.dtype, b.dtype)
         return BINARY[self.name](a.astype(t, copy=False), b.astype(t, copy=False))
 

@@ -130,7 +130,15 @@ class Batch(Sequence[Any]):
         self._dense = dense
         return dense
 
-    as_tensor = as_array  # DALI's TensorListCPU.as_tensor
+    def as_tensor(self) -> TensorCPU:
+        """DALI's ``TensorListCPU.as_tensor``: the stacked samples as one
+        :class:`TensorCPU` (``shape()``, ``np.asarray``, DLPack), without a copy
+        of :meth:`as_array`'s array."""
+        return TensorCPU(self.as_array(), self._layout)
+
+    def is_dense_tensor(self) -> bool:
+        """DALI's name for :meth:`is_dense`: every sample has one shape."""
+        return self.is_dense()
 
     def as_cpu(self) -> Batch:
         """This batch with NumPy samples (a no-op for CPU batches)."""
@@ -184,3 +192,43 @@ def _namespace(array: Any) -> Any:
 
         return cupy
     return np
+
+
+class TensorCPU:
+    """One array with a layout, as DALI's ``TensorCPU`` (``shape()``, ``layout()``,
+    ``dtype``, ``np.asarray(t)``, DLPack)."""
+
+    __slots__ = ("_array", "_layout")
+
+    def __init__(self, array: Any, layout: str | None = None, is_pinned: bool = False) -> None:
+        del is_pinned  # host memory here is shared memory, never pinned by this call
+        self._array = np.asarray(array)
+        self._layout = layout or ""
+
+    def shape(self) -> list[int]:
+        """Its shape, as a list (DALI's method)."""
+        return list(self._array.shape)
+
+    def layout(self) -> str:
+        return self._layout
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._array.dtype
+
+    def as_array(self) -> np.ndarray[Any, Any]:
+        return self._array
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        if dtype is None and not copy:
+            return self._array
+        return np.array(self._array, dtype=dtype, copy=bool(copy))
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._array.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._array.__dlpack_device__()
+
+    def __repr__(self) -> str:
+        return f"TensorCPU(shape={tuple(self._array.shape)}, dtype={self.dtype})"

@@ -94,7 +94,7 @@ import shm
 
 from . import _codec
 from ._errors import GpuError, forked_error
-from ._modes import CallKind, Reseed
+from ._modes import CallKind, Reseed, SourceMode
 from ._pool import WorkerPool
 from ._runtime import (
     ChainRunner,
@@ -102,6 +102,7 @@ from ._runtime import (
     ChunkResult,
     OpRunner,
     SourceBatchRunner,
+    WorkerBatchSource,
     check_consistent,
 )
 
@@ -148,12 +149,26 @@ class UnitExecutor(Protocol):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None: ...
 
 
-def op_runner(op: Op, entropy: int, *, debug: bool, timed: bool = False) -> OpRunner:
+def op_runner(
+    op: Op, entropy: int, *, debug: bool, timed: bool = False
+) -> OpRunner | WorkerBatchSource:
     """The runner of a host op ``op``: its function, declaration and seed.
 
     ``timed``: its calls run under a timeout, so none may run twice (a call
     run again could take twice the time allowed, on every replacement worker).
+    A batch-mode source run in the workers gets a :class:`WorkerBatchSource`.
     """
+    if op.source_mode in (SourceMode.WORKER_BATCH, SourceMode.WORKER_ITER):
+        return WorkerBatchSource(
+            op.name,
+            op.function,
+            op.num_outputs,
+            entropy,
+            iterable=op.source_mode is SourceMode.WORKER_ITER,
+            cycle=op.cycle,
+            output_dtypes=op.output_dtypes,
+            output_shapes=op.output_shapes,
+        )
     kind = (
         CallKind.SOURCE
         if op.is_source
@@ -226,7 +241,7 @@ class PoolExecutor:
             unit.runner, (unit.chunk, *unit.inputs), kwargs, worker=unit.worker, view=True
         )
 
-    def runner(self, op: Op, entropy: int, *, debug: bool) -> OpRunner:
+    def runner(self, op: Op, entropy: int, *, debug: bool) -> OpRunner | WorkerBatchSource:
         # A pool with a timeout (a RayPool's nodes' too) never runs a call twice.
         timed = getattr(self.pool, "timeout", None) is not None
         return op_runner(op, entropy, debug=debug, timed=timed)

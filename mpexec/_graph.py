@@ -61,11 +61,9 @@ class DataNode:
             "put the condition inside the op's function"
         )
 
-    def __iter__(self) -> Iterator[Any]:
-        raise TypeError(
-            f"{self!r} is one output; to get several, give the op num_outputs=N and "
-            "unpack its result"
-        )
+    # Not iterable, as DALI's DataNode (code tells one output from a list of them by
+    # isinstance(x, Iterable)); without this, indexing would make Python iterate it.
+    __iter__ = None
 
     # ------------------------------------------------------------ arithmetic
     # DALI's arithmetic operators: each adds a per-sample op (mpexec._arith).
@@ -247,6 +245,7 @@ class Op:
     reseed: Reseed = Reseed.AUTO  # "always": a call is never run twice (see fn.python_function)
     source_mode: SourceMode = SourceMode.NONE  # external_source: how it gives data
     cycle: Any = False
+    parallel: bool = False  # external_source(parallel=True): DALI's Python workers asked for
     # Inside an `if` on a DataNode: the samples it runs on and its outputs hold
     # (a split's: the branch it selects); None: the whole batch.
     scope: Scope | None = None
@@ -373,6 +372,29 @@ class Graph:
                 name = f"{base}_{n}"
         return name
 
+    def adopt(self, node: DataNode) -> None:
+        """Bring in ``node``'s op and those it needs, if they were made outside any
+        definition (DALI 2 lets ``fn.*`` run there, and ``set_outputs`` take the result)."""
+        loose = getattr(_local, "loose", None)
+        if loose is None or self is loose or node.op not in loose.ops:
+            return
+        needed: set[int] = set()
+        stack = [node.op]
+        while stack:
+            op = stack.pop()
+            if id(op) not in needed and op in loose.ops:
+                needed.add(id(op))
+                stack.extend(n.op for n in op.waits())
+        for op in [o for o in loose.ops if id(o) in needed]:
+            loose.ops.remove(op)
+            loose.names.discard(op.name)
+            auto = op.name in loose.auto_names
+            loose.auto_names.discard(op.name)
+            if auto or op.name in self.names:
+                op.name = self.unique_name(op.kind, op.function)
+            op.index = len(self.ops)
+            self.add(op, auto_named=auto)
+
     def set_outputs(self, outputs: tuple[Any, ...]) -> None:
         nodes: list[DataNode] = []
         for i, out in enumerate(outputs):
@@ -381,6 +403,7 @@ class Graph:
                     f"pipeline output {i} is {type(out).__name__}; a pipeline returns the "
                     "DataNodes that fn.* calls give (or a tuple of them)"
                 )
+            self.adopt(out)
             if out.op not in self.ops:
                 raise ValueError(f"pipeline output {i} ({out!r}) belongs to another pipeline")
             if out.op.scope is not None:
@@ -527,12 +550,9 @@ def expression(name: str, *operands: Any) -> DataNode:
 
 
 def _add_op(kind: str, inputs: tuple[DataNode, ...], function: Any, layout: str | None) -> DataNode:
-    graph = current_graph()
-    if graph is None:
-        raise MpexecError(
-            "arithmetic on DataNodes belongs inside a pipeline definition, like the fn.* calls"
-        )
+    graph = current_graph() or loose_graph()  # outside a definition: as fn.* calls (DALI 2)
     for x in inputs:
+        graph.adopt(x)
         if x.op not in graph.ops:
             raise ValueError(f"{kind}: {x!r} belongs to another pipeline")
     op = Op(
@@ -553,6 +573,15 @@ _local = threading.local()
 def current_graph() -> Graph | None:
     """The graph being defined in this thread (inside a pipeline definition), or None."""
     return getattr(_local, "graph", None)
+
+
+def loose_graph() -> Graph:
+    """Where ``fn.*`` calls made outside any definition go, in this thread, until a
+    pipeline's :meth:`Graph.set_outputs` (or an op of one) takes them (:meth:`Graph.adopt`)."""
+    graph: Graph | None = getattr(_local, "loose", None)
+    if graph is None:
+        graph = _local.loose = Graph()
+    return graph
 
 
 @contextlib.contextmanager

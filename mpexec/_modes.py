@@ -51,6 +51,13 @@ class SourceMode(Mode):
     BATCH = "batch"  # a callable of (iteration, epoch), run here
     ITER = "iter"  # an iterable or generator, read here
     FEED = "feed"  # batches given with pipe.feed_input
+    # DALI's parallel batch mode (parallel=True, batch=True): run in the workers.
+    WORKER_BATCH = "worker_batch"  # a callable of (iteration, epoch), in any worker
+    WORKER_ITER = "worker_iter"  # an iterable or generator, read in order in one worker
+
+
+#: The sources whose calls run in the workers (their op has a runner), not here.
+WORKER_SOURCES = (SourceMode.SAMPLE, SourceMode.WORKER_BATCH, SourceMode.WORKER_ITER)
 
 
 class CallKind(Mode):

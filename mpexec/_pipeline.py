@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import struct
 import sys
@@ -35,6 +36,7 @@ from ._modes import Device, LastBatch
 from ._pool import WorkerPool
 from ._scheduler import OpStats, Scheduler
 from ._tracebacks import for_caller
+from ._types import ScalarConstant
 
 _PARAMS = (
     "batch_size",
@@ -167,8 +169,10 @@ class Pipeline:
       :meth:`state_dict`), ``checkpoint``, ``py_callback_pickler`` (functions
       travel with cloudpickle), ``output_layout``, ``exec_dynamic``,
       ``experimental_exec_dynamic``, ``stream_policy``, ``concurrency``.
-    - ``last_batch``: ``"partial"`` returns a short last batch of an epoch as
-      it is; ``"drop"`` drops it.
+    - ``last_batch``: ``"drop"`` (DALI's rule, the default) drops a short
+      last batch of an epoch, which a source's ``StopIteration`` part-way
+      through a batch leaves; ``"partial"`` (mpexec's own choice) returns it
+      as it is.
     - ``debug``: checksum inputs around every call and name the function
       that changed one.
     - ``timeout``: seconds one call may run (then :class:`TaskTimeoutError`).
@@ -205,7 +209,7 @@ class Pipeline:
         start_method: str | None = None,
         debug: bool = False,
         timeout: float | None = None,
-        last_batch: str = "partial",
+        last_batch: str = "drop",
         pool: CallPool | None = None,
         py_num_workers: int | None = None,
         py_start_method: str | None = None,
@@ -254,6 +258,9 @@ class Pipeline:
         self.timeout = timeout
         self.last_batch = last_batch
         self.enable_conditionals = bool(enable_conditionals)
+        # DALI's py_num_workers=0 (its keyword, not num_workers=0): no Python workers,
+        # which DALI's parallel external source refuses (checked at build).
+        self._no_py_workers = py_num_workers == 0 and pool is None
         self._output_checks = _output_checks(output_dtype, output_ndim)
         self._graph: Graph | None = None
         self._defining: Any = None  # the context of an open `with pipe:` definition
@@ -283,17 +290,18 @@ class Pipeline:
             graph_fn = _autograph.convert(graph_fn)
         with defining(graph):
             out = graph_fn()
-        if out is None:
-            out = ()
-        elif isinstance(out, DataNode):
-            out = (out,)
-        elif isinstance(out, list):
-            out = tuple(out)
-        if not isinstance(out, tuple):
-            raise TypeError(
-                f"a pipeline definition returns DataNodes (or a tuple of them), not "
-                f"{type(out).__name__}"
-            )
+            if out is None:
+                out = ()
+            elif isinstance(out, (DataNode, ScalarConstant)):
+                out = (out,)
+            elif isinstance(out, list):
+                out = tuple(out)
+            if not isinstance(out, tuple):
+                raise TypeError(
+                    f"a pipeline definition returns DataNodes (or a tuple of them), not "
+                    f"{type(out).__name__}"
+                )
+            out = _scalar_outputs(out)
         graph.set_outputs(out)
         self._graph = graph
 
@@ -349,7 +357,7 @@ class Pipeline:
         if self._defining is None:
             raise MpexecError("set_outputs() belongs inside `with pipe:` of a new pipeline")
         graph = self._defining[0]
-        graph.set_outputs(outputs)
+        graph.set_outputs(_scalar_outputs(outputs))
 
     def __enter__(self) -> Pipeline:
         if self._graph is None and self._defining is None:
@@ -383,6 +391,13 @@ class Pipeline:
             if self._scheduler is not None:
                 return
             plan = self._defined().plan()
+            if self._no_py_workers and any(op.parallel for op in plan.ops):
+                # DALI's rule and words; num_workers=0 (mpexec's) runs them here instead.
+                raise RuntimeError(
+                    "The external source cannot run in parallel mode without Python workers "
+                    "pool: py_num_workers=0 with external_source(parallel=True). Give "
+                    "py_num_workers >= 1, or num_workers=0 (mpexec's) to run it here, in order"
+                )
             pool: CallPool
             # A pipeline dropped unclosed stops its GPU stage too (first: it unregisters
             # the pool's memory before the pool unmaps it), so the finalizer takes both;
@@ -501,8 +516,25 @@ class Pipeline:
         """DALI's name for the parallelism here: ``num_workers``."""
         return self.num_workers
 
+    def start_py_workers(self) -> None:
+        """DALI's early start of the Python workers (its recipe before forking): builds
+        the pipeline, which starts its workers."""
+        self.build()
+
+    @property
+    def _py_pool(self) -> Any:
+        """DALI's handle on the workers (``pids()``, ``close()``), which DALI's tests
+        read for their leak checks; None before ``build()`` and without workers."""
+        pool = self._pool
+        if not isinstance(pool, WorkerPool) or not pool.num_workers:
+            return None
+        from ._pypool import PyPool
+
+        return PyPool(self, pool)
+
     def reset(self) -> None:
-        """Start the next epoch: sources begin again from their start."""
+        """Start the next epoch: sources begin again from their start (iterables that do
+        not cycle keep their place: one pass, as in DALI)."""
         self._check_not_forked()
         if self._scheduler is not None:
             self._scheduler.reset()
@@ -570,7 +602,12 @@ class Pipeline:
             raise ValueError(
                 f"state epoch/iteration must be ints >= 0, not {epoch!r}/{iteration!r}"
             )
-        stateful = [op.name for op in (self._graph.ops if self._graph else []) if op.stateful]
+        # (A parallel iterable is stateful too, but its reader skips to the iteration.)
+        stateful = [
+            op.name
+            for op in (self._graph.ops if self._graph else [])
+            if op.stateful and not op.is_source
+        ]
         if stateful:
             raise MpexecError(
                 f"cannot resume a pipeline with stateful ops ({', '.join(stateful)}): "
@@ -835,16 +872,27 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
     and ``enable_conditionals=True``: DALI's conditional execution (``if`` on
     a DataNode runs each branch on its own samples; docs/pipeline.md).
     """
-    unknown = set(pipeline_kwargs) - _DEF_PARAMS
-    if unknown:
-        raise TypeError(f"pipeline_def got unknown pipeline parameters: {sorted(unknown)}")
 
     def decorate(graph_fn: Callable[..., Any]) -> Callable[..., Pipeline]:
+        # The function's own parameters win over pipeline parameters of the same name
+        # (DALI's rule: a definition taking `max_streams` gets it).
+        own = _parameters(graph_fn)
+
         @functools.wraps(graph_fn)
         def create(*args: Any, **kwargs: Any) -> Pipeline:
+            # An unknown pipeline parameter is an error when the pipeline is made (DALI).
+            unknown = set(pipeline_kwargs) - _DEF_PARAMS
+            if unknown:
+                raise TypeError(f"pipeline_def got unknown pipeline parameters: {sorted(unknown)}")
+            if _takes_var_keywords(graph_fn):
+                # DALI's rule (and words): a keyword could be a pipeline option or not.
+                raise TypeError(
+                    f"{graph_fn.__name__}: **kwargs are not allowed in a pipeline_def "
+                    "definition: name its parameters (pipeline options are keywords too)"
+                )
             params = dict(pipeline_kwargs)
             for k in list(kwargs):
-                if k in _DEF_PARAMS:
+                if k in _DEF_PARAMS and k not in own:
                     params[k] = kwargs.pop(k)
             if "batch_size" not in params:
                 raise TypeError(
@@ -855,12 +903,43 @@ def pipeline_def(fn: Callable[..., Any] | None = None, **pipeline_kwargs: Any) -
             pipe.define(lambda: definition(*args, **kwargs))
             return pipe
 
+        setattr(create, "_is_pipeline_def", True)  # noqa: B010 - DALI's mark, which its code reads
         return create
 
     return decorate(fn) if fn is not None else decorate
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _parameters(function: Callable[..., Any]) -> frozenset[str]:
+    """The names ``function`` takes as keywords (none where it cannot say)."""
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _takes_var_keywords(function: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _scalar_outputs(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A ``types.Constant`` scalar returned as an output: a constant op's (DALI's too)."""
+    if not any(isinstance(o, ScalarConstant) for o in outputs):
+        return outputs
+    from . import fn
+
+    return tuple(
+        fn.constant(fdata=o.value, dtype=o.dtype, shape=()) if isinstance(o, ScalarConstant) else o
+        for o in outputs
+    )
+
 
 _SYSTEM_PATHS = tuple(
     os.path.realpath(p)

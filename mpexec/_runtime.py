@@ -883,6 +883,181 @@ class SourceBatchRunner:
         )
 
 
+class WorkerBatchSource:
+    """A batch-mode source run in a worker: DALI's parallel external source with ``batch=True``.
+
+    ``source`` is what ``fn.external_source`` made of the user's source: a
+    callable of ``(iteration, epoch)`` (which calls the user's with a
+    ``BatchInfo``, the iteration, or nothing), or, with ``iterable=True``, an
+    object whose ``open()`` starts the user's iterable or generator function.
+    A callable may run in any worker: each call is one iteration's batch. An
+    iterable lives in the one worker its op is pinned to (the op is stateful,
+    so its calls come in iteration order) and each call takes its next item,
+    as the main process would, with DALI's ``cycle``: ``False`` reads it once
+    (after it ends it stays exhausted, across epochs), ``"raise"`` ends the
+    epoch and starts it again in the next, ``True``/``"quiet"`` starts it again
+    at once. A call for an iteration past the one expected (a pipeline resumed
+    with ``load_state_dict``) skips the items between; calls of an epoch that
+    already ended here (prefetched past its end) take nothing.
+
+    ``StopIteration`` ends the epoch: the result holds no samples and ``stop=0``.
+    ``np.random``/``random`` are reseeded from (seed, op, epoch, iteration)
+    before each call, as for a batch op's.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        source: Any,
+        num_outputs: int,
+        entropy: int,
+        *,
+        iterable: bool,
+        cycle: Any,
+        output_dtypes: tuple[np.dtype[Any] | None, ...] | None = None,
+        output_shapes: tuple[tuple[int | None, ...] | None, ...] | None = None,
+    ) -> None:
+        self.name = name
+        self.source = source
+        self.num_outputs = num_outputs
+        self.entropy = entropy
+        self.iterable = iterable
+        self.cycle = cycle
+        self.output_dtypes = output_dtypes
+        self.output_shapes = output_shapes
+        # An iterable's place, in the worker that reads it.
+        self._iterator: Any = None
+        self._exhausted = False  # cycle=False: it ended, for good
+        self._epoch: int | None = None
+        self._next = 0  # the iteration its next item is for
+        self._ended = False  # it ended the epoch self._epoch
+
+    def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
+        """The batch of ``chunk``'s iteration; ``out`` as :meth:`OpRunner.__call__`."""
+        global _current
+        t0 = time.perf_counter()
+        faults = thread_faults()
+        (np_seed,), (py_seed,) = call_seeds(self.entropy, chunk.epoch, chunk.iteration, 0, 1)
+        _current = BatchInfo(chunk.iteration, chunk.epoch)
+        try:
+            _globals.reseed(np_seed, py_seed)
+            if self.iterable:
+                data = self._item(chunk)
+            else:
+                try:
+                    data = self.source(chunk.iteration, chunk.epoch)
+                except StopIteration:
+                    data = None
+            rows = [] if data is None else self._rows(data)
+        except BaseException as exc:
+            with contextlib.suppress(AttributeError):
+                exc.mpexec_op = self.name  # type: ignore[attr-defined]
+            raise
+        finally:
+            _current = None
+        if data is None:
+            empty: tuple[list[Any], ...] = tuple([] for _ in range(self.num_outputs))
+            return ChunkResult(
+                empty,
+                0,
+                time.perf_counter() - t0,
+                os.getpid(),
+                0,
+                written=(False,) * self.num_outputs,
+                faults=thread_faults() - faults,
+            )
+        columns, written = write_columns(rows, self.num_outputs, out)
+        return ChunkResult(
+            columns,
+            len(rows),
+            time.perf_counter() - t0,
+            os.getpid(),
+            written=written,
+            faults=thread_faults() - faults,
+        )
+
+    def _item(self, chunk: Chunk) -> Any:
+        """The iterable's item for ``chunk``'s iteration; None where the epoch ended."""
+        if chunk.epoch != self._epoch:
+            self._epoch, self._next, self._ended = chunk.epoch, 0, False
+            if self.cycle:
+                self._iterator = None  # a new epoch starts it again
+        if self._ended:
+            return None
+        item = None
+        while self._next <= chunk.iteration:
+            item = self._take()
+            self._next += 1
+            if item is None:
+                self._ended = True
+                return None
+        return item
+
+    def _take(self) -> Any:
+        for attempt in range(2):
+            if self._iterator is None:
+                if self._exhausted:
+                    return None
+                self._iterator = iter(self.source.open())
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                self._iterator = None
+                if not self.cycle:
+                    self._exhausted = True
+                    return None
+                if self.cycle == "raise" or attempt:
+                    return None
+        return None  # pragma: no cover - the loop returns
+
+    def _rows(self, data: Any) -> list[tuple[Any, ...]]:
+        """A batch the source gave, as one tuple of arrays per sample, checked."""
+        what = f"external_source '{self.name}'"
+        n = self.num_outputs
+        outs = [data] if n == 1 else data
+        if n > 1 and (not isinstance(outs, (tuple, list)) or len(outs) != n):
+            raise ValueError(
+                f"{what} has num_outputs={n}: its source must give a tuple of {n} batches"
+            )
+        columns = []
+        for out in outs:
+            if isinstance(out, np.ndarray) or hasattr(out, "__array_interface__"):
+                arr = np.asarray(out)
+                if arr.ndim == 0:
+                    raise ValueError(f"{what} gave a 0-d array where a batch belongs")
+                columns.append(list(arr))
+            elif isinstance(out, (list, tuple)):
+                columns.append([np.asarray(v) for v in out])
+            else:
+                raise TypeError(
+                    f"{what}: a batch is a list of arrays or one array whose first axis "
+                    f"is the batch, not {type(out).__name__}"
+                )
+        count = len(columns[0])
+        if any(len(c) != count for c in columns):
+            raise ValueError(f"{what}: its outputs hold different numbers of samples")
+        limit = getattr(self.source, "batch_size", None)
+        if limit is not None and count > limit:
+            raise ValueError(
+                f"{what} gave a batch of {count} samples; the pipeline's batch_size is {limit}"
+            )
+        for i, column in enumerate(columns):
+            want = self.output_dtypes[i] if self.output_dtypes is not None else None
+            shape = self.output_shapes[i] if self.output_shapes is not None else None
+            for a in column:
+                if a.dtype.hasobject and not is_string_array(a):
+                    raise TypeError(
+                        f"{what}: output {i} is an array of Python objects; sources give "
+                        "numeric arrays, or arrays of strings (bytes or str)"
+                    )
+                if want is not None and a.dtype != want:
+                    raise TypeError(f"{what}: output {i} is {a.dtype}, but dtype={want}")
+                if shape is not None and a.ndim != len(shape):
+                    raise ValueError(f"{what}: output {i} has rank {a.ndim}, but ndim={len(shape)}")
+            check_consistent(what, i, column)
+        return list(zip(*columns, strict=True))
+
+
 def _nbytes(column: Any) -> int:
     """Bytes of a column: one array, or a list of them (None: nothing)."""
     if column is None:

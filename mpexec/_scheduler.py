@@ -70,7 +70,7 @@ from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Op, Plan, Scope
-from ._modes import Device, LastBatch, OpKind, SourceMode
+from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import (
     ChainRunner,
     Chunk,
@@ -240,7 +240,7 @@ class Scheduler:
             runner = None
             if op.kind in (OpKind.SPLIT, OpKind.MERGE):
                 pass  # rows selected here (_select)
-            elif not op.is_source or op.source_mode == SourceMode.SAMPLE:
+            elif not op.is_source or op.source_mode in WORKER_SOURCES:
                 make = getattr(ex, "runner", None) or op_runner
                 runner = make(op, derive_seed(seed, op.index, op.seed), debug=debug)
             worker = None
@@ -377,9 +377,13 @@ class Scheduler:
         return it.result
 
     def reset(self) -> None:
-        """Start the next epoch: sources begin again from their start."""
+        """Start the next epoch: sources begin again from their start, except
+        iterables that do not cycle, which keep their place (DALI: one pass)."""
         with self._lock:
+            once = [(s, s.iterator) for s in self.ops if _one_pass(s.op)]
             self._restart(self._epoch + 1, 0)
+            for s, iterator in once:
+                s.iterator = iterator
 
     def _restart(self, epoch: int, index: int) -> None:
         while self._window:
@@ -554,8 +558,11 @@ class Scheduler:
             try:
                 return next(s.iterator)
             except StopIteration:
+                if _one_pass(op):  # stays exhausted, also after reset() (DALI's rule)
+                    s.iterator = iter(())
+                    return None
                 s.iterator = None
-                if not op.cycle or op.cycle == "raise" or attempt:
+                if op.cycle == "raise" or attempt:
                     return None
         return None  # pragma: no cover
 
@@ -984,6 +991,11 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _one_pass(op: Op) -> bool:
+    """An iterable read here that does not cycle: one pass, never started again."""
+    return op.source_mode == SourceMode.ITER and not op.cycle
 
 
 def _batch_in_workers(s: _OpState, executor: UnitExecutor) -> bool:

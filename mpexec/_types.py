@@ -142,12 +142,12 @@ class ScalarConstant:
             np_dtype = as_numpy_dtype(dtype)
         elif isinstance(value, (bool, np.bool_)):
             np_dtype = np.dtype(np.bool_)
+        elif isinstance(value, np.generic):  # its own type (np.float64 is a float too)
+            np_dtype = value.dtype
         elif isinstance(value, int):
             np_dtype = np.dtype(np.int32)
         elif isinstance(value, float):
             np_dtype = np.dtype(np.float32)
-        elif isinstance(value, np.generic):
-            np_dtype = value.dtype
         else:
             raise TypeError(
                 f"a scalar constant is a bool, int or float, not {type(value).__name__}"

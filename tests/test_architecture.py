@@ -136,6 +136,7 @@ LAYERS: dict[str, int] = {
     "mpexec._pipeline": 6,
     "mpexec._conditionals": 6,  # DALI's conditional execution: scopes, splits, merges
     "mpexec._autograph": 6,  # the rewrite of `if`/`and`/`or`/`not` it runs on
+    "mpexec._pypool": 6,  # a pipeline's workers under DALI's names (Pipeline._py_pool)
     "mpexec.fn": 6,
     "mpexec._pyfunc": 6,  # TF's py_func family: rules, entry points, default pool
     "mpexec._pyfunc_tf": 6,  # the same ops inside TensorFlow graphs (imports TF)

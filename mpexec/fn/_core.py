@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from .. import _arith, _codec
-from .._errors import MpexecError, OpArgumentError, SerializationError
-from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph
-from .._modes import Device, OpKind, Reseed, SourceMode
+from .._errors import OpArgumentError, SerializationError
+from .._graph import MAX_INPUTS, DataNode, Graph, Op, current_graph, loose_graph
+from .._modes import WORKER_SOURCES, Device, OpKind, Reseed, SourceMode
 from .._types import ScalarConstant, as_numpy_dtype
 
 
@@ -149,17 +149,21 @@ def external_source(
     num_outputs: int | None = None,
     *,
     batch: bool = True,
-    cycle: bool | str = False,
+    cycle: bool | str | None = None,
     name: str | None = None,
     layout: str | Sequence[str | None] | None = None,
     dtype: Any = None,
-    ndim: int | None = None,
+    ndim: int | Sequence[int] | None = None,
     parallel: bool | None = None,
-    batch_info: bool = False,
-    prefetch_queue_depth: int = 1,
+    batch_info: bool | None = False,
+    prefetch_queue_depth: int | None = 1,
     device: str = "cpu",
     no_copy: bool | None = None,
     blocking: bool | None = None,
+    bytes_per_sample_hint: int | Sequence[int] | None = None,
+    cuda_stream: Any = None,
+    use_copy_kernel: bool | None = None,
+    repeat_last: bool = False,
 ) -> Any:
     """Data entering the pipeline (DALI's ``fn.external_source``).
 
@@ -186,7 +190,15 @@ def external_source(
     graph = graph_for("external_source")
     name_ = name if name is not None else graph.unique_name("external_source", source)
     what = f"fn.external_source '{name_}'"
-    del prefetch_queue_depth, no_copy, blocking
+    del prefetch_queue_depth, no_copy, blocking, bytes_per_sample_hint, cuda_stream
+    del use_copy_kernel
+    if repeat_last:
+        raise ValueError(
+            f"{what}: repeat_last=True (DALI's repeat of the last fed batch) is not "
+            "supported: feed every batch with pipe.feed_input"
+        )
+    if cycle is None:  # DALI's default: the source ends the epoch, once
+        cycle = False
     n: object = 1 if num_outputs is None else num_outputs
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{what}: num_outputs must be an int >= 1, not {num_outputs!r}")
@@ -203,16 +215,23 @@ def external_source(
             f"{what}: a source without source= is fed by pipe.feed_input(name, data): "
             "give it a name="
         )
-    if mode is SourceMode.SAMPLE:
+    if mode in (SourceMode.BATCH, SourceMode.WORKER_BATCH):
+        source = _BatchCallable(source, bool(batch_info), graph.batch_size)
+    elif mode is SourceMode.WORKER_ITER:
+        source = _BatchIterable(source, graph.batch_size)
+    if mode in WORKER_SOURCES:
         _check_picklable(what, source, "source")
-    if mode is SourceMode.BATCH:
-        source = _BatchCallable(source, batch_info)
     dtypes = None
     if dtype is not None:
-        dtypes = _dtypes(what, dtype if n == 1 else [dtype] * n, n)
+        # One dtype for every output, or (DALI) a list of one per output.
+        per_output = isinstance(dtype, (list, tuple))
+        dtypes = _dtypes(what, dtype if per_output or n == 1 else [dtype] * n, n)
     shapes = None
     if ndim is not None:
-        shapes = tuple((None,) * ndim for _ in range(n))
+        ndims: list[Any] = list(ndim) if isinstance(ndim, (list, tuple)) else [ndim] * n
+        if len(ndims) != n:
+            raise OpArgumentError(f"{what}: {len(ndims)} ndim given for {n} outputs")
+        shapes = tuple((None,) * int(d) for d in ndims)
     op = Op(
         kind=OpKind.EXTERNAL_SOURCE,
         name=name_,
@@ -226,17 +245,25 @@ def external_source(
         output_shapes=shapes,
         source_mode=mode,
         cycle=cycle,
+        # Read in order in one worker: pinned there, its calls in iteration order.
+        stateful=mode is SourceMode.WORKER_ITER,
+        parallel=bool(parallel),
     )
     return _outputs(graph.add(op, auto_named=name is None))
 
 
 class _BatchCallable:
-    """A batch source callable, called with what its signature asks for."""
+    """A batch source callable, called with what its signature asks for.
 
-    def __init__(self, function: Any, batch_info: bool) -> None:
+    ``batch_size``: the pipeline's, which a batch may not exceed (checked
+    where it runs in the workers).
+    """
+
+    def __init__(self, function: Any, batch_info: bool, batch_size: int | None = None) -> None:
         self.function = function
         self.batch_info = batch_info
         self.takes_arg = _positional_params(function) > 0
+        self.batch_size = batch_size
 
     def __call__(self, iteration: int, epoch: int) -> Any:
         from .._runtime import BatchInfo
@@ -248,18 +275,30 @@ class _BatchCallable:
         return self.function()
 
 
+class _BatchIterable:
+    """An iterable or generator function read in a worker (``parallel=True``, batch mode).
+
+    ``open()`` starts a pass: the iterable itself (``iter()`` is taken of it),
+    or a new generator from the generator function.
+    """
+
+    def __init__(self, source: Any, batch_size: int | None) -> None:
+        self.source = source
+        self.batch_size = batch_size
+
+    def open(self) -> Any:
+        return self.source() if inspect.isgeneratorfunction(self.source) else self.source
+
+
 # ---------------------------------------------------------------- checks
 
 
 def graph_for(kind: str) -> Graph:
+    """The graph an op is added to: the one being defined, or (DALI 2) outside any
+    definition, a loose one that a pipeline's ``set_outputs`` takes the op from."""
+    del kind
     graph = current_graph()
-    if graph is None:
-        raise MpexecError(
-            f"fn.{kind} must be called while a pipeline is being defined: inside a "
-            "function decorated with @mpexec.pipeline_def, or in `with pipe:` of a new "
-            "mpexec.Pipeline (then pipe.set_outputs(...))"
-        )
-    return graph
+    return loose_graph() if graph is None else graph
 
 
 def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
@@ -270,6 +309,7 @@ def _check_inputs(what: str, inputs: tuple[Any, ...], graph: Graph) -> None:
         )
     for i, x in enumerate(inputs):
         if isinstance(x, DataNode):
+            graph.adopt(x)  # made outside any definition: this pipeline's now
             if x.op not in graph.ops:
                 raise ValueError(f"{what}: input {i} ({x!r}) belongs to another pipeline")
             if x.op.num_outputs == 0:  # pragma: no cover - such ops return None
@@ -383,23 +423,43 @@ def _hint(hint: Any) -> int:
 
 
 def _source_mode(what: str, source: Any, batch: bool, parallel: bool | None) -> SourceMode:
+    """How a source gives its data; DALI's refusals (its words) of a source it cannot run.
+
+    ``parallel=True`` runs a callable in the workers (per sample, or per batch
+    with ``batch=True``), and an iterable or a generator function in one worker,
+    which needs ``batch=True``. A per-sample callable always runs in the workers.
+    """
     if source is None:
         return SourceMode.FEED
-    if inspect.isgeneratorfunction(source):
-        return SourceMode.ITER
-    if callable(source):
-        if not batch:
-            return SourceMode.SAMPLE
-        if parallel:
-            raise ValueError(
-                f"{what}: parallel=True runs a per-sample callable in the workers; "
-                "give batch=False (a callable taking SampleInfo)"
-            )
-        return SourceMode.BATCH
-    if hasattr(source, "__iter__"):
+    generator = inspect.isgeneratorfunction(source)
+    if generator or (not callable(source) and hasattr(source, "__iter__")):
         if isinstance(source, (str, bytes)):
             raise TypeError(f"{what}: source is a {type(source).__name__}, not an iterable")
-        return SourceMode.ITER
+        if parallel and not batch:
+            kind = "a generator function" if generator else "an iterable"
+            raise TypeError(
+                f"{what}: Parallel external source with {kind} must be run in a batch mode "
+                "(batch=True): each item is a batch, read in order in one worker"
+            )
+        return SourceMode.WORKER_ITER if parallel else SourceMode.ITER
+    if callable(source):
+        n = _positional_params(source)
+        if n > 1:
+            raise TypeError(
+                f"{what}: The `source` callable must accept either 0 or 1 positional "
+                "arguments to indicate whether it accepts the batch or sample indexing "
+                "information. Found more than one positional argument, which is not allowed."
+            )
+        if parallel and n == 0:
+            raise TypeError(
+                f"{what}: Callable passed to External Source in parallel mode (when "
+                "`parallel=True`) must accept exactly one argument: a SampleInfo with "
+                "batch=False, or a BatchInfo or the iteration number with batch=True. Got a "
+                "callable that does not accept arguments instead."
+            )
+        if not batch:
+            return SourceMode.SAMPLE
+        return SourceMode.WORKER_BATCH if parallel else SourceMode.BATCH
     raise TypeError(
         f"{what}: source must be a callable, an iterable, a generator function or None, "
         f"not {type(source).__name__}"

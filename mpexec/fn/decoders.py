@@ -97,6 +97,11 @@ class ImageDecoder:
             img.draft("L", img.size)  # libjpeg's own luma, as DALI decodes it (exact)
         if self.adjust_orientation:
             img = ImageOps.exif_transpose(img)
+        if img.mode.startswith("I;16") or img.mode == "I":
+            # 16-bit grayscale: scaled to 8 bits as DALI does (round(v / 257)), where
+            # Pillow's conversion would clip every value above 255.
+            wide = np.asarray(img, dtype=np.float64)
+            img = Image.fromarray(np.rint(np.clip(wide, 0, 65535) / 257).astype(np.uint8))
         if gray and img.mode not in ("L", "RGB"):
             img = img.convert("RGB")
         if gray and img.mode == "RGB":

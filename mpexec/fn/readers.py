@@ -111,6 +111,9 @@ def file(
     paths, label_list = _listing(
         what, file_root, files, labels, file_list, file_filters, dir_filters, case_sensitive_filter
     )
+    for arg, value in (("num_shards", num_shards), ("shard_id", shard_id)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{what}: {arg} must be an int, not {value!r}")
     if num_shards < 1:
         raise ValueError(f"{what}: num_shards must be an int >= 1, not {num_shards!r}")
     if not 0 <= shard_id < num_shards:
@@ -257,16 +260,23 @@ def _listing(
         list_path = os.fspath(file_list)
         base = root if root else os.path.dirname(list_path)
         paths, label_list = [], []
-        with open(list_path, encoding="utf-8") as f:
-            for raw in f:
-                line = raw.rstrip()
+        # DALI's format: a path and a label, split at the last run of whitespace (a
+        # space or a tab); a UTF-8 byte-order mark before the first line is dropped.
+        with open(list_path, encoding="utf-8-sig") as f:
+            for number, raw in enumerate(f, 1):
+                line = raw.strip()
                 if not line:
                     continue
-                entry, _, label = line.rpartition(" ")
-                if not entry:
-                    entry, label = label, "0"
+                parts = line.rsplit(maxsplit=1)
+                entry, label = (parts[0], parts[1]) if len(parts) == 2 else (line, "0")
+                try:
+                    label_list.append(int(label))
+                except ValueError:
+                    raise ValueError(
+                        f"{what}: file_list {list_path!r}, line {number}: the label "
+                        f"{label!r} is not an integer (each line is `path label`)"
+                    ) from None
                 paths.append(os.path.join(base, entry))
-                label_list.append(int(label))
     elif root is not None:
         if labels is not None:
             raise ValueError(
@@ -298,7 +308,7 @@ def _walk(
             return any(fnmatch.fnmatchcase(name, p) for p in pats)
         return any(fnmatch.fnmatchcase(name.lower(), p.lower()) for p in pats)
 
-    subdirs = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    subdirs = sorted(e.name for e in os.scandir(root) if _is(e, "dir"))
     if dirs_wanted is not None:
         subdirs = [d for d in subdirs if match(d, dirs_wanted)]
     paths: list[str] = []
@@ -307,8 +317,18 @@ def _walk(
         names = sorted(
             e.name
             for e in os.scandir(os.path.join(root, d))
-            if e.is_file() and match(e.name, patterns)
+            if _is(e, "file") and match(e.name, patterns)
         )
         paths += [os.path.join(root, d, n) for n in names]
         labels += [label] * len(names)
     return paths, labels
+
+
+def _is(entry: os.DirEntry[str], kind: str) -> bool:
+    """Whether a listed entry is a directory (``kind="dir"``) or a file; False for an
+    entry that cannot be followed (a looping or broken link), which is skipped, as
+    DALI skips it, rather than failing the whole listing."""
+    try:
+        return entry.is_dir() if kind == "dir" else entry.is_file()
+    except OSError:
+        return False

@@ -54,7 +54,7 @@ def check_tf_declared_spec() -> None:
 
     from mpexec import tf as mtf
 
-    @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=3)
+    @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=3, last_batch="partial")
     def pipe() -> Any:
         x = fn.external_source(source=image, batch=False)
         return fn.python_function(
@@ -141,7 +141,7 @@ def check_tf_keras_fit_needs_no_steps() -> None:
 
     features_sized = _SizedCallable(features, 10)
 
-    @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=0)
+    @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=0, last_batch="partial")
     def pipe() -> Any:
         x = fn.external_source(source=features_sized, batch=False)
         y = fn.python_function(x, function=_target)

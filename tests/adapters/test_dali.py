@@ -107,7 +107,9 @@ def _indexed(info: Any) -> np.ndarray[Any, Any]:
 def _source_pipe(n: int) -> mpexec.Pipeline:
     @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=11)
     def graph() -> Any:
-        x = mfn.external_source(source=[_indexed(_Info(i)) for i in range(n)], batch=False)
+        # cycle="raise": each epoch reads the list again (without: one pass, as DALI).
+        samples = [_indexed(_Info(i)) for i in range(n)]
+        x = mfn.external_source(source=samples, batch=False, cycle="raise")
         return x, x * 2
 
     return graph()

@@ -43,7 +43,8 @@ class SizedImages:
 
 
 def make(declared: bool = True, with_ragged: bool = False, sized: bool = False) -> mpexec.Pipeline:
-    @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=3)
+    # last_batch="partial": the short last batch (10 samples in 4s) is checked too.
+    @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=3, last_batch="partial")
     def pipe() -> Any:
         x = fn.external_source(source=SizedImages() if sized else image, batch=False)
         kw: dict[str, Any] = (

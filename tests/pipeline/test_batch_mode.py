@@ -220,7 +220,7 @@ def test_a_short_last_batch_that_is_dropped_never_reaches_the_batch_op() -> None
 
 
 def test_stats_count_each_op_of_the_fused_unit() -> None:
-    @mpexec.pipeline_def(batch_size=BATCH, num_workers=2, seed=1)
+    @mpexec.pipeline_def(batch_size=BATCH, num_workers=2, seed=1, last_batch="partial")
     def pipe() -> Any:
         return _graph(10, jitter=True, unfused=False)
 

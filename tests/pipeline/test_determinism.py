@@ -83,6 +83,7 @@ def params(
         "prefetch_depth": prefetch_depth,
         "start_method": start_method,
         "seed": seed,
+        "last_batch": "partial",  # mpexec's choice: the short last batch is compared too
     }
 
 
@@ -102,6 +103,7 @@ def make(
         start_method=start_method,
         seed=seed,
         pool=pool,
+        last_batch="partial",  # mpexec's choice: the short last batch is compared too
     )
     def graph() -> Any:
         src = fn.external_source(source=_source, batch=False, name="source")
@@ -295,7 +297,9 @@ def _gauss_once(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 def test_cached_gaussians_do_not_leak_into_the_next_call() -> None:
     def run(num_workers: int) -> list[bytes]:
-        @mpexec.pipeline_def(batch_size=BATCH, num_workers=num_workers, seed=SEED)
+        @mpexec.pipeline_def(
+            batch_size=BATCH, num_workers=num_workers, seed=SEED, last_batch="partial"
+        )
         def graph() -> Any:
             src = fn.external_source(source=_source, batch=False)
             return fn.python_function(src, function=_gauss_once)

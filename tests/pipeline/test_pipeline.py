@@ -689,9 +689,14 @@ def _must_mention(exc: BaseException, *words: str) -> None:
 
 
 def _outside_definitions_again() -> None:
-    """After a failed definition, fn.* is back to 'outside a definition'."""
-    with pytest.raises(mpexec.MpexecError, match="pipeline_def"):
-        fn.python_function(function=_double)
+    """After a failed definition, fn.* is back to 'outside a definition': its op waits
+    for a pipeline to take it (DALI 2's rule), not in the failed pipeline's graph."""
+    node = fn.python_function(fn.external_source(source=ramp()), function=_double)
+    pipe = mpexec.Pipeline(batch_size=2, num_workers=0)
+    with pipe:
+        pipe.set_outputs(node)  # "belongs to another pipeline" were it the failed one's
+    assert pipe.num_outputs == 1
+    pipe.close()
 
 
 def test_list_given_as_input(style: str) -> None:
@@ -803,14 +808,18 @@ def test_bad_num_outputs(style: str, num_outputs: Any) -> None:
     _outside_definitions_again()
 
 
-def test_fn_outside_a_definition() -> None:
-    with pytest.raises(mpexec.MpexecError) as info:
-        fn.python_function(function=_double)
-    _must_mention(info.value, "pipeline_def", "with pipe")
-    with pytest.raises(mpexec.MpexecError, match="pipeline_def"):
-        fn.external_source(source=ramp())
-    with pytest.raises(mpexec.MpexecError, match="pipeline_def"):
-        fn.dl_tensor_python_function(function=_double)
+def test_fn_outside_a_definition_waits_for_a_pipeline() -> None:
+    """DALI 2: fn.* outside a definition makes nodes that a pipeline's set_outputs takes."""
+    x = fn.external_source(source=ramp())
+    y = fn.python_function(x, function=_double)
+    z = fn.dl_tensor_python_function(x, function=_double)
+    assert isinstance(y, mpexec.DataNode)
+    pipe = mpexec.Pipeline(batch_size=4, num_workers=0)
+    with pipe:
+        pipe.set_outputs(y, z)
+    with pipe:
+        a, b = pipe.run()
+    assert a.as_array()[:, 1].tolist() == b.as_array()[:, 1].tolist() == [0, 2, 4, 6]
 
 
 def test_external_source_without_source_needs_a_name(style: str) -> None:
@@ -879,7 +888,9 @@ def test_sample_source_in_workers(style: str) -> None:
     def graph() -> Any:
         return fn.external_source(source=_info_source, batch=False)
 
-    with make(style, graph, batch_size=5, num_workers=2, prefetch_depth=2) as pipe:
+    with make(
+        style, graph, batch_size=5, num_workers=2, prefetch_depth=2, last_batch="partial"
+    ) as pipe:
         epoch0 = _epoch(pipe)
         assert [len(b) for b in epoch0] == [5, 5, 2], "short last batch returned as it is"
         for i, b in enumerate(epoch0):
@@ -930,7 +941,7 @@ def test_iterable_of_batches(style: str) -> None:
     data = [[np.full(2, 10 * i + j) for j in range(n)] for i, n in enumerate([3, 3, 1])]
 
     def graph() -> Any:
-        return fn.external_source(source=data)
+        return fn.external_source(source=data, cycle="raise")  # reset() starts it again
 
     with make(style, graph, batch_size=3, num_workers=0) as pipe:
         for _ in range(2):
@@ -948,9 +959,11 @@ def test_generator_function_per_sample(style: str) -> None:
             yield np.array([k, k * k])
 
     def graph() -> Any:
-        return fn.python_function(fn.external_source(source=gen, batch=False), function=_plus_one)
+        # cycle="raise": reset() calls it again (DALI's rule: without, one pass).
+        src = fn.external_source(source=gen, batch=False, cycle="raise")
+        return fn.python_function(src, function=_plus_one)
 
-    with make(style, graph, batch_size=3, num_workers=0) as pipe:
+    with make(style, graph, batch_size=3, num_workers=0, last_batch="partial") as pipe:
         for _ in range(2):
             got = _epoch(pipe)
             assert [g[:, 0].tolist() for g in got] == [[1, 2, 3], [4, 5, 6], [7]]

@@ -233,3 +233,48 @@ def test_legacy_decoder_op(tmp_path: Path) -> None:
         (out,) = pipe.run()
     assert out.shape()[0] == (4, 6, 3)
     assert isinstance(out, mpexec.Batch)
+
+
+def test_file_list_parsing_as_dali(tmp_path: Path, flat: list[str]) -> None:
+    """A tab separates like a space; a UTF-8 byte-order mark is not part of the first name."""
+    listing = tmp_path / "list.txt"
+    listing.write_bytes("\ufeffF3.jpg\t30\nf1.jpg  10\n".replace("F3", "f3").encode("utf-8"))
+    names, labels, size = stream(2, 1, file_list=str(listing))
+    assert (names, labels, size) == ([["3", "1"]], [[30, 10]], 2)
+
+
+def test_reader_argument_errors_say_where(tmp_path: Path, flat: list[str]) -> None:
+    listing = tmp_path / "bad.txt"
+    listing.write_text("f3.jpg 30\nf1.jpg ten\n")
+    with Pipeline(2, 0), pytest.raises(ValueError, match=r"bad\.txt'?, line 2: the label 'ten'"):
+        fn.readers.file(file_list=str(listing))
+    with Pipeline(2, 0), pytest.raises(TypeError, match=r"shard_id must be an int, not 1\.0"):
+        fn.readers.file(files=flat, num_shards=2, shard_id=1.0)
+
+
+def test_a_looping_link_is_skipped_not_fatal(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "x.jpg").write_bytes(b"_x.jpg")
+    (root / "a" / "loop.jpg").symlink_to(root / "a" / "loop.jpg")  # ELOOP when followed
+    (root / "loop").symlink_to(root / "loop")
+    names, labels, size = stream(1, 1, file_root=str(root))
+    assert (names, labels, size) == ([["x"]], [[0]], 1)
+
+
+def test_a_16_bit_grayscale_png_is_scaled_as_dali(tmp_path: Path) -> None:
+    image = pytest.importorskip("PIL.Image")
+    wide = (np.arange(40 * 30, dtype=np.uint32).reshape(40, 30) * 54).astype(np.uint16)
+    path = tmp_path / "deep.png"
+    image.fromarray(wide).save(path)
+    for output_type, channels in ((types.GRAY, 1), (types.RGB, 3)):
+        pipe = Pipeline(1, 1, None, 1)
+        with pipe:
+            data, _ = fn.readers.file(files=[str(path)])
+            pipe.set_outputs(fn.decoders.image(data, output_type=output_type))
+        with pipe:
+            (out,) = pipe.run()
+        want = np.rint(wide / 257).astype(np.uint8)  # DALI 2.4: round(v / 257)
+        assert out[0].shape == (40, 30, channels)
+        for c in range(channels):
+            assert np.array_equal(out[0][:, :, c], want)

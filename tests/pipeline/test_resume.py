@@ -30,10 +30,17 @@ LABELS = [np.arange(i, i + 3) for i in range(100, 122)]  # re-read every epoch
 
 
 def build(num_workers: int = 2, prefetch: int = 3) -> mpexec.Pipeline:
-    @mpexec.pipeline_def(batch_size=4, num_workers=num_workers, seed=17, prefetch_depth=prefetch)
+    @mpexec.pipeline_def(
+        batch_size=4,
+        num_workers=num_workers,
+        seed=17,
+        prefetch_depth=prefetch,
+        last_batch="partial",
+    )
     def pipe() -> Any:
         x = fn.external_source(source=noisy, batch=False)
-        y = fn.external_source(source=LABELS, batch=False)  # an iterable read here
+        # An iterable read here, started again each epoch (cycle="raise").
+        y = fn.external_source(source=LABELS, batch=False, cycle="raise")
         return fn.python_function(x, function=jitter), y
 
     return pipe()  # type: ignore[no-any-return]

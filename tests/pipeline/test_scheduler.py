@@ -85,7 +85,9 @@ def _collect(next_result: Callable[[], tuple[mpexec.Batch, ...]], reset: Callabl
 
 
 def _pipeline_run(num_workers: int) -> Run:
-    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=num_workers, seed=SEED)
+    pipe = mpexec.Pipeline(
+        batch_size=BATCH, num_workers=num_workers, seed=SEED, last_batch="partial"
+    )
     pipe.define(_graph)
     with pipe:
         return _collect(pipe.run, pipe.reset)

@@ -11,11 +11,19 @@ a pipeline with a ``device_id`` (its tests all give ``device_id=0``): there
 ``MPEXEC_COMPAT_DALI_CPU=1`` makes DALI's ``Pipeline`` build with ``device_id=None``,
 its CPU-only mode, so the CPU tests run as they would on a GPU machine (and
 the GPU one fails, as it must).
+
+nose's test generators (a ``test_*`` function that yields ``(function, *args)``
+cases, as DALI's external_source tests do) are one test per case
+(``test_x[0]``, ``test_x[1]``, ...): counted at collection, then run as nose
+runs them, each case when its turn comes, between the ``setup``/``teardown``
+that ``with_setup`` gave its function. pytest itself no longer runs yield tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import inspect
 import json
 import os
 import sys
@@ -57,6 +65,94 @@ def _dali_cpu_only() -> None:
         return params(self)
 
     Pipeline._get_params = cpu_only_params  # type: ignore[method-assign]
+
+
+class _NoseCase(pytest.Function):
+    """One case a nose test generator yielded: ``function(*args)``."""
+
+
+def _run_case(function: Any, args: tuple[Any, ...]) -> None:
+    setup = getattr(function, "setup", None)
+    teardown = getattr(function, "teardown", None)
+    if setup is not None:
+        setup()
+    try:
+        function(*args)
+    finally:
+        if teardown is not None:
+            teardown()
+
+
+class _Generator:
+    """A test generator run as nose runs one: lazily, a case when its turn comes.
+
+    The generator resumes (runs the code after its ``yield``, which may close
+    what the case used) only when the next case is due. A case asked for out
+    of order (a run restarted past a crash) starts a fresh generator and skips
+    the cases before it without running them.
+    """
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+        self.generator: Any = None
+        self.next = 0
+
+    def run(self, index: int) -> None:
+        if self.generator is None or self.next > index:
+            setup = getattr(self.function, "setup", None)
+            if setup is not None:
+                setup()
+            self.generator = iter(self.function())
+            self.next = 0
+        for case in self.generator:
+            k, self.next = self.next, self.next + 1
+            if k == index:
+                function, *args = case if isinstance(case, tuple) else (case,)
+                _run_case(function, tuple(args))
+                return
+        raise RuntimeError(f"{self.function.__name__} yielded no case {index} this time")
+
+
+def _count_cases(function: Any) -> tuple[int, BaseException | None]:
+    """How many cases the generator yields (it runs once, at collection, as nose2's
+    does), and the error that stopped it, if one did (its next case then fails with it)."""
+    setup = getattr(function, "setup", None)
+    if setup is not None:
+        setup()
+    count = 0
+    try:
+        for _ in function():
+            count += 1
+    except Exception as exc:
+        return count, exc
+    finally:
+        teardown = getattr(function, "teardown", None)
+        if teardown is not None:
+            # A leak check with nothing run yet fails: each case runs its own.
+            with contextlib.suppress(AssertionError):
+                teardown()
+    return count, None
+
+
+def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
+    if not (name.startswith("test") and inspect.isgeneratorfunction(obj)):
+        return None
+    generator = _Generator(obj)
+    items = []
+    count, error = _count_cases(obj)
+    for i in range(count):
+
+        def call(i: int = i) -> None:
+            generator.run(i)
+
+        items.append(_NoseCase.from_parent(collector, name=f"{name}[{i}]", callobj=call))
+    if error is not None:
+
+        def fail(error: BaseException = error) -> None:
+            raise error
+
+        items.append(_NoseCase.from_parent(collector, name=f"{name}[{count}]", callobj=fail))
+    return items
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,4 +1,4 @@
-"""Stand-in for ``raises`` of DALI's ``nose_utils``: the exception, and its message pattern."""
+"""Stand-in for ``raises`` and ``with_setup`` of DALI's ``nose_utils``."""
 
 from __future__ import annotations
 
@@ -45,5 +45,21 @@ def raises(
             raise AssertionError(f"{test.__name__} did not raise {exception}")
 
         return run
+
+    return decorate
+
+
+def with_setup(
+    setup: Callable[[], Any] | None = None, teardown: Callable[[], Any] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """nose's ``with_setup``: ``setup`` before the test and ``teardown`` after it (also
+    around each case a test generator yields: the runner's plugin calls them)."""
+
+    def decorate(test: Callable[..., Any]) -> Callable[..., Any]:
+        if setup is not None:
+            test.setup = setup  # type: ignore[attr-defined]
+        if teardown is not None:
+            test.teardown = teardown  # type: ignore[attr-defined]
+        return test
 
     return decorate

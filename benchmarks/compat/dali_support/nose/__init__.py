@@ -1,0 +1,1 @@
+"""Stand-in for the parts of nose DALI's older test files import (``nose.tools``)."""
