@@ -93,7 +93,7 @@ from ._runtime import (
 from ._tracebacks import reraise
 
 # How an op's batch is cut into chunks, and how many iterations are in flight
-# (see _chunk_count and _window_size). A chunk costs the main process ~100-200 µs
+# (see _chunk_count and the window property). A chunk costs the main process ~100-200 µs
 # of CPU however many samples it carries (its encoding, ring push, result and
 # assembly): carrying _AMORTISE_SAMPLES keeps that to a few µs a sample.
 _AMORTISE_SAMPLES = 64
