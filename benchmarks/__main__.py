@@ -12,6 +12,8 @@ from pathlib import Path
 
 from benchmarks import BENCHMARKS
 from benchmarks._common import RESULTS
+from benchmarks.mainload_bench import add_arguments as add_mainload_arguments
+from benchmarks.mainload_bench import options as mainload_options
 from benchmarks.peers_bench import add_arguments as add_peers_arguments
 
 
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         help="where to write results (default: benchmarks/results)",
     )
     add_peers_arguments(parser)
+    add_mainload_arguments(parser)
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = {}
         if name == "peers":
             extra = {"workloads": args.workloads, "systems": args.systems}
+        elif name == "mainload":
+            extra = mainload_options(args)
         result = module.run(quick=args.quick, out_dir=args.out, **extra)
         if result.get("errors"):
             status = 1

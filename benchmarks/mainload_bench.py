@@ -5,20 +5,27 @@ loader is its main process: every sample's dispatch, bookkeeping and hand-off
 runs there, on one core (the GIL). So each system's **main-process CPU time
 per sample** is measured (``time.process_time`` of the main process: all its
 threads, the pool's manager thread included) while W workers *sleep* instead
-of computing (``time.sleep(SLEEP_S)`` a sample, then the sample is made):
-sleeping workers take no CPU, so W = 4..16 of them on 2 cores is an honest
-stand-in for W busy workers on W cores, as far as the main process is
-concerned. The model is then one line: a main process saturates its core at
-``1 / cpu_per_sample`` samples/s, whatever the number of workers.
+of computing (``time.sleep(w)`` a sample, then the sample is made): sleeping
+workers take almost no CPU, so W = 16..128 of them on 2 cores stand in for W
+busy workers on W cores, as far as the main process is concerned. The model is
+then one line: ``X(W) = min(W / w, 1 / c)`` samples/s, where ``c`` is the
+main-process CPU a sample (docs/scaling.md).
 
 Systems: the mpexec pipeline per sample and in batch mode, ``WorkerPool.map``
 (one call a sample, its automatic chunks, and chunks of 64 calls),
 ``mpexec.torch.DataLoader`` and ``torch.utils.data.DataLoader`` (both: map-style
-data set, batches of 64,
-persistent workers). Samples: light (16 float32) and heavy (224x224x3
-float32, 588 KiB). Rounds interleave the systems; medians and spreads.
+data set, batches of 64, persistent workers), and DALI's parallel
+``external_source`` (the whole sample in DALI's Python workers). Samples:
+light (16 float32) and heavy (224x224x3 float32, 588 KiB); ``w`` = 2 ms and
+0.5 ms. Each round starts every system in turn (one at a time: 128 workers
+each), runs a warm-up epoch, then a measured one; rounds rotate the order.
+"Of ideal" divides by ``W / w'``, where ``w'`` is what one sample took here,
+calibrated in this process (the kernel's timer slack makes a 0.5 ms sleep
+~0.56 ms).
 
-Run with ``python -m benchmarks mainload`` (``--quick``: fewer rounds and sizes).
+Run with ``python -m benchmarks mainload`` (``--quick``: fewer rounds and
+sizes; ``--mainload-systems``, ``--workers``, ``--sleeps-ms`` and ``--kinds``
+pick a subset, as ``--mainload-systems pipeline,torch --workers 16,64``).
 """
 
 from __future__ import annotations
@@ -28,33 +35,53 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks._common import RESULTS, cli, git_state, log, table, write
+from benchmarks._common import RESULTS, git_state, log, table, write
 
-SLEEP_S = 0.002  # a worker's "work" per sample: 2 ms asleep
 BATCH = 64
+SLEEPS = (0.002, 0.0005)  # a worker's "work" per sample, asleep
+WORKERS = (2, 16, 64, 128)
 SHAPES = {"light": (16,), "heavy": (224, 224, 3)}
+EPOCH_S = 1.0  # an epoch's length at the ideal rate (0.25 s with --quick)
+MAX_BATCHES = {"light": 512, "heavy": 48}  # an epoch's cap, in batches
 
 
-def sleepy_sample(index: Any) -> np.ndarray[Any, Any]:
-    """Sample ``index`` after ``SLEEP_S`` asleep (a worker on a core of its own)."""
-    time.sleep(SLEEP_S)
-    shape = SHAPES[os.environ.get("MPEXEC_MAINLOAD_KIND", "light")]
-    return np.full(shape, float(np.asarray(index).reshape(-1)[0] % 251), np.float32)
+class Sleepy:
+    """Sample ``index`` after ``sleep`` seconds asleep (a worker on a core of its own).
+
+    A picklable object rather than a module global set through the
+    environment: worker processes forked from a server started earlier would
+    not see a later change.
+    """
+
+    def __init__(self, sleep: float, kind: str) -> None:
+        self.sleep = sleep
+        self.shape = SHAPES[kind]
+
+    def __call__(self, index: Any) -> np.ndarray[Any, Any]:
+        time.sleep(self.sleep)
+        return np.full(self.shape, float(np.asarray(index).reshape(-1)[0] % 251), np.float32)
 
 
-def sleepy_batch(indices: list[Any]) -> np.ndarray[Any, Any]:
-    """A batch op: each of its samples as :func:`sleepy_sample` makes it."""
-    return np.stack([sleepy_sample(i) for i in indices])
+class SleepyBatch:
+    """A batch op: each of its samples as :class:`Sleepy` makes it."""
+
+    def __init__(self, sample: Sleepy) -> None:
+        self.sample = sample
+
+    def __call__(self, indices: list[Any]) -> np.ndarray[Any, Any]:
+        return np.stack([self.sample(i) for i in indices])
 
 
-class _Source:
+class _Index:
+    """A per-sample source: the sample's index (mpexec's pipeline)."""
+
     def __init__(self, n: int) -> None:
         self.n = n
 
@@ -64,9 +91,23 @@ class _Source:
         return np.array([info.idx_in_epoch], np.int64)
 
 
-class _Dataset:
-    def __init__(self, n: int) -> None:
+class _Whole:
+    """A per-sample source that makes the whole sample (DALI's parallel external_source)."""
+
+    def __init__(self, n: int, sample: Sleepy) -> None:
         self.n = n
+        self.sample = sample
+
+    def __call__(self, info: Any) -> np.ndarray[Any, Any]:
+        if info.idx_in_epoch >= self.n:
+            raise StopIteration
+        return self.sample(info.idx_in_epoch)
+
+
+class _Dataset:
+    def __init__(self, n: int, sample: Sleepy) -> None:
+        self.n = n
+        self.sample = sample
 
     def __len__(self) -> int:
         return self.n
@@ -74,20 +115,21 @@ class _Dataset:
     def __getitem__(self, i: int) -> Any:
         import torch
 
-        return torch.from_numpy(sleepy_sample(i))
+        return torch.from_numpy(self.sample(i))
 
 
 Epoch = tuple[Callable[[], int], Callable[[], None]]  # (run an epoch: samples, close)
+Maker = Callable[[int, int, Sleepy], Epoch]
 
 
-def _pipeline(workers: int, n: int, batch_mode: bool) -> Epoch:
+def _pipeline(workers: int, n: int, sample: Sleepy, batch_mode: bool) -> Epoch:
     import mpexec
     from mpexec import fn
 
-    @mpexec.pipeline_def(batch_size=BATCH, num_workers=workers, seed=1, prefetch_depth=2)
+    @mpexec.pipeline_def(batch_size=BATCH, num_workers=workers, seed=1)
     def pipe() -> Any:
-        index = fn.external_source(source=_Source(n), batch=False)
-        f = sleepy_batch if batch_mode else sleepy_sample
+        index = fn.external_source(source=_Index(n), batch=False)
+        f = SleepyBatch(sample) if batch_mode else sample
         return fn.python_function(index, function=f, batch_processing=batch_mode)
 
     p = pipe()
@@ -103,7 +145,7 @@ def _pipeline(workers: int, n: int, batch_mode: bool) -> Epoch:
     return epoch, p.close
 
 
-def _pool_map(workers: int, n: int, chunksize: int | None) -> Epoch:
+def _pool_map(workers: int, n: int, sample: Sleepy, chunksize: int | None) -> Epoch:
     import mpexec
 
     pool = mpexec.WorkerPool(workers)
@@ -111,8 +153,8 @@ def _pool_map(workers: int, n: int, chunksize: int | None) -> Epoch:
     def epoch() -> int:
         got = 0
         batch: list[Any] = []
-        for sample in pool.map(sleepy_sample, range(n), chunksize=chunksize, prefetch=2 * workers):
-            batch.append(sample)
+        for one in pool.map(sample, range(n), chunksize=chunksize, prefetch=2 * workers):
+            batch.append(one)
             if len(batch) == BATCH:
                 got += len(np.stack(batch))
                 batch = []
@@ -121,12 +163,14 @@ def _pool_map(workers: int, n: int, chunksize: int | None) -> Epoch:
     return epoch, pool.shutdown
 
 
-def _loader(workers: int, n: int, ours: bool) -> Epoch:
+def _loader(workers: int, n: int, sample: Sleepy, ours: bool) -> Epoch:
     if ours:
         from mpexec.torch import DataLoader
     else:
         from torch.utils.data import DataLoader
-    loader = DataLoader(_Dataset(n), batch_size=BATCH, num_workers=workers, persistent_workers=True)
+    loader = DataLoader(
+        _Dataset(n, sample), batch_size=BATCH, num_workers=workers, persistent_workers=True
+    )
 
     def epoch() -> int:
         return sum(len(b) for b in loader)
@@ -138,18 +182,90 @@ def _loader(workers: int, n: int, ours: bool) -> Epoch:
     return epoch, close
 
 
-def _systems(have_torch: bool) -> dict[str, Callable[[int, int], Any]]:
-    systems: dict[str, Callable[[int, int], Any]] = {
-        "mpexec pipeline, per sample": lambda w, n: _pipeline(w, n, False),
-        "mpexec pipeline, batch mode": lambda w, n: _pipeline(w, n, True),
-        "WorkerPool.map": lambda w, n: _pool_map(w, n, 1),
-        "WorkerPool.map, automatic chunks": lambda w, n: _pool_map(w, n, None),
-        "WorkerPool.map, chunks of 64": lambda w, n: _pool_map(w, n, 64),
-    }
-    if have_torch:
-        systems["mpexec.torch.DataLoader"] = lambda w, n: _loader(w, n, True)
-        systems["torch DataLoader"] = lambda w, n: _loader(w, n, False)
-    return systems
+def _dali(workers: int, n: int, sample: Sleepy) -> Epoch:
+    from nvidia import dali
+    from nvidia.dali import fn as dfn
+
+    pipe = dali.Pipeline(
+        batch_size=BATCH,
+        device_id=None,
+        seed=1,
+        num_threads=1,
+        py_num_workers=workers,
+        py_start_method="fork",
+    )
+    with pipe:
+        pipe.set_outputs(dfn.external_source(source=_Whole(n, sample), batch=False, parallel=True))
+    pipe.build()
+    fresh = [True]
+
+    def epoch() -> int:
+        if not fresh[0]:
+            pipe.reset()
+        fresh[0] = False
+        got = 0
+        while True:
+            try:
+                (out,) = pipe.run()
+            except StopIteration:
+                return got
+            got += len(out)
+
+    def close() -> None:
+        nonlocal pipe
+        del pipe
+
+    return epoch, close
+
+
+#: key -> (name in the tables, what it needs, maker)
+SYSTEMS: dict[str, tuple[str, str | None, Maker]] = {
+    "pipeline": (
+        "mpexec pipeline, per sample",
+        None,
+        lambda w, n, s: _pipeline(w, n, s, False),
+    ),
+    "pipeline_batch": (
+        "mpexec pipeline, batch mode",
+        None,
+        lambda w, n, s: _pipeline(w, n, s, True),
+    ),
+    "map": ("WorkerPool.map, one call a sample", None, lambda w, n, s: _pool_map(w, n, s, 1)),
+    "map_auto": (
+        "WorkerPool.map, automatic chunks",
+        None,
+        lambda w, n, s: _pool_map(w, n, s, None),
+    ),
+    "map64": ("WorkerPool.map, chunks of 64", None, lambda w, n, s: _pool_map(w, n, s, 64)),
+    "mpexec_torch": (
+        "mpexec.torch.DataLoader",
+        "torch",
+        lambda w, n, s: _loader(w, n, s, True),
+    ),
+    "torch": ("torch DataLoader", "torch", lambda w, n, s: _loader(w, n, s, False)),
+    "dali_parallel": ("DALI parallel external_source", "nvidia.dali", _dali),
+}
+#: Run by default: one call a sample is left out (100 µs a sample, known: docs/scaling.md).
+DEFAULT_SYSTEMS = tuple(k for k in SYSTEMS if k != "map")
+
+
+def _installed(module: str | None) -> bool:
+    if module is None:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _calibrate(sample: Sleepy, count: int = 200) -> float:
+    """Seconds one sample takes here (its sleep and making it), median of ``count``."""
+    took = []
+    for i in range(count):
+        t0 = time.perf_counter()
+        sample(i)
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took)
 
 
 def _measure(epoch: Callable[[], int]) -> tuple[float, float]:
@@ -160,64 +276,87 @@ def _measure(epoch: Callable[[], int]) -> tuple[float, float]:
     return n / wall, 1e6 * cpu / n
 
 
-def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
-    have_torch = importlib.util.find_spec("torch") is not None
-    workers_list = (2, 8) if quick else (2, 4, 8, 16)
+def run(
+    quick: bool = False,
+    out_dir: Path = RESULTS,
+    systems: Sequence[str] | None = None,
+    workers: Sequence[int] | None = None,
+    sleeps: Sequence[float] | None = None,
+    kinds: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    keys = [k for k in (systems or DEFAULT_SYSTEMS) if _installed(SYSTEMS[k][1])]
+    skipped = [k for k in (systems or DEFAULT_SYSTEMS) if k not in keys]
+    workers_list = tuple(workers or ((2, 16) if quick else WORKERS))
+    sleep_list = tuple(sleeps or ((SLEEPS[0],) if quick else SLEEPS))
+    kind_list = tuple(kinds or (("light",) if quick else ("light", "heavy")))
     rounds = 2 if quick else 3
-    kinds = ("light",) if quick else ("light", "heavy")
-    systems = _systems(have_torch)
+    epoch_s = 0.25 if quick else EPOCH_S
     warnings.filterwarnings("ignore", message=".*worker processes in total")  # on purpose
     res: dict[str, Any] = {}
     load0 = os.getloadavg()
-    for kind in kinds:
-        os.environ["MPEXEC_MAINLOAD_KIND"] = kind  # workers inherit it
-        for workers in workers_list:
-            ideal = workers / SLEEP_S
-            n = BATCH * max(4, int(ideal * (0.5 if quick else 1.5)) // BATCH)
-            if kind == "heavy":  # 588 KiB a sample: an epoch of 12 batches is plenty
-                n = min(n, 12 * BATCH)
-            started = {}
-            for name, make in systems.items():
-                epoch, close = make(workers, n)
-                epoch()  # warm-up: workers started, shapes learned
-                started[name] = (epoch, close)
-            got: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
-            for r in range(rounds):
-                names = list(systems)
-                for name in names[r % len(names) :] + names[: r % len(names)]:
-                    got[name].append(_measure(started[name][0]))
-            for _, close in started.values():
-                close()
-            for name, samples in got.items():
-                rates = [s[0] for s in samples]
-                cpus = [s[1] for s in samples]
-                res.setdefault(kind, {}).setdefault(name, {})[str(workers)] = {
-                    "samples_per_s": statistics.median(rates),
-                    "rate_min": min(rates),
-                    "rate_max": max(rates),
-                    "ideal_per_s": ideal,
-                    "main_cpu_us": statistics.median(cpus),
-                    "main_cpu_us_min": min(cpus),
-                    "main_cpu_us_max": max(cpus),
-                }
-            log(f"[mainload] {kind}, {workers} workers: done")
-    rows = []
-    for kind, by_system in res.items():
-        for name, by_w in by_system.items():
-            for w, f in by_w.items():
-                rows.append(
-                    [
-                        kind,
-                        name,
-                        w,
-                        f"{f['samples_per_s']:,.0f} / {f['ideal_per_s']:,.0f}",
-                        (
-                            f"{f['main_cpu_us']:.1f} ({f['main_cpu_us_min']:.1f}-"
-                            f"{f['main_cpu_us_max']:.1f})"
-                        ),
-                        f"{1e6 / f['main_cpu_us']:,.0f}",
-                    ]
+    t_start = time.perf_counter()
+    for kind in kind_list:
+        for sleep in sleep_list:
+            sample = Sleepy(sleep, kind)
+            took = _calibrate(sample)
+            for w in workers_list:
+                ideal = w / took
+                batches = max(8, min(MAX_BATCHES[kind], round(ideal * epoch_s / BATCH)))
+                n = BATCH * batches
+                got: dict[str, list[tuple[float, float]]] = {k: [] for k in keys}
+                loads = []
+                for r in range(rounds):
+                    for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+                        epoch, close = SYSTEMS[key][2](w, n, sample)
+                        try:
+                            epoch()  # warm-up: workers started, shapes and timings learned
+                            got[key].append(_measure(epoch))
+                        finally:
+                            close()
+                    loads.append(os.getloadavg()[0])
+                for key, runs in got.items():
+                    rates = [x[0] for x in runs]
+                    cpus = [x[1] for x in runs]
+                    res.setdefault(kind, {}).setdefault(f"{sleep * 1e3:g} ms", {}).setdefault(
+                        key, {}
+                    )[str(w)] = {
+                        "samples_per_s": statistics.median(rates),
+                        "rate_min": min(rates),
+                        "rate_max": max(rates),
+                        "ideal_per_s": ideal,
+                        "of_ideal": statistics.median(rates) / ideal,
+                        "main_cpu_us": statistics.median(cpus),
+                        "main_cpu_us_min": min(cpus),
+                        "main_cpu_us_max": max(cpus),
+                        "epoch_samples": n,
+                        "sample_s": took,
+                        "loadavg": loads,
+                    }
+                log(
+                    f"[mainload] {kind}, {sleep * 1e3:g} ms, {w} workers: done "
+                    f"(load {os.getloadavg()[0]:.1f})"
                 )
+    rows = []
+    for kind, by_sleep in res.items():
+        for sleep_name, by_system in by_sleep.items():
+            for key, by_w in by_system.items():
+                for w, f in by_w.items():
+                    rows.append(
+                        [
+                            kind,
+                            sleep_name,
+                            SYSTEMS[key][0],
+                            w,
+                            f"{f['samples_per_s']:,.0f} / {f['ideal_per_s']:,.0f}",
+                            f"{f['of_ideal']:.2f}",
+                            (
+                                f"{f['main_cpu_us']:.1f} ({f['main_cpu_us_min']:.1f}-"
+                                f"{f['main_cpu_us_max']:.1f})"
+                            ),
+                            f"{1e6 / f['main_cpu_us']:,.0f}",
+                            f"{min(f['loadavg']):.1f}-{max(f['loadavg']):.1f}",
+                        ]
+                    )
     commit, dirty = git_state("mpexec", "shm", "benchmarks")
     result = {
         "benchmark": "mainload",
@@ -228,24 +367,88 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "loadavg_start": list(load0),
         "loadavg_end": list(os.getloadavg()),
-        "sleep_s": SLEEP_S,
+        "sleeps_s": list(sleep_list),
+        "skipped": skipped,
+        "duration_s": round(time.perf_counter() - t_start),
         "results": res,
+        "errors": [],
     }
     text = (
-        f"Workers sleep {SLEEP_S * 1e3:.0f} ms a sample (ideal rate: workers / "
-        f"{SLEEP_S * 1e3:.0f} ms); load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}.\n"
+        f"Workers sleep w a sample; ideal: workers / w', w' what a sample took in this "
+        f"process; load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}"
+        f"{'; not installed: ' + ', '.join(skipped) if skipped else ''}.\n"
         "main CPU: µs of the main process's CPU time (all its threads) a sample, median "
         "(min-max) of the rounds; saturates at: 1 / main CPU, the samples/s at which the "
-        "main process fills one core.\n\n"
+        "main process fills one core; load: the 1-minute load average after each round.\n\n"
         + table(
-            ["samples", "system", "workers", "samples/s / ideal", "main CPU µs", "saturates at /s"],
+            [
+                "samples",
+                "w",
+                "system",
+                "workers",
+                "samples/s / ideal",
+                "of ideal",
+                "main CPU µs",
+                "saturates at /s",
+                "load",
+            ],
             rows,
-            right={2, 3, 4, 5},
+            right={3, 4, 5, 6, 7, 8},
         )
+        + f"\n\ntook {result['duration_s']} s\n"
     )
     write("mainload", result, text, out_dir, "main-process CPU per sample")
+    print(text)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli("mainload_bench", run, argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mainload_bench")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    run(args.quick, args.out, **options(args))
+    return 0
+
+
+def add_arguments(parser: Any) -> None:
+    """The mainload benchmark's own options (``python -m benchmarks`` has them too)."""
+    parser.add_argument(
+        "--mainload-systems",
+        default=None,
+        help=f"mainload only: a comma-separated subset of {','.join(SYSTEMS)}",
+    )
+    parser.add_argument(
+        "--workers",
+        default=None,
+        help="mainload only: comma-separated worker counts (default 2,16,64,128)",
+    )
+    parser.add_argument(
+        "--sleeps-ms",
+        default=None,
+        help="mainload only: comma-separated sleeps a sample, in ms (default 2,0.5)",
+    )
+    parser.add_argument(
+        "--kinds", default=None, help="mainload only: light, heavy or both (default both)"
+    )
+
+
+def options(args: Any) -> dict[str, Any]:
+    """``run``'s keyword arguments from parsed options (``--systems`` checked here)."""
+    out: dict[str, Any] = {}
+    systems = args.mainload_systems.split(",") if args.mainload_systems else None
+    if systems:
+        unknown = [s for s in systems if s not in SYSTEMS]
+        if unknown:
+            raise SystemExit(f"mainload: unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+        out["systems"] = systems
+    if args.workers:
+        out["workers"] = [int(x) for x in args.workers.split(",")]
+    if args.sleeps_ms:
+        out["sleeps"] = [float(x) / 1e3 for x in args.sleeps_ms.split(",")]
+    if args.kinds:
+        out["kinds"] = args.kinds.split(",")
+    return out

@@ -157,10 +157,11 @@ class Pipeline:
       given, else ``num_threads`` capped at the CPUs this process may use,
       else those CPUs); ``0`` runs every call here, in order, for a debugger.
     - ``seed``: makes every op's randomness reproducible; None or -1 picks one.
-    - ``prefetch_depth``: iterations in flight at once (default:
-      ``prefetch_queue_depth``, 1 with ``exec_pipelined=False``, else 2); per
-      worker where a stateless batch op runs in the workers, whose calls each
-      take a whole batch to one worker (docs/pipeline.md).
+    - ``prefetch_depth``: units of work in flight per worker (default:
+      ``prefetch_queue_depth``, 1 with ``exec_pipelined=False``, else 2):
+      that many iterations at first, then enough for every worker to hold
+      that many chunks or batch calls (whole batches once samples prove
+      quick), within a memory budget (docs/pipeline.md, "Many workers").
     - ``start_method``: the workers' (default: ``py_start_method`` if given).
     - ``output_dtype``/``output_ndim``: checked on every output, as DALI does.
     - no effect here: ``exec_async``, ``bytes_per_sample``, ``set_affinity``,

@@ -5,8 +5,9 @@
     Pipeline              Scheduler (main process)                  UnitExecutor
     --------              ------------------------                  ------------
     build()  --------->   plan: ops -> _OpState, chains fused
-    run() / iteration ->  window: up to prefetch_depth _Iterations
-                            (x workers, with a stateless batch op)
+    run() / iteration ->  window: _Iterations in flight, enough for
+                            prefetch_depth units per worker (within
+                            a memory budget)
                             launch: sources that run here
                             (iterables, batch callables,
                             feed_input) -> executor.share()
@@ -16,7 +17,8 @@
                             (another executor's column it   -->  handoff(column): a
                             cannot read: handed off first)        Future (a GPU thread's
                                                                   D2H copy)
-                            chunking: k chunks of the batch
+                            chunking: k chunks of the batch (whole
+                            batches once quick samples are known)
                             one WorkUnit per chunk  ----------->  submit_unit(unit)
                                                                     its runner on its rows:
                                                                     in a worker (WorkerPool,
@@ -46,9 +48,17 @@ worker's arena, and handing it to the next op sends its descriptor on.
 Randomness depends only on (seed, op, epoch, iteration, sample), so results do
 not depend on the executor, chunking, prefetch or timing. Stateful ops run in
 iteration order on one worker: each has a turn counter, and an iteration's call
-waits for its turn. A stateless batch op's call holds one worker for a whole
-batch, so a pipeline with one keeps prefetch_depth batches in flight per
-worker, as a per-sample op's chunks give each worker prefetch_depth calls.
+waits for its turn.
+
+Scaling to many workers: a chunk costs the main process about the same CPU
+whatever it carries, so a batch cut into a chunk per worker would cost it more a
+sample the more workers there are. Once an op's calls have shown how long a
+sample takes, its chunks carry up to _AMORTISE_SAMPLES samples (a whole batch of
+up to that many; fewer where that would take over _CHUNK_SECONDS), and the
+window holds enough iterations for every worker to have prefetch_depth units of
+work (a stateless batch op's call is one unit: a whole batch), as many as
+_WINDOW_BYTES of their outputs allow; where it allows fewer, batches are cut
+smaller again. Results come back a chunk, so a batch, at a time.
 """
 
 from __future__ import annotations
@@ -82,8 +92,14 @@ from ._runtime import (
 )
 from ._tracebacks import reraise
 
-_CHUNK_SECONDS = 0.05  # what a chunk of a slow op should take (see _chunk_count)
-_MAX_CHUNKS_PER_WORKER = 4
+# How an op's batch is cut into chunks, and how many iterations are in flight
+# (see _chunk_count and the window property). A chunk costs the main process ~100-200 µs
+# of CPU however many samples it carries (its encoding, ring push, result and
+# assembly): carrying _AMORTISE_SAMPLES keeps that to a few µs a sample.
+_AMORTISE_SAMPLES = 64
+_CHUNK_SECONDS = 0.25  # longer than this, a chunk is cut smaller (first batch, epoch's tail)
+_MAX_CHUNKS_PER_WORKER = 4  # chunks of one op's batch, per worker, at most
+_WINDOW_BYTES = 1 << 30  # what the iterations in flight may hold (their outputs)
 _WAIT_SECONDS = 1.0  # how often a waiting run() looks whether the pipeline closed
 
 
@@ -182,6 +198,7 @@ class _Iteration:
         self.host: dict[tuple[int, int], Future[list[Any]]] = {}
         self.sources_left = 0
         self.ops_left = 0
+        self.nbytes = 0  # its outputs computed by the pipeline's workers so far
         self.error: BaseException | None = None
         self.dropped = False
         self.result: tuple[Batch, ...] | None = None
@@ -219,6 +236,8 @@ class Scheduler:
         self._plan = plan
         self._lock = threading.RLock()
         self._window: collections.deque[_Iteration] = collections.deque()
+        # The iterations of the window not computing yet, in order (_sources_in).
+        self._waiting: collections.deque[_Iteration] = collections.deque()
         self._epoch = 0
         self._next_index = 0
         self._next_seq = 0
@@ -255,17 +274,50 @@ class Scheduler:
             for op in plan.ops
         ]
         self._chain(plan)
-        # Iterations in flight: prefetch_depth gives each worker that many chunks of
-        # per-sample ops (an op is cut into a chunk per worker, or more). A batch op's
-        # call takes a whole batch to one worker: with it, prefetch_depth batches per
-        # worker, or the workers would idle (and wait a round trip between batches).
-        self.window = prefetch_depth
-        if any(_batch_in_workers(s, executor) for s in self.ops):
-            self.window = prefetch_depth * max(1, executor.workers)
+        # What sizes the window (iterations in flight, see the window property):
+        # per op run by the pipeline's workers (stateless), the chunks its last
+        # batch was cut into -- a batch op's call is one, known now -- and the
+        # bytes one iteration's outputs hold (learned from the first one).
+        self._units = {s.pos: 1 for s in self.ops if _batch_in_workers(s, executor)}
+        self._batch_op = bool(self._units)  # a batch op's call takes a whole batch
+        # GPU ops' outputs in flight are device memory, which the budget does not
+        # see: there the window stays prefetch_depth (but for a batch op's).
+        self._other_executor = any(s.executor is not executor for s in self.ops)
+        self._iteration_bytes = 0
 
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def window(self) -> int:
+        """Iterations in flight at most: ``prefetch_depth`` units of work per worker.
+
+        An iteration gives the workers as many units as its ops' batches are
+        cut into (:meth:`_chunk_count`): one, for a batch op or a per-sample
+        op whose chunks are whole batches. So the window is ``prefetch_depth
+        x workers / units`` iterations, at least ``prefetch_depth`` and within
+        what ``_WINDOW_BYTES`` holds of them (:meth:`_window_cap`). Until the
+        first iterations have said how their ops are cut, it is ``prefetch_depth``.
+        """
+        depth, workers = self.prefetch_depth, self._workers
+        units = min(self._units.values(), default=0)
+        if workers <= 1 or not units:
+            return depth
+        return max(depth, min(-(-depth * workers // units), self._window_cap()))
+
+    def _window_cap(self) -> int:
+        """Iterations in flight that ``_WINDOW_BYTES`` holds.
+
+        Until an iteration's size is known, and in a pipeline with GPU ops:
+        ``prefetch_depth``, or ``prefetch_depth`` batches per worker where a
+        stateless batch op runs in the workers (its call is a whole batch).
+        """
+        depth, workers = self.prefetch_depth, self._workers
+        if not self._iteration_bytes or self._other_executor:
+            return depth * workers if self._batch_op else depth
+        floor = max(depth, workers) if self._batch_op else depth  # fewer: workers idle
+        return max(floor, _WINDOW_BYTES // self._iteration_bytes)
 
     def _chain(self, plan: Plan) -> None:
         """Run per-sample ops that only feed the next one inside its call."""
@@ -388,6 +440,7 @@ class Scheduler:
     def _restart(self, epoch: int, index: int) -> None:
         while self._window:
             self._drop(self._window.popleft())
+        self._waiting.clear()
         self._epoch = epoch
         self._next_index = self._delivered = index
         self._ending = False
@@ -453,6 +506,7 @@ class Scheduler:
             self._closed = True
             while self._window:
                 self._drop(self._window.popleft())
+            self._waiting.clear()
 
     def op_stats(self) -> tuple[OpStats, ...]:
         with self._lock:
@@ -471,6 +525,7 @@ class Scheduler:
         it = _Iteration(self._epoch, self._next_index, self.batch_size, len(self.ops))
         self._next_index += 1
         self._window.append(it)
+        self._waiting.append(it)
         sources = [s for s in self.ops if s.source and not s.absorbed]
         it.sources_left = len(sources)
         here = [s for s in sources if s.runner is None]
@@ -569,11 +624,17 @@ class Scheduler:
     def _sources_in(self, it: _Iteration) -> None:
         """Every source of ``it`` has delivered: let iterations compute, in order."""
         del it
-        for it in list(self._window):
+        # Only the iterations not computing yet are looked at (a window of hundreds
+        # of iterations in flight must not cost a pass over it per iteration).
+        waiting = self._waiting
+        while waiting:
+            it = waiting[0]
             if it.computing or it.dropped:
+                waiting.popleft()
                 continue
             if it.sources_left > 0 and it.error is None:
                 return  # later iterations wait for this one: order of epoch ends
+            waiting.popleft()
             if it.error is not None:
                 continue
             size = it.size if it.stop is None else min(it.size, it.stop)
@@ -726,6 +787,8 @@ class Scheduler:
             k = self._chunk_count(s, size)
             edges = [size * j // k for j in range(k + 1)]
             bounds = [(edges[j], edges[j + 1]) for j in range(k)]
+            if s.executor is self.executor and s.worker is None:
+                self._units[s.pos] = k  # sizes the window
         it.parts[s.pos] = [None] * len(bounds)
         it.bounds[s.pos] = bounds
         blocks = self._blocks(s, size)
@@ -797,22 +860,30 @@ class Scheduler:
         return [None if b is None else empty((size, *b[0]), b[1]) for b in s.blocks]
 
     def _chunk_count(self, s: _OpState, size: int) -> int:
-        """One chunk per worker, or a few each where samples are slow.
+        """How many chunks op ``s``'s batch of ``size`` samples is cut into.
 
-        The workers finish an iteration together only if its chunks take them
-        equally long; a worker slowed down (by the consumer, by other load)
-        leaves the others idle at the end of each epoch, for up to a chunk.
-        Smaller chunks shorten that tail, and cost a round trip each (under a
-        millisecond), so an op is cut into chunks of about ``_CHUNK_SECONDS``,
-        judged by what its calls took so far.
+        Until its calls' time is known, one per worker. Then each chunk carries
+        ``_AMORTISE_SAMPLES`` (a whole batch of up to that many), so that its
+        dispatch costs the main process a few µs a sample however many workers
+        there are: the window (:attr:`window`) then keeps more iterations in
+        flight to give every worker its share. Where that many samples would
+        take longer than ``_CHUNK_SECONDS``, chunks carry fewer (a long chunk
+        delays the first batch and idles the other workers at an epoch's end);
+        and where the memory budget caps the window, the batch is cut into
+        enough chunks for every worker still to hold ``prefetch_depth`` of them.
+        At most ``_MAX_CHUNKS_PER_WORKER`` per worker.
         """
         workers = self._workers
         samples = s.members[-1].samples
         if not samples:
             return max(1, min(size, workers))
         per_sample = sum(m.function_s for m in s.members) / samples
-        per_worker = round(size * per_sample / workers / _CHUNK_SECONDS)
-        return max(1, min(size, workers * max(1, min(_MAX_CHUNKS_PER_WORKER, per_worker))))
+        carry = _AMORTISE_SAMPLES
+        if per_sample > 0:
+            carry = max(1, min(carry, int(_CHUNK_SECONDS / per_sample)))
+        # (Rounded: a chunk a little longer than _CHUNK_SECONDS beats twice the chunks.)
+        chunks = max(round(size / carry), -(-self.prefetch_depth * workers // self._window_cap()))
+        return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))
 
     def _on_chunk(
         self, it: _Iteration, s: _OpState, ci: int, t0: float, future: Future[Any]
@@ -862,9 +933,12 @@ class Scheduler:
         bounds = it.bounds.pop(s.pos)
         blocks = it.blocks.pop(s.pos)
         columns = self._assemble(s, parts, bounds, blocks)  # type: ignore[arg-type]
-        if len(s.members) == 1:
-            for col in columns:
-                s.bytes_out += _nbytes(col)
+        if len(s.members) == 1 or s.executor is self.executor:
+            nbytes = sum(_nbytes(col) for col in columns)
+            if len(s.members) == 1:
+                s.bytes_out += nbytes
+            if s.executor is self.executor:
+                it.nbytes += nbytes
         it.values[s.pos] = columns
         if s.source:
             stops = [p.stop for p in parts if p is not None and p.stop is not None]
@@ -957,6 +1031,7 @@ class Scheduler:
             else:
                 out.append(p.batch(vals[n.index], layout, n.op.name))
         it.result = tuple(out)
+        self._iteration_bytes = max(self._iteration_bytes, it.nbytes)  # sizes the window
         it.values = []
         it.host = {}
         it.done.set()

@@ -165,10 +165,13 @@ def test_another_executor_gives_bit_identical_outputs() -> None:
     checked: UnitExecutor = executor  # it satisfies the protocol (mypy checks this line)
     got = _scheduler_run(checked, prefetch_depth=2)
     assert got == reference
-    # The chain src -> noise -> double is one unit per chunk, cut in two per batch.
+    # The chain src -> noise -> double is one unit per chunk: cut in two (a chunk per
+    # worker) until its time is known, then whole batches (quick samples).
     chained = [u for u in executor.units if u.ops == ("src", "noise", "double")]
     assert chained
-    assert {u.chunk.count for u in chained if u.chunk.iteration == 0} == {BATCH // 2}
+    first = {u.chunk.count for u in chained if (u.chunk.epoch, u.chunk.iteration) == (0, 0)}
+    assert first == {BATCH // 2}
+    assert {u.chunk.count for u in chained if u.chunk.epoch == 1} <= {BATCH, EPOCH % BATCH}
     assert all(u.worker is None for u in chained)
     counted = [u for u in executor.units if u.ops == ("count",)]
     assert counted
@@ -250,3 +253,110 @@ def test_another_executor_with_blocks_gives_bit_identical_outputs() -> None:
     assert got == reference
     # After the first batch taught the shapes, units were given rows to fill.
     assert any(u.out and u.out[0] is not None for u in executor.units)
+
+
+class _ManyWorkers:
+    """An executor that says it has ``workers`` workers (its units run on 2 threads)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.units: list[WorkUnit] = []
+        self._threads = ThreadPoolExecutor(2)
+
+    def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
+        self.units.append(unit)
+        return self._threads.submit(unit.run)
+
+    def share(self, array: Any) -> Any:
+        copy = np.array(array, copy=True)
+        copy.flags.writeable = False
+        return copy
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._threads.shutdown(wait, cancel_futures=cancel_futures)
+
+
+def _per_sample_graph(nbytes: int) -> Callable[[], Any]:
+    def graph() -> Any:
+        src = fn.external_source(source=_Indices(), batch=False, name="src")
+        return fn.python_function(src, function=_Filler(nbytes), name="fill")
+
+    return graph
+
+
+class _Indices:
+    def __call__(self, info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+        if info.idx_in_epoch >= 40 * 16:
+            raise StopIteration
+        return np.array([info.idx_in_epoch])
+
+
+class _Filler:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return np.full(self.nbytes, x[0] % 251, np.uint8)
+
+
+def _scheduler_over(executor: Any, graph: Callable[[], Any], batch: int) -> Scheduler:
+    pipe = mpexec.Pipeline(batch_size=batch, num_workers=0, seed=SEED)
+    pipe.define(graph)
+    assert pipe._graph is not None
+    return Scheduler(
+        pipe._graph.plan(),
+        executor,
+        batch_size=batch,
+        prefetch_depth=2,
+        seed=SEED,
+        last_batch="partial",
+        debug=False,
+    )
+
+
+def test_chunks_carry_whole_batches_and_the_window_follows_the_workers() -> None:
+    """Many workers, quick samples: one dispatch a batch, not one per worker (issue 37).
+
+    Cut into a chunk per worker, a batch of 16 over 16 workers is 16 dispatches
+    of one sample each: the main process's CPU a sample grows with the workers.
+    Once the first calls say how long a sample takes, a chunk carries the whole
+    batch, and the window keeps prefetch_depth batches in flight per worker.
+    """
+    executor = _ManyWorkers(16)
+    scheduler = _scheduler_over(executor, _per_sample_graph(16), batch=16)
+    try:
+        assert scheduler.window == 2  # nothing learned yet
+        got = [scheduler.next_result() for _ in range(20)]
+        assert scheduler.window == 2 * 16
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    first = [u for u in executor.units if u.chunk.iteration == 0]
+    assert len(first) == 16  # the first batch: a chunk per worker, to learn the timing
+    later = [u for u in executor.units if u.chunk.iteration >= 4]
+    assert later
+    assert all(u.chunk.count == 16 for u in later)
+    # The same samples, however they were cut.
+    values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
+    assert values.tolist() == [i % 251 for i in range(20 * 16)]
+
+
+def test_the_window_stays_within_its_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large iterations: fewer in flight, each cut into more chunks to keep workers busy."""
+    from mpexec import _scheduler
+
+    batch, nbytes = 16, 4096
+    monkeypatch.setattr(_scheduler, "_WINDOW_BYTES", 4 * batch * nbytes)  # 4 iterations
+    executor = _ManyWorkers(16)
+    scheduler = _scheduler_over(executor, _per_sample_graph(nbytes), batch=batch)
+    try:
+        for _ in range(20):
+            scheduler.next_result()
+        assert scheduler.window == 4
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    later = [u for u in executor.units if u.chunk.iteration >= 4]
+    # 2 (prefetch_depth) x 16 workers over 4 iterations: 8 chunks a batch.
+    assert later
+    assert all(u.chunk.count == batch // 8 for u in later)
