@@ -17,6 +17,7 @@ import sys
 SUITES: dict[str, str] = {
     "torch": "benchmarks.compat.torch_suite",
     "dali": "benchmarks.compat.dali_suite",
+    "torchdata": "benchmarks.compat.torchdata_suite",
 }
 
 

@@ -215,6 +215,80 @@ def test_pool_in_a_users_spawned_child_needs_the_guard(tmp_path: Path) -> None:
     assert "bootstrapping phase" not in proc.stderr, proc.stderr
 
 
+# A process started by the user with spawn (torch.multiprocessing.spawn, Lightning's
+# ddp_spawn) runs the parent's script as multiprocessing's ``__mp_main__``: what
+# that script defines must still reach mpexec's workers by value.
+SPAWNED_MAIN = """\
+import multiprocessing as mp
+import os
+import sys
+
+import mpexec
+
+
+class Squares:
+    def __init__(self, offset):
+        self.offset = offset
+
+    def __call__(self, x):
+        return x * x + self.offset
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+
+def unbox(box):
+    return box.v
+
+
+def init(tag):
+    os.environ["SPAWNED_MAIN_TAG"] = tag
+
+
+def tag():
+    return os.environ["SPAWNED_MAIN_TAG"]
+
+
+def child(method, q):
+    try:
+        with mpexec.WorkerPool(
+            2, start_method=method, worker_init=init, worker_init_args=("t",)
+        ) as pool:
+            q.put([
+                pool.submit(Squares(1), 3).result(timeout=60),
+                pool.submit(unbox, Box(7)).result(timeout=60),
+                type(pool.submit(Box, 2).result(timeout=60)).__name__,
+                pool.submit(tag).result(timeout=60),
+            ])
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+if __name__ == "__main__":
+    method = None if sys.argv[1] == "default" else sys.argv[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(method, q))
+    p.start()
+    print("GOT", q.get(timeout=100), flush=True)
+    p.join(60)
+    print("CHILD EXIT", p.exitcode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["default", *START_METHODS])
+def test_main_script_objects_reach_workers_from_a_spawned_child(
+    method: str, tmp_path: Path
+) -> None:
+    (tmp_path / "ddp_like.py").write_text(SPAWNED_MAIN)
+    proc = _run(["ddp_like.py", method], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "GOT [10, 7, 'Box', 't']" in proc.stdout, proc.stdout + proc.stderr
+    assert "CHILD EXIT 0" in proc.stdout, proc.stdout + proc.stderr
+
+
 # ---------------------------------------------------------------- start-up failures
 # A directory that shadows numpy, on the workers' sys.path only: the pool's
 # process imported the real numpy first. (A fork server started here finds it
