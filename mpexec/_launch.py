@@ -52,6 +52,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from multiprocessing import (
     forkserver,
@@ -334,6 +335,35 @@ class _ForkServerPopen(popen_forkserver.Popen):
     """The standard forkserver Popen, talking to mpexec's fork server."""
 
     _fds: list[int]
+
+    def __init__(self, process_obj: Any) -> None:
+        self._reading = threading.Lock()  # before the base class launches
+        super().__init__(process_obj)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        """The exit code once the server has sent it: read once, whoever asks.
+
+        multiprocessing's reads it unlocked: a second thread polling at the same
+        moment (the pool's stop thread, a user's ``join()`` or ``exitcode``) read
+        EOF, or a sentinel the first had closed, and replaced the code with 255.
+        Waiting for the sentinel stays outside the lock (a blocking ``join()``
+        must not hold up another thread's ``is_alive()``).
+        """
+        if self.returncode is None:
+            try:
+                ready = mp_connection.wait([self.sentinel], 0 if flag == os.WNOHANG else None)
+            except (OSError, ValueError):  # closed by a thread that read the code
+                ready = True
+            if not ready:
+                return None
+            with self._reading:
+                if self.returncode is None:
+                    try:
+                        self.returncode = forkserver.read_signed(self.sentinel)
+                    except (OSError, EOFError):
+                        # The server itself died without a word (multiprocessing's 255).
+                        self.returncode = 255
+        return self.returncode  # type: ignore[no-any-return]
 
     def _launch(self, process_obj: Any) -> None:
         # As multiprocessing.popen_forkserver.Popen._launch (3.10 - 3.13), but

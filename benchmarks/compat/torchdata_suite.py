@@ -181,8 +181,8 @@ def _run(
         "mpexec_compat_plugin",
         "-c",
         str(workdir / "pytest.ini"),
-        "--rootdir",
-        str(workdir),
+        "--rootdir",  # the tests' folder: node ids then name their file
+        str(files[0].parent),
         *map(str, files),
         *(["-k", args.k] if args.k else []),
     ]

@@ -11,9 +11,12 @@ traceback.
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -413,3 +416,37 @@ def test_start_up_pipes_are_closed_once_workers_are_up(method: str) -> None:
         assert len(reports) == 3
         assert all(r is not None and not r._close.alive for r in reports)
         assert pool.submit(int, "4").result(60) == 4
+
+
+def test_threads_polling_a_fork_server_child_all_read_its_exit_code() -> None:
+    """multiprocessing's forkserver ``poll()`` reads the exit code from the server's pipe
+    unlocked: a second thread reading at the same moment (the pool's stop thread and a
+    user's ``join()`` or ``exitcode``, as torch's suite does on a dropped loader's
+    workers) read EOF and overwrote the code with 255. Threads polling the child when
+    it exits make that race near-certain (19 runs of 20 before the fix)."""
+    from mpexec import _launch
+
+    ctx = mp.get_context("forkserver")
+    for _ in range(5):
+        go = ctx.Event()
+        proc = _launch.context("forkserver").Process(target=go.wait, args=(60,))
+        proc.start()
+        popen = proc._popen
+        deadline = time.monotonic() + 60
+        codes: list[int | None] = []
+
+        def poll(popen: Any = popen, deadline: float = deadline, codes: list[Any] = codes) -> None:
+            while popen.poll() is None and time.monotonic() < deadline:
+                pass
+            codes.append(popen.returncode)
+
+        threads = [threading.Thread(target=poll) for _ in range(4)]
+        for t in threads:
+            t.start()
+        go.set()
+        for t in threads:
+            t.join(90)
+        proc.join(30)
+        assert codes == [0] * 4, codes
+        assert proc.exitcode == 0
+        proc.close()
