@@ -351,7 +351,7 @@ class _ForkServerPopen(popen_forkserver.Popen):
         """
         if self.returncode is None:
             try:
-                ready = mp_connection.wait([self.sentinel], 0 if flag == os.WNOHANG else None)
+                ready = bool(mp_connection.wait([self.sentinel], 0 if flag == os.WNOHANG else None))
             except (OSError, ValueError):  # closed by a thread that read the code
                 ready = True
             if not ready:
@@ -363,7 +363,7 @@ class _ForkServerPopen(popen_forkserver.Popen):
                     except (OSError, EOFError):
                         # The server itself died without a word (multiprocessing's 255).
                         self.returncode = 255
-        return self.returncode  # type: ignore[no-any-return]
+        return self.returncode
 
     def _launch(self, process_obj: Any) -> None:
         # As multiprocessing.popen_forkserver.Popen._launch (3.10 - 3.13), but
