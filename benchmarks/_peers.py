@@ -462,7 +462,8 @@ class MpexecTorchLoader(TorchLoader):
     def start(self) -> None:
         import torch
 
-        from mpexec.torch import DataLoader, _start_method
+        from mpexec.torch import DataLoader
+        from mpexec.torch._processes import start_method
 
         self.version = torch.__version__
         self.loader = DataLoader(
@@ -473,7 +474,7 @@ class MpexecTorchLoader(TorchLoader):
             timeout=CALL_S,
             warm_batches=self.warm_batches,
         )
-        self.start_method = _start_method(self.loader.multiprocessing_context)
+        self.start_method = start_method(self.loader.multiprocessing_context)
 
 
 class MpexecTorchWarmLoader(MpexecTorchLoader):

@@ -109,6 +109,7 @@ LAYERS: dict[str, int] = {
     # 7: adapters, the package's face, test doubles
     "mpexec": 7,
     "mpexec.testing": 7,
+    "mpexec.torch": 7,  # the torch adapter's rooms (mpexec/torch/)
     # 8: the command line
     "mpexec.__main__": 8,
     "mpexec._doctor": 8,

@@ -38,6 +38,7 @@ import mpexec  # noqa: E402
 import shm  # noqa: E402
 from mpexec import _tracebacks  # noqa: E402
 from mpexec import torch as mt  # noqa: E402
+from mpexec.torch import _fetch, _processes, _tensors  # noqa: E402
 from tests.conftest import run_python  # noqa: E402
 from tests.test_tracebacks import _assert_worker_text, _mpexec_frames  # noqa: E402
 
@@ -390,7 +391,7 @@ def test_worker_info_and_init_fn() -> None:
 def checked_collate(batch: list[Any]) -> Any:
     out = default_collate(batch)
     # default_collate, in an mpexec worker, stacks straight into the worker's arena.
-    array = mt._shared_array(out[0])
+    array = _tensors.shared_array(out[0])
     assert array is not None, "the collated tensor is not in the worker's arena"
     assert shm.in_shared_memory(array)
     assert array.ctypes.data == out[0].data_ptr()
@@ -454,7 +455,7 @@ class ArenaSetting(Dataset):  # type: ignore[type-arg]
 def test_workers_give_dropped_batches_pages_back() -> None:
     # Like torch's per-batch segments, not the arena's high-water mark (see shm.Arena).
     got = list(mt.DataLoader(ArenaSetting(), batch_size=2, num_workers=2))
-    assert [b.tolist() for b in got] == [[mt._DISCARD_MIN] * 2] * 2
+    assert [b.tolist() for b in got] == [[_fetch.DISCARD_MIN] * 2] * 2
 
 
 def test_unstackable_samples_fail_as_in_torch() -> None:
@@ -533,7 +534,7 @@ def test_a_dataset_error_shows_the_users_frames_not_the_loaders(
     with pytest.raises(KeyError, match="no sample 5") as info:
         next(it)
     exc = info.value
-    assert _mpexec_frames(exc) == ["torch.py:__next__"]
+    assert _mpexec_frames(exc) == ["_epoch.py:__next__"]
     if nw:
         assert _frames(exc) == [
             "test_a_dataset_error_shows_the_users_frames_not_the_loaders",
@@ -555,7 +556,7 @@ def test_a_persistent_workers_epoch_error_shows_the_users_frames(
     with pytest.raises(KeyError, match="no sample 0") as info:
         iter(loader)  # the kept worker starts its second epoch
     exc = info.value
-    assert _mpexec_frames(exc) == ["torch.py:__iter__"]
+    assert _mpexec_frames(exc) == ["_loader.py:__iter__"]
     assert _frames(exc) == [
         "test_a_persistent_workers_epoch_error_shows_the_users_frames",
         "__iter__",
@@ -637,17 +638,17 @@ def test_default_start_is_torchs_fork_sharing_the_callers_dataset() -> None:
     want = list(TorchLoader(data, batch_size=2, num_workers=2))
     for g, w in zip(got, want, strict=True):
         assert_same(g, w)
-    assert mt._inherited == {}  # nothing kept for workers already forked
+    assert _fetch.inherited == {}  # nothing kept for workers already forked
 
 
 def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     default = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
-    assert mt._start_method(None) == default
-    assert mt._start_method(mp.get_context("spawn")) == "spawn"
+    assert _processes.start_method(None) == default
+    assert _processes.start_method(mp.get_context("spawn")) == "spawn"
     if default == "fork":
         # A forked child cannot use the CUDA context it would inherit.
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-        assert mt._start_method(None) == mpexec._host.default_start_method()
+        assert _processes.start_method(None) == mpexec._host.default_start_method()
 
 
 # ------------------------------------------------------------------ resuming

@@ -27,6 +27,7 @@ from torch.utils.data.datapipes.iter import IterableWrapper  # noqa: E402
 
 import mpexec  # noqa: E402
 from mpexec import torch as mt  # noqa: E402
+from mpexec.torch import _processes, _tensors  # noqa: E402
 from tests.adapters.test_torch import assert_same, check_parity, mapping_of  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
@@ -333,9 +334,9 @@ def test_worker_reaped_by_another_thread_is_not_alive() -> None:
     # the exit code. Here the reaper is this test, storing it 0.3 s late.
     proc = mp.get_context("fork").Process(target=_exit_now)
     proc.start()
-    worker = mt._WorkerProcess(proc)
+    worker = _processes.WorkerProcess(proc)
     _, status = os.waitpid(proc.pid, 0)  # reaped, behind the Process's back
-    popen = worker._popen
+    popen = worker._handle
     late = threading.Timer(0.3, setattr, (popen, "returncode", os.waitstatus_to_exitcode(status)))
     late.start()
     try:
@@ -449,14 +450,14 @@ def test_loader_batches_are_shared_memory_as_torch_knows_it() -> None:
 
 def test_shared_batches_stay_within_a_budget_of_fds(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each shared batch tensor holds an fd, as torch's do; past the budget, plain tensors.
-    monkeypatch.setattr(mt, "_fds_budget", 2)
-    monkeypatch.setattr(mt, "_fds_held", 0)
+    monkeypatch.setattr(_tensors, "_fds_budget", 2)
+    monkeypatch.setattr(_tensors, "_fds_held", 0)
     batches = [x for x, _ in mt.DataLoader(Images(), batch_size=2, num_workers=2)]
     assert [x.is_shared() for x in batches] == [True, True, False, False, False, False]
     assert [int(x[0, 0, 0, 0]) for x in batches] == [0, 2, 4, 6, 8, 10]
     del batches
     gc.collect()
-    assert mt._fds_held == 0
+    assert _tensors.fds_held() == 0
 
 
 def _twice(xs: list[Any]) -> Any:

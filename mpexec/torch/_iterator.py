@@ -1,0 +1,276 @@
+"""An epoch over an mpexec pool: torch's multiprocessing iterator, with mpexec's workers.
+
+Runs in the caller. Batch ``k`` goes to worker ``k mod n`` (skipping
+workers whose iterable dataset ended), as in ``torch.utils.data``; each is a
+call pinned to its worker (``_fetch.fetch``), whose result comes back as
+tensors over the worker's arena (``_tensors.from_wire``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+from torch.utils.data import IterDataPipe, MapDataPipe
+
+from .._errors import BrokenPoolError, LoaderTimeoutError, WorkerCrashedError
+from .._tracebacks import reraise
+from . import _compat, _fetch, _processes, _tensors
+from ._epoch import EpochIter
+from ._fetch import WorkerConfig
+from ._state import Progress, Resume, set_rng_states
+from ._stats import Counters
+
+__all__ = ["WorkersIter"]
+
+
+class WorkersIter(EpochIter):
+    """An epoch (or, with ``persistent_workers``, every epoch) over an mpexec pool."""
+
+    _base_seed: int
+    _shared_seed: int | None
+
+    def __init__(
+        self, loader: Any, progress: Progress, resume: Resume | None, counters: Counters
+    ) -> None:
+        super().__init__(loader)  # torch's: draws the base seed (and a datapipe's shared seed)
+        self._progress = progress
+        self._counters = counters
+        self._counters.running(self)
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = loader.in_order
+        again = resume is not None and not resume.fresh
+        if resume is not None and again:
+            # A persistent epoch after the first: its workers were seeded when
+            # the loader's first epoch began, and the epoch itself drew only
+            # the sampler's (and a datapipe's) seeds, from the states it began with.
+            set_rng_states(loader, resume.rng)
+            self._base_seed = resume.base_seed
+            self._torch_reset(loader)
+        init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+            # torch's: shard the datapipe across the workers, then the user's init.
+            shard = _compat.sharding_worker_init_fn
+            init_fn = functools.partial(shard, init_fn, self._world_size, self._rank)
+        config = WorkerConfig(
+            dataset=self._dataset,
+            kind=self._dataset_kind,
+            auto_collation=self._auto_collation,
+            collate_fn=self._collate_fn,
+            drop_last=self._drop_last,
+            base_seed=self._base_seed,
+            shared_seed=self._shared_seed,
+            num_workers=self._num_workers,
+            worker_init_fn=init_fn,
+            warm_batches=loader.warm_batches,
+        )
+        method = _processes.start_method(loader.multiprocessing_context)
+        self._pool = _processes.start_pool(config, method)
+        # batch position -> (worker, future of the batch, its indices), in the
+        # order sent: one dict for the iterator's life (its finalizer holds it).
+        self._tasks: dict[int, tuple[int, Future[Any], Any]] = {}
+        self._closer = weakref.finalize(self, _processes.close_pool, self._pool, self._tasks, True)
+        # torch's iterator lists its worker processes; code written for it
+        # joins them, or reads their pids and exit codes.
+        self._workers = _processes.processes(self._pool)
+        self._reset(loader, first_iter=True, resume=resume, draw=not again)
+
+    def next_epoch(self, loader: Any, progress: Progress, resume: Resume | None) -> None:
+        """Persistent workers: this iterator runs the loader's next epoch."""
+        self._progress = progress
+        self._reset(loader, resume=resume)
+
+    @property
+    def in_flight(self) -> int:
+        return 0 if self.finished else len(self._tasks)
+
+    def _reset(
+        self,
+        loader: Any,
+        first_iter: bool = False,
+        *,
+        resume: Resume | None = None,
+        draw: bool = True,
+    ) -> None:
+        if draw:
+            super()._reset(loader, first_iter)  # torch's: the sampler, a datapipe's seed
+        self.finished = False
+        self._start_at(resume)
+        self._tasks.clear()
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        # Batch k goes to worker k mod n; a resumed epoch starts where it stopped.
+        start = self._skipped_unfetched % self._num_workers
+        order = [*range(start, self._num_workers), *range(start)]
+        self._worker_cycle = itertools.cycle(order)
+        if not first_iter:
+            # Behind whatever the last epoch left on each worker (calls pinned
+            # to a worker run in order), a fresh fetcher for the new epoch.
+            resumed = [
+                self._pool.submit_call(_fetch.resume_worker, (self._shared_seed,), worker=w)
+                for w in range(self._num_workers)
+            ]
+            for worker, future in enumerate(resumed):
+                self._wait([future], -1, worker)
+                self._outcome(future, -1, worker, None)
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    def _try_put_index(self) -> None:
+        # torch's _MultiProcessingDataLoaderIter._try_put_index, over the pool.
+        max_tasks = self._prefetch_factor * self._num_workers
+        try:
+            index = self._next_index()
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):
+            worker = next(self._worker_cycle)
+            if self._workers_status[worker] and (
+                self._in_order
+                or self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status)
+            ):
+                break
+        else:
+            return
+        try:
+            future = self._pool.submit_call(_fetch.fetch, (index,), worker=worker)
+        except BrokenPoolError as exc:  # a worker died since the last result
+            err = self._crashed(exc, -1, worker, None)
+            self._shutdown_workers()
+            if err is exc:  # not a crash (a worker that could not start): its own cause stays
+                raise
+            raise err from exc
+        self._tasks[self._position] = (worker, future, index)
+        self._workers_num_tasks[worker] += 1
+
+    def _next_data(self) -> Any:
+        while True:
+            if not self._tasks:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+            if self._in_order:
+                position = next(iter(self._tasks))
+                worker, future, index = self._tasks[position]
+                # Timed out: the batch stays first in line, for the next call (as torch).
+                self._wait([future], position, worker)
+            else:
+                position = self._first_done()
+                worker, future, index = self._tasks[position]
+            del self._tasks[position]
+            self._workers_num_tasks[worker] -= 1
+            data = self._outcome(future, position, worker, index)
+            if data is _fetch.ENDED:  # this worker's iterable dataset is exhausted
+                self._workers_status[worker] = False
+                self._try_put_index()
+                continue
+            if data is _fetch.SKIPPED:  # sent before its worker said it had ended
+                continue
+            self._consumed(position)
+            self._try_put_index()
+            data = _tensors.from_wire(data)
+            if self._pin_memory:
+                data = _compat.pin_memory(data, self._pin_memory_device)
+            return data
+
+    def _wait(self, futures: list[Future[Any]], position: int, worker: int) -> None:
+        done, _ = wait(futures, timeout=self._timeout or None, return_when=FIRST_COMPLETED)
+        if not done:
+            raise self._timed_out(position, worker)
+
+    def _first_done(self) -> int:
+        futures = {future: p for p, (_, future, _) in self._tasks.items()}
+        first = next(iter(self._tasks))
+        self._wait(list(futures), first, self._tasks[first][0])
+        return min(futures[f] for f in futures if f.done())
+
+    def _outcome(self, future: Future[Any], position: int, worker: int, index: Any) -> Any:
+        """A finished task's payload; its error, raised (a dead worker ends the epoch)."""
+        exc = future.exception(timeout=0)
+        if isinstance(exc, BrokenPoolError):
+            err = self._crashed(exc, position, worker, index)
+            self._shutdown_workers()
+            if err is exc:  # not a crash (a worker that could not start): its own cause stays
+                raise exc
+            raise err from exc
+        if exc is not None:
+            if position >= 0:
+                self._consumed(position, failed=True)
+                self._try_put_index()
+            reraise(exc)  # the worker's error: __next__ raises it where it was raised
+        busy, data = future.result(timeout=0)
+        if busy is not None and data is not _fetch.ENDED and data is not _fetch.SKIPPED:
+            self._counters.made(worker, busy)
+        return data
+
+    def _crashed(
+        self, exc: BrokenPoolError, position: int, task_worker: int, index: Any
+    ) -> BrokenPoolError:
+        """torch's message for a dead worker, naming the batch and samples it was fetching."""
+        if not isinstance(exc, WorkerCrashedError):
+            return exc
+        pids = self._pool.pids
+        worker = pids.index(exc.pid) if exc.pid in pids else task_worker
+        # Calls pinned to a worker run in order: the dead one was running the
+        # first of its calls that had not finished.
+        mine = [
+            (p, i)
+            for p, (w, f, i) in self._tasks.items()
+            if w == worker and not (f.done() and f.exception() is None)
+        ]
+        if position >= 0 and task_worker == worker:
+            mine.append((position, index))
+        what = "starting its epoch"
+        if mine:
+            p, i = min(mine, key=lambda t: t[0])
+            samples = (
+                f"sample indices {i}"
+                if self._dataset_kind == _compat.DatasetKind.Map
+                else "samples of its iterable dataset"
+            )
+            what = f"fetching batch {p} of this epoch ({samples})"
+        how = (
+            f"is killed by signal: {_processes.signal_text(-exc.exitcode)}"
+            if exc.exitcode is not None and exc.exitcode < 0
+            else f"exited unexpectedly with exit code {exc.exitcode}"
+        )
+        err = WorkerCrashedError(
+            f"DataLoader worker (pid {exc.pid}) {how}. It was worker {worker}, {what}. {exc.cause}",
+            pid=exc.pid,
+            exitcode=exc.exitcode,
+            cause=exc.cause,
+        )
+        err.worker = worker  # type: ignore[attr-defined]
+        if mine:
+            err.batch, err.indices = min(mine, key=lambda t: t[0])  # type: ignore[attr-defined]
+        return err
+
+    def _timed_out(self, position: int, worker: int) -> LoaderTimeoutError:
+        what = "to start its epoch" if position < 0 else f"for batch {position} of this epoch"
+        return LoaderTimeoutError(
+            f"DataLoader timed out after {self._timeout} seconds waiting for worker {worker} "
+            f"{what}: the dataset or collate_fn is slower than the loader's timeout, or stuck "
+            "(the batch is not lost: the next next() waits for it again; raise timeout=, "
+            "or look at what the worker is doing)"
+        )
+
+    @property
+    def alive(self) -> bool:
+        """Its workers still run (not stopped after a crash or an epoch's end)."""
+        return bool(self._closer.alive)
+
+    def stop(self) -> None:
+        """Stop the workers now: they finish the batch they make, then exit."""
+        self._shutdown_workers()
+
+    def _shutdown_workers(self) -> None:
+        """torch's name for :meth:`stop` (torch's loader and code written for it call it)."""
+        self.finished = True
+        if self._closer.detach() is not None:
+            _processes.close_pool(self._pool, self._tasks, False)
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)

@@ -1,0 +1,342 @@
+"""Tensors over shared memory, both ways: a batch's tensors on the wire, and mapped by torch.
+
+A worker's batch leaves as :class:`WireTensor` objects, each an ndarray of
+its arena that the pool sends by descriptor (no copy, no pickle of the
+data); the caller turns each back into a tensor over the same pages, one
+that torch knows is shared (``is_shared()``: an fd-backed storage, as torch's
+own batches are) while the open-files budget allows. A pipeline's batches
+become copy-on-write tensors (:func:`private_tensor`). Runs in the caller
+and in the workers.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import copy
+import ctypes
+import functools
+import mmap
+import os
+import resource
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import shm
+
+from . import _compat
+
+__all__ = [
+    "NUMPY_DTYPES",
+    "STACKED_NUMPY",
+    "TORCH_DTYPES",
+    "WireTensor",
+    "discard_pages",
+    "extent",
+    "fds_held",
+    "from_wire",
+    "private_tensor",
+    "shared_array",
+    "tag",
+    "to_wire",
+    "walk",
+]
+
+NUMPY_DTYPES = {
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+STACKED_NUMPY = {np.dtype(t) for t in NUMPY_DTYPES.values()}
+TORCH_DTYPES = {np.dtype(n): t for t, n in NUMPY_DTYPES.items()}
+
+
+# ------------------------------------------------------------------ tensors on the wire
+class WireTensor:
+    """A tensor on its way to the caller: its memory as an ndarray (sent by descriptor)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.array = array
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (WireTensor, (self.array,))
+
+
+def to_wire(data: Any) -> Any:
+    """``data`` with each CPU tensor that NumPy can view as a :class:`WireTensor`."""
+    return walk(data, torch.Tensor, _tensor_out)
+
+
+def from_wire(data: Any) -> Any:
+    """``data`` with each :class:`WireTensor` a tensor over its memory again."""
+    return walk(data, WireTensor, _tensor_in)
+
+
+def tag(tensor: torch.Tensor, array: np.ndarray[Any, Any]) -> torch.Tensor:
+    """Mark ``tensor`` as a view of ``array``, shared memory: it travels back by descriptor.
+
+    ``tensor.numpy()`` would be a view whose base is the tensor, not the
+    arena's array: the array is kept with the tensor instead.
+    """
+    tensor._mpexec_array = array  # noqa: SLF001 - our tag on torch's tensor, read by shared_array
+    return tensor
+
+
+def _tensor_out(t: torch.Tensor) -> Any:
+    if t.dtype not in NUMPY_DTYPES or t.layout != torch.strided or t.device.type != "cpu":
+        return t  # pickled by torch (a copy): no NumPy view of it exists
+    if t.is_conj() or t.is_neg() or t.requires_grad:
+        return t
+    array = shared_array(t)
+    return WireTensor(array if array is not None else t.numpy())
+
+
+def shared_array(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
+    """The array of shared memory a loader's tensor is (None if not, or if resized since)."""
+    array = getattr(t, "_mpexec_array", None)
+    if (
+        array is None
+        or t.data_ptr() != array.ctypes.data
+        or tuple(t.shape) != array.shape
+        or tuple(s * t.element_size() for s in t.stride()) != array.strides
+    ):
+        return None
+    return array  # type: ignore[no-any-return]
+
+
+def _tensor_in(t: WireTensor) -> torch.Tensor:
+    tensor = _shared_tensor(t.array)
+    if tensor is None:
+        tensor = tag(torch.from_numpy(t.array), t.array)
+    return tensor
+
+
+# ------------------------------------------------------------------ tensors over shared memory
+#: Live batch tensors that hold an fd (see _shared_tensor), and their budget.
+_fds_held = 0
+_fds_budget: int | None = None
+
+
+def fds_held() -> int:
+    """How many live batch tensors of this process hold an fd (for tests and diagnostics)."""
+    return _fds_held
+
+
+def _segment_fd(array: np.ndarray[Any, Any], writable: bool) -> tuple[int, int] | None:
+    """An fd of the shared-memory segment ``array`` is a view of, and where its data starts.
+
+    The caller closes the fd. None if ``array`` is in no segment, or the
+    segment can no longer be opened (its owner has exited).
+    """
+    seg = shm.segment_of(array)
+    if seg is None:
+        return None
+    h = seg.handle
+    path = f"/proc/{h.owner_pid}/fd/{h.fd}" if h.backend == "memfd" else f"/dev/shm{h.name}"
+    try:
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if os.fstat(fd).st_ino != h.inode:  # the owner is gone, its fd number reused
+        os.close(fd)
+        return None
+    return fd, seg.offset + (array.ctypes.data - seg.address)
+
+
+def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
+    """A tensor over ``array``'s shared pages that torch knows are shared (``is_shared()``).
+
+    torch's own batches are in a shared-memory mapping of torch's (one fd
+    each), which torch.multiprocessing sends on by fd, uncopied. This maps the
+    worker's segment the same way, so a batch goes on to other processes
+    without a copy too, and holds ``array`` (so its memory) for as long as
+    the storage lives. Each such tensor holds an fd, as torch's do: past a
+    quarter of the open-files limit, batches come as plain tensors over the
+    same memory instead (None here), rather than leaving the process
+    without fds ("Too many open files", torch's well-known failure).
+    """
+    global _fds_held, _fds_budget
+    dtype = TORCH_DTYPES.get(array.dtype)
+    size = array.itemsize
+    if (
+        dtype is None
+        or not array.flags.writeable
+        or array.nbytes == 0
+        or any(st < 0 or st % size for st in array.strides)
+    ):
+        return None
+    if _fds_budget is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        _fds_budget = (soft if soft != resource.RLIM_INFINITY else 1 << 16) // 4
+    if _fds_held >= _fds_budget:
+        return None
+    found = _segment_fd(array, writable=True)
+    if found is None:
+        return None
+    fd, start = found
+    try:
+        if start % size:
+            return None
+        end = start + extent(array)
+        storage = _compat.shared_fd_storage(fd, end)
+    except RuntimeError:  # out of fds, or of address space: the plain tensor will do
+        return None
+    finally:
+        os.close(fd)
+    _fds_held += 1
+    # The storage's Python object lives as long as the storage (torch keeps it):
+    # so does what it holds, the array (the memory) and the fd's count.
+    storage._mpexec_keep = _Held(array)  # noqa: SLF001 - our tag: keeps the memory mapped
+    out = torch.empty(0, dtype=dtype)
+    out.set_(storage, start // size, array.shape, tuple(st // size for st in array.strides))
+    return out
+
+
+class _Held:
+    """What a shared batch tensor's storage holds: its array, and one fd of the budget."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.array = array
+
+    def __del__(self) -> None:
+        global _fds_held
+        _fds_held -= 1
+
+
+def private_tensor(
+    first: np.ndarray[Any, Any], shape: tuple[int, ...], strides: tuple[int, ...], keep: Any
+) -> torch.Tensor | None:
+    """A writable tensor of ``shape`` and byte ``strides`` from ``first``'s data, copy-on-write.
+
+    Reads share the pages of the segment ``first`` is in, uncopied; a write
+    copies the page it touches into memory of this tensor's own
+    (``MAP_PRIVATE``), so it changes this tensor only, never the shared memory
+    that other batches, consumers or the pipeline read. ``keep`` (the arrays
+    the tensor spans) is held as long as the tensor. None if ``first`` is in
+    no segment that can be opened.
+    """
+    dtype = TORCH_DTYPES.get(first.dtype)
+    if dtype is None or any(st < 0 for st in strides) or 0 in shape:
+        return None
+    found = _segment_fd(first, writable=False)
+    if found is None:
+        return None
+    fd, start = found
+    end = start + first.itemsize + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+    try:
+        base = start // mmap.PAGESIZE * mmap.PAGESIZE
+        pages = _map_private(fd, base, end - base)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    pages._mpexec_keep = keep  # noqa: SLF001 - our tag: keeps the memory mapped; the shared memory stays allocated while the copy reads it
+    view: np.ndarray[Any, Any] = np.ndarray(
+        shape, first.dtype, buffer=pages, offset=start - base, strides=strides
+    )
+    return torch.from_numpy(view)
+
+
+def extent(array: np.ndarray[Any, Any]) -> int:
+    """Bytes from an array's first element to the end of its last (strides >= 0)."""
+    last = sum((n - 1) * st for n, st in zip(array.shape, array.strides, strict=True))
+    return int(array.itemsize + last)
+
+
+def discard_pages(array: np.ndarray[Any, Any]) -> None:
+    """Drop this process's mapping of the pages ``array`` spans (the memfd keeps the data)."""
+    start = array.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    end = array.ctypes.data + extent(array)
+    _libc().madvise(start, end - start, _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+
+
+def _map_private(fd: int, offset: int, length: int) -> Any:
+    """``length`` bytes of ``fd`` mapped copy-on-write (``MAP_PRIVATE``); unmapped when dropped.
+
+    libc's mmap, not Python's: Python's keeps a duplicate of the fd for each
+    mapping (before 3.13), an open file per tensor.
+    """
+    libc = _libc()
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    address = libc.mmap(None, length, prot, mmap.MAP_PRIVATE, fd, offset)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    pages = (ctypes.c_char * length).from_address(address)
+    weakref.finalize(pages, libc.munmap, address, length)
+    return pages
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.mmap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.munmap.restype = ctypes.c_int
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+def walk(data: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """``data`` with each ``kind`` inside replaced by ``fn(it)``, containers kept."""
+    if isinstance(data, kind):
+        return fn(data)
+    if isinstance(data, (str, bytes)):
+        return data
+    if isinstance(data, collections.abc.Mapping):
+        items = {k: walk(v, kind, fn) for k, v in data.items()}
+        if isinstance(data, collections.abc.MutableMapping):
+            try:
+                clone = copy.copy(data)
+                clone.update(items)
+                return clone
+            except TypeError:
+                return items
+        try:
+            return type(data)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
+    if isinstance(data, tuple):
+        parts = [walk(v, kind, fn) for v in data]
+        if hasattr(data, "_fields"):  # a named tuple
+            return type(data)(*parts)
+        return tuple(parts) if type(data) is tuple else type(data)(parts)
+    if isinstance(data, list):
+        parts = [walk(v, kind, fn) for v in data]
+        if type(data) is list:
+            return parts
+        try:
+            seq: list[Any] = copy.copy(data)
+            seq[:] = parts
+            return seq
+        except TypeError:
+            return parts
+    return data
