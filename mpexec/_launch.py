@@ -177,7 +177,38 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-class _Bootstrapped:
+class _ClosedStaysJoinable:
+    """A worker's Process that multiprocessing's exit may still join after the pool closed it.
+
+    The pool closes a worker's Process once it has exited (its fds go). A
+    process that multiprocessing started itself (a user's spawn child, a DDP
+    rank of ``torch.multiprocessing.spawn``) joins, as it exits, every child
+    it listed a moment before, and terminates the daemonic ones: one the
+    pool's stop thread closed meanwhile made that raise (``ValueError``,
+    ``AttributeError``) and the child exit with code 1. Closed, it keeps its
+    (closed) popen, whose exit code makes ``terminate()`` a no-op, and
+    ``join()`` returns at once.
+    """
+
+    _closed: bool  # multiprocessing's BaseProcess sets both
+    _popen: Any
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        super().join(timeout)  # type: ignore[misc]
+
+    def close(self) -> None:
+        popen = self._popen
+        super().close()  # type: ignore[misc]
+        self._popen = popen
+
+
+class _ForkProcess(_ClosedStaysJoinable, mp_context.ForkProcess):
+    pass
+
+
+class _Bootstrapped(_ClosedStaysJoinable):
     """A Process whose child unpickles only the standard library (see the module doc)."""
 
     _base: type[process.BaseProcess]
@@ -208,7 +239,7 @@ class _Bootstrapped:
             self._report.close()
 
     def close(self) -> None:
-        super().close()  # type: ignore[misc]
+        super().close()
         self.started()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -483,6 +514,8 @@ def context(method: str) -> Any:
         return _Context(method, _SpawnProcess)
     if method == "forkserver":
         return _Context(method, _ForkServerProcess)
+    if method == "fork":
+        return _Context(method, _ForkProcess)
     return mp.get_context(method)
 
 

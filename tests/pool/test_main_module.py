@@ -292,6 +292,46 @@ def test_main_script_objects_reach_workers_from_a_spawned_child(
     assert "CHILD EXIT 0" in proc.stdout, proc.stdout + proc.stderr
 
 
+# A pool dropped just before a user's spawned child returns (a DDP rank's last
+# epoch): multiprocessing's exit in that child joins every child process it
+# listed, while the pool's stop thread closes them.
+DROPPED_IN_CHILD = """\
+import multiprocessing as mp
+import sys
+
+import mpexec
+
+
+def child(method):
+    for _ in range(3):
+        pool = mpexec.WorkerPool(2, start_method=method)
+        pool.submit(int, "1").result(timeout=60)
+        del pool  # stopped in the background
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    codes = []
+    for _ in range(4):
+        p = ctx.Process(target=child, args=(sys.argv[1],))
+        p.start()
+        p.join(120)
+        codes.append(p.exitcode)
+    print("CODES", codes, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", *START_METHODS])
+def test_a_spawned_child_exits_cleanly_while_its_dropped_pool_stops(
+    method: str, tmp_path: Path
+) -> None:
+    (tmp_path / "rank.py").write_text(DROPPED_IN_CHILD)
+    proc = _run(["rank.py", method], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "CODES [0, 0, 0, 0]" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 # ---------------------------------------------------------------- start-up failures
 # A directory that shadows numpy, on the workers' sys.path only: the pool's
 # process imported the real numpy first. (A fork server started here finds it
