@@ -172,6 +172,8 @@ class InlineIter(EpochIter, _compat.SingleProcessIter):  # type: ignore[misc]
             fetcher.ended = False
             if snapshot.get("iterator") is not None:
                 fetcher.dataset_iter.load_state_dict(snapshot["iterator"])
+            if snapshot.get("ended"):  # that iterator had ended: this epoch's is a new one
+                fetcher.dataset_iter = iter(self._dataset)
 
     def snapshot(self) -> None:
         """The caller's dataset (and iterator) state now: as the epoch begins, after a batch."""

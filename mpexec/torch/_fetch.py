@@ -210,6 +210,9 @@ class IterableFetcher(_Fetcher):
         self.iterator = iter(self.config.dataset)
         if snapshot is not None and snapshot.get("iterator") is not None:
             self.iterator.load_state_dict(snapshot["iterator"])  # type: ignore[attr-defined]
+        if snapshot is not None and snapshot.get("ended"):
+            # Its last epoch's iterator, restored, had ended: this epoch's is a new one.
+            self.iterator = iter(self.config.dataset)
 
     def snapshot(self) -> Any:
         """The dataset's and its iterator's states: once, as the iterator's, if they are one."""

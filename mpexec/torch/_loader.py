@@ -112,8 +112,10 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
         resume = self._mp_resume
         with own_stream(self._mp_stream):
             it = self._start_epoch_here()
-            if self._mp_stream is not None:
-                it.prime()  # the sampler's first draw, from the loader's stream too
+            if self._mp_stream is not None or isinstance(it, InlineIter):
+                # The sampler's first draw now (as the workers' prefetch does): from
+                # the loader's stream too, and before the dataset's state is taken.
+                it.prime()
         if isinstance(it, InlineIter):
             it.restore(resume)  # the dataset's own state: after the stream is put back
             it.snapshot()  # and as the epoch begins (a state taken before its first batch)
@@ -267,16 +269,13 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
 
 
 def _next_epoch(snapshots: dict[int, Any]) -> dict[int, Any]:
-    """What of the workers' states goes on into the next epoch: the datasets'.
+    """The workers' states as the next epoch finds them: their epoch's iterators ended.
 
-    An epoch makes a new iterator over each dataset (``iter(dataset)``): its
-    iterators' states end with it.
+    A resumed worker loads them (an iterator's ``load_state_dict`` may set the
+    worker's random state, as the kept worker's is), then makes the new epoch's
+    iterator (``iter(dataset)``), as a kept worker does.
     """
-    return {
-        w: {"dataset": snap["dataset"], "iterator": None}
-        for w, snap in snapshots.items()
-        if snap.get("dataset") is not None
-    }
+    return {w: {**snap, "ended": True} for w, snap in snapshots.items()}
 
 
 # Shown and pickled under the public path (torch's test runner checks that a
