@@ -4,7 +4,10 @@ Runs in the caller. A state is a small JSON-able dict (version 2; version 1,
 without the epoch's seeds and the batches past its prefix, is still read):
 the generators' states when the epoch began, whether it began with new
 workers and their base seed, which batches it consumed, and the loader's
-batch size and epoch length, checked on load. :func:`validate` reads one
+batch size and epoch length, checked on load; and, for objects that follow
+torchdata's Stateful protocol, the samplers' states as the epoch began and
+each worker's dataset (and iterator) state after its last batch consumed
+(keys absent when there are none). :func:`validate` reads one
 against the facts of a loader, with no loader or process needed (torchdata
 keeps its state format in a room of its own the same way).
 """
