@@ -190,18 +190,16 @@ class _ClosedStaysJoinable:
     ``join()`` returns at once.
     """
 
-    _closed: bool  # multiprocessing's BaseProcess sets both
-    _popen: Any
-
     def join(self, timeout: float | None = None) -> None:
-        if self._closed:
+        if self._closed:  # type: ignore[attr-defined]  # BaseProcess's
             return
         super().join(timeout)  # type: ignore[misc]
 
     def close(self) -> None:
-        popen = self._popen
+        popen = self._popen  # type: ignore[attr-defined]  # BaseProcess's
         super().close()  # type: ignore[misc]
-        self._popen = popen
+        # Put back in the instance's dict: BaseProcess's attribute, not one of ours.
+        vars(self)["_popen"] = popen
 
 
 class _ForkProcess(_ClosedStaysJoinable, mp_context.ForkProcess):
