@@ -22,6 +22,7 @@ import functools
 import io
 import pickle
 import struct
+import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -50,10 +51,17 @@ _SHARED_TAG, _WRITABLE_TAG, _CLASS_TAG = bytes([_SHARED]), bytes([_WRITABLE]), b
 #: made once per class here and loaded once per process there (cloudpickle
 #: gives the receiver back the sender's own class when it sent it first). A
 #: value naming anything else of ``__main__`` is pickled again by cloudpickle.
+#: In a process multiprocessing started with spawn or forkserver (a user's
+#: ``mp.Process``, ``torch.multiprocessing.spawn``, Lightning's ``ddp_spawn``),
+#: the parent's script runs as ``__mp_main__`` and its classes and functions
+#: carry that name: the same rule holds for them.
 _MAIN = "__main__"
+_SPAWNED_MAIN = "__mp_main__"
+_MAINS = frozenset({_MAIN, _SPAWNED_MAIN})
 #: Types pickle handles itself, which persistent_id passes over at once.
 _PLAIN = frozenset({int, float, bool, str, bytes, tuple, list, dict, type(None), complex})
 _MAIN_BYTES = _MAIN.encode()
+_SPAWNED_MAIN_BYTES = _SPAWNED_MAIN.encode()
 _class_refs: weakref.WeakKeyDictionary[type, tuple[bytes, int]] = weakref.WeakKeyDictionary()
 _classes: dict[bytes, type] = {}
 #: An inline array is its data, then a "meta" (ndim, shape, dtype code), then
@@ -167,13 +175,13 @@ class _Refs(pickle.Pickler):
         if type(obj) is Writable:
             return self._writable(obj.array)
         if type(obj) is not np.ndarray or obj.dtype.hasobject:
-            if isinstance(obj, type) and obj.__module__ == _MAIN:
+            if isinstance(obj, type) and obj.__module__ in _MAINS:
                 ref, mentions = _class_ref(obj)
                 if obj not in self.classes:  # pickle writes the same ref once
                     self.classes.add(obj)
                     self.main_in_refs += mentions
                 return ref
-            if type(obj) is types.FunctionType and obj.__module__ == _MAIN:
+            if type(obj) is types.FunctionType and obj.__module__ in _MAINS:
                 self.names_main = True
             return None
         arena = self.arena
@@ -226,12 +234,34 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
         return self._refs.persistent_id(obj)
 
 
+def _mentions_main(data: bytes) -> int:
+    """How often ``data`` names a main module (``__main__`` or ``__mp_main__``)."""
+    return data.count(_MAIN_BYTES) + data.count(_SPAWNED_MAIN_BYTES)
+
+
+def spawned_main_by_value() -> None:
+    """Make cloudpickle send what ``__mp_main__`` defines by value, as it does ``__main__``'s.
+
+    In a process multiprocessing started with spawn or forkserver, the parent's
+    script is loaded as ``__mp_main__`` (and is also ``sys.modules["__main__"]``).
+    cloudpickle pickles only ``__main__``'s classes and functions by value, so
+    without this they would go by reference to a module mpexec's workers never
+    import. Registered once, for the process: that module is this process's
+    main script, and anything pickled from it needs the same treatment.
+    """
+    module = sys.modules.get(_SPAWNED_MAIN)
+    if module is None or module.__name__ in cloudpickle.list_registry_pickle_by_value():
+        return
+    cloudpickle.register_pickle_by_value(module)
+
+
 def _class_ref(cls: type) -> tuple[bytes, int]:
     """A reference to a class of ``__main__`` (its cloudpickle, made once); its mentions of it."""
     cached = _class_refs.get(cls)
     if cached is None:
+        spawned_main_by_value()
         ref = bytes(cloudpickle.dumps(cls, protocol=5)) + _CLASS_TAG
-        cached = _class_refs[cls] = (ref, ref.count(_MAIN_BYTES))
+        cached = _class_refs[cls] = (ref, _mentions_main(ref))
     return cached
 
 
@@ -334,7 +364,7 @@ def encode(
         refs.dump(value)
         data = buf.getvalue()
         # Anything else pickle names in __main__ (its classes went by reference).
-        by_value = refs.names_main or data.count(_MAIN_BYTES) > refs.main_in_refs
+        by_value = refs.names_main or _mentions_main(data) > refs.main_in_refs
     except (SerializationError, MemoryError, shm.SharedMemoryError):
         # Ours, naming the problem already, or shared memory that ran out or
         # broke while an array was shared (shm.ReservationError is a
@@ -345,6 +375,7 @@ def encode(
         by_value = True
     if by_value:
         refs.undo()
+        spawned_main_by_value()
         buf = io.BytesIO()
         try:
             _CloudPickler(buf, refs).dump(value)
@@ -368,6 +399,7 @@ def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = F
 
 def dump_value(value: Any, what: str = "function") -> bytes:
     """Functions by value where they must be (lambdas, closures), by reference otherwise."""
+    spawned_main_by_value()
     try:
         return bytes(cloudpickle.dumps(value, protocol=5))
     except Exception as exc:

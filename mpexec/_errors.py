@@ -3,7 +3,9 @@
 ::
 
     MpexecError
-    ├── BrokenPoolError            (also concurrent.futures.BrokenExecutor)
+    ├── BrokenPoolError            (also concurrent.futures.BrokenExecutor); a worker
+    │   │                          whose worker_init raised: also an instance of what it
+    │   │                          raised (``except ValueError`` catches it, as in torch)
     │   ├── WorkerCrashedError     a worker died: pid, signal, likely cause
     │   └── NodeLostError          a RayPool lost every node it ran on
     ├── PoolClosedError            you shut the pool down, then used it
@@ -195,6 +197,61 @@ def forked_error(owner_pid: int, what: str) -> ForkedPoolError:
         "method (a prefork server: create the pool after the fork, e.g. in gunicorn's "
         "post_fork hook)"
     )
+
+
+#: Per type a worker_init raised: the BrokenPoolError that is one of those too.
+_start_errors: dict[type[BaseException], type[BrokenPoolError]] = {}
+
+
+def start_error(message: str, exc: BaseException) -> BrokenPoolError:
+    """A worker could not start because its ``worker_init`` raised ``exc``.
+
+    A :class:`BrokenPoolError` (the pool is broken) that is also an instance of
+    ``exc``'s type, so that code written for torch's loader, which re-raises
+    the original exception, still catches it (``except ValueError:``). It prints
+    and pickles as ``mpexec.BrokenPoolError``. A type that cannot be combined
+    (an exception of mpexec's own, a layout conflict, ``BaseException``
+    subclasses such as ``KeyboardInterrupt``) gives a plain BrokenPoolError.
+    """
+    return _combined(type(exc))(message)
+
+
+def _combined(kind: type[BaseException]) -> type[BrokenPoolError]:
+    cls = _start_errors.get(kind)
+    if cls is None:
+        cls = BrokenPoolError
+        if issubclass(kind, Exception) and not issubclass(kind, MpexecError):
+            try:
+                cls = type(
+                    "BrokenPoolError",
+                    (BrokenPoolError, kind),
+                    {
+                        "__module__": "mpexec",
+                        "__qualname__": "BrokenPoolError",
+                        # Neither the user's __init__ nor __str__: just the message.
+                        "__init__": _message_init,
+                        "__str__": BaseException.__str__,
+                        "__reduce__": _start_error_reduce,
+                    },
+                )
+            except TypeError:  # instance lay-out conflict, or a final class
+                cls = BrokenPoolError
+        _start_errors[kind] = cls
+    return cls
+
+
+def _message_init(self: BaseException, message: str) -> None:
+    BaseException.__init__(self, message)
+
+
+def _start_error_reduce(self: BaseException) -> tuple[object, ...]:
+    kind = type(self).__bases__[1]
+    return (_start_error_again, (kind, str(self)))
+
+
+def _start_error_again(kind: type[BaseException], message: str) -> BrokenPoolError:
+    """Unpickling :func:`start_error`'s exception: the same combined type again."""
+    return _combined(kind)(message)
 
 
 def raised_again(stored: BaseException) -> BaseException:

@@ -52,6 +52,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
+from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from multiprocessing import (
     forkserver,
@@ -176,7 +177,36 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-class _Bootstrapped:
+class _ClosedStaysJoinable:
+    """A worker's Process that multiprocessing's exit may still join after the pool closed it.
+
+    The pool closes a worker's Process once it has exited (its fds go). A
+    process that multiprocessing started itself (a user's spawn child, a DDP
+    rank of ``torch.multiprocessing.spawn``) joins, as it exits, every child
+    it listed a moment before, and terminates the daemonic ones: one the
+    pool's stop thread closed meanwhile made that raise (``ValueError``,
+    ``AttributeError``) and the child exit with code 1. Closed, it keeps its
+    (closed) popen, whose exit code makes ``terminate()`` a no-op, and
+    ``join()`` returns at once.
+    """
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._closed:  # type: ignore[attr-defined]  # BaseProcess's
+            return
+        super().join(timeout)  # type: ignore[misc]
+
+    def close(self) -> None:
+        popen = self._popen  # type: ignore[attr-defined]  # BaseProcess's
+        super().close()  # type: ignore[misc]
+        # Put back in the instance's dict: BaseProcess's attribute, not one of ours.
+        vars(self)["_popen"] = popen
+
+
+class _ForkProcess(_ClosedStaysJoinable, mp_context.ForkProcess):
+    pass
+
+
+class _Bootstrapped(_ClosedStaysJoinable):
     """A Process whose child unpickles only the standard library (see the module doc)."""
 
     _base: type[process.BaseProcess]
@@ -207,7 +237,7 @@ class _Bootstrapped:
             self._report.close()
 
     def close(self) -> None:
-        super().close()  # type: ignore[misc]
+        super().close()
         self.started()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -335,6 +365,35 @@ class _ForkServerPopen(popen_forkserver.Popen):
 
     _fds: list[int]
 
+    def __init__(self, process_obj: Any) -> None:
+        self._reading = threading.Lock()  # before the base class launches
+        super().__init__(process_obj)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        """The exit code once the server has sent it: read once, whoever asks.
+
+        multiprocessing's reads it unlocked: a second thread polling at the same
+        moment (the pool's stop thread, a user's ``join()`` or ``exitcode``) read
+        EOF, or a sentinel the first had closed, and replaced the code with 255.
+        Waiting for the sentinel stays outside the lock (a blocking ``join()``
+        must not hold up another thread's ``is_alive()``).
+        """
+        if self.returncode is None:
+            try:
+                ready = bool(mp_connection.wait([self.sentinel], 0 if flag == os.WNOHANG else None))
+            except (OSError, ValueError):  # closed by a thread that read the code
+                ready = True
+            if not ready:
+                return None
+            with self._reading:
+                if self.returncode is None:
+                    try:
+                        self.returncode = forkserver.read_signed(self.sentinel)
+                    except (OSError, EOFError):
+                        # The server itself died without a word (multiprocessing's 255).
+                        self.returncode = 255
+        return self.returncode
+
     def _launch(self, process_obj: Any) -> None:
         # As multiprocessing.popen_forkserver.Popen._launch (3.10 - 3.13), but
         # for the preparation data and the server.
@@ -453,6 +512,8 @@ def context(method: str) -> Any:
         return _Context(method, _SpawnProcess)
     if method == "forkserver":
         return _Context(method, _ForkServerProcess)
+    if method == "fork":
+        return _Context(method, _ForkProcess)
     return mp.get_context(method)
 
 

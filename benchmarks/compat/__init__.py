@@ -18,6 +18,7 @@ SUITES: dict[str, str] = {
     "torch": "benchmarks.compat.torch_suite",
     "dali": "benchmarks.compat.dali_suite",
     "tf": "benchmarks.compat.tf_suite",
+    "torchdata": "benchmarks.compat.torchdata_suite",
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import shm
 
 from .. import _launch, _worker
-from .._errors import BrokenPoolError, RemoteTraceback
+from .._errors import BrokenPoolError, RemoteTraceback, start_error
 from .._host import cuda_initialised, default_start_method
 from .._protocol import FAILED, HEADER, HELLO, body_of
 from .._tracebacks import full_tracebacks
@@ -144,9 +144,10 @@ def hello(slot: Slot, rec: bytes) -> None:
     body = body_of(rec, flags)
     if kind == FAILED:
         exc, tb = pickle.loads(body)
-        err = BrokenPoolError(
+        err = start_error(
             f"worker {slot.index} (pid {slot.pid}) failed to start: "
-            f"{type(exc).__name__}: {exc} (the worker's traceback follows)"
+            f"{type(exc).__name__}: {exc} (the worker's traceback follows)",
+            exc,
         )
         exc.__cause__ = RemoteTraceback(tb)
         raise err from exc

@@ -17,6 +17,7 @@ from typing import Any
 from .._errors import BrokenPoolError, LoaderTimeoutError
 from .._tracebacks import for_caller
 from . import _compat
+from ._fetch import iterable_snapshot, state_of
 from ._state import Progress, Resume, set_rng_states
 from ._stats import Counters
 
@@ -68,11 +69,32 @@ class EpochIter(_compat.BaseIter):  # type: ignore[misc]
                 self._progress.done(position)
         else:
             self._sampler_iter = _positions(self._sampler_iter, 0, frozenset())
-            self._to_drop = skip + len(beyond)
+            if resume is not None and resume.snapshots and resume.num_workers == self._num_workers:
+                # Stateful: each worker's iterator goes on from its state.
+                self._progress.consumed = skip
+            else:  # the consumed batches are made again, and dropped
+                self._to_drop = skip + len(beyond)
+        if resume is not None and resume.num_workers == self._num_workers:
+            self._progress.snapshots.update(resume.snapshots)
+            self._progress.ended.update(resume.ended)
+            self._progress.next_worker = resume.next_worker
 
     def _next_index(self) -> Any:
         self._position, index = next(self._sampler_iter)  # may raise StopIteration
         return index
+
+    def prime(self) -> None:
+        """Take the sampler's first index now (it is kept): what it draws, it draws here.
+
+        A ``RandomSampler`` without a generator draws its seed from torch's
+        global generator at its first index: a resumed loader has that come
+        from its own stream, while it is in place (``_state.own_stream``).
+        """
+        try:
+            head = next(self._sampler_iter)
+        except StopIteration:
+            return
+        self._sampler_iter = itertools.chain([head], self._sampler_iter)
 
     def _consumed(self, position: int, failed: bool = False) -> None:
         if self._dataset_kind == _compat.DatasetKind.Map:
@@ -130,13 +152,49 @@ class InlineIter(EpochIter, _compat.SingleProcessIter):  # type: ignore[misc]
             self._torch_reset(loader)
         self._start_at(resume)
 
+    def restore(self, resume: Resume | None) -> None:
+        """A resumed epoch: the dataset's (and its iterator's) state, loaded here.
+
+        After the loader's own stream is put back (a dataset that keeps torch's
+        global random state sets it here, for its draws to come).
+        """
+        snapshot = None
+        if resume is not None and resume.num_workers == 0:
+            snapshot = resume.snapshots.get(0)
+        if snapshot is None:
+            return
+        if snapshot.get("dataset") is not None:
+            self._dataset.load_state_dict(snapshot["dataset"])
+        if self._dataset_kind == _compat.DatasetKind.Iterable:
+            # The iterator again, over the dataset as restored (its __iter__ may read it).
+            fetcher = self._dataset_fetcher
+            fetcher.dataset_iter = iter(self._dataset)
+            fetcher.ended = False
+            if snapshot.get("iterator") is not None:
+                fetcher.dataset_iter.load_state_dict(snapshot["iterator"])
+            if snapshot.get("ended"):  # that iterator had ended: this epoch's is a new one
+                fetcher.dataset_iter = iter(self._dataset)
+
+    def snapshot(self) -> None:
+        """The caller's dataset (and iterator) state now: as the epoch begins, after a batch."""
+        if self._dataset_kind == _compat.DatasetKind.Iterable:
+            snap = iterable_snapshot(self._dataset, self._dataset_fetcher.dataset_iter)
+        else:
+            dataset = state_of(self._dataset)
+            snap = None if dataset is None else {"dataset": dataset, "iterator": None}
+        if snap is not None:
+            self._progress.snapshots[0] = snap
+
     def _next_data(self) -> Any:
         try:
             data = super()._next_data()
         except StopIteration:
+            self.snapshot()  # the dataset's state at the epoch's end (its epoch count)
             raise
         except Exception:
             self._consumed(self._position, failed=True)
+            self.snapshot()
             raise
         self._consumed(self._position)
+        self.snapshot()
         return data

@@ -42,9 +42,11 @@ __all__ = [
     "collate_tensors",
     "fetch",
     "inherited",
+    "iterable_snapshot",
     "registered",
     "resume_worker",
     "start_worker",
+    "state_of",
 ]
 
 
@@ -63,6 +65,8 @@ class WorkerConfig:
     num_workers: int
     worker_init_fn: Any
     warm_batches: int  # bytes of dropped batches' pages a worker keeps
+    # A resumed epoch: per worker, its dataset's (and iterator's) state to load.
+    snapshots: dict[int, Any] | None = None
 
 
 #: fork: the configs of pools being started, by key; a forked worker finds its own here.
@@ -82,6 +86,29 @@ def registered(config: WorkerConfig) -> Iterator[int]:
 
 
 # ------------------------------------------------------------------ the fetchers
+def iterable_snapshot(dataset: Any, iterator: Any) -> Any:
+    """An iterable dataset's and its iterator's states, or None (neither is Stateful).
+
+    A dataset that is its own iterator (``__iter__`` returns ``self``) is
+    saved once, as the iterator, and loaded after ``iter()`` (as torchdata
+    does: its state may only exist once iteration began).
+    """
+    dataset_state = None if iterator is dataset else state_of(dataset)
+    iterator_state = state_of(iterator)
+    if dataset_state is None and iterator_state is None:
+        return None
+    return {"dataset": dataset_state, "iterator": iterator_state}
+
+
+def state_of(obj: Any) -> Any:
+    """``obj.state_dict()`` if ``obj`` follows the Stateful protocol (torchdata's), else None."""
+    if callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    ):
+        return obj.state_dict()
+    return None
+
+
 class _Marker:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -106,11 +133,18 @@ class _Fetcher:
         self.config = config
         self.index = index
 
-    def new_epoch(self) -> None:
-        """A later epoch of persistent workers begins."""
+    def new_epoch(self, snapshot: Any = None) -> None:
+        """A later epoch of persistent workers begins (resumed: from ``snapshot``)."""
+        if snapshot is not None and snapshot.get("dataset") is not None:
+            self.config.dataset.load_state_dict(snapshot["dataset"])
 
     def fetch(self, index: Any) -> Any:
         raise NotImplementedError
+
+    def snapshot(self) -> Any:
+        """The Stateful protocol: the dataset's state now, or None (not Stateful)."""
+        dataset = state_of(self.config.dataset)
+        return None if dataset is None else {"dataset": dataset, "iterator": None}
 
     def _collated(self, data: Any, where: str) -> Any:
         if isinstance(data, Stacked):
@@ -129,6 +163,10 @@ class _Fetcher:
 
 class MapFetcher(_Fetcher):
     """A map-style dataset: a batch is the samples at the sampler's indices."""
+
+    def __init__(self, config: WorkerConfig, index: int, snapshot: Any = None) -> None:
+        super().__init__(config, index)
+        super().new_epoch(snapshot)
 
     def fetch(self, index: Any) -> Any:
         return self._collated(self._samples(index), f"sample indices {index}")
@@ -159,16 +197,26 @@ class MapFetcher(_Fetcher):
 class IterableFetcher(_Fetcher):
     """An iterable dataset: a batch is the next samples of this worker's iterator."""
 
-    def __init__(self, config: WorkerConfig, index: int) -> None:
+    def __init__(self, config: WorkerConfig, index: int, snapshot: Any = None) -> None:
         super().__init__(config, index)
         self.iterator: Iterator[Any] = iter(())
-        self.new_epoch()
+        self.new_epoch(snapshot)
 
-    def new_epoch(self) -> None:
+    def new_epoch(self, snapshot: Any = None) -> None:
         self.fetched = 0  # samples taken from the iterator so far
         self.exhausted = False  # the iterator raised StopIteration
         self.ended = False  # and the caller was told (later fetches are skipped)
+        super().new_epoch(snapshot)  # the dataset's state first: __iter__ may read it
         self.iterator = iter(self.config.dataset)
+        if snapshot is not None and snapshot.get("iterator") is not None:
+            self.iterator.load_state_dict(snapshot["iterator"])  # type: ignore[attr-defined]
+        if snapshot is not None and snapshot.get("ended"):
+            # Its last epoch's iterator, restored, had ended: this epoch's is a new one.
+            self.iterator = iter(self.config.dataset)
+
+    def snapshot(self) -> Any:
+        """The dataset's and its iterator's states: once, as the iterator's, if they are one."""
+        return iterable_snapshot(self.config.dataset, self.iterator)
 
     def fetch(self, index: Any) -> Any:
         if self.ended:
@@ -239,7 +287,7 @@ def start_worker(config: WorkerConfig | int | _launch.Sent) -> None:
     if config.worker_init_fn is not None:
         config.worker_init_fn(index)
     kind = MapFetcher if config.kind == _compat.DatasetKind.Map else IterableFetcher
-    _fetcher = kind(config, index)
+    _fetcher = kind(config, index, (config.snapshots or {}).get(index))
 
 
 def _reseed_datapipe(config: WorkerConfig, shared_seed: int | None) -> None:
@@ -250,20 +298,29 @@ def _reseed_datapipe(config: WorkerConfig, shared_seed: int | None) -> None:
         config.dataset = apply_random_seed(config.dataset, shared_rng)
 
 
-def resume_worker(shared_seed: int | None) -> tuple[None, None]:
-    """A later epoch of persistent workers: a datapipe reseeded, a fresh fetcher state."""
+def resume_worker(shared_seed: int | None, snapshot: Any = None) -> tuple[None, None, None]:
+    """A later epoch of persistent workers: a datapipe reseeded, a fresh fetcher state.
+
+    ``snapshot``: a resumed epoch's state for this worker's dataset (and iterator).
+    """
     assert _fetcher is not None
     _reseed_datapipe(_fetcher.config, shared_seed)
-    _fetcher.new_epoch()
-    return None, None
+    _fetcher.new_epoch(snapshot)
+    return None, None, None
 
 
-def fetch(index: Any) -> tuple[float, Any]:
-    """One batch (or sample), fetched and collated as torch's fetchers do; the time it took."""
+def fetch(index: Any) -> tuple[float, Any, Any]:
+    """One batch (or sample), fetched and collated as torch's fetchers do; the time it took.
+
+    And the worker's Stateful snapshot after it (None if the dataset keeps no
+    state): the caller keeps the one of the last batch it consumed from this
+    worker, so a state is exact after every batch.
+    """
     start = time.perf_counter()
     assert _fetcher is not None
     data = _fetcher.fetch(index)
-    return time.perf_counter() - start, data
+    snapshot = None if data is SKIPPED else _fetcher.snapshot()
+    return time.perf_counter() - start, data, snapshot
 
 
 def _note(exc: BaseException, where: str, sample: Any = None) -> None:

@@ -66,6 +66,7 @@ class WorkersIter(EpochIter):
             num_workers=self._num_workers,
             worker_init_fn=init_fn,
             warm_batches=loader.warm_batches,
+            snapshots=_snapshots(resume, self._num_workers),
         )
         method = _processes.start_method(loader.multiprocessing_context)
         self._pool = _processes.start_pool(config, method)
@@ -104,13 +105,24 @@ class WorkersIter(EpochIter):
         self._workers_num_tasks = [0] * self._num_workers
         # Batch k goes to worker k mod n; a resumed epoch starts where it stopped.
         start = self._skipped_unfetched % self._num_workers
+        snapshots = _snapshots(resume, self._num_workers)
+        if snapshots is not None and self._dataset_kind == _compat.DatasetKind.Iterable:
+            # Each worker's iterator goes on from its state: those that had
+            # ended stay ended, and the next batch is the next worker's.
+            assert resume is not None
+            self._workers_status = [w not in resume.ended for w in range(self._num_workers)]
+            start = resume.next_worker % self._num_workers
         order = [*range(start, self._num_workers), *range(start)]
         self._worker_cycle = itertools.cycle(order)
         if not first_iter:
             # Behind whatever the last epoch left on each worker (calls pinned
             # to a worker run in order), a fresh fetcher for the new epoch.
             resumed = [
-                self._pool.submit_call(_fetch.resume_worker, (self._shared_seed,), worker=w)
+                self._pool.submit_call(
+                    _fetch.resume_worker,
+                    (self._shared_seed, (snapshots or {}).get(w)),
+                    worker=w,
+                )
                 for w in range(self._num_workers)
             ]
             for worker, future in enumerate(resumed):
@@ -165,10 +177,12 @@ class WorkersIter(EpochIter):
             data = self._outcome(future, position, worker, index)
             if data is _fetch.ENDED:  # this worker's iterable dataset is exhausted
                 self._workers_status[worker] = False
+                self._progress.ended.add(worker)
                 self._try_put_index()
                 continue
             if data is _fetch.SKIPPED:  # sent before its worker said it had ended
                 continue
+            self._progress.next_worker = (worker + 1) % self._num_workers
             self._consumed(position)
             self._try_put_index()
             data = _tensors.from_wire(data)
@@ -201,7 +215,9 @@ class WorkersIter(EpochIter):
                 self._consumed(position, failed=True)
                 self._try_put_index()
             reraise(exc)  # the worker's error: __next__ raises it where it was raised
-        busy, data = future.result(timeout=0)
+        busy, data, snapshot = future.result(timeout=0)
+        if snapshot is not None and position >= 0:  # the worker's state after this batch
+            self._progress.snapshots[worker] = snapshot
         if busy is not None and data is not _fetch.ENDED and data is not _fetch.SKIPPED:
             self._counters.made(worker, busy)
         return data
@@ -274,3 +290,10 @@ class WorkersIter(EpochIter):
 
     def __len__(self) -> int:
         return len(self._index_sampler)
+
+
+def _snapshots(resume: Resume | None, num_workers: int) -> dict[int, Any] | None:
+    """A resumed epoch's per-worker dataset states, if taken with as many workers."""
+    if resume is None or not resume.snapshots or resume.num_workers != num_workers:
+        return None
+    return resume.snapshots

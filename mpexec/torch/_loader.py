@@ -7,15 +7,25 @@ is ``_state``'s) and the counters of ``stats()`` (``_stats``).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, TypeVar
 
+import torch
 from torch.utils.data import DataLoader as _TorchLoader
 
 from .._tracebacks import for_caller
 from . import _compat, _state
 from ._epoch import EpochIter, InlineIter
 from ._iterator import WorkersIter
-from ._state import Progress, Resume, rng_states, set_rng_states
+from ._state import (
+    Progress,
+    Resume,
+    load_samplers,
+    own_stream,
+    rng_states,
+    sampler_states,
+    set_rng_states,
+)
 from ._stats import Counters, LoaderStats
 
 __all__ = ["DataLoader"]
@@ -48,6 +58,10 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
     - :meth:`state_dict` / :meth:`load_state_dict` resume an epoch where it
       stopped, in another process; :meth:`stats` says where the time goes.
 
+    ``snapshot_every_n_steps`` is torchdata's ``StatefulDataLoader``'s, taken
+    for its API: the state here is exact after every batch at no cost, so the
+    value changes nothing (an int >= 0, or None).
+
     One keyword is mpexec's own: ``warm_batches`` (bytes, default 0). As
     torch's batches do, a batch's pages go back to the system once the
     caller drops it, so each batch's pages are faulted in and zeroed again
@@ -60,13 +74,30 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
 
     _iterator: Any  # torch's: the persistent workers' iterator
 
-    def __init__(self, *args: Any, warm_batches: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        warm_batches: int = 0,
+        snapshot_every_n_steps: int | None = 1,
+        **kwargs: Any,
+    ) -> None:
         if type(warm_batches) is not int or warm_batches < 0:  # bool, float: refused too
             raise ValueError(f"warm_batches must be an int >= 0 (bytes), not {warm_batches!r}")
+        if snapshot_every_n_steps is not None and (
+            type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0
+        ):
+            raise ValueError(
+                "snapshot_every_n_steps must be an int >= 0 or None, "
+                f"not {snapshot_every_n_steps!r}"
+            )
         super().__init__(*args, **kwargs)
         self.warm_batches = warm_batches
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self._mp_progress: Progress | None = None  # the epoch now running, or last run
         self._mp_resume: Resume | None = None  # load_state_dict(), for the next epoch
+        self._mp_loaded: dict[str, Any] | None = None  # that state, as given (state_dict())
+        # Once resumed without generator=: the loader's own stream (see _state.own_stream).
+        self._mp_stream: torch.Generator | None = None
         self._mp_counters = Counters()
 
     def __iter__(self) -> Any:
@@ -78,12 +109,34 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
             raise for_caller(exc)  # noqa: B904
 
     def _start_epoch(self) -> Any:
+        resume = self._mp_resume
+        with own_stream(self._mp_stream):
+            it = self._start_epoch_here()
+            if self._mp_stream is not None or isinstance(it, InlineIter):
+                # The sampler's first draw now (as the workers' prefetch does): from
+                # the loader's stream too, and before the dataset's state is taken.
+                it.prime()
+        if isinstance(it, InlineIter):
+            it.restore(resume)  # the dataset's own state: after the stream is put back
+            it.snapshot()  # and as the epoch begins (a state taken before its first batch)
+        return it
+
+    def _start_epoch_here(self) -> EpochIter:
         resume, self._mp_resume = self._mp_resume, None
+        self._mp_loaded = None
+        previous = self._mp_progress
+        if resume is not None:
+            load_samplers(self, resume.samplers)
+        samplers = sampler_states(self)  # as the epoch begins (before its sampler iterates)
         persistent = self.persistent_workers and self.num_workers > 0
         kept: WorkersIter | None = self._iterator if persistent else None
         # The uninterrupted run began a resumed epoch with the loader's first
-        # workers (fresh) or with kept ones: so does this one.
-        reuse = kept is not None and kept.alive and (resume is None or not resume.fresh)
+        # workers (fresh) or with kept ones (seeded alike): so does this one.
+        reuse = (
+            kept is not None
+            and kept.alive
+            and (resume is None or (not resume.fresh and resume.base_seed == kept.seed))
+        )
         if kept is not None and not reuse:
             kept.stop()
             self._iterator = None
@@ -103,6 +156,12 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
             progress.base_seed = it.seed
             if persistent:
                 self._iterator = it
+        progress.samplers = samplers
+        if resume is None and previous is not None and (reuse or self.num_workers == 0):
+            # The same datasets go on (kept workers', the caller's): until a
+            # worker's first batch, its state is where the last epoch left it.
+            for w, snap in _next_epoch(previous.snapshots).items():
+                progress.snapshots.setdefault(w, snap)
         # Only the progress is kept here: an epoch's iterator, and with it its
         # workers and prefetched batches, goes as soon as the caller drops it.
         self._mp_progress = progress
@@ -138,14 +197,36 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
         epoch (the loader's ``generator``, or torch's global one, and the
         sampler's own), whether that epoch started new workers, and which of
         its batches were consumed (yielded, or failed with the dataset's
-        error); between epochs, the states now and no batch.
+        error); between epochs, the states now and no batch (and, with
+        persistent workers, their base seed: the next epoch keeps them). After
+        :meth:`load_state_dict` and before the next epoch starts, the state loaded.
         """
+        if self._mp_resume is not None and self._mp_loaded is not None:
+            return copy.deepcopy(self._mp_loaded)
         p = self._mp_progress
         state: dict[str, Any] = {"version": _state.STATE_VERSION}
         if p is not None and not p.finished:
             state.update(p.to_state())
         else:
-            state.update(rng=rng_states(self), fresh=True, base_seed=0, batches=0, beyond=[])
+            kept = self._iterator if self.persistent_workers and self.num_workers > 0 else None
+            if kept is not None and kept.alive:  # the next epoch draws no base seed
+                fresh, base_seed = False, kept.seed
+            else:
+                fresh, base_seed = True, 0
+            with own_stream(self._mp_stream):
+                rng = rng_states(self)
+            state.update(rng=rng, fresh=fresh, base_seed=base_seed, batches=0, beyond=[])
+            samplers = sampler_states(self)
+            if samplers:
+                state["samplers"] = samplers
+            # The datasets that go on into the next epoch (kept workers', the
+            # caller's) go on from their states; new workers start anew.
+            carried = _next_epoch(p.snapshots) if p is not None else {}
+            if carried and (not fresh or self.num_workers == 0):
+                state.update(workers={str(w): x for w, x in sorted(carried.items())})
+                state.update(ended=[], next_worker=0)
+        if "workers" in state:
+            state["num_workers"] = self.num_workers
         state.update(batch_size=self.batch_size, length=self._mp_length())
         return state
 
@@ -159,6 +240,11 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
         index, e.g. on a worker's random state, may differ); for an iterable
         dataset they are fetched again and dropped.
 
+        Without ``generator=``, the loader's draws (its epochs' seeds, a
+        ``RandomSampler``'s) come from then on from a stream of its own,
+        restored from the state, and torch's global generator is left as the
+        program set it.
+
         A state that did not come from :meth:`state_dict` of a loader built
         like this one is refused here, with ``ValueError``.
         """
@@ -168,6 +254,9 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
             batch_size=self.batch_size,
             length=self._mp_length(),
         )
+        self._mp_loaded = copy.deepcopy(dict(state))
+        if self.generator is None and self._mp_stream is None:
+            self._mp_stream = torch.Generator()  # its state: the resumed epoch's, at iter()
 
     def _mp_length(self) -> int | None:
         """Batches per epoch, where the sampler knows (map-style datasets)."""
@@ -177,6 +266,16 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
             return len(self)
         except TypeError:
             return None
+
+
+def _next_epoch(snapshots: dict[int, Any]) -> dict[int, Any]:
+    """The workers' states as the next epoch finds them: their epoch's iterators ended.
+
+    A resumed worker loads them (an iterator's ``load_state_dict`` may set the
+    worker's random state, as the kept worker's is), then makes the new epoch's
+    iterator (``iter(dataset)``), as a kept worker does.
+    """
+    return {w: {**snap, "ended": True} for w, snap in snapshots.items()}
 
 
 # Shown and pickled under the public path (torch's test runner checks that a

@@ -4,7 +4,10 @@ Runs in the caller. A state is a small JSON-able dict (version 2; version 1,
 without the epoch's seeds and the batches past its prefix, is still read):
 the generators' states when the epoch began, whether it began with new
 workers and their base seed, which batches it consumed, and the loader's
-batch size and epoch length, checked on load. :func:`validate` reads one
+batch size and epoch length, checked on load; and, for objects that follow
+torchdata's Stateful protocol, the samplers' states as the epoch began and
+each worker's dataset (and iterator) state after its last batch consumed
+(keys absent when there are none). :func:`validate` reads one
 against the facts of a loader, with no loader or process needed (torchdata
 keeps its state format in a room of its own the same way).
 """
@@ -13,18 +16,25 @@ from __future__ import annotations
 
 import base64
 import collections.abc
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._fetch import state_of
+
 __all__ = [
     "STATE_VERSION",
     "Progress",
     "Resume",
     "generators",
+    "load_samplers",
+    "own_stream",
     "rng_states",
+    "sampler_states",
     "set_rng_states",
     "validate",
 ]
@@ -42,6 +52,14 @@ class Progress:
     consumed: int = 0  # batches consumed (yielded or failed): a prefix of the epoch's order
     beyond: set[int] = field(default_factory=set)  # consumed past that prefix (in_order=False)
     finished: bool = False
+    # The Stateful protocol (torchdata's): the samplers' states when the epoch
+    # began; per worker (0: the caller, num_workers=0) the dataset's and its
+    # iterator's after the last batch of that worker consumed; an iterable
+    # dataset's workers that ended, and the one whose batch comes next.
+    samplers: dict[str, Any] = field(default_factory=dict)
+    snapshots: dict[int, Any] = field(default_factory=dict)
+    ended: set[int] = field(default_factory=set)
+    next_worker: int = 0
 
     def done(self, position: int) -> None:
         """Batch ``position`` of the epoch was consumed."""
@@ -61,7 +79,19 @@ class Progress:
             "base_seed": self.base_seed,
             "batches": self.consumed,
             "beyond": sorted(self.beyond),
+            **self.stateful(),
         }
+
+    def stateful(self) -> dict[str, Any]:
+        """What the Stateful protocol adds to the state (nothing, without stateful objects)."""
+        out: dict[str, Any] = {}
+        if self.samplers:
+            out["samplers"] = dict(self.samplers)
+        if self.snapshots:
+            out["workers"] = {str(w): s for w, s in sorted(self.snapshots.items())}
+            out["ended"] = sorted(self.ended)
+            out["next_worker"] = self.next_worker
+        return out
 
 
 @dataclass(frozen=True)
@@ -73,6 +103,11 @@ class Resume:
     base_seed: int
     batches: int
     beyond: frozenset[int]
+    samplers: dict[str, Any] = field(default_factory=dict)
+    snapshots: dict[int, Any] = field(default_factory=dict)  # by worker
+    ended: frozenset[int] = frozenset()
+    next_worker: int = 0
+    num_workers: int | None = None  # the snapshots' workers
 
 
 def validate(
@@ -143,7 +178,60 @@ def validate(
             raise bad(f"state['batches'] is {batches}, but an epoch has {length} batches")
         if length is not None and any(b >= length for b in beyond):
             raise bad(f"state['beyond'] names batches past the epoch's {length}")
-    return Resume(dict(rng), fresh, base_seed, batches, beyond)
+    samplers, snapshots, ended, next_worker = _stateful(state, bad)
+    return Resume(
+        dict(rng),
+        fresh,
+        base_seed,
+        batches,
+        beyond,
+        samplers,
+        snapshots,
+        ended,
+        next_worker,
+        state.get("num_workers"),
+    )
+
+
+def _stateful(
+    state: collections.abc.Mapping[str, Any], bad: Any
+) -> tuple[dict[str, Any], dict[int, Any], frozenset[int], int]:
+    """The Stateful protocol's part of a state (absent: nothing to restore)."""
+    samplers = state.get("samplers", {})
+    if not isinstance(samplers, collections.abc.Mapping) or not set(samplers) <= {
+        "sampler",
+        "batch_sampler",
+    }:
+        raise bad("state['samplers'] must map 'sampler' / 'batch_sampler' to their states")
+    workers = state.get("workers", {})
+    if not isinstance(workers, collections.abc.Mapping):
+        raise bad("state['workers'] must map worker ids to their datasets' states")
+    try:
+        snapshots = {int(w): snap for w, snap in workers.items()}
+    except (TypeError, ValueError):
+        raise bad("state['workers'] must be keyed by worker ids") from None
+    ended, next_worker = state.get("ended", []), state.get("next_worker", 0)
+    if not isinstance(ended, list) or any(type(w) is not int for w in ended):
+        raise bad("state['ended'] must list worker ids")
+    if type(next_worker) is not int or next_worker < 0:
+        raise bad("state['next_worker'] must be a worker id")
+    return dict(samplers), snapshots, frozenset(ended), next_worker
+
+
+def sampler_states(loader: Any) -> dict[str, Any]:
+    """The states of a loader's Stateful samplers (its sampler, its batch sampler)."""
+    out = {}
+    for name in ("sampler", "batch_sampler"):
+        st = state_of(getattr(loader, name, None))
+        if st is not None:
+            out[name] = st
+    return out
+
+
+def load_samplers(loader: Any, states: dict[str, Any]) -> None:
+    """Give a loader's samplers back what :func:`sampler_states` took."""
+    for name, st in states.items():
+        getattr(loader, name).load_state_dict(st)
 
 
 def generators(loader: Any) -> dict[str, torch.Generator]:
@@ -176,3 +264,27 @@ def set_rng_states(loader: Any, states: dict[str, str]) -> None:
     for name, text in states.items():
         raw = np.frombuffer(base64.b64decode(text), np.uint8).copy()
         gens[name].set_state(torch.from_numpy(raw))
+
+
+@contextlib.contextmanager
+def own_stream(stream: torch.Generator | None) -> Iterator[None]:
+    """Within: torch's global generator draws from ``stream``; after, the program's state again.
+
+    A loader built without ``generator=`` draws its epochs' seeds (and a
+    ``RandomSampler``'s) from torch's global generator. Once it resumed from a
+    state, those draws come from the loader's own stream instead, restored
+    from the state and continued epoch after epoch, and the program's global
+    generator is left as the program left it (Lightning and accelerate
+    restore theirs themselves). ``None``: no own stream, nothing swapped.
+    """
+    if stream is None:
+        yield
+        return
+    glob = torch.default_generator
+    program = glob.get_state()
+    glob.set_state(stream.get_state())
+    try:
+        yield
+    finally:
+        stream.set_state(glob.get_state())
+        glob.set_state(program)

@@ -11,9 +11,12 @@ traceback.
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +218,120 @@ def test_pool_in_a_users_spawned_child_needs_the_guard(tmp_path: Path) -> None:
     assert "bootstrapping phase" not in proc.stderr, proc.stderr
 
 
+# A process started by the user with spawn (torch.multiprocessing.spawn, Lightning's
+# ddp_spawn) runs the parent's script as multiprocessing's ``__mp_main__``: what
+# that script defines must still reach mpexec's workers by value.
+SPAWNED_MAIN = """\
+import multiprocessing as mp
+import os
+import sys
+
+import mpexec
+
+
+class Squares:
+    def __init__(self, offset):
+        self.offset = offset
+
+    def __call__(self, x):
+        return x * x + self.offset
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+
+def unbox(box):
+    return box.v
+
+
+def init(tag):
+    os.environ["SPAWNED_MAIN_TAG"] = tag
+
+
+def tag():
+    return os.environ["SPAWNED_MAIN_TAG"]
+
+
+def child(method, q):
+    try:
+        with mpexec.WorkerPool(
+            2, start_method=method, worker_init=init, worker_init_args=("t",)
+        ) as pool:
+            q.put([
+                pool.submit(Squares(1), 3).result(timeout=60),
+                pool.submit(unbox, Box(7)).result(timeout=60),
+                type(pool.submit(Box, 2).result(timeout=60)).__name__,
+                pool.submit(tag).result(timeout=60),
+            ])
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+if __name__ == "__main__":
+    method = None if sys.argv[1] == "default" else sys.argv[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(method, q))
+    p.start()
+    print("GOT", q.get(timeout=100), flush=True)
+    p.join(60)
+    print("CHILD EXIT", p.exitcode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["default", *START_METHODS])
+def test_main_script_objects_reach_workers_from_a_spawned_child(
+    method: str, tmp_path: Path
+) -> None:
+    (tmp_path / "ddp_like.py").write_text(SPAWNED_MAIN)
+    proc = _run(["ddp_like.py", method], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "GOT [10, 7, 'Box', 't']" in proc.stdout, proc.stdout + proc.stderr
+    assert "CHILD EXIT 0" in proc.stdout, proc.stdout + proc.stderr
+
+
+# A pool dropped just before a user's spawned child returns (a DDP rank's last
+# epoch): multiprocessing's exit in that child joins every child process it
+# listed, while the pool's stop thread closes them.
+DROPPED_IN_CHILD = """\
+import multiprocessing as mp
+import sys
+
+import mpexec
+
+
+def child(method):
+    for _ in range(3):
+        pool = mpexec.WorkerPool(2, start_method=method)
+        pool.submit(int, "1").result(timeout=60)
+        del pool  # stopped in the background
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    codes = []
+    for _ in range(4):
+        p = ctx.Process(target=child, args=(sys.argv[1],))
+        p.start()
+        p.join(120)
+        codes.append(p.exitcode)
+    print("CODES", codes, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", *START_METHODS])
+def test_a_spawned_child_exits_cleanly_while_its_dropped_pool_stops(
+    method: str, tmp_path: Path
+) -> None:
+    (tmp_path / "rank.py").write_text(DROPPED_IN_CHILD)
+    proc = _run(["rank.py", method], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "CODES [0, 0, 0, 0]" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 # ---------------------------------------------------------------- start-up failures
 # A directory that shadows numpy, on the workers' sys.path only: the pool's
 # process imported the real numpy first. (A fork server started here finds it
@@ -339,3 +456,37 @@ def test_start_up_pipes_are_closed_once_workers_are_up(method: str) -> None:
         assert len(reports) == 3
         assert all(r is not None and not r._close.alive for r in reports)
         assert pool.submit(int, "4").result(60) == 4
+
+
+def test_threads_polling_a_fork_server_child_all_read_its_exit_code() -> None:
+    """multiprocessing's forkserver ``poll()`` reads the exit code from the server's pipe
+    unlocked: a second thread reading at the same moment (the pool's stop thread and a
+    user's ``join()`` or ``exitcode``, as torch's suite does on a dropped loader's
+    workers) read EOF and overwrote the code with 255. Threads polling the child when
+    it exits make that race near-certain (19 runs of 20 before the fix)."""
+    from mpexec import _launch
+
+    ctx = mp.get_context("forkserver")
+    for _ in range(5):
+        go = ctx.Event()
+        proc = _launch.context("forkserver").Process(target=go.wait, args=(60,))
+        proc.start()
+        popen = proc._popen
+        deadline = time.monotonic() + 60
+        codes: list[int | None] = []
+
+        def poll(popen: Any = popen, deadline: float = deadline, codes: list[Any] = codes) -> None:
+            while popen.poll() is None and time.monotonic() < deadline:
+                pass
+            codes.append(popen.returncode)
+
+        threads = [threading.Thread(target=poll) for _ in range(4)]
+        for t in threads:
+            t.start()
+        go.set()
+        for t in threads:
+            t.join(90)
+        proc.join(30)
+        assert codes == [0] * 4, codes
+        assert proc.exitcode == 0
+        proc.close()

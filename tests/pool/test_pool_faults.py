@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
@@ -277,3 +278,35 @@ def test_arena_capacity_caps_the_workers_arenas_too() -> None:
         with pytest.raises(shm.ArenaFullError):
             pool.submit(_grow_result, 8 << 20).result(T)
         assert pool.submit(_square, 5).result(T) == 25
+
+
+def _init_raises_value_error() -> None:
+    raise ValueError("Worker init error")
+
+
+@pytest.mark.usefixtures("no_leaks")
+@pytest.mark.parametrize("method", START_METHODS)
+def test_a_worker_init_error_is_also_an_instance_of_its_type(method: str) -> None:
+    """torch re-raises a worker_init_fn's error as itself: ``except ValueError`` works here too."""
+    with pytest.raises(ValueError, match="failed to start: ValueError: Worker init error") as info:
+        WorkerPool(2, start_method=method, worker_init=_init_raises_value_error)
+    err = info.value
+    assert isinstance(err, mpexec.BrokenPoolError)
+    assert f"{type(err).__module__}.{type(err).__qualname__}" == "mpexec.BrokenPoolError"
+    assert isinstance(err.__cause__, ValueError)  # the worker's own, with its traceback
+    assert "_init_raises_value_error" in str(err.__cause__.__cause__)
+    again = pickle.loads(pickle.dumps(err))
+    assert isinstance(again, ValueError)
+    assert isinstance(again, mpexec.BrokenPoolError)
+    assert str(again) == str(err)
+
+
+def test_a_start_error_that_cannot_be_both_is_a_broken_pool_error() -> None:
+    from mpexec._errors import start_error
+
+    for exc in (KeyboardInterrupt(), mpexec.PoolClosedError("x")):
+        err = start_error("worker 0 failed to start", exc)
+        assert type(err) is mpexec.BrokenPoolError
+    err = start_error("m", LookupError("k"))
+    assert isinstance(err, LookupError)
+    assert type(start_error("n", LookupError("j"))) is type(err)  # one class per type
