@@ -48,11 +48,11 @@ if _TYPE_CHECKING:  # the same names, imported for type checkers; at run time se
         WorkerCrashedError,
     )
     from ._graph import DataNode
+    from ._iterations import OpStats
     from ._pipeline import Pipeline, PipelineStats, pipeline_def
     from ._pool import PoolStats, PoolStatus, WorkerPool
     from ._pyfunc import default_pool, numpy_function, py_func, py_function, set_default_pool
     from ._runtime import BatchInfo, SampleInfo, sample_info
-    from ._scheduler import OpStats
 
 #: Where each public name lives. ``import mpexec`` loads none of them: a worker
 #: process (spawn, forkserver) imports only what it runs, and a script only
@@ -77,7 +77,7 @@ _WHERE = {
     "BatchInfo": "_runtime",
     "SampleInfo": "_runtime",
     "sample_info": "_runtime",
-    "OpStats": "_scheduler",
+    "OpStats": "_iterations",
     "default_pool": "_pyfunc",
     "numpy_function": "_pyfunc",
     "py_func": "_pyfunc",

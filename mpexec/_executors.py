@@ -24,7 +24,7 @@ The unit of work is a :class:`WorkUnit`: one chunk (samples ``start ..
 start+count`` of one iteration) through one op, or through a chain of
 per-sample ops fused into one call (``_runtime.ChainRunner``), or the whole
 batch through a per-sample source's chain and the batch op it feeds
-(``_runtime.SourceBatchRunner``), given the chunk's rows of each input column.
+(``_source_runners.SourceBatchRunner``), given the chunk's rows of each input column.
 ``unit.runner(unit.chunk, *unit.inputs)`` (what ``unit.run()`` does) is the
 whole computation, the same in any process: seeding, ``SampleInfo``, calls,
 output checks. It returns a ``ChunkResult`` (outputs, seconds, pid, where a
@@ -96,15 +96,8 @@ from . import _codec
 from ._errors import GpuError, forked_error
 from ._modes import CallKind, Reseed, SourceMode
 from ._pool import WorkerPool
-from ._runtime import (
-    ChainRunner,
-    Chunk,
-    ChunkResult,
-    OpRunner,
-    SourceBatchRunner,
-    WorkerBatchSource,
-    check_consistent,
-)
+from ._runtime import ChainRunner, Chunk, ChunkResult, OpRunner, check_consistent
+from ._source_runners import SourceBatchRunner, WorkerBatchSource
 
 if TYPE_CHECKING:
     from ._gpu import GpuBatch, GpuOpRunner

@@ -32,9 +32,10 @@ from ._errors import MpexecError, PoolClosedError, SerializationError, forked_er
 from ._executors import CallPool, pool_executor
 from ._graph import DataNode, Graph, Plan, defining
 from ._host import usable_cpus
+from ._iterations import OpStats
 from ._modes import Device, LastBatch
 from ._pool import WorkerPool
-from ._scheduler import OpStats, Scheduler
+from ._scheduler import Scheduler
 from ._tracebacks import for_caller
 from ._types import ScalarConstant
 

@@ -4,7 +4,7 @@
 
     Pipeline              Scheduler (main process)                  UnitExecutor
     --------              ------------------------                  ------------
-    build()  --------->   plan: ops -> _OpState, chains fused
+    build()  --------->   plan: ops -> OpState, chains fused
     run() / iteration ->  window: _Iterations in flight, enough for
                             prefetch_depth units per worker (within
                             a memory budget)
@@ -68,9 +68,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -80,16 +78,10 @@ from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Op, Plan, Scope
+from ._iterations import Iteration, OpState, OpStats
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
-from ._runtime import (
-    ChainRunner,
-    Chunk,
-    ChunkResult,
-    SourceBatchRunner,
-    check_consistent,
-    derive_seed,
-    is_string_array,
-)
+from ._runtime import ChainRunner, Chunk, ChunkResult, check_consistent, derive_seed, nbytes
+from ._source_runners import SourceBatchRunner, batch_rows, check_source_value
 from ._tracebacks import reraise
 
 # How an op's batch is cut into chunks, and how many iterations are in flight
@@ -101,112 +93,6 @@ _CHUNK_SECONDS = 0.25  # longer than this, a chunk is cut smaller (first batch, 
 _MAX_CHUNKS_PER_WORKER = 4  # chunks of one op's batch, per worker, at most
 _WINDOW_BYTES = 1 << 30  # what the iterations in flight may hold (their outputs)
 _WAIT_SECONDS = 1.0  # how often a waiting run() looks whether the pipeline closed
-
-
-@dataclass(frozen=True)
-class OpStats:
-    """What one op cost so far (per-sample ops: one call per sample)."""
-
-    name: str
-    calls: int
-    samples: int
-    function_s: float  # inside the function, summed over workers
-    waiting_s: float  # dispatched but not inside the function: queues, transport
-    bytes_in: int
-    bytes_out: int
-    bytes_copied: int  # input bytes copied into shared memory (0 when zero-copy)
-
-
-class _OpState:
-    """An op's runtime: its runner, turn counter, source state and counters."""
-
-    def __init__(
-        self,
-        op: Op,
-        pos: int,
-        runner: Any,
-        worker: int | None,
-        executor: UnitExecutor,
-    ) -> None:
-        self.op = op
-        self.pos = pos
-        self.runner: Any = runner  # what its executor runs (None: a source read here)
-        self.inputs = op.inputs  # of the chain's head, when ops are chained into this one
-        # What it waits for: those inputs, and the predicates of the branch it runs in.
-        self.waits = tuple(op.waits())
-        # A split or merge of DALI's conditional execution: computed here, by selecting rows.
-        self.selects = op.kind in (OpKind.SPLIT, OpKind.MERGE)
-        self.members = [self]  # the chain this op ends (itself alone if none)
-        self.absorbed = False  # runs inside a later op's chain
-        self.worker = worker  # pinned worker index (stateful ops)
-        self.executor = executor  # where its units run
-        # What the executor offers beyond the protocol (_executors' doc), looked up once.
-        self.copied_bytes = getattr(executor, "copied_bytes", None)
-        self.handoff = getattr(executor, "handoff", None)
-        self.columns = getattr(executor, "columns", None)
-        self.batch = getattr(executor, "batch", None)
-        # Per output: (sample shape, dtype) of the batch's dense block, or None.
-        self.declared = _declared_blocks(op)
-        self.blocks: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = list(self.declared)
-        self.turn = 0  # stateful: the compute sequence number allowed next
-        self.skipped: set[int] = set()
-        self.iterator: Iterator[Any] | None = None
-        self.fed: collections.deque[list[tuple[Any, ...]]] = collections.deque()
-        self.calls = self.samples = 0
-        self.function_s = self.waiting_s = 0.0
-        self.bytes_in = self.bytes_out = self.bytes_copied = 0
-
-    @property
-    def source(self) -> bool:
-        """This op, or the head of the chain it ends, is a source."""
-        return self.members[0].op.is_source
-
-    def stats(self) -> OpStats:
-        return OpStats(
-            self.op.name,
-            self.calls,
-            self.samples,
-            self.function_s,
-            self.waiting_s,
-            self.bytes_in,
-            self.bytes_out,
-            self.bytes_copied,
-        )
-
-
-class _Iteration:
-    """One iteration in flight."""
-
-    def __init__(self, epoch: int, index: int, batch_size: int, n_ops: int) -> None:
-        self.epoch = epoch
-        self.index = index
-        self.epoch_start = index * batch_size
-        self.seq = -1  # compute-phase sequence number, once there
-        self.size = batch_size
-        self.stop: int | None = None  # a source raised StopIteration at this sample
-        # Per op: its output columns (a list of per-sample arrays, or one dense block).
-        self.values: list[tuple[Any, ...] | None] = [None] * n_ops
-        # Per branch of an `if` on a DataNode (by id): (mask over its parent's samples,
-        # their indices in the batch), worked out when first needed.
-        self.scopes: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
-        self.parts: dict[int, list[ChunkResult | None]] = {}
-        self.bounds: dict[int, list[tuple[int, int]]] = {}  # op -> its chunks' rows
-        self.blocks: dict[int, list[Any]] = {}  # op -> per output: the batch's block, or None
-        self.dispatched: set[int] = set()
-        # (op, output) -> its column handed off to another executor (a GPU op's
-        # output copied to the host for CPU ops), as a future.
-        self.host: dict[tuple[int, int], Future[list[Any]]] = {}
-        self.sources_left = 0
-        self.ops_left = 0
-        self.nbytes = 0  # its outputs computed by the pipeline's workers so far
-        self.error: BaseException | None = None
-        self.dropped = False
-        self.result: tuple[Batch, ...] | None = None
-        self.done = threading.Event()
-
-    @property
-    def computing(self) -> bool:
-        return self.seq >= 0
 
 
 class Scheduler:
@@ -235,9 +121,9 @@ class Scheduler:
         self._workers = executor.workers
         self._plan = plan
         self._lock = threading.RLock()
-        self._window: collections.deque[_Iteration] = collections.deque()
+        self._window: collections.deque[Iteration] = collections.deque()
         # The iterations of the window not computing yet, in order (_sources_in).
-        self._waiting: collections.deque[_Iteration] = collections.deque()
+        self._waiting: collections.deque[Iteration] = collections.deque()
         self._epoch = 0
         self._next_index = 0
         self._next_seq = 0
@@ -247,7 +133,7 @@ class Scheduler:
         self.busy: dict[int, float] = collections.defaultdict(float)  # pid -> seconds
         self.faults = 0  # minor page faults in the workers' chunks (ChunkResult.faults)
         self._pos = {id(op): i for i, op in enumerate(plan.ops)}
-        self.ops: list[_OpState] = []
+        self.ops: list[OpState] = []
         # Each op's executor, by its device: GPU ops run in this process, on the
         # GPU stage's thread. Stateful ops take that executor's workers in turn.
         executors: dict[str, UnitExecutor] = {Device.CPU: executor}
@@ -266,7 +152,7 @@ class Scheduler:
             if op.stateful:
                 worker = n_stateful[id(ex)] % max(1, ex.workers)
                 n_stateful[id(ex)] += 1
-            self.ops.append(_OpState(op, i, runner, worker, ex))
+            self.ops.append(OpState(op, i, runner, worker, ex))
         # (A branch's predicate is waited for, and read, by the ops in that branch:
         # its op is never absorbed into a chain, whose values stay in the workers.)
         self._consumers = [
@@ -323,7 +209,7 @@ class Scheduler:
         """Run per-sample ops that only feed the next one inside its call."""
         outputs = {self._pos[id(n.op)] for n in plan.outputs}
 
-        def chainable(s: _OpState) -> bool:
+        def chainable(s: OpState) -> bool:
             op = s.op
             return (
                 not (op.is_source or op.batch_processing or op.stateful)
@@ -331,7 +217,7 @@ class Scheduler:
                 and s.executor is self.executor  # not across executors (GPU ops)
             )
 
-        def batch_tail(s: _OpState) -> bool:
+        def batch_tail(s: OpState) -> bool:
             """A stateless batch op that may end a chain headed by a per-sample source.
 
             Only where that source is the pipeline's one source (another could
@@ -382,7 +268,7 @@ class Scheduler:
                 else:
                     s.runner = ChainRunner([m.runner for m in s.members], picks)
 
-    def _source_batch_runner(self, s: _OpState, picks: list[tuple[int, ...]]) -> SourceBatchRunner:
+    def _source_batch_runner(self, s: OpState, picks: list[tuple[int, ...]]) -> SourceBatchRunner:
         """The runner of batch op ``s`` fused with the per-sample source chain before it."""
         head = s.members[:-1]
         runner = head[0].runner
@@ -467,7 +353,7 @@ class Scheduler:
                 per_iteration = 1 if s.op.batch_processing else self.batch_size
                 self._skip_items(s, index * per_iteration)
 
-    def _skip_items(self, s: _OpState, count: int) -> None:
+    def _skip_items(self, s: OpState, count: int) -> None:
         """Read ``count`` items of an iterable source and drop them, in bounded time.
 
         A cycling source starts again at its end: once it has, its period is
@@ -496,7 +382,8 @@ class Scheduler:
                     f"no external_source named {name!r} takes feed_input "
                     f"(those that do: {names or 'none'})"
                 )
-            rows = _batch_samples(state.op, data, self.batch_size)
+            op = state.op
+            rows = batch_rows(op.describe(), data, op.num_outputs, self.batch_size)
             columns = self._own(state, tuple(list(c) for c in zip(*rows, strict=True)))
             state.fed.append(list(zip(*columns, strict=True)))
 
@@ -522,7 +409,7 @@ class Scheduler:
         """Start the next iteration: run the sources here, dispatch those in workers."""
         if any(s.op.source_mode == SourceMode.FEED and not s.fed for s in self.ops):
             return False
-        it = _Iteration(self._epoch, self._next_index, self.batch_size, len(self.ops))
+        it = Iteration(self._epoch, self._next_index, self.batch_size, len(self.ops))
         self._next_index += 1
         self._window.append(it)
         self._waiting.append(it)
@@ -555,19 +442,22 @@ class Scheduler:
             self._sources_in(it)
         return True
 
-    def _pull(self, s: _OpState, it: _Iteration) -> tuple[list[Any], ...]:
+    def _pull(self, s: OpState, it: Iteration) -> tuple[list[Any], ...]:
         """A batch from a source that runs here; ([], ...) when it ended the epoch."""
         op = s.op
+        what = op.describe()
         if op.source_mode == SourceMode.FEED:
             rows = s.fed.popleft()
         elif op.source_mode == SourceMode.BATCH:
             try:
-                rows = _batch_samples(op, op.function(it.index, it.epoch), self.batch_size)
+                rows = batch_rows(
+                    what, op.function(it.index, it.epoch), op.num_outputs, self.batch_size
+                )
             except StopIteration:
                 rows = []
         elif op.batch_processing:
             item = self._next_item(s)
-            rows = [] if item is None else _batch_samples(op, item, self.batch_size)
+            rows = [] if item is None else batch_rows(what, item, op.num_outputs, self.batch_size)
         else:
             rows = []
             while len(rows) < self.batch_size:
@@ -577,13 +467,13 @@ class Scheduler:
                 rows.append(_sample_tuple(op, item))
         for row in rows:
             for i, a in enumerate(row):
-                _check_source_value(op, i, a)
+                check_source_value(what, i, a, op.output_dtypes, op.output_shapes)
         columns = tuple([row[i] for row in rows] for i in range(op.num_outputs))
         if not rows:
             it.stop = 0
         return columns
 
-    def _own(self, s: _OpState, columns: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
+    def _own(self, s: OpState, columns: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
         """Copies of a source's arrays (into shared memory), read-only.
 
         The source, or the caller of feed_input, may refill its buffers at
@@ -604,7 +494,7 @@ class Scheduler:
             out.append(own)
         return tuple(out)
 
-    def _next_item(self, s: _OpState) -> Any:
+    def _next_item(self, s: OpState) -> Any:
         op = s.op
         for attempt in range(2):
             if s.iterator is None:
@@ -621,7 +511,7 @@ class Scheduler:
                     return None
         return None  # pragma: no cover
 
-    def _sources_in(self, it: _Iteration) -> None:
+    def _sources_in(self, it: Iteration) -> None:
         """Every source of ``it`` has delivered: let iterations compute, in order."""
         del it
         # Only the iterations not computing yet are looked at (a window of hundreds
@@ -661,7 +551,7 @@ class Scheduler:
             else:
                 self._dispatch_ready(it)
 
-    def _dispatch_ready(self, it: _Iteration) -> None:
+    def _dispatch_ready(self, it: Iteration) -> None:
         for s in self.ops:
             if it.error is not None or it.dropped or it.result is not None:
                 return
@@ -699,21 +589,21 @@ class Scheduler:
             if s.worker is not None:
                 self._advance_turn(s)
 
-    def _done_here(self, it: _Iteration) -> None:
+    def _done_here(self, it: Iteration) -> None:
         """An op of ``it`` was computed here, with no unit: the last one finishes it."""
         it.ops_left -= 1
         if it.ops_left == 0:
             self._finish(it)
 
     # ------------------------------------------------------------ conditionals
-    def _rows(self, it: _Iteration, scope: Scope | None) -> np.ndarray[Any, Any] | None:
+    def _rows(self, it: Iteration, scope: Scope | None) -> np.ndarray[Any, Any] | None:
         """The batch indices of ``scope``'s samples in ``it`` (None: the whole batch)."""
         if scope is None:
             return None
         return self._scope(it, scope)[1]
 
     def _scope(
-        self, it: _Iteration, scope: Scope
+        self, it: Iteration, scope: Scope
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """(mask over the parent's samples, batch indices) of ``scope`` in ``it``.
 
@@ -730,12 +620,12 @@ class Scheduler:
             got = it.scopes[id(scope)] = (mask, rows)
         return got
 
-    def _column(self, it: _Iteration, node: DataNode) -> Any:
+    def _column(self, it: Iteration, node: DataNode) -> Any:
         vals = it.values[self._pos[id(node.op)]]
         assert vals is not None
         return vals[node.index]
 
-    def _select(self, it: _Iteration, s: _OpState) -> tuple[Any, ...]:
+    def _select(self, it: Iteration, s: OpState) -> tuple[Any, ...]:
         """A split's or merge's column: rows of its inputs, uncopied (views of their arrays)."""
         op = s.op
         columns = [self._column(it, n) for n in op.inputs]
@@ -747,7 +637,7 @@ class Scheduler:
         yes, no = columns
         return (_branches.merge(yes, no, self._scope(it, taken)[0], op.function),)
 
-    def _advance_turn(self, s: _OpState) -> None:
+    def _advance_turn(self, s: OpState) -> None:
         s.turn += 1
         while s.turn in s.skipped:
             s.skipped.discard(s.turn)
@@ -756,7 +646,7 @@ class Scheduler:
             if other.seq == s.turn:
                 self._dispatch_ready(other)
 
-    def _dispatch(self, it: _Iteration, s: _OpState, samples: Any = None) -> None:
+    def _dispatch(self, it: Iteration, s: OpState, samples: Any = None) -> None:
         """Send op ``s`` of iteration ``it`` to the workers, in chunks.
 
         ``samples``: the batch indices of the samples it runs on, where not all
@@ -777,7 +667,7 @@ class Scheduler:
         chained = len(s.members) > 1  # the chain counts its ops' bytes itself
         for column in inputs:
             if not chained:
-                s.bytes_in += _nbytes(column)
+                s.bytes_in += nbytes(column)
             if s.copied_bytes is not None:
                 s.bytes_copied += s.copied_bytes(column)
         size = it.size if samples is None else len(samples)
@@ -810,7 +700,7 @@ class Scheduler:
                 return
             future.add_done_callback(functools.partial(self._on_chunk, it, s, ci, t0))
 
-    def _handed_off(self, it: _Iteration, s: _OpState) -> bool:
+    def _handed_off(self, it: Iteration, s: OpState) -> bool:
         """Whether ``s``'s inputs from other executors are readable by its own.
 
         An executor whose outputs others cannot read as they are (the GPU's)
@@ -835,7 +725,7 @@ class Scheduler:
                 ready = False
         return ready
 
-    def _on_handoff(self, it: _Iteration, future: Future[Any]) -> None:
+    def _on_handoff(self, it: Iteration, future: Future[Any]) -> None:
         """A column handed off to another executor landed (in any thread, or inline)."""
         with self._lock:
             if it.dropped or it.error is not None:
@@ -852,14 +742,14 @@ class Scheduler:
             except Exception as bug:  # a bug here must not hang run()
                 self._fail(it, bug)
 
-    def _blocks(self, s: _OpState, size: int) -> list[Any]:
+    def _blocks(self, s: OpState, size: int) -> list[Any]:
         """Per output of ``s``: a dense block for the batch, or None; [] if none."""
         empty = getattr(s.executor, "empty", None)
         if empty is None or not size or not any(b is not None for b in s.blocks):
             return []
         return [None if b is None else empty((size, *b[0]), b[1]) for b in s.blocks]
 
-    def _chunk_count(self, s: _OpState, size: int) -> int:
+    def _chunk_count(self, s: OpState, size: int) -> int:
         """How many chunks op ``s``'s batch of ``size`` samples is cut into.
 
         Until its calls' time is known, one per worker. Then each chunk carries
@@ -885,9 +775,7 @@ class Scheduler:
         chunks = max(round(size / carry), -(-self.prefetch_depth * workers // self._window_cap()))
         return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))
 
-    def _on_chunk(
-        self, it: _Iteration, s: _OpState, ci: int, t0: float, future: Future[Any]
-    ) -> None:
+    def _on_chunk(self, it: Iteration, s: OpState, ci: int, t0: float, future: Future[Any]) -> None:
         """A chunk came back (in the executor's thread, or inline)."""
         elapsed = time.perf_counter() - t0
         with self._lock:
@@ -897,7 +785,7 @@ class Scheduler:
                 self._fail(it, exc)
 
     def _chunk_in(
-        self, it: _Iteration, s: _OpState, ci: int, elapsed: float, future: Future[Any]
+        self, it: Iteration, s: OpState, ci: int, elapsed: float, future: Future[Any]
     ) -> None:
         if future.cancelled():
             self._fail(it, PoolClosedError("the pipeline was closed"))
@@ -934,11 +822,11 @@ class Scheduler:
         blocks = it.blocks.pop(s.pos)
         columns = self._assemble(s, parts, bounds, blocks)  # type: ignore[arg-type]
         if len(s.members) == 1 or s.executor is self.executor:
-            nbytes = sum(_nbytes(col) for col in columns)
+            size = sum(nbytes(col) for col in columns)
             if len(s.members) == 1:
-                s.bytes_out += nbytes
+                s.bytes_out += size
             if s.executor is self.executor:
-                it.nbytes += nbytes
+                it.nbytes += size
         it.values[s.pos] = columns
         if s.source:
             stops = [p.stop for p in parts if p is not None and p.stop is not None]
@@ -957,7 +845,7 @@ class Scheduler:
 
     def _assemble(
         self,
-        s: _OpState,
+        s: OpState,
         parts: list[ChunkResult],
         bounds: list[tuple[int, int]],
         blocks: list[Any],
@@ -1002,7 +890,7 @@ class Scheduler:
             columns.append(col)
         return tuple(columns)
 
-    def _learn(self, s: _OpState, i: int, col: list[Any]) -> None:
+    def _learn(self, s: OpState, i: int, col: list[Any]) -> None:
         """Output ``i`` of ``s`` came back as arrays: a block for the next batches?
 
         A batch whose samples share a shape and dtype sets the block of the
@@ -1017,7 +905,7 @@ class Scheduler:
             return
         s.blocks[i] = (tuple(shape), dtype)
 
-    def _finish(self, it: _Iteration) -> None:
+    def _finish(self, it: Iteration) -> None:
         plan = self._plan
         assert plan is not None
         out = []
@@ -1036,7 +924,7 @@ class Scheduler:
         it.host = {}
         it.done.set()
 
-    def _fail(self, it: _Iteration, exc: BaseException) -> None:
+    def _fail(self, it: Iteration, exc: BaseException) -> None:
         if it.error is None and not it.dropped:
             it.error = exc
         self._abandon(it)
@@ -1045,12 +933,12 @@ class Scheduler:
             # Its sources will not all come in: later iterations must not wait.
             self._sources_in(it)
 
-    def _drop(self, it: _Iteration) -> None:
+    def _drop(self, it: Iteration) -> None:
         it.dropped = True
         self._abandon(it)
         it.done.set()
 
-    def _abandon(self, it: _Iteration) -> None:
+    def _abandon(self, it: Iteration) -> None:
         """Stateful ops this iteration will not call give up their turn."""
         it.values = [None] * len(self.ops)
         it.host = {}
@@ -1073,37 +961,13 @@ def _one_pass(op: Op) -> bool:
     return op.source_mode == SourceMode.ITER and not op.cycle
 
 
-def _batch_in_workers(s: _OpState, executor: UnitExecutor) -> bool:
+def _batch_in_workers(s: OpState, executor: UnitExecutor) -> bool:
     """``s`` is a stateless batch op run by the pipeline's executor (its workers)."""
     op = s.op
     return op.batch_processing and not (op.is_source or op.stateful) and s.executor is executor
 
 
-def _declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | None]:
-    """Per output: (shape, dtype) where ``output_shapes``/``output_dtypes`` fix both."""
-    found: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = []
-    for i in range(op.num_outputs):
-        shape = op.output_shapes[i] if op.output_shapes is not None else None
-        dtype = op.output_dtypes[i] if op.output_dtypes is not None else None
-        if (
-            shape is None
-            or dtype is None
-            or np.dtype(dtype).hasobject
-            or any(d is None or d < 0 for d in shape)
-        ):
-            found.append(None)
-        else:
-            found.append((tuple(int(d) for d in shape), np.dtype(dtype)))  # type: ignore[arg-type]
-    return found
-
-
-def _nbytes(column: Any) -> int:
-    if isinstance(column, np.ndarray):
-        return int(column.nbytes)
-    return sum(int(a.nbytes) for a in column)
-
-
-def _annotate(exc: BaseException, op: Op, it: _Iteration, sample: int | None) -> BaseException:
+def _annotate(exc: BaseException, op: Op, it: Iteration, sample: int | None) -> BaseException:
     where = f"in {op.describe()}, iteration {it.index} of epoch {it.epoch}"
     if sample is not None:
         where += f", sample {sample} (index {it.epoch_start + sample} in the epoch)"
@@ -1129,50 +993,3 @@ def _sample_tuple(op: Op, item: Any) -> tuple[Any, ...]:
             f"must be a tuple of {op.num_outputs} arrays"
         )
     return tuple(np.asarray(v) for v in item)
-
-
-def _batch_samples(op: Op, data: Any, batch_size: int) -> list[tuple[Any, ...]]:
-    """Rows (one tuple of arrays per sample) of a batch a source gave."""
-    outs = [data] if op.num_outputs == 1 else data
-    if op.num_outputs > 1 and (not isinstance(outs, (tuple, list)) or len(outs) != op.num_outputs):
-        raise ValueError(
-            f"{op.describe()} has num_outputs={op.num_outputs}: its source must give a "
-            f"tuple of {op.num_outputs} batches"
-        )
-    columns = []
-    for out in outs:
-        if isinstance(out, np.ndarray) or hasattr(out, "__array_interface__"):
-            arr = np.asarray(out)
-            if arr.ndim == 0:
-                raise ValueError(f"{op.describe()} gave a 0-d array where a batch belongs")
-            columns.append(list(arr))
-        elif isinstance(out, (list, tuple)):
-            columns.append([np.asarray(v) for v in out])
-        else:
-            raise TypeError(
-                f"{op.describe()}: a batch is a list of arrays or one array whose first "
-                f"axis is the batch, not {type(out).__name__}"
-            )
-    n = len(columns[0])
-    if any(len(c) != n for c in columns):
-        raise ValueError(f"{op.describe()}: its outputs hold different numbers of samples")
-    if n > batch_size:
-        raise ValueError(
-            f"{op.describe()} gave a batch of {n} samples; the pipeline's batch_size is "
-            f"{batch_size}"
-        )
-    return list(zip(*columns, strict=True))
-
-
-def _check_source_value(op: Op, i: int, a: Any) -> None:
-    if a.dtype.hasobject and not is_string_array(a):
-        raise TypeError(
-            f"{op.describe()}: output {i} is an array of Python objects; sources give "
-            "numeric arrays, or arrays of strings (bytes or str)"
-        )
-    dts = op.output_dtypes
-    if dts is not None and dts[i] is not None and a.dtype != dts[i]:
-        raise TypeError(f"{op.describe()}: output {i} is {a.dtype}, but dtype={dts[i]}")
-    shape = op.output_shapes[i] if op.output_shapes is not None else None
-    if shape is not None and a.ndim != len(shape):
-        raise ValueError(f"{op.describe()}: output {i} has rank {a.ndim}, but ndim={len(shape)}")

@@ -70,7 +70,9 @@ PACKAGES = ("mpexec", "shm")
 MAX_INTERNAL = 1  # 20 before the pool became a package with a public seam; 4 before
 # Arena.open_own (-2) and before a stdlib Future's _state was classed foreign (-1: rule 1,
 # the variable is annotated ``Future``)
-MAX_FOREIGN = 23  # 22 with that one internal (the torch adapter's 21 are in torch/_compat)
+MAX_FOREIGN = 24  # 22 with that one internal (the torch adapter's 21 are in torch/_compat);
+# +1: pipeline_def marks the function it returns with DALI's `_is_pipeline_def`, which
+# DALI's code reads (a name DALI gives our own object, not a reach into a library)
 
 #: Lines of the largest module of mpexec/ and shm/ (``mpexec/_scheduler.py``): no
 #: module may grow past it. Lower it as rooms split; never raise it (1,630 when
@@ -86,6 +88,7 @@ WORKER_SIDE = (
     "mpexec._worker",  # the worker process's loop
     "mpexec._launch",  # how a worker starts (run by spawn / the fork server)
     "mpexec._runtime",  # what a unit of work runs in a worker
+    "mpexec._source_runners",  # whole-batch runners, run in a worker too
     "mpexec.torch._fetch",  # a DataLoader worker's setup, fetchers, collation
     "mpexec._dali_runner",  # what mpexec.dali.python_function runs in a worker
 )
@@ -121,6 +124,7 @@ LAYERS: dict[str, int] = {
     "mpexec._pool": 2,
     # 3: what a unit of work runs: op runners, the GPU stage, batches
     "mpexec._runtime": 3,
+    "mpexec._source_runners": 3,  # runners that make a whole batch (fused source, worker source)
     "mpexec._batch": 3,
     "mpexec._gpu": 3,
     "mpexec._arith": 3,  # DataNode arithmetic: the expressions the workers run
@@ -130,6 +134,7 @@ LAYERS: dict[str, int] = {
     "mpexec._executors": 4,
     # 5: the scheduler and the graph it walks
     "mpexec._scheduler": 5,
+    "mpexec._iterations": 5,  # the scheduler's records: op state, iterations, stats
     "mpexec._graph": 5,
     "mpexec._branches": 5,  # a batch's rows per branch of an `if` on a DataNode
     # 6: the pipeline and the ops that build it

@@ -1,0 +1,147 @@
+"""The scheduler's records: an op's runtime state, an iteration in flight, an op's stats.
+
+Plain records the scheduler (``_scheduler.py``) keeps and changes; apart from
+it so that the scheduler's module holds the policy (windows, chunks, assembly)
+and these hold the state it works on.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._batch import Batch
+from ._executors import UnitExecutor
+from ._graph import Op
+from ._modes import OpKind
+from ._runtime import ChunkResult
+
+
+@dataclass(frozen=True)
+class OpStats:
+    """What one op cost so far (per-sample ops: one call per sample)."""
+
+    name: str
+    calls: int
+    samples: int
+    function_s: float  # inside the function, summed over workers
+    waiting_s: float  # dispatched but not inside the function: queues, transport
+    bytes_in: int
+    bytes_out: int
+    bytes_copied: int  # input bytes copied into shared memory (0 when zero-copy)
+
+
+class OpState:
+    """An op's runtime: its runner, turn counter, source state and counters."""
+
+    def __init__(
+        self,
+        op: Op,
+        pos: int,
+        runner: Any,
+        worker: int | None,
+        executor: UnitExecutor,
+    ) -> None:
+        self.op = op
+        self.pos = pos
+        self.runner: Any = runner  # what its executor runs (None: a source read here)
+        self.inputs = op.inputs  # of the chain's head, when ops are chained into this one
+        # What it waits for: those inputs, and the predicates of the branch it runs in.
+        self.waits = tuple(op.waits())
+        # A split or merge of DALI's conditional execution: computed here, by selecting rows.
+        self.selects = op.kind in (OpKind.SPLIT, OpKind.MERGE)
+        self.members = [self]  # the chain this op ends (itself alone if none)
+        self.absorbed = False  # runs inside a later op's chain
+        self.worker = worker  # pinned worker index (stateful ops)
+        self.executor = executor  # where its units run
+        # What the executor offers beyond the protocol (_executors' doc), looked up once.
+        self.copied_bytes = getattr(executor, "copied_bytes", None)
+        self.handoff = getattr(executor, "handoff", None)
+        self.columns = getattr(executor, "columns", None)
+        self.batch = getattr(executor, "batch", None)
+        # Per output: (sample shape, dtype) of the batch's dense block, or None.
+        self.declared = declared_blocks(op)
+        self.blocks: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = list(self.declared)
+        self.turn = 0  # stateful: the compute sequence number allowed next
+        self.skipped: set[int] = set()
+        self.iterator: Iterator[Any] | None = None
+        self.fed: collections.deque[list[tuple[Any, ...]]] = collections.deque()
+        self.calls = self.samples = 0
+        self.function_s = self.waiting_s = 0.0
+        self.bytes_in = self.bytes_out = self.bytes_copied = 0
+
+    @property
+    def source(self) -> bool:
+        """This op, or the head of the chain it ends, is a source."""
+        return self.members[0].op.is_source
+
+    def stats(self) -> OpStats:
+        return OpStats(
+            self.op.name,
+            self.calls,
+            self.samples,
+            self.function_s,
+            self.waiting_s,
+            self.bytes_in,
+            self.bytes_out,
+            self.bytes_copied,
+        )
+
+
+class Iteration:
+    """One iteration in flight."""
+
+    def __init__(self, epoch: int, index: int, batch_size: int, n_ops: int) -> None:
+        self.epoch = epoch
+        self.index = index
+        self.epoch_start = index * batch_size
+        self.seq = -1  # compute-phase sequence number, once there
+        self.size = batch_size
+        self.stop: int | None = None  # a source raised StopIteration at this sample
+        # Per op: its output columns (a list of per-sample arrays, or one dense block).
+        self.values: list[tuple[Any, ...] | None] = [None] * n_ops
+        # Per branch of an `if` on a DataNode (by id): (mask over its parent's samples,
+        # their indices in the batch), worked out when first needed.
+        self.scopes: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+        self.parts: dict[int, list[ChunkResult | None]] = {}
+        self.bounds: dict[int, list[tuple[int, int]]] = {}  # op -> its chunks' rows
+        self.blocks: dict[int, list[Any]] = {}  # op -> per output: the batch's block, or None
+        self.dispatched: set[int] = set()
+        # (op, output) -> its column handed off to another executor (a GPU op's
+        # output copied to the host for CPU ops), as a future.
+        self.host: dict[tuple[int, int], Future[list[Any]]] = {}
+        self.sources_left = 0
+        self.ops_left = 0
+        self.nbytes = 0  # its outputs computed by the pipeline's workers so far
+        self.error: BaseException | None = None
+        self.dropped = False
+        self.result: tuple[Batch, ...] | None = None
+        self.done = threading.Event()
+
+    @property
+    def computing(self) -> bool:
+        return self.seq >= 0
+
+
+def declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | None]:
+    """Per output: (shape, dtype) where ``output_shapes``/``output_dtypes`` fix both."""
+    found: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = []
+    for i in range(op.num_outputs):
+        shape = op.output_shapes[i] if op.output_shapes is not None else None
+        dtype = op.output_dtypes[i] if op.output_dtypes is not None else None
+        if (
+            shape is None
+            or dtype is None
+            or np.dtype(dtype).hasobject
+            or any(d is None or d < 0 for d in shape)
+        ):
+            found.append(None)
+        else:
+            found.append((tuple(int(d) for d in shape), np.dtype(dtype)))  # type: ignore[arg-type]
+    return found
