@@ -80,6 +80,7 @@ _FORMAT = 2  # of serialize(): 2 adds the header, checked before anything is unp
 # serialize()'s header: magic, format, payload length, the payload's SHA-256.
 _MAGIC = b"MPEXPIPE"
 _HEADER = struct.Struct("<8sIQ32s")
+CLOSE_GRACE = 5.0  # seconds close() lets a running call finish before stopping its worker
 _STATE_VERSION = 2  # of state_dict(): 2 adds the graph's fingerprint
 
 
@@ -594,9 +595,13 @@ class Pipeline:
         assert self._scheduler is not None
         self._scheduler.feed(name, data)
 
-    def close(self) -> None:
+    def close(self, grace: float = CLOSE_GRACE) -> None:
         """Stop the workers and free what the pipeline holds; idempotent.
 
+        Iterations in flight are dropped. A call still running in a worker
+        gets ``grace`` seconds (default 5) to return; then its worker is
+        stopped (SIGTERM, then SIGKILL a second later), so a function that
+        never returns cannot hold ``close()`` (or leaving ``with``) up.
         Batches already returned stay valid for as long as they are held.
         In a process forked from the pipeline's, it only marks this copy
         closed: the workers are the parent's.
@@ -616,8 +621,8 @@ class Pipeline:
             gpu, self._gpu = self._gpu, None
         if gpu is not None:
             gpu.shutdown(wait=True, cancel_futures=True)  # waits for copies, unregisters
-        if pool is not None and pool is not self._given_pool:
-            pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(pool, WorkerPool) and pool is not self._given_pool:  # the one we started
+            pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._finalizer is not None:
             self._finalizer.detach()
 
