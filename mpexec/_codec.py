@@ -178,6 +178,7 @@ class _Refs(pickle.Pickler):
             return None
         arena = self.arena
         if arena is None and obj.nbytes > self.inline_max:
+            self.bytes_shared += obj.nbytes  # what it would share
             return _SHARED_TAG  # only checking that the rest pickles: no bytes needed
         if arena is not None and (
             obj.nbytes > self.inline_max or (obj.nbytes > VIEW_INLINE_MAX and arena.owns(obj))
@@ -355,6 +356,15 @@ def encode(
             raise SerializationError(describe_unpicklable(bad[0], bad[1], exc)) from exc
         data = buf.getvalue()
     return Encoded(data, refs)
+
+
+def check(value: Any, what: str = "value") -> int:
+    """The bytes of ``value``'s arrays; SerializationError if it cannot be encoded.
+
+    Nothing is shared or copied: the arrays are counted, the rest pickled
+    (as :func:`encode` would, with the same fallback to cloudpickle).
+    """
+    return encode(value, None, None, what, inline_max=-1).bytes_shared
 
 
 def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = False) -> Any:
