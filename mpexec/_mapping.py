@@ -462,13 +462,16 @@ def map_auto(
                 raise for_caller(exc)  # noqa: B904 - as above
             sent -= 1
             ran = len(results) + (error is not None)
-            sizer.learn(ran, seconds, cpu, nbytes)
             if error is None and ran < len(chunk.calls):
-                chunk.calls, chunk.future = chunk.calls[ran:], None  # handed back
+                # Handed back: the calls turned slow or large. Sized anew before they go.
+                chunk.calls, chunk.future = chunk.calls[ran:], None
+                sizer.learn(ran, seconds, cpu, nbytes)
+                fill()
             else:
                 chunks.remove(chunk)
-            if error is None:
-                fill()
+                if error is None:
+                    fill()  # first: the next chunk goes out before this one is read
+                sizer.learn(ran, seconds, cpu, nbytes)
             yield from results
     finally:
         for c in chunks:
