@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -266,6 +267,8 @@ class Pipeline:
         self._resume_at: tuple[int, int] | None = None  # load_state_dict() before build()
         self._lock = threading.RLock()
         self._closed = False
+        self._exhausted = False  # run() raised StopIteration and reset() has not run since
+        self._warned_exhausted = False
         self._iterations = 0
         self._samples = 0
         self._started = 0.0
@@ -445,6 +448,7 @@ class Pipeline:
         try:
             result = self._scheduler.next_result()
         except StopIteration:
+            self._exhausted = True  # until reset(): see __iter__
             raise
         except Exception as exc:
             # The op's exception, its traceback where it was raised (not the scheduler's).
@@ -457,7 +461,23 @@ class Pipeline:
         return result
 
     def __iter__(self) -> Iterator[tuple[Batch, ...]]:
+        """The iterations until a source ends the epoch; the next epoch needs :meth:`reset`.
+
+        As in DALI. A ``for`` over a pipeline whose epoch ended, without
+        ``reset()`` between, yields nothing: it warns (once per pipeline), as
+        a loop written for PyTorch's DataLoader (which starts a new epoch at
+        each ``for``) would otherwise get empty epochs without a word.
+        """
         __tracebackhide__ = True
+        if self._exhausted and not self._warned_exhausted:
+            self._warned_exhausted = True
+            warnings.warn(
+                "this pipeline's epoch has ended: iterating it again yields nothing until "
+                "pipe.reset() starts the next epoch (DALI's rule; a PyTorch DataLoader "
+                "starts one at each `for`). Call pipe.reset() after each epoch",
+                UserWarning,
+                stacklevel=2,
+            )
         while True:
             try:
                 out = self.run()
@@ -505,6 +525,7 @@ class Pipeline:
     def reset(self) -> None:
         """Start the next epoch: sources begin again from their start."""
         self._check_not_forked()
+        self._exhausted = False
         if self._scheduler is not None:
             self._scheduler.reset()
 
@@ -578,6 +599,7 @@ class Pipeline:
                 "their state lives in their functions and is not part of state_dict()"
             )
         at = (int(epoch), int(iteration))  # type: ignore[arg-type]
+        self._exhausted = False
         with self._lock:
             if self._scheduler is None:
                 self._resume_at = at

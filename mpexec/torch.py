@@ -36,6 +36,7 @@ import functools
 import itertools
 import mmap
 import multiprocessing as mp
+import numbers
 import os
 import resource
 import signal
@@ -122,8 +123,10 @@ class DataLoader(_dl.DataLoader[_T_co]):  # type: ignore[misc]
     _iterator: Any  # torch's: the persistent workers' iterator
 
     def __init__(self, *args: Any, warm_batches: int = 0, **kwargs: Any) -> None:
-        if type(warm_batches) is not int or warm_batches < 0:  # bool, float: refused too
+        given: object = warm_batches  # NumPy integers too; bool and float refused
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral) or int(given) < 0:
             raise ValueError(f"warm_batches must be an int >= 0 (bytes), not {warm_batches!r}")
+        warm_batches = int(given)
         super().__init__(*args, **kwargs)
         self.warm_batches = warm_batches
         self._mp_progress: _Progress | None = None  # the epoch now running, or last run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,30 @@ def test_pool_shutdown_grace_fails_the_running_call(tmp_path: Path) -> None:
             f.result(10)
     with pytest.raises(ValueError, match="grace"):
         mpexec.WorkerPool(0).shutdown(grace=-1)
+
+
+def _four_samples(info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+    if info.idx_in_epoch >= 4:
+        raise StopIteration
+    return np.full(2, info.idx_in_epoch)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterating_an_ended_epoch_again_without_reset_warns_once(workers: int) -> None:
+    """DALI's rule (reset() starts the next epoch) said out loud to a PyTorch user."""
+
+    @mpexec.pipeline_def(batch_size=2, num_workers=workers, seed=3)
+    def graph() -> Any:
+        return fn.external_source(source=_four_samples, batch=False)
+
+    with graph() as pipe:
+        assert len(list(pipe)) == 2
+        with pytest.warns(UserWarning, match=r"pipe\.reset\(\)"):
+            assert list(pipe) == []  # an empty epoch, but not a silent one
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert list(pipe) == []  # once per pipeline
+            pipe.reset()
+            assert len(list(pipe)) == 2  # the next epoch: no warning
+            pipe.reset()
+            assert len(list(pipe)) == 2
