@@ -186,6 +186,7 @@ class _Refs(pickle.Pickler):
             return None
         arena = self.arena
         if arena is None and obj.nbytes > self.inline_max:
+            self.bytes_shared += obj.nbytes  # what it would share
             return _SHARED_TAG  # only checking that the rest pickles: no bytes needed
         if arena is not None and (
             obj.nbytes > self.inline_max or (obj.nbytes > VIEW_INLINE_MAX and arena.owns(obj))
@@ -285,7 +286,9 @@ def _load_ref(writable: bool, shared_ok: bool, pid: bytes) -> Any:
     if kind == _WRITABLE:
         # Mapped alone: a stray write reaches only this array's pages (which
         # pool.empty()/put() give it to itself), never an input's.
-        return shm.open_array(desc, writable=True, alone=True)
+        view = shm.open_array(desc, writable=True, alone=True)
+        _lent.append(view)
+        return view
     arr = shm.open_array(desc, writable=writable)
     if desc.readonly and writable and not shared_ok and not _broadcast(desc):
         # A view of memory others read (a function returned its input):
@@ -293,6 +296,22 @@ def _load_ref(writable: bool, shared_ok: bool, pid: bytes) -> Any:
         # read-only in NumPy too: copying would only materialise it.)
         return arr.copy()
     return arr
+
+
+#: Writable views that decode() opened (arguments passed writable()): lent for one
+#: call. The worker revokes them when the call is over (revoke_lent).
+_lent: list[np.ndarray[Any, Any]] = []
+
+
+def revoke_lent() -> None:
+    """Make the writable views decode() lent inaccessible: the call that got them is over.
+
+    A function that kept one (in a global, a closure, a thread) would
+    otherwise write the caller's array in a later call that never received
+    it; now such a write faults.
+    """
+    while _lent:
+        shm.revoke(_lent.pop())
 
 
 def _broadcast(desc: shm.ArrayDescriptor) -> bool:
@@ -386,6 +405,15 @@ def encode(
             raise SerializationError(describe_unpicklable(bad[0], bad[1], exc)) from exc
         data = buf.getvalue()
     return Encoded(data, refs)
+
+
+def check(value: Any, what: str = "value") -> int:
+    """The bytes of ``value``'s arrays; SerializationError if it cannot be encoded.
+
+    Nothing is shared or copied: the arrays are counted, the rest pickled
+    (as :func:`encode` would, with the same fallback to cloudpickle).
+    """
+    return encode(value, None, None, what, inline_max=-1).bytes_shared
 
 
 def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = False) -> Any:

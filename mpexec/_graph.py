@@ -9,6 +9,7 @@ no output needs, merges identical stateless ops and orders the rest.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import hashlib
 import threading
@@ -420,8 +421,12 @@ class Graph:
 
         The same definition gives the same digest in any process (no ids, no
         code objects: a fixed function body still matches); a state from
-        another graph (``Pipeline.state_dict``) does not. Taken before
-        :meth:`plan` rewires merged ops, and kept.
+        another graph (``Pipeline.state_dict``) does not. Built-in ops count
+        their parameters (a reader's files and shard, an expression's
+        constants, ``fn.constant``'s value: see :func:`_parameters`), data
+        given as a source its contents, a ``functools.partial`` its
+        arguments; a user's function counts only by its qualified name.
+        Taken before :meth:`plan` rewires merged ops, and kept.
         """
         cached: str | None = getattr(self, "_fingerprint", None)
         if cached is not None:
@@ -449,6 +454,9 @@ class Graph:
             )
             if op.scope is not None:  # (only then: other graphs keep their digests)
                 fields += (_scope_names(op.scope),)
+            params = _parameters(op.function)
+            if params is not None:  # (as above: a plain function's op keeps its digest)
+                fields += (params,)
             h.update(repr(fields).encode())
         h.update(repr(tuple((n.op.name, n.index) for n in self.outputs)).encode())
         self._fingerprint = h.hexdigest()[:32]
@@ -498,6 +506,88 @@ def _scope_names(scope: Scope | None) -> tuple[tuple[str, int, bool], ...]:
     if scope is None:
         return ()
     return tuple((s.predicate.op.name, s.predicate.index, s.branch) for s in scope.lineage())
+
+
+def _parameters(function: Any) -> str | None:
+    """A digest of what an op's ``function`` holds beyond its name; None if nothing.
+
+    mpexec's own callables (a reader, an expression, a constant's source, a
+    decoder) by their fields, data given as a source (a list, an array) by
+    its contents, and a ``functools.partial`` by its arguments, at any depth.
+    A user's function, or object, is seen by its qualified name only: its
+    code, closure, globals and attributes are not (they may be anything,
+    and change from one process to the next).
+    """
+    if _plain_callable(function):
+        return None
+    h = hashlib.sha256()
+    _feed(h, function, 0)
+    return h.hexdigest()[:32]
+
+
+def _plain_callable(value: Any) -> bool:
+    """A user's callable, or anything else seen by its name only."""
+    return callable(value) and not (
+        isinstance(value, functools.partial) or type(value).__module__.startswith("mpexec.")
+    )
+
+
+_ATOMS = (bool, int, float, complex, str, bytes)
+_MAX_FEED_DEPTH = 32
+
+
+def _feed(h: Any, value: Any, depth: int) -> None:
+    """Hash ``value`` into ``h``: the same bytes for equal values in any process."""
+
+    def put(*parts: Any) -> None:
+        h.update(repr(parts).encode())
+
+    if depth > _MAX_FEED_DEPTH:
+        put("deep")
+    elif value is None or value is Ellipsis or type(value) in _ATOMS:
+        put(type(value).__name__, value)
+    elif isinstance(value, enum.Enum):
+        put("enum", type(value).__qualname__, value.name)
+    elif isinstance(value, (np.generic, np.dtype, slice)):
+        put(type(value).__name__, str(getattr(value, "dtype", "")), repr(value))
+    elif isinstance(value, np.ndarray):
+        put("ndarray", value.dtype.str, value.shape)
+        if value.dtype.hasobject:
+            for v in value.reshape(-1):
+                _feed(h, v, depth + 1)
+        else:
+            h.update(np.ascontiguousarray(value).tobytes())
+    elif type(value) in (list, tuple):
+        put(type(value).__name__, len(value))
+        for v in value:
+            _feed(h, v, depth + 1)
+    elif type(value) is dict:
+        put("dict", len(value))
+        for k in sorted(value, key=repr):
+            _feed(h, k, depth + 1)
+            _feed(h, value[k], depth + 1)
+    elif isinstance(value, functools.partial):
+        put("partial")
+        _feed(h, value.func, depth + 1)
+        _feed(h, value.args, depth + 1)
+        _feed(h, dict(value.keywords), depth + 1)
+    elif type(value).__module__.startswith("mpexec."):
+        put(type(value).__qualname__)
+        for name, v in _fields(value):
+            put(name)
+            _feed(h, v, depth + 1)
+    else:
+        put("named", _name_of(value))
+
+
+def _fields(obj: Any) -> list[tuple[str, Any]]:
+    """An object's attributes, from its ``__dict__`` and its classes' ``__slots__``."""
+    found = dict(getattr(obj, "__dict__", {}))
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in found and hasattr(obj, name):
+                found[name] = getattr(obj, name)
+    return sorted(found.items())
 
 
 def _name_of(function: Any) -> str:

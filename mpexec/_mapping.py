@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import numbers
 import operator
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -33,11 +34,16 @@ T = TypeVar("T")
 # process's fixed cost per task (100-200 us of its CPU, which on busy cores
 # comes out of the workers') is a percent or so of the work. CPU time, not
 # wall time: on a loaded host a call's wall time grows, its work does not. A
-# chunk still runs at most AUTO_CHUNK_WALL seconds (calls that wait, on I/O
-# say, use little CPU), so calls of half that or more go alone. A chunk
-# carries at most AUTO_CHUNK_BYTES of arrays (its calls' arguments and
-# results, top level), so that reading ahead in chunks holds no more memory
-# than a few calls on large arrays would, and at most AUTO_CHUNK_MAX calls.
+# chunk carries at most AUTO_CHUNK_BYTES of arrays (its calls' arguments and
+# results, at any depth: {"img": array} counts its array), so that reading
+# ahead in chunks holds no more memory than a few calls on large arrays would,
+# and at most AUTO_CHUNK_MAX calls. The worker ends a chunk itself, returning
+# the results it has, once it has run AUTO_CHUNK_WALL seconds or made
+# AUTO_CHUNK_BYTES of arrays (calls that turned slow, or large, after the ones
+# the chunk was sized from), or once the map's caller has given up (its
+# timeout): the calls it did not start go out again, in chunks sized anew, or
+# not at all. So a result waits in its chunk for at most that budget and one
+# call, and a call that was not started when the caller gave up never runs.
 AUTO_CHUNK_SECONDS = 0.02
 AUTO_CHUNK_WALL = 0.05
 AUTO_CHUNK_BYTES = 4 << 20
@@ -82,16 +88,26 @@ class CallExecutor(Executor):
         until the first results show that calls are short, then as many a
         task as take about 20 ms of a worker's CPU (and run at most 50 ms: a
         call of 25 ms or more goes alone), at most 256, with at most 4 MiB of
-        arrays in and out; fewer again near the end of an iterable of known
-        length. Results still come one per item, and an
-        exception is raised at its own item, after the results before it; a
-        pool with a per-call ``timeout`` never chunks by itself (its timeout
-        is per call), nor does an inline one. ``chunksize=1`` sends every
-        call alone. ``chunksize`` > 1 sends the calls in chunks of that many,
-        one task per chunk; then an exception in a call fails its whole chunk
-        (the chunk's other results are not yielded), as in
+        arrays in and out (counted at any depth: a dict of arrays counts
+        them); fewer again near the end of an iterable of known length. The
+        worker ends a chunk early, with the results it has, once it has run
+        50 ms or made 4 MiB of arrays (calls that turned slow or large), or
+        when ``timeout`` has passed; the calls it did not start are sent
+        again. So a result waits in its chunk for at most 50 ms and one
+        call, and a call not started when the map is closed or times out
+        does not run (a chunk running then stops within 50 ms and one call).
+        Results still come one per item, and an exception, or a result
+        that cannot be pickled, is raised at its own item, after the results
+        before it; a pool with a per-call ``timeout`` never chunks by itself
+        (its timeout is per call), nor does an inline one. ``chunksize=1``
+        sends every call alone. ``chunksize`` > 1 sends the calls in chunks
+        of that many, one task per chunk; then an exception in a call fails
+        its whole chunk (the chunk's other results are not yielded), as in
         ``ProcessPoolExecutor``. Whenever calls travel in chunks, ``prefetch``
         counts chunks and a chunk is one call for the pool's ``timeout``.
+
+        An exception raised by an input iterable is raised after the results
+        of the items before it, as ``multiprocessing.Pool.imap`` does.
         """
         check_fn = self._before_map()
         if chunksize is None and not self._chunks_by_itself():
@@ -143,20 +159,59 @@ def map_calls(
     """
     if chunksize is not None and (type(chunksize) is not int or chunksize < 1):
         raise ValueError(f"chunksize must be an int >= 1 (or None: automatic), not {chunksize!r}")
-    limit = max(1, prefetch or 2 * max(1, workers))
+    given: object = prefetch  # what callers pass is not always what the annotation says
+    if given is not None and (
+        isinstance(given, bool) or not isinstance(given, numbers.Integral) or int(given) < 1
+    ):
+        raise ValueError(f"prefetch must be an int >= 1 (or None: the default), not {prefetch!r}")
+    limit = int(prefetch) if prefetch is not None else 2 * max(1, workers)
     deadline = None if timeout is None else time.monotonic() + timeout
-    calls = zip(*iterables, strict=False)
+    calls = Inputs(zip(*iterables, strict=False))
     if chunksize is None:
         sizer = ChunkSizer(workers, known_length(iterables))
         return map_auto(pool, fn, calls, sizer, limit, deadline, ordered, check_fn)
     if chunksize == 1:
-        return map_results(pool, fn, calls, limit, deadline, ordered)
+        return map_results(pool, fn, calls, limit, deadline, ordered, calls)
     if check_fn:
         _codec.dump_value(fn)  # name the function, not the wrapper, if it cannot pickle
     chunks = iter(lambda: (tuple(itertools.islice(calls, chunksize)),), ((),))
     # One wrapper per map(): the workers receive and cache it once.
     run = functools.partial(run_chunk, fn)
-    return flatten(map_results(pool, run, chunks, limit, deadline, ordered))
+    return flatten(map_results(pool, run, chunks, limit, deadline, ordered, calls))
+
+
+class Inputs:
+    """The calls of a ``map()``: an input iterable that raises ends them, for now.
+
+    Its exception is raised once the results of the calls before it are
+    yielded (:meth:`raise_error`, at the end of the map), as
+    ``multiprocessing.Pool.imap`` does: none of the calls sent is lost to it.
+    """
+
+    def __init__(self, calls: Iterator[tuple[Any, ...]]) -> None:
+        self.calls = calls
+        self.error: Exception | None = None
+
+    def __iter__(self) -> Inputs:
+        return self
+
+    def __next__(self) -> tuple[Any, ...]:
+        if self.error is not None:
+            raise StopIteration
+        try:
+            return next(self.calls)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            self.error = exc
+            raise StopIteration from None
+
+    def raise_error(self) -> None:
+        """Raise the input's exception, if one raised (once)."""
+        __tracebackhide__ = True
+        error, self.error = self.error, None
+        if error is not None:
+            raise for_caller(error)
 
 
 def settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
@@ -175,39 +230,89 @@ def run_chunk(fn: Callable[..., T], calls: tuple[tuple[Any, ...], ...]) -> list[
 
 
 def run_measured(
-    fn: Callable[..., T], calls: tuple[tuple[Any, ...], ...]
+    fn: Callable[..., T],
+    wall: float,
+    max_bytes: int,
+    calls: tuple[tuple[Any, ...], ...],
+    stop_at: float | None = None,
 ) -> tuple[list[T], float, float, int, bytes | None]:
     """A chunk of an automatic ``map()``, run in a worker: what :func:`map_auto` needs.
 
-    ``(results, seconds, cpu seconds, array bytes, error)``: the calls' results
-    up to the first that raised, how long they ran (wall time, and this
-    thread's CPU time), the bytes of their arrays (in and out, top level), and
-    that exception packed (the worker's own way, see :func:`pack_error`), or
-    None. Later calls of the chunk are not run.
+    ``(results, seconds, cpu seconds, array bytes, error)``: the calls'
+    results, how long they ran (wall time, and this thread's CPU time), the
+    bytes of their arrays (in and out, at any depth), and the exception of
+    the call that raised (or whose result cannot be pickled), packed the
+    worker's own way (see :func:`pack_error`), or None. The worker decides
+    when the chunk is done: after a call that raised, once the calls have
+    run ``wall`` seconds or made ``max_bytes`` of arrays, or once
+    ``stop_at`` (``time.time()``) has passed, when the caller has given up.
+    The calls not run are the caller's to send again, or not.
     """
     results: list[T] = []
     nbytes = 0
+    error = None
     start, cpu = time.perf_counter(), time.thread_time()
+    end = start + wall
     for call in calls:
+        if stop_at is not None and time.time() >= stop_at:
+            break  # the map timed out: its caller does not want these
         try:
             result = fn(*call)
         except BaseException as exc:  # as the worker reports a call's exception
             error = pack_error(exc)
             break
-        nbytes += _array_bytes(call) + _array_bytes(result)
+        size = _array_bytes(result)
+        if size is None:
+            # Not only containers, numbers and arrays: see that it pickles now, so that
+            # a result that does not fails its own item, not the chunk's others.
+            try:
+                size = _codec.check(result, "the result")
+            except Exception as exc:
+                error = pack_error(exc)
+                break
+        nbytes += sum(_array_bytes(a) or 0 for a in call) + size
         results.append(result)
-    else:
-        error = None
+        if nbytes >= max_bytes or time.perf_counter() >= end:
+            break
     return results, time.perf_counter() - start, time.thread_time() - cpu, nbytes, error
 
 
-def _array_bytes(value: Any) -> int:
-    """Bytes of the arrays in ``value``, or among its items (a tuple or list)."""
-    if isinstance(value, np.ndarray):
-        return value.nbytes
-    if type(value) is tuple or type(value) is list:
-        return sum(v.nbytes for v in value if isinstance(v, np.ndarray))
-    return 0
+#: Types whose values pickle as they are and hold no array.
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None), complex})
+_MAX_DEPTH = 8
+
+
+def _array_bytes(value: Any, depth: int = 0) -> int | None:
+    """Bytes of the arrays in ``value``, at any depth of its tuples, lists and dicts.
+
+    None where it holds anything else (an object, an array of objects, a
+    nesting too deep): then only pickling it finds its arrays, or that it
+    cannot be pickled.
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return 0
+    if kind is np.ndarray:
+        return None if value.dtype.hasobject else int(value.nbytes)
+    if isinstance(value, np.generic):
+        return None if isinstance(value, np.object_) else 0
+    if depth >= _MAX_DEPTH:
+        return None
+    if kind is tuple or kind is list:
+        items = value
+    elif kind is dict:
+        if not all(type(k) in _SCALARS for k in value):
+            return None
+        items = value.values()
+    else:
+        return None
+    total = 0
+    for item in items:
+        n = _array_bytes(item, depth + 1)
+        if n is None:
+            return None
+        total += n
+    return total
 
 
 def known_length(iterables: tuple[Iterable[Any], ...]) -> int | None:
@@ -239,11 +344,15 @@ class ChunkSizer:
         self.share = 2 * max(1, workers)  # chunks of the calls left, at least
         self.left = length
 
-    def take(self, calls: Iterator[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
+    def next_size(self, handed_back: int = 0) -> int:
+        """The next chunk's size, ``handed_back`` calls (that a worker did not run) pending."""
         size = self.size
         if self.left is not None:
-            size = max(1, min(size, self.left // self.share))
-        chunk = tuple(itertools.islice(calls, size))
+            size = max(1, min(size, (self.left + handed_back) // self.share))
+        return size
+
+    def take(self, calls: Iterator[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
+        chunk = tuple(itertools.islice(calls, self.next_size()))
         if self.left is not None:
             self.left = max(0, self.left - len(chunk))
         return chunk
@@ -262,6 +371,16 @@ class ChunkSizer:
         self.size = max(1, min(best, 2 * ran))
 
 
+class _Chunk:
+    """Calls of an automatic ``map()`` in a task, or handed back unrun (``future`` None)."""
+
+    __slots__ = ("calls", "future")
+
+    def __init__(self, calls: tuple[tuple[Any, ...], ...], future: Future[Any] | None) -> None:
+        self.calls = calls
+        self.future = future
+
+
 def map_auto(
     pool: Executor,
     fn: Callable[..., T],
@@ -276,20 +395,61 @@ def map_auto(
 
     Each item's result is yielded in turn; an item's exception is raised at
     that item, after the results before it; closing the generator cancels
-    the chunks in flight.
+    the chunks in flight. A chunk that its worker ended early hands back the
+    calls it did not run: they are sent again, in chunks sized anew, before
+    any new call, and keep their place in the order of the results.
     """
     __tracebackhide__ = True  # a call's error is raised from here, for the caller
-    chunks = iter(lambda: (sizer.take(calls),), ((),))
-    # One wrapper per map(): the workers receive and cache it once.
-    run = functools.partial(run_measured, fn)
-    outcomes = map_results(pool, run, chunks, limit, deadline, ordered)
+    # One wrapper per map(): the workers receive and cache it once. The budgets go
+    # with it, read now (a worker's module is not this process's).
+    run = functools.partial(run_measured, fn, AUTO_CHUNK_WALL, AUTO_CHUNK_BYTES)
+    # The deadline on the clock every process (and node) shares.
+    stop_at = None if deadline is None else time.time() + (deadline - time.monotonic())
+    chunks: list[_Chunk] = []  # in the order of their results (ordered: the order yielded)
+    sent, ended = 0, False
+
+    def fill() -> None:
+        """Send chunks until ``limit`` are out: calls handed back first, then new ones."""
+        nonlocal sent, ended
+        while sent < limit:
+            back = next((i for i, c in enumerate(chunks) if c.future is None), None)
+            if back is not None:
+                rest = chunks[back]
+                n = sizer.next_size(len(rest.calls))
+                piece, rest.calls = rest.calls[:n], rest.calls[n:]
+                out = _Chunk(piece, pool.submit(run, piece, stop_at))
+                if rest.calls:
+                    chunks.insert(back, out)
+                else:
+                    chunks[back] = out
+            elif ended:
+                return
+            else:
+                piece = sizer.take(calls)
+                if not piece:
+                    ended = True
+                    return
+                chunks.append(_Chunk(piece, pool.submit(run, piece, stop_at)))
+            sent += 1
+
     error = None
     try:
-        while error is None:
+        fill()
+        while chunks and error is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("map() ran past its timeout")
+            if ordered:
+                chunk, timeout = chunks[0], left
+            else:
+                futures = [c.future for c in chunks if c.future is not None]
+                done, _ = wait_futures(futures, left, return_when=FIRST_COMPLETED)
+                if not done:
+                    raise TimeoutError("map() ran past its timeout")
+                chunk, timeout = next(c for c in chunks if c.future in done), None
+            assert chunk.future is not None  # fill() sends the first calls handed back
             try:
-                results, seconds, cpu, nbytes, error = next(outcomes)
-            except StopIteration:
-                return
+                results, seconds, cpu, nbytes, error = chunk.future.result(timeout)
             except SerializationError as exc:
                 named = _function_error(fn) if check_fn else None
                 if named is not None:
@@ -300,12 +460,27 @@ def map_auto(
                 raise for_caller(exc)  # noqa: B904
             except Exception as exc:
                 raise for_caller(exc)  # noqa: B904 - as above
-            sizer.learn(len(results) + (error is not None), seconds, cpu, nbytes)
+            sent -= 1
+            ran = len(results) + (error is not None)
+            if error is None and ran < len(chunk.calls):
+                # Handed back: the calls turned slow or large. Sized anew before they go.
+                chunk.calls, chunk.future = chunk.calls[ran:], None
+                sizer.learn(ran, seconds, cpu, nbytes)
+                fill()
+            else:
+                chunks.remove(chunk)
+                if error is None:
+                    fill()  # first: the next chunk goes out before this one is read
+                sizer.learn(ran, seconds, cpu, nbytes)
             yield from results
     finally:
-        outcomes.close()  # now, not when collected: it cancels the chunks in flight
-    assert error is not None  # the loop ends at the first error, or returns
-    raise for_caller(unpack_error(error))
+        for c in chunks:
+            if c.future is not None:
+                c.future.cancel()  # now, not when collected
+    if error is not None:
+        raise for_caller(unpack_error(error))
+    if isinstance(calls, Inputs):
+        calls.raise_error()
 
 
 def _function_error(fn: Callable[..., Any]) -> SerializationError | None:
@@ -337,8 +512,12 @@ def map_results(
     limit: int,
     deadline: float | None,
     ordered: bool,
+    inputs: Inputs | None = None,
 ) -> Generator[T, None, None]:
-    """Results of ``fn(*call)`` for each call, with at most ``limit`` submitted at once."""
+    """Results of ``fn(*call)`` for each call, with at most ``limit`` submitted at once.
+
+    ``inputs``: where the calls come from, whose exception ends the results.
+    """
     __tracebackhide__ = True  # a call's error is raised from here, for the caller
     window: collections.deque[Future[T]] = collections.deque()
     try:
@@ -370,3 +549,5 @@ def map_results(
     finally:
         for future in window:
             future.cancel()
+    if inputs is not None:
+        inputs.raise_error()

@@ -17,6 +17,7 @@ import sys
 import sysconfig
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ _FORMAT = 2  # of serialize(): 2 adds the header, checked before anything is unp
 # serialize()'s header: magic, format, payload length, the payload's SHA-256.
 _MAGIC = b"MPEXPIPE"
 _HEADER = struct.Struct("<8sIQ32s")
+CLOSE_GRACE = 5.0  # seconds close() lets a running call finish before stopping its worker
 _STATE_VERSION = 2  # of state_dict(): 2 adds the graph's fingerprint
 
 
@@ -274,6 +276,8 @@ class Pipeline:
         self._resume_at: tuple[int, int] | None = None  # load_state_dict() before build()
         self._lock = threading.RLock()
         self._closed = False
+        self._exhausted = False  # run() raised StopIteration and reset() has not run since
+        self._warned_exhausted = False
         self._iterations = 0
         self._samples = 0
         self._started = 0.0
@@ -461,6 +465,7 @@ class Pipeline:
         try:
             result = self._scheduler.next_result()
         except StopIteration:
+            self._exhausted = True  # until reset(): see __iter__
             raise
         except Exception as exc:
             # The op's exception, its traceback where it was raised (not the scheduler's).
@@ -473,7 +478,23 @@ class Pipeline:
         return result
 
     def __iter__(self) -> Iterator[tuple[Batch, ...]]:
+        """The iterations until a source ends the epoch; the next epoch needs :meth:`reset`.
+
+        As in DALI. A ``for`` over a pipeline whose epoch ended, without
+        ``reset()`` between, yields nothing: it warns (once per pipeline), as
+        a loop written for PyTorch's DataLoader (which starts a new epoch at
+        each ``for``) would otherwise get empty epochs without a word.
+        """
         __tracebackhide__ = True
+        if self._exhausted and not self._warned_exhausted:
+            self._warned_exhausted = True
+            warnings.warn(
+                "this pipeline's epoch has ended: iterating it again yields nothing until "
+                "pipe.reset() starts the next epoch (DALI's rule; a PyTorch DataLoader "
+                "starts one at each `for`). Call pipe.reset() after each epoch",
+                UserWarning,
+                stacklevel=2,
+            )
         while True:
             try:
                 out = self.run()
@@ -538,6 +559,7 @@ class Pipeline:
         """Start the next epoch: sources begin again from their start (iterables that do
         not cycle keep their place: one pass, as in DALI)."""
         self._check_not_forked()
+        self._exhausted = False
         if self._scheduler is not None:
             self._scheduler.reset()
 
@@ -616,6 +638,7 @@ class Pipeline:
                 "their state lives in their functions and is not part of state_dict()"
             )
         at = (int(epoch), int(iteration))  # type: ignore[arg-type]
+        self._exhausted = False
         with self._lock:
             if self._scheduler is None:
                 self._resume_at = at
@@ -633,9 +656,13 @@ class Pipeline:
         assert self._scheduler is not None
         self._scheduler.feed(name, data)
 
-    def close(self) -> None:
+    def close(self, grace: float = CLOSE_GRACE) -> None:
         """Stop the workers and free what the pipeline holds; idempotent.
 
+        Iterations in flight are dropped. A call still running in a worker
+        gets ``grace`` seconds (default 5) to return; then its worker is
+        stopped (SIGTERM, then SIGKILL a second later), so a function that
+        never returns cannot hold ``close()`` (or leaving ``with``) up.
         Batches already returned stay valid for as long as they are held.
         In a process forked from the pipeline's, it only marks this copy
         closed: the workers are the parent's.
@@ -655,8 +682,8 @@ class Pipeline:
             gpu, self._gpu = self._gpu, None
         if gpu is not None:
             gpu.shutdown(wait=True, cancel_futures=True)  # waits for copies, unregisters
-        if pool is not None and pool is not self._given_pool:
-            pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(pool, WorkerPool) and pool is not self._given_pool:  # the one we started
+            pool.shutdown(wait=True, cancel_futures=True, grace=grace)
         if self._finalizer is not None:
             self._finalizer.detach()
 

@@ -419,13 +419,15 @@ class Scheduler:
         for s in here:
             try:
                 samples = self._pull(s, it)
+                # Fed batches were copied when fed: the caller may reuse its arrays.
+                # (The copy may find shared memory full: it fails this iteration, in
+                # the window already, as a source's error does.)
+                it.values[s.pos] = (
+                    samples if s.op.source_mode == SourceMode.FEED else self._own(s, samples)
+                )
             except Exception as exc:
                 self._fail(it, _annotate(exc, s.op, it, None))
                 return True
-            # Fed batches were copied when fed: the caller may reuse its arrays.
-            it.values[s.pos] = (
-                samples if s.op.source_mode == SourceMode.FEED else self._own(s, samples)
-            )
             n = len(samples[0])
             if (
                 n < self.batch_size
@@ -568,7 +570,12 @@ class Scheduler:
                     return
                 self._done_here(it)
                 continue
-            if not self._handed_off(it, s) or s.pos in it.dispatched:
+            try:
+                ready = self._handed_off(it, s)
+            except Exception as exc:  # a closed GPU stage: fail the iteration, in the window
+                self._fail(it, _annotate(exc, s.op, it, None))
+                return
+            if not ready or s.pos in it.dispatched:
                 continue  # (dispatched already: by a handoff that completed meanwhile)
             if s.worker is not None and s.turn != it.seq:
                 continue  # a stateful op: an earlier iteration goes first
@@ -681,7 +688,11 @@ class Scheduler:
                 self._units[s.pos] = k  # sizes the window
         it.parts[s.pos] = [None] * len(bounds)
         it.bounds[s.pos] = bounds
-        blocks = self._blocks(s, size)
+        try:
+            blocks = self._blocks(s, size)  # shared memory may be full: fail the iteration
+        except Exception as exc:
+            self._fail(it, _annotate(exc, op, it, None))
+            return
         it.blocks[s.pos] = blocks
         submit = s.executor.submit_unit
         names = tuple(m.op.name for m in s.members)

@@ -220,6 +220,7 @@ class _Worker:
                 # Open and drop the arguments: the pool's memory they hold goes back.
                 with contextlib.suppress(Exception):
                     _codec.decode(body_of(rec, flags))
+                _codec.revoke_lent()
                 done, watch = self.boot.done, self.watch
                 done.push(record(SKIPPED, b"", task_id), timeout=None, watch=watch)
                 return
@@ -244,6 +245,8 @@ class _Worker:
         # the caller is reading the answer meanwhile, not waiting on them. The
         # pool's thread that reads it often wakes on this core: let it run first.
         os.sched_yield()
+        # Writable arguments are the caller's again: a view the function kept faults.
+        _codec.revoke_lent()
         held.clear()
 
     def run(self, task_id: int, fn_id: int, body: bytes | memoryview, held: list[Any]) -> bytes:

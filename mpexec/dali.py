@@ -47,6 +47,7 @@ import numpy as np
 from ._batch import Batch
 from ._codec import writable
 from ._dali_runner import ChunkRunner
+from ._errors import PoolClosedError
 from ._extras import INSTALL_DOC, install_command
 from ._mapping import ChunkSizer
 from ._pipeline import Pipeline
@@ -81,7 +82,10 @@ def python_function(
     part of the batch, and its outputs are joined in order. Exceptions come
     back with their own type. The workers start on the first call (or use
     ``pool``); ``close()`` (or the returned object's ``with``) stops them,
-    garbage collection and exit do too.
+    garbage collection and exit do too. Closed is final: a later call
+    raises :class:`~mpexec.PoolClosedError` (DALI's prefetch may still make
+    one). A worker of its own that dies costs the batch it was working on
+    (:class:`~mpexec.WorkerCrashedError`), and is replaced for the next.
     """
     return DaliFunction(
         function,
@@ -120,6 +124,7 @@ class DaliFunction:
         self._pool_args = {"start_method": start_method, "timeout": timeout}
         self._num_workers = num_workers
         self._pool: WorkerPool | None = pool
+        self._closed = False
         self._lock = threading.Lock()
         self._per_sample = 0.0  # seconds per sample seen so far, for the chunk size
         # Per output: (sample shape, dtype) of the last batch, where all its samples
@@ -129,10 +134,18 @@ class DaliFunction:
 
     @property
     def pool(self) -> WorkerPool:
-        """The workers (started now if not yet)."""
+        """The workers (started now if not yet); PoolClosedError once closed."""
         with self._lock:
+            if self._closed:
+                raise PoolClosedError(f"{self!r} is closed: it starts no workers again")
             if self._pool is None:
-                own = WorkerPool(self._num_workers, **self._pool_args)  # type: ignore[arg-type]
+                # restart: a worker that dies fails the batch it was working on, not
+                # every later one (a batch of DALI's is the unit that fails, as in a pipeline).
+                own = WorkerPool(
+                    self._num_workers,
+                    restart=True,
+                    **self._pool_args,  # type: ignore[arg-type]
+                )
                 self._finalizer = weakref.finalize(self, own.shutdown, False, cancel_futures=True)
                 self._pool = own
             return self._pool
@@ -201,18 +214,26 @@ class DaliFunction:
                 out = tuple(None if k is None else writable(k[a:b]) for k in blocks)
                 running[pool.submit(self._runner, *(c[a:b] for c in columns), out=out)] = i
 
-        for _ in range(2 * workers):
-            submit_next()
-        while running:
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for f in done:
-                results[running.pop(f)] = f.result()
+        try:
+            for _ in range(2 * workers):
                 submit_next()
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    results[running.pop(f)] = f.result()
+                    submit_next()
+        finally:
+            for f in running:  # the batch failed: its other chunks are not wanted
+                f.cancel()
         return results
 
     def close(self) -> None:
-        """Stop the workers it started (a pool it was given is left running); idempotent."""
+        """Stop the workers it started (a pool it was given is left running); idempotent.
+
+        Final: a later call raises :class:`~mpexec.PoolClosedError`.
+        """
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, self._given_pool
             finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:

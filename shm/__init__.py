@@ -36,6 +36,7 @@ from ._views import (
     flush_releases,
     in_shared_memory,
     open_array,
+    revoke,
     segment_of,
     set_release_route,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "open_array",
     "platform_info",
     "reap_orphans",
+    "revoke",
     "segment_of",
     "set_release_route",
     "wait",

@@ -273,6 +273,7 @@ class Anchor:
         "keep",
         "nbytes",
         "readonly",
+        "span",
     )
 
     __array_interface__: dict[str, Any]
@@ -296,6 +297,8 @@ class Anchor:
         # pointer read (``__array_interface__`` costs a microsecond).
         self.first: weakref.ref[np.ndarray[Any, Any]] | None = None
         self.first_start = 0
+        # A writable view opened ``alone``: the release that closes its pages (see revoke).
+        self.span: _Release | None = None
 
 
 class _Release(weakref.ref):  # type: ignore[type-arg]
@@ -319,7 +322,7 @@ _exit_hooked = False
 _exited = False
 
 
-def on_release(anchor: Anchor, fn: Any, *args: Any) -> None:
+def on_release(anchor: Anchor, fn: Any, *args: Any) -> _Release:
     """Call ``fn(*args)`` when ``anchor`` (the last view of its bytes) is gone."""
     global _exit_hooked
     ref = _Release(anchor, _fire)
@@ -329,6 +332,7 @@ def on_release(anchor: Anchor, fn: Any, *args: Any) -> None:
     if not _exit_hooked:
         _exit_hooked = True
         atexit.register(_fire_all)
+    return ref
 
 
 def _fire(ref: _Release) -> None:
@@ -362,6 +366,24 @@ def build_view(
     # Positional: numpy parses keywords several times slower.
     view: np.ndarray[Any, Any] = np.ndarray(shape, dtype, np.asarray(anchor), start, strides)
     return view
+
+
+def revoke(array: np.ndarray[Any, Any]) -> bool:
+    """Make a writable view opened ``alone`` inaccessible now, however many hold it.
+
+    Its pages fault from here on, through any view of them (see
+    ``_Importer.alone``), as they would once its last view were gone: for
+    code that lends a writable view for a while and must know that nothing
+    writes through it afterwards. False where ``array`` is no such view (or
+    ``mprotect`` is missing): nothing was done.
+    """
+    anchor = find_anchor(array)
+    ref = anchor.span if anchor is not None else None
+    if ref is None:
+        return False
+    anchor.span = None  # type: ignore[union-attr]
+    _fire(ref)  # once: the release finds nothing left to do when the view goes
+    return True
 
 
 def find_anchor(array: np.ndarray[Any, Any]) -> Anchor | None:
@@ -688,7 +710,7 @@ def open_array(
         address = keep.address + desc.offset - keep.offset
     anchor = Anchor(address, desc.nbytes, not writable, keep, desc.arena_id, desc.alloc_id)
     if win is not None:
-        on_release(anchor, imp.close_span, win, first, end)
+        anchor.span = on_release(anchor, imp.close_span, win, first, end)
     on_release(anchor, imp.released, desc.arena_id, desc.alloc_id)
     return build_view(anchor, desc.dtype, desc.shape, desc.strides, desc.start)
 

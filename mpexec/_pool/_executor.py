@@ -297,19 +297,29 @@ class WorkerPool(CallExecutor):
         return self._state.processes()
 
     # ------------------------------------------------------------ stopping
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+    def shutdown(
+        self, wait: bool = True, *, cancel_futures: bool = False, grace: float | None = None
+    ) -> None:
         """Stop the pool; idempotent.
 
         With ``wait``, queued calls finish first (unless ``cancel_futures``):
         like ``ProcessPoolExecutor``, that takes as long as they do (set the
-        pool's ``timeout`` to bound it). Then every worker is gone within a
-        bounded time (closed ring, timed join, SIGTERM, SIGKILL). Without
-        ``wait``, queued calls are cancelled and running ones abandoned (their
-        futures fail with :class:`PoolClosedError`). Safe from several threads.
+        pool's ``timeout``, or ``grace``, to bound it). Then every worker is
+        gone within a bounded time (closed ring, timed join, SIGTERM, SIGKILL).
+        Without ``wait``, queued calls are cancelled and running ones abandoned
+        (their futures fail with :class:`PoolClosedError`). Safe from several
+        threads.
+
+        ``grace`` (seconds, with ``wait``): how long calls may still run; past
+        it the workers running one get SIGTERM, then SIGKILL a second later,
+        and every call not finished fails with :class:`PoolClosedError` (a
+        function that never returns cannot hold shutdown up).
 
         In a process forked from the pool's, it does nothing: the workers
         are the parent's, which goes on using them.
         """
+        if grace is not None and not grace >= 0:
+            raise ValueError(f"grace must be seconds >= 0 or None, not {grace!r}")
         state = self._state
         if state.pid != os.getpid():
             if self._finalizer is not None:
@@ -319,7 +329,7 @@ class WorkerPool(CallExecutor):
             state.mark_closed()
             return
         _stop.untrack(self)
-        _stop.shutdown(state, self._lifeline, self._manager, wait, cancel_futures)
+        _stop.shutdown(state, self._lifeline, self._manager, wait, cancel_futures, grace)
         if self._finalizer is not None:
             self._finalizer.detach()
 

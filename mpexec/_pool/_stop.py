@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
@@ -34,22 +35,34 @@ def shutdown(
     manager: threading.Thread | None,
     wait: bool,
     cancel: bool,
+    grace: float | None = None,
 ) -> None:
-    """Stop a pool: let queued calls finish (``wait``), then stop every worker."""
+    """Stop a pool: let queued calls finish (``wait``), then stop every worker.
+
+    ``grace``: with ``wait``, the longest the calls still running get; past
+    it, the workers running one are stopped at once (SIGTERM, then SIGKILL)
+    and those calls fail with :class:`PoolClosedError`. None: no bound.
+    """
     if state.pid != os.getpid():
         return  # a forked child's exit: the workers and memory are the parent's
     if not state.begin_shutdown(cancel=cancel or not wait):
         return
     me = threading.current_thread()
+    overran = False
     if manager is not None and wait and manager is not me:
         # It returns once every queued call is delivered (or failed by a crash).
+        end = None if grace is None else time.monotonic() + grace
         while manager.is_alive():
-            manager.join(0.1)
+            left = 0.1 if end is None else min(0.1, end - time.monotonic())
+            if left <= 0:
+                overran = True
+                break
+            manager.join(left)
     # One caller stops the workers and closes everything; another one (say
     # shutdown(wait=False) from a second thread) waits for it, then returns.
     with state.stop_lock:
         if not state.stopped:
-            stop(state, lifeline, manager, wait)
+            stop(state, lifeline, manager, wait, overran=overran)
 
 
 #: Pools collected without ``shutdown`` whose calls still run: their manager
@@ -93,15 +106,27 @@ def stop(
     lifeline: shm.Lifeline,
     manager: threading.Thread | None,
     wait: bool,
+    overran: bool = False,
 ) -> None:
-    """Close the rings, stop the workers and the manager, fail what is left, let go."""
+    """Close the rings, stop the workers and the manager, fail what is left, let go.
+
+    ``overran``: shutdown's grace ran out; a worker still running a call
+    would not see its closed ring until that call returns (perhaps never):
+    it gets no timed join, only the escalation.
+    """
     me = threading.current_thread()
     with state.lock:
         slots = list(state.slots)
+        busy = {id(s) for s in slots if s.queue} if overran else set()
     for slot in slots:
         with contextlib.suppress(shm.SharedMemoryError, ValueError):
             slot.tasks.close_producer()
-    stop_processes([s.process for s in slots if s.process is not None and s.pid], wait)
+    live = [s for s in slots if s.process is not None and s.pid]
+    stop_processes(
+        [s.process for s in live if id(s) not in busy],
+        wait,
+        also=[s.process for s in live if id(s) in busy],
+    )
     if manager is not None and manager is not me:
         state.poke()
         manager.join(_STOP_GRACE)
@@ -119,12 +144,15 @@ def stop(
     lifeline.close()
 
 
-def stop_processes(procs: list[Any], wait: bool) -> None:
-    """Timed join (if ``wait``), then SIGTERM, then SIGKILL of each worker's tree."""
+def stop_processes(procs: list[Any], wait: bool, also: Sequence[Any] = ()) -> None:
+    """Timed join (if ``wait``), then SIGTERM, then SIGKILL of each worker's tree.
+
+    ``also``: workers to escalate against with no timed join (their grace is over).
+    """
     deadline = time.monotonic() + (_STOP_GRACE if wait else 0.0)
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.exitcode is None]
+    alive = [p for p in [*procs, *also] if p.exitcode is None]
     for action, wait_s in (("terminate", 1.0), ("kill", 5.0)):
         if not alive:
             break

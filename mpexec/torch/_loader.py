@@ -8,6 +8,7 @@ is ``_state``'s) and the counters of ``stats()`` (``_stats``).
 from __future__ import annotations
 
 import copy
+import numbers
 from typing import Any, TypeVar
 
 import torch
@@ -81,8 +82,10 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
         snapshot_every_n_steps: int | None = 1,
         **kwargs: Any,
     ) -> None:
-        if type(warm_batches) is not int or warm_batches < 0:  # bool, float: refused too
+        given: object = warm_batches  # NumPy integers too; bool and float refused
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral) or int(given) < 0:
             raise ValueError(f"warm_batches must be an int >= 0 (bytes), not {warm_batches!r}")
+        warm_batches = int(given)
         if snapshot_every_n_steps is not None and (
             type(snapshot_every_n_steps) is not int or snapshot_every_n_steps < 0
         ):

@@ -576,3 +576,7 @@ def test_warm_batches_must_be_a_byte_count() -> None:
         with pytest.raises(ValueError, match="warm_batches"):
             mt.DataLoader(Big(), batch_size=8, num_workers=1, warm_batches=bad)
     assert mt.DataLoader(Big(), batch_size=8).warm_batches == 0
+    # A NumPy integer is an int (numbers.Integral), as a size read from a config often is.
+    loader = mt.DataLoader(Big(), batch_size=8, num_workers=1, warm_batches=np.int64(1 << 20))
+    assert loader.warm_batches == 1 << 20
+    assert type(loader.warm_batches) is int

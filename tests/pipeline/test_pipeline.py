@@ -899,7 +899,8 @@ def test_sample_source_in_workers(style: str) -> None:
                 assert row[4] != os.getpid(), "a per-sample source runs in the workers"
         with pytest.raises(StopIteration):
             pipe.run()
-        assert list(pipe) == [], "an ended epoch stays ended until reset()"
+        with pytest.warns(UserWarning, match=r"pipe\.reset\(\)"):  # said, not silent
+            assert list(pipe) == [], "an ended epoch stays ended until reset()"
         pipe.reset()
         epoch1 = _epoch(pipe)
         assert [len(b) for b in epoch1] == [5, 5, 2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import textwrap
 from typing import Any
@@ -210,3 +211,104 @@ def test_resuming_a_cycling_source_far_ahead_takes_bounded_time() -> None:
     assert _cycling(3) == [1.0, 2.0]  # items 6 and 7: 1 and 2 of the second pass
     assert _cycling(10**15) == [0.0, 1.0]
     assert _cycling(10**15 + 1) == [2.0, 3.0]
+
+
+# ---------------------------------------------------------------- what the fingerprint sees
+def _scale(x: Any, factor: float = 1.0) -> Any:
+    return x * factor
+
+
+def _fingerprint(define: Any) -> str:
+    """The graph fingerprint of a pipeline whose definition is ``define()`` (built twice: equal)."""
+
+    def make() -> str:
+        pipe = mpexec.Pipeline(batch_size=2, num_workers=0, seed=5)
+        pipe.define(define)
+        return str(pipe.state_dict()["graph"])
+
+    first = make()
+    assert make() == first, "one definition, two fingerprints"
+    return first
+
+
+def _files(tmp_path: Any) -> list[str]:
+    paths = []
+    for i in range(4):
+        p = tmp_path / f"{i}.bin"
+        p.write_bytes(bytes([i]))
+        paths.append(str(p))
+    return paths
+
+
+def _reader(paths: list[str], **kw: Any) -> Any:
+    return lambda: fn.readers.file(files=paths, name="R", **kw)[0]
+
+
+def _counter(info: Any) -> Any:
+    return np.full(2, info.idx_in_epoch)
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "shard_id",
+        "file list",
+        "random_shuffle",
+        "arithmetic constant",
+        "fn.constant value",
+        "list source",
+        "partial argument",
+    ],
+)
+def test_a_state_does_not_load_across_graphs_that_differ_in_parameters(
+    what: str, tmp_path: Any
+) -> None:
+    """Two graphs that differ only in a built-in op's parameter have two fingerprints."""
+    paths = _files(tmp_path)
+    x = lambda: fn.external_source(source=_counter, batch=False, name="x")  # noqa: E731
+    pairs: dict[str, tuple[Any, Any]] = {
+        "shard_id": (
+            _reader(paths, num_shards=2, shard_id=0),
+            _reader(paths, num_shards=2, shard_id=1),
+        ),
+        "file list": (_reader(paths), _reader([*paths[:3], paths[0]])),
+        "random_shuffle": (_reader(paths), _reader(paths, random_shuffle=True)),
+        "arithmetic constant": (lambda: x() * 2, lambda: x() * 3),
+        "fn.constant value": (
+            lambda: fn.constant(fdata=[1.0, 2.0]),
+            lambda: fn.constant(fdata=[1.0, 3.0]),
+        ),
+        "list source": (
+            lambda: fn.external_source(source=[np.zeros(2), np.ones(2)], batch=False),
+            lambda: fn.external_source(source=[np.zeros(2), np.zeros(2)], batch=False),
+        ),
+        "partial argument": (
+            lambda: fn.python_function(x(), function=functools.partial(_scale, factor=2.0)),
+            lambda: fn.python_function(x(), function=functools.partial(_scale, factor=3.0)),
+        ),
+    }
+    a, b = pairs[what]
+    assert _fingerprint(a) != _fingerprint(b), f"graphs differing in {what} share a fingerprint"
+
+    def pipe(define: Any) -> mpexec.Pipeline:
+        p = mpexec.Pipeline(batch_size=2, num_workers=0, seed=5)
+        p.define(define)
+        return p
+
+    with pytest.raises(ValueError, match="another pipeline definition"):
+        pipe(b).load_state_dict(pipe(a).state_dict())
+
+
+def test_a_user_function_is_seen_by_its_name_only() -> None:
+    """What the docs say a fingerprint cannot see: a function's body or closure."""
+    x = lambda: fn.external_source(source=_counter, batch=False, name="x")  # noqa: E731
+
+    def closure(factor: float) -> Any:
+        def _scale(v: Any) -> Any:  # the same qualified name, whatever factor is
+            return v * factor
+
+        return _scale
+
+    one = _fingerprint(lambda: fn.python_function(x(), function=closure(2.0)))
+    assert one == _fingerprint(lambda: fn.python_function(x(), function=closure(3.0)))
+    assert one != _fingerprint(lambda: fn.python_function(x(), function=_scale))

@@ -7,9 +7,11 @@ endless iterable, a pool timeout that stays per call, bounded memory a chunk.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -263,3 +265,210 @@ def test_chunks_give_back_their_memory() -> None:
         assert pool.stats().submitted < n // 4, "not chunked: the test proves nothing"
         wait_until(lambda: pool.stats().arena.in_use == start, 10, "the arena to empty again")
         assert pool.stats().pending == 0
+
+
+# ---------------------------------------------------------------- chunks the worker ends
+def _stamped(x: int, slow_from: int, slow_s: float) -> tuple[int, int, float, float]:
+    """(x, pid, start, end): calls from ``slow_from`` on sleep ``slow_s``."""
+    start = time.time()
+    if x >= slow_from:
+        time.sleep(slow_s)
+    return x, os.getpid(), start, time.time()
+
+
+def _endless(n: int | None = None) -> Iterator[int]:
+    """Ints with no length to read (a map's last chunks are not made smaller)."""
+    yield from itertools.count() if n is None else range(n)
+
+
+def test_calls_that_turn_slow_are_spread_over_the_workers() -> None:
+    """Quick calls make big chunks; the slow calls after them must not run in one of them."""
+    fast, slow, slow_s = 600, 12, 0.15
+    with WorkerPool(2) as pool:
+        out = list(
+            pool.map(
+                _stamped,
+                _endless(fast + slow),
+                itertools.repeat(fast),
+                itertools.repeat(slow_s),
+                timeout=T,
+            )
+        )
+    assert [r[0] for r in out] == list(range(fast + slow))
+    late = out[fast:]
+    assert len({r[1] for r in late}) == 2, "the slow calls ran on one worker"
+    span = max(r[3] for r in late) - min(r[2] for r in late)
+    assert span < 0.8 * slow * slow_s, f"{slow} calls of {slow_s} s took {span:.2f} s on 2 workers"
+
+
+def test_a_result_waits_in_its_chunk_for_one_slow_call_at_most() -> None:
+    """Results computed before slow calls in the same chunk come back after one of them."""
+    fast, slow, slow_s = 600, 4, 0.6
+    with WorkerPool(2) as pool:
+        late = []
+        results = pool.map(
+            _stamped,
+            _endless(fast + slow + 200),
+            itertools.repeat(fast),
+            itertools.repeat(slow_s),
+            ordered=False,
+            timeout=T,
+        )
+        for x, _, _, end in results:
+            late.append(time.time() - end)
+            if x >= fast + slow:
+                results.close()
+                break
+    # One slow call, the chunk's budget, and a loaded host's slack; not several slow calls.
+    assert max(late) < slow_s + 0.7, f"a result came {max(late):.2f} s after it was made"
+
+
+def _log_start(x: int, path: str, slow_from: int) -> int:
+    start = time.time()
+    with open(path, "a") as f:
+        f.write(f"{x} {start!r}\n")
+    if x >= slow_from:
+        time.sleep(0.1)
+    return x
+
+
+def _starts(path: Path) -> list[float]:
+    return [float(line.split()[1]) for line in path.read_text().splitlines()]
+
+
+def _warm(pool: WorkerPool) -> None:
+    """Each worker has imported this module (a loaded host may take seconds to)."""
+    pids = {r[1] for r in pool.map(_stamped, range(2), [0, 0], [0.3, 0.3], chunksize=1)}
+    assert len(pids) == 2
+
+
+def test_calls_not_started_when_map_times_out_do_not_run(tmp_path: Path) -> None:
+    log = tmp_path / "starts"
+    fast, timeout = 600, 3.0
+    with WorkerPool(2) as pool:
+        _warm(pool)
+        began = time.time()
+        results = pool.map(
+            _log_start,
+            _endless(fast + 400),
+            itertools.repeat(str(log)),
+            itertools.repeat(fast),
+            timeout=timeout,
+        )
+        with pytest.raises(TimeoutError):
+            list(results)
+        gave_up = time.time()
+        assert gave_up - began < timeout + 5
+        pool.shutdown(wait=True)  # whatever still runs, finishes
+    latest = max(_starts(log))
+    # (The slack: a worker preempted between its look at the clock and the call's.)
+    assert latest <= began + timeout + 0.5, f"a call started {latest - gave_up:.2f} s after"
+
+
+def test_calls_not_started_when_map_is_closed_do_not_run(tmp_path: Path) -> None:
+    log = tmp_path / "starts"
+    fast = 600
+    with WorkerPool(2) as pool:
+        _warm(pool)
+        results = pool.map(
+            _log_start,
+            _endless(fast + 400),
+            itertools.repeat(str(log)),
+            itertools.repeat(fast),
+            timeout=T,
+        )
+        for x in results:
+            if x >= fast:  # the first slow call is done: slow calls are in chunks now
+                break
+        results.close()
+        closed = time.time()
+        pool.shutdown(wait=True)
+    after = [t for t in _starts(log) if t > closed]
+    # A chunk running when the map closed ends after the call it runs: none starts later.
+    assert len(after) <= pool.num_workers, f"{len(after)} calls started after close()"
+
+
+def _img(x: int) -> dict[str, Any]:
+    return {"img": np.full(16 << 10, x % 256, np.uint8), "label": x}
+
+
+class _Sample:
+    def __init__(self, x: int) -> None:
+        self.img = np.full(16 << 10, x % 256, np.uint8)
+
+
+def _sample(x: int) -> _Sample:
+    return _Sample(x)
+
+
+@pytest.mark.parametrize("make", [_img, _sample])
+def test_a_chunk_counts_the_arrays_inside_results(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """{"img": array} (or an object holding one) counts its array toward a chunk's bytes."""
+    # 16 KiB a result, at most 64 KiB a chunk: four calls a chunk at most.
+    monkeypatch.setattr(mpexec._mapping, "AUTO_CHUNK_BYTES", 64 << 10)
+    n = 400
+    with WorkerPool(2) as pool:
+        for i, out in enumerate(pool.map(make, _endless(n), timeout=T)):
+            img = out["img"] if isinstance(out, dict) else out.img
+            assert img[0] == i % 256
+        tasks = pool.stats().submitted
+    assert tasks >= n // 4, f"{tasks} tasks for {n} results of 16 KiB: chunks past 64 KiB"
+
+
+def _unpicklable_at(x: int, bad: int) -> Any:
+    return threading.Lock() if x == bad else x
+
+
+def test_a_result_that_cannot_be_pickled_fails_its_own_item_only() -> None:
+    bad = 1500
+    with WorkerPool(2) as pool:
+        results = pool.map(_unpicklable_at, _endless(3000), itertools.repeat(bad), timeout=T)
+        got = [next(results) for _ in range(bad)]
+        assert got == list(range(bad))
+        with pytest.raises(mpexec.SerializationError, match=r"cannot pickle the result:") as info:
+            next(results)
+        assert "[0]" not in str(info.value), "an internal path of the chunk is named"
+        assert pool.stats().submitted < bad // 4, "not chunked: the test proves nothing"
+        with pytest.raises(mpexec.SerializationError, match=r"cannot pickle the result:") as one:
+            list(pool.map(_unpicklable_at, range(2), itertools.repeat(1), chunksize=1))
+    assert str(one.value).split(":")[0] == str(info.value).split(":")[0]
+
+
+def _raising_input(n: int, at: int) -> Iterator[int]:
+    for i in range(n):
+        if i == at:
+            raise KeyError(f"input {i}")
+        yield i
+
+
+@pytest.mark.parametrize("chunksize", [None, 1, 7])
+def test_an_input_that_raises_ends_the_map_after_every_result_before_it(
+    chunksize: int | None,
+) -> None:
+    at = 1000
+    with WorkerPool(2) as pool:
+        got: list[int] = []
+        results = pool.map(_square, _raising_input(2000, at), chunksize=chunksize, timeout=T)
+        with pytest.raises(KeyError, match="input 1000"):
+            got.extend(results)
+        assert got == [x * x for x in range(at)]  # as multiprocessing.Pool.imap
+        assert list(pool.map(_square, range(3), timeout=T)) == [0, 1, 4]
+
+
+@pytest.mark.parametrize("prefetch", [0, -3, 1.5, True, "2"])
+def test_map_refuses_a_prefetch_that_is_not_a_positive_int(prefetch: Any) -> None:
+    with WorkerPool(1) as pool, pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        pool.map(_square, range(3), prefetch=prefetch)
+
+
+def test_map_takes_a_numpy_integer_prefetch() -> None:
+    with WorkerPool(1) as pool:
+        assert list(pool.map(_square, range(5), prefetch=np.int64(2), timeout=T)) == [
+            0,
+            1,
+            4,
+            9,
+            16,
+        ]

@@ -151,6 +151,33 @@ def test_a_writable_argument_is_mapped_alone_and_only_while_the_call_runs() -> N
         assert [m for m in maps if "w" in m[2]] == [(lo, hi, "rw-s")]
 
 
+_kept: list[np.ndarray[Any, Any]] = []  # in a worker: views a function kept
+
+
+def _keep(out: np.ndarray[Any, Any]) -> None:
+    _kept.append(out)  # kept past its call: a global, a closure, a cache, a thread
+    out[...] = 1
+
+
+def _write_kept(value: int) -> int:
+    _kept[-1][...] = value  # a later call, which was not given ``out``
+    return int(_kept[-1][0])
+
+
+def test_a_writable_view_a_function_keeps_cannot_write_after_its_call() -> None:
+    with WorkerPool(1, restart=True) as pool:
+        out = pool.empty(2 * PAGE, np.uint8)
+        assert pool.submit(_keep, mpexec.writable(out)).result(T) is None
+        assert (out == 1).all()
+        out[...] = 2  # the caller's again, once the call returned
+        with pytest.raises(mpexec.WorkerCrashedError, match="SIGSEGV"):
+            pool.submit(_write_kept, 9).result(T)
+        assert (out == 2).all()
+        # The same pages lent again are writable for that call, as before.
+        assert pool.submit(_keep, mpexec.writable(out)).result(T) is None
+        assert (out == 1).all()
+
+
 def _minor_faults() -> int:
     with open("/proc/self/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[7])

@@ -1,0 +1,139 @@
+"""A pipeline's lifetime: close() bounded however its functions behave."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpexec
+from mpexec import fn
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def _mark_then_hang(x: np.ndarray[Any, Any], marker: str = "") -> np.ndarray[Any, Any]:
+    Path(marker).touch()
+    threading.Event().wait()  # a function that never returns (a read of a silent FIFO, say)
+    return x
+
+
+def _hanging_pipeline(marker: Path) -> mpexec.Pipeline:
+    @mpexec.pipeline_def(batch_size=2, num_workers=2, prefetch_depth=1, seed=3)
+    def graph() -> Any:
+        x = fn.external_source(source=lambda info: np.zeros(3), batch=False)
+        return fn.python_function(
+            x, function=functools.partial(_mark_then_hang, marker=str(marker))
+        )
+
+    pipe: mpexec.Pipeline = graph()
+    return pipe
+
+
+def _start_a_hanging_run(pipe: mpexec.Pipeline, marker: Path) -> tuple[threading.Thread, list[Any]]:
+    """A thread whose run() waits on a call that never returns; once that call has started."""
+    pipe.build()
+    raised: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            pipe.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the op never started"
+        time.sleep(0.01)
+    return thread, raised
+
+
+def _bounded(call: Any, timeout: float) -> float:
+    """Seconds ``call()`` took; fails the test if it has not returned within ``timeout``."""
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def go() -> None:
+        call()
+        done.set()
+
+    threading.Thread(target=go, daemon=True).start()
+    if not done.wait(timeout):
+        pytest.fail(f"close() still waiting after {timeout} s for a call that never returns")
+    return time.monotonic() - t0
+
+
+def test_close_stops_a_worker_whose_call_never_returns(tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    pipe = _hanging_pipeline(marker)
+    thread, raised = _start_a_hanging_run(pipe, marker)
+    took = _bounded(lambda: pipe.close(grace=0.2), 30)
+    assert took < 20  # grace, then SIGTERM (the worker goes at once)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(raised) == 1
+    assert isinstance(raised[0], mpexec.PoolClosedError), raised
+
+
+def test_leaving_with_is_bounded_by_the_default_grace(tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    pipe = _hanging_pipeline(marker)
+
+    def leave() -> None:
+        with pipe:
+            _start_a_hanging_run(pipe, marker)
+
+    _bounded(leave, 60)  # the default grace (5 s), then SIGTERM
+    assert pipe.closed
+
+
+def test_pool_shutdown_grace_fails_the_running_call(tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    with mpexec.WorkerPool(2) as pool:
+        f = pool.submit(functools.partial(_mark_then_hang, marker=str(marker)), np.zeros(2))
+        idle = pool.submit(np.add, 1, 2)
+        assert idle.result(60) == 3
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the call never started"
+            time.sleep(0.01)
+        _bounded(lambda: pool.shutdown(wait=True, grace=0.2), 30)
+        with pytest.raises(mpexec.PoolClosedError):
+            f.result(10)
+    with pytest.raises(ValueError, match="grace"):
+        mpexec.WorkerPool(0).shutdown(grace=-1)
+
+
+def _four_samples(info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+    if info.idx_in_epoch >= 4:
+        raise StopIteration
+    return np.full(2, info.idx_in_epoch)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterating_an_ended_epoch_again_without_reset_warns_once(workers: int) -> None:
+    """DALI's rule (reset() starts the next epoch) said out loud to a PyTorch user."""
+
+    @mpexec.pipeline_def(batch_size=2, num_workers=workers, seed=3)
+    def graph() -> Any:
+        return fn.external_source(source=_four_samples, batch=False)
+
+    with graph() as pipe:
+        assert len(list(pipe)) == 2
+        with pytest.warns(UserWarning, match=r"pipe\.reset\(\)"):
+            assert list(pipe) == []  # an empty epoch, but not a silent one
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert list(pipe) == []  # once per pipeline
+            pipe.reset()
+            assert len(list(pipe)) == 2  # the next epoch: no warning
+            pipe.reset()
+            assert len(list(pipe)) == 2
