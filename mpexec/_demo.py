@@ -395,6 +395,9 @@ def build_pipeline(source: EncodedImages, config: DemoConfig) -> Pipeline:
         num_workers=config.workers,
         seed=config.seed,
         prefetch_depth=2,
+        # Every image, as the serial loop makes them: a short last batch is kept
+        # (DALI's default, which pipelines follow, drops it).
+        last_batch="partial",
     )
 
     @define
