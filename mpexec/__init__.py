@@ -48,8 +48,8 @@ if _TYPE_CHECKING:  # the same names, imported for type checkers; at run time se
         WorkerCrashedError,
     )
     from ._graph import DataNode
-    from ._iterations import OpStats
-    from ._pipeline import Pipeline, PipelineStats, pipeline_def
+    from ._iterations import OpStats, PipelineStats
+    from ._pipeline import Pipeline, pipeline_def
     from ._pool import PoolStats, PoolStatus, WorkerPool
     from ._pyfunc import default_pool, numpy_function, py_func, py_function, set_default_pool
     from ._runtime import BatchInfo, SampleInfo, sample_info
@@ -69,7 +69,7 @@ _WHERE = {
     "writable": "_codec",
     "DataNode": "_graph",
     "Pipeline": "_pipeline",
-    "PipelineStats": "_pipeline",
+    "PipelineStats": "_iterations",
     "pipeline_def": "_pipeline",
     "PoolStats": "_pool",
     "PoolStatus": "_pool",

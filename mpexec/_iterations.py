@@ -1,8 +1,9 @@
-"""The scheduler's records: an op's runtime state, an iteration in flight, an op's stats.
+"""The scheduler's records: an op's runtime state, an iteration in flight, the stats.
 
-Plain records the scheduler (``_scheduler.py``) keeps and changes; apart from
-it so that the scheduler's module holds the policy (windows, chunks, assembly)
-and these hold the state it works on.
+Plain records the scheduler (``_scheduler.py``) keeps and changes, and the
+snapshots a pipeline reports (``OpStats``, ``PipelineStats``); apart from it so
+that the scheduler's module holds the policy (windows, chunks, assembly) and
+these hold the state it works on.
 """
 
 from __future__ import annotations
@@ -145,3 +146,55 @@ def declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | None
         else:
             found.append((tuple(int(d) for d in shape), np.dtype(dtype)))  # type: ignore[arg-type]
     return found
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """A snapshot of a pipeline's work: per op, and per worker."""
+
+    iterations: int
+    wall_s: float
+    ops: tuple[OpStats, ...]
+    busy: tuple[tuple[int, float], ...]  # (worker pid, busy fraction of wall time)
+    merged_ops: int
+    pruned_ops: int
+    samples: int = 0  # samples delivered by run()
+    #: Minor page faults the workers took inside this pipeline's chunks (Linux).
+    worker_faults: int = 0
+
+    @property
+    def faults_per_sample(self) -> float:
+        """Workers' minor page faults per delivered sample (0.0 before any)."""
+        return self.worker_faults / self.samples if self.samples else 0.0
+
+    #: Under the table: how to read the summed columns.
+    READING_GUIDE = (
+        "fn/wait ms: sums over all calls on all workers (can exceed the wall time); "
+        "wait = sent, not yet running; copied should be 0"
+    )
+
+    def __str__(self) -> str:
+        head = (
+            f"{'op':<28}{'calls':>8}{'fn ms sum':>11}{'wait ms sum':>13}"
+            f"{'MiB in':>9}{'MiB out':>9}{'MiB copied':>12}"
+        )
+        summary = (
+            f"{self.iterations} iterations in {self.wall_s:.2f} s "
+            f"({self.merged_ops} ops merged, {self.pruned_ops} pruned)"
+        )
+        lines = [summary, head]
+        lines += [
+            f"{s.name[:27]:<28}{s.calls:>8}{s.function_s * 1e3:>11.1f}"
+            f"{s.waiting_s * 1e3:>13.1f}{s.bytes_in / 2**20:>9.1f}"
+            f"{s.bytes_out / 2**20:>9.1f}{s.bytes_copied / 2**20:>12.1f}"
+            for s in self.ops
+        ]
+        if self.busy:
+            lines.append(
+                "workers busy: "
+                + ", ".join(f"pid {pid} {frac:.0%}" for pid, frac in sorted(self.busy))
+            )
+        if self.samples:
+            lines.append(f"worker page faults: {self.faults_per_sample:.1f} per sample")
+        lines.append(self.READING_GUIDE)
+        return "\n".join(lines)

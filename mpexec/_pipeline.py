@@ -20,7 +20,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -33,7 +32,7 @@ from ._errors import MpexecError, PoolClosedError, SerializationError, forked_er
 from ._executors import CallPool, pool_executor
 from ._graph import DataNode, Graph, Plan, defining
 from ._host import usable_cpus
-from ._iterations import OpStats
+from ._iterations import PipelineStats
 from ._modes import Device, LastBatch
 from ._pool import WorkerPool
 from ._scheduler import Scheduler
@@ -86,58 +85,6 @@ _MAGIC = b"MPEXPIPE"
 _HEADER = struct.Struct("<8sIQ32s")
 CLOSE_GRACE = 5.0  # seconds close() lets a running call finish before stopping its worker
 _STATE_VERSION = 2  # of state_dict(): 2 adds the graph's fingerprint
-
-
-@dataclass(frozen=True)
-class PipelineStats:
-    """A snapshot of a pipeline's work: per op, and per worker."""
-
-    iterations: int
-    wall_s: float
-    ops: tuple[OpStats, ...]
-    busy: tuple[tuple[int, float], ...]  # (worker pid, busy fraction of wall time)
-    merged_ops: int
-    pruned_ops: int
-    samples: int = 0  # samples delivered by run()
-    #: Minor page faults the workers took inside this pipeline's chunks (Linux).
-    worker_faults: int = 0
-
-    @property
-    def faults_per_sample(self) -> float:
-        """Workers' minor page faults per delivered sample (0.0 before any)."""
-        return self.worker_faults / self.samples if self.samples else 0.0
-
-    #: Under the table: how to read the summed columns.
-    READING_GUIDE = (
-        "fn/wait ms: sums over all calls on all workers (can exceed the wall time); "
-        "wait = sent, not yet running; copied should be 0"
-    )
-
-    def __str__(self) -> str:
-        head = (
-            f"{'op':<28}{'calls':>8}{'fn ms sum':>11}{'wait ms sum':>13}"
-            f"{'MiB in':>9}{'MiB out':>9}{'MiB copied':>12}"
-        )
-        summary = (
-            f"{self.iterations} iterations in {self.wall_s:.2f} s "
-            f"({self.merged_ops} ops merged, {self.pruned_ops} pruned)"
-        )
-        lines = [summary, head]
-        lines += [
-            f"{s.name[:27]:<28}{s.calls:>8}{s.function_s * 1e3:>11.1f}"
-            f"{s.waiting_s * 1e3:>13.1f}{s.bytes_in / 2**20:>9.1f}"
-            f"{s.bytes_out / 2**20:>9.1f}{s.bytes_copied / 2**20:>12.1f}"
-            for s in self.ops
-        ]
-        if self.busy:
-            lines.append(
-                "workers busy: "
-                + ", ".join(f"pid {pid} {frac:.0%}" for pid, frac in sorted(self.busy))
-            )
-        if self.samples:
-            lines.append(f"worker page faults: {self.faults_per_sample:.1f} per sample")
-        lines.append(self.READING_GUIDE)
-        return "\n".join(lines)
 
 
 class Pipeline:

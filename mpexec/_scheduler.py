@@ -81,7 +81,7 @@ from ._graph import DataNode, Op, Plan, Scope
 from ._iterations import Iteration, OpState, OpStats
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import ChainRunner, Chunk, ChunkResult, check_consistent, derive_seed, nbytes
-from ._source_runners import SourceBatchRunner, batch_rows, check_source_value
+from ._source_runners import SourceBatchRunner, batch_rows, check_source_value, sample_tuple
 from ._tracebacks import reraise
 
 # How an op's batch is cut into chunks, and how many iterations are in flight
@@ -466,7 +466,7 @@ class Scheduler:
                 item = self._next_item(s)
                 if item is None:
                     break
-                rows.append(_sample_tuple(op, item))
+                rows.append(sample_tuple(what, op.num_outputs, item))
         for row in rows:
             for i, a in enumerate(row):
                 check_source_value(what, i, a, op.output_dtypes, op.output_shapes)
@@ -993,14 +993,3 @@ def _annotate(exc: BaseException, op: Op, it: Iteration, sample: int | None) -> 
         with contextlib.suppress(AttributeError):  # exceptions with __slots__
             setattr(exc, attr, value)
     return exc
-
-
-def _sample_tuple(op: Op, item: Any) -> tuple[Any, ...]:
-    if op.num_outputs == 1:
-        return (np.asarray(item),)
-    if not isinstance(item, (tuple, list)) or len(item) != op.num_outputs:
-        raise ValueError(
-            f"{op.describe()} has num_outputs={op.num_outputs}: each item of its source "
-            f"must be a tuple of {op.num_outputs} arrays"
-        )
-    return tuple(np.asarray(v) for v in item)

@@ -270,6 +270,18 @@ class WorkerBatchSource:
         return rows
 
 
+def sample_tuple(what: str, num_outputs: int, item: Any) -> tuple[Any, ...]:
+    """A per-sample source's item as a tuple of arrays, one per output; ``what`` names it."""
+    if num_outputs == 1:
+        return (np.asarray(item),)
+    if not isinstance(item, (tuple, list)) or len(item) != num_outputs:
+        raise ValueError(
+            f"{what} has num_outputs={num_outputs}: each item of its source "
+            f"must be a tuple of {num_outputs} arrays"
+        )
+    return tuple(np.asarray(v) for v in item)
+
+
 def batch_rows(what: str, data: Any, num_outputs: int, limit: int | None) -> list[tuple[Any, ...]]:
     """Rows (one tuple of arrays per sample) of a batch a source gave; ``what`` names it."""
     outs = [data] if num_outputs == 1 else data
