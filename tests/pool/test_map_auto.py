@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from typing import Any
 
@@ -355,7 +356,7 @@ def test_calls_not_started_when_map_times_out_do_not_run(tmp_path: Path) -> None
             itertools.repeat(fast),
             timeout=timeout,
         )
-        with pytest.raises(TimeoutError):
+        with pytest.raises(FutureTimeoutError):  # the builtin TimeoutError only from 3.11
             list(results)
         gave_up = time.time()
         assert gave_up - began < timeout + 5
