@@ -550,6 +550,7 @@ class SimCuPy:
         self._pinned: dict[int, tuple[int, np.ndarray[Any, Any]]] = {}
         self._device: list[tuple[int, weakref.ref[_DeviceMemory]]] = []
         self._next_device_ptr = 0x7000_0000_0000
+        self._device_lock = threading.Lock()
         self._pending_reads: list[tuple[int, int, str]] = []  # host ranges queued copies read
         self._tls = threading.local()
         self._streams: dict[int, Stream] = {}
@@ -568,10 +569,15 @@ class SimCuPy:
         if self.device_bytes + nbytes > self.capacity:
             raise OutOfMemoryError(nbytes, self.device_bytes)
         buf = np.full(max(nbytes, 1), GARBAGE, np.uint8)
-        self._next_device_ptr += (max(nbytes, 1) + 511) // 512 * 512
-        mem = _DeviceMemory(buf, self._next_device_ptr)
-        self._device.append((mem.ptr, weakref.ref(mem)))
-        self.device_bytes += nbytes
+        with self._device_lock:
+            self._next_device_ptr += (max(nbytes, 1) + 511) // 512 * 512
+            mem = _DeviceMemory(buf, self._next_device_ptr)
+            # The list is replaced, never changed in place (_device_at reads it unlocked),
+            # and only here: a free's finalizer that rebuilt it could drop an entry
+            # appended meanwhile by another thread (a copy then found no memory there).
+            live = [(p, r) for p, r in self._device if r() is not None]
+            self._device = [*live, (mem.ptr, weakref.ref(mem))]
+            self.device_bytes += nbytes
         weakref.finalize(mem, self._device_freed, nbytes)
         view = buf[:nbytes].view(dt).reshape(shape_t, order=order)
         arr: ndarray = self.ndarray(view, mem)
@@ -755,8 +761,9 @@ class SimCuPy:
             self._graveyard.append(entry[1])
 
     def _device_freed(self, nbytes: int) -> None:
+        # A finalizer takes no lock (it may run inside empty(), on the thread holding it);
+        # its entry in _device is pruned by the next allocation.
         self.device_bytes -= nbytes
-        self._device = [(p, r) for p, r in self._device if r() is not None]
 
     def pending(self) -> int:
         """Queued items over all streams (0 once everything ran)."""

@@ -306,3 +306,40 @@ def test_device_to_host_into_shared_memory_page_locks_it_in_place(
     assert stage.stats().registered_segments == 1
     stage.close()
     assert sim.registered == {}
+
+
+def test_device_memory_stays_findable_while_another_thread_frees() -> None:
+    """A free (a finalizer, on any thread) never loses another thread's new allocation.
+
+    The simulator once rebuilt its list of allocations in the free's finalizer: an
+    allocation appended meanwhile by another thread was dropped, and a later copy from
+    it failed with a simulated CUDA error (seen once in CI, in a GPU pipeline's test).
+    """
+    import threading
+    import time
+
+    device = SimCuPy(0)
+    kept = [device.empty(64, np.uint8) for _ in range(2000)]  # a long list: a wide window
+    deadline = time.monotonic() + 1.5
+    done = threading.Event()
+
+    def churn() -> None:
+        while not done.is_set() and time.monotonic() < deadline:
+            device.empty(64, np.uint8)  # dropped at once: its finalizer runs here
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        while time.monotonic() < deadline:
+            kept.append(device.empty(64, np.uint8))
+    finally:
+        done.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    lost = 0
+    for arr in kept:
+        try:
+            device._device_at(arr.data.ptr, 64)  # the simulator's own lookup
+        except Exception:
+            lost += 1
+    assert lost == 0, f"{lost} of {len(kept)} live allocations no longer found"
