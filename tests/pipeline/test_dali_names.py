@@ -17,6 +17,7 @@ import pytest
 import mpexec
 import mpexec.math as dmath
 from mpexec import fn, tensors, types
+from mpexec._runtime import np_from_dlpack
 from mpexec.pipeline import Pipeline, pipeline_def
 
 
@@ -100,7 +101,8 @@ def test_batch_has_dali_tensor_list_methods() -> None:
     assert t.shape() == [2, 2]
     assert np.asarray(t).tolist() == [[1, 2], [3, 4]]
     assert isinstance(t, tensors.TensorCPU)
-    assert np.from_dlpack(tensors.TensorCPU(np.arange(3))).tolist() == [0, 1, 2]
+    # np.from_dlpack (NumPy 1.22, the oldest we support, names it np._from_dlpack).
+    assert np_from_dlpack(tensors.TensorCPU(np.arange(3))).tolist() == [0, 1, 2]
 
 
 def test_math_functions_on_data_nodes() -> None:
