@@ -72,7 +72,8 @@ def make(batches: Batches, sized: bool) -> mpexec.Pipeline:
 
     @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=0)
     def pipe() -> Any:
-        return fn.external_source(source=source, batch=True)
+        # Read again each epoch: an iterable that does not cycle is read once.
+        return fn.external_source(source=source, batch=True, cycle="raise")
 
     return pipe()  # type: ignore[no-any-return]
 

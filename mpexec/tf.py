@@ -102,6 +102,12 @@ def _counted(
             raise ValueError(
                 f"the pipeline's epoch ended after {int(i)} iterations, but its sources' "
                 f"len() says {length}"
+                + (
+                    " (an iterable source that does not cycle is read once, as in DALI: "
+                    "pass cycle='raise' to read it again each epoch)"
+                    if i == 0
+                    else ""
+                )
             ) from None
         if i == length - 1 and next(passes[0], None) is not None:
             raise ValueError(

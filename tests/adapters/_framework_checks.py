@@ -256,6 +256,28 @@ def check_tf_wrong_length() -> None:
                 list(ds)
 
 
+def check_tf_second_pass_of_a_source_read_once() -> None:
+    """An iterable that does not cycle is read once: the next pass says how to read it again."""
+    import tensorflow as tf
+
+    from mpexec import tf as mtf
+
+    items = [np.full((8,), i, np.float32) for i in range(8)]
+    for cycle, passes in ((None, 1), ("raise", 3)):
+
+        @mpexec.pipeline_def(batch_size=4, num_workers=1, seed=0)
+        def pipe() -> Any:
+            return fn.external_source(source=items, batch=False, cycle=cycle)  # noqa: B023
+
+        with pipe() as p:
+            ds = mtf.dataset(p)
+            for _ in range(passes):
+                assert [int(a.numpy()[0, 0]) for (a,) in ds] == [0, 4]
+            if cycle is None:
+                with pytest.raises(tf.errors.InvalidArgumentError, match="cycle='raise'"):
+                    list(ds)
+
+
 def check_tf_pipeline_read_between() -> None:
     """The iteration kept for the spec is not yielded once the pipeline was read since."""
     from mpexec import tf as mtf

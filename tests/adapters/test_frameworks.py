@@ -158,3 +158,7 @@ def test_tf_epoch_not_as_long_as_said_is_an_error() -> None:
 
 def test_tf_dataset_after_the_pipeline_was_read() -> None:
     run_check("tensorflow", "check_tf_pipeline_read_between")
+
+
+def test_tf_second_pass_over_a_source_read_once_says_how_to_cycle() -> None:
+    run_check("tensorflow", "check_tf_second_pass_of_a_source_read_once")
