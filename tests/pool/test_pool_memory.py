@@ -296,9 +296,10 @@ def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
                     stretches.append(faults / (after.samples - before.samples))
             return min(stretches)
 
-    # glibc's defaults hand the temporaries back after every call: ~90 faults each.
+    # glibc's defaults hand the temporaries back after every call: ~90 faults each
+    # (down to 47 in the quietest stretch on a loaded host, base code included).
     cold = per_sample(0)
-    assert cold > 50
+    assert cold > 30
     # Warm, the temporaries stay mapped: once the blocks are warm, no faults.
     assert per_sample(64 << 20) < 3
 
