@@ -155,24 +155,30 @@ _M_MMAP_MAX = -4
 _MMAP_THRESHOLD_MAX = 32 << 20
 
 
+_MALLINFO_FIELDS = [
+    "arena",
+    "ordblks",
+    "smblks",
+    "hblks",
+    "hblkhd",
+    "usmblks",
+    "fsmblks",
+    "uordblks",
+    "fordblks",
+    "keepcost",
+]
+
+
 class _MallInfo2(ctypes.Structure):
     """glibc's ``struct mallinfo2`` (2.33+): the heap's totals, in bytes."""
 
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in [
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        ]
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO_FIELDS]
+
+
+class _MallInfo(ctypes.Structure):
+    """glibc's older ``struct mallinfo``: the same totals as ``int`` (they wrap past 2 GiB)."""
+
+    _fields_ = [(name, ctypes.c_int) for name in _MALLINFO_FIELDS]
 
 
 @functools.cache
@@ -219,18 +225,27 @@ def keep_memory_warm(limit: int) -> bool:
 
 
 def heap_free_bytes() -> int | None:
-    """Bytes free inside this process's malloc heap (glibc 2.33+), None where unknown."""
-    info = _mallinfo2()
-    return None if info is None else int(info().fordblks)
+    """Bytes free inside this process's malloc heap (glibc), None where unknown."""
+    info = _mallinfo()
+    if info is None:
+        return None
+    free = int(info().fordblks)
+    # The old struct's int wraps past 2 GiB: read unsigned, it is right modulo 4 GiB
+    # (a free heap just past a multiple of 4 GiB reads small; mallinfo2 has no such gap).
+    return free if free >= 0 else free + (1 << 32)
 
 
 @functools.cache
-def _mallinfo2() -> Any:
-    info = getattr(_libc(), "mallinfo2", None) if sys.platform == "linux" else None
-    if info is not None:
-        info.argtypes = ()
-        info.restype = _MallInfo2
-    return info
+def _mallinfo() -> Any:
+    """glibc's ``mallinfo2`` (2.33+), else its older ``mallinfo``; None off glibc."""
+    libc = _libc() if sys.platform == "linux" else None
+    for name, struct in (("mallinfo2", _MallInfo2), ("mallinfo", _MallInfo)):
+        info = getattr(libc, name, None)
+        if info is not None:
+            info.argtypes = ()
+            info.restype = struct
+            return info
+    return None
 
 
 def trim_warm_memory(limit: int) -> bool:

@@ -319,9 +319,12 @@ def test_a_repeated_64_mib_call_faults_no_fresh_pages_in_the_worker() -> None:
     with WorkerPool(1) as probe:
         if not probe.submit(_keeps_warm_memory).result(T):
             pytest.skip("this libc has no mallopt (not glibc)")
-    x = np.ones(16 << 20, np.float32)
 
     def faults_per_call(pool: WorkerPool) -> float:
+        # The argument in one block of the pool's memory, call after call (a
+        # plain array is copied into whichever block is free, and the worker
+        # reads a block new to it when the last one's release is still on its way).
+        x = pool.put(np.ones(16 << 20, np.float32))
         for _ in range(2):  # the first calls fault their blocks in once
             assert pool.submit(_double, x).result(T)[-1] == 2
         before = pool.stats().worker_faults
@@ -329,7 +332,9 @@ def test_a_repeated_64_mib_call_faults_no_fresh_pages_in_the_worker() -> None:
             got = pool.submit(_double, x).result(T)
             assert got[0] == 2
             del got
-        return (pool.stats().worker_faults - before) / 4
+        faults = (pool.stats().worker_faults - before) / 4
+        del x
+        return faults
 
     with WorkerPool(1, warm_memory=0) as pool:
         cold = faults_per_call(pool)
