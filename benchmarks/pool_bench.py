@@ -18,7 +18,9 @@ array
     (``pool.put``); (c) ``x * 2`` inline in the main process; (d) mpexec with
     the input put and the output in the pool's memory too: the function
     writes it there (``np.multiply(x, 2, out=out)``, ``out`` passed as
-    ``mpexec.writable``), so no copy is made either way. Each system's
+    ``mpexec.writable``), so no copy is made either way; (e) DALI's
+    in-process ``fn.python_function`` from the plain ndarray, where DALI is
+    installed (run as in the medium section). Each system's
     answer is checked in full before timing (every element, and the sum), and
     a few elements of every timed answer; each answer is dropped before the
     next call.
@@ -184,6 +186,8 @@ TARGET_SHARED_VS_INLINE = 1.3  # mpexec (b) / inline (c), 64 MiB
 TARGET_AUG_SPEEDUP = 1.9  # mpexec images/s / serial images/s
 TARGET_MEDIUM_VS_TRIVIAL = 2.0  # mpexec 64 KiB call / trivial call, same run
 TARGET_MEDIUM_VS_DALI = 1.0  # DALI in-process python_function / mpexec, 64 KiB and 1 MiB
+TARGET_ARRAY_PLAIN_VS_DALI = 1.0  # DALI in-process (e) / mpexec (a), 64 MiB
+TARGET_ARRAY_PUT_VS_DALI = 1.3  # DALI in-process (e) / mpexec (b), 64 MiB
 MEDIUM_SIZES = (64 << 10, 1 << 20)
 
 
@@ -760,6 +764,17 @@ def small_calls_table(res: dict[str, Any], skipped: list[str]) -> str:
 # ============================================================ medium arrays
 def _dali_add_one() -> tuple[Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]], str]:
     """``add_one`` through DALI's in-process ``fn.python_function``, and DALI's version."""
+    return _dali_in_process(add_one)
+
+
+def _dali_in_process(
+    function: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]],
+) -> tuple[Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]], str]:
+    """``function`` through DALI's in-process ``fn.python_function``, and DALI's version.
+
+    A CPU pipeline (``device_id=None``), batch size 1, run synchronously:
+    ``feed_input``, ``run``, ``as_array``.
+    """
     import nvidia.dali.fn as dfn
     from nvidia import dali
 
@@ -773,7 +788,7 @@ def _dali_add_one() -> tuple[Callable[[np.ndarray[Any, Any]], np.ndarray[Any, An
     )
     with pipe:
         x = dfn.external_source(name="x", batch=True, no_copy=False)
-        pipe.set_outputs(dfn.python_function(x, function=add_one))
+        pipe.set_outputs(dfn.python_function(x, function=function))
     pipe.build()
 
     def call(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -902,6 +917,11 @@ def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
     want_probe = expected[probe]
     del expected
     results: dict[str, Any] = {"array": f"{ARRAY_BYTES // MiB} MiB float32", "cases": {}}
+    dali_call: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]] | None = None
+    try:
+        dali_call, results["dali"] = _dali_in_process(double)
+    except Exception as exc:  # not installed, or no CPU pipeline here
+        results["dali"] = f"skipped: {type(exc).__name__}: {exc}"
     mpexec_sys = systems[0]
     assert isinstance(mpexec_sys, MpexecSystem)
 
@@ -948,6 +968,15 @@ def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
                     cfg.array_fast_per_round,
                 ),
             ]
+            if dali_call is not None:
+                cases.append(
+                    (
+                        "dali",
+                        "DALI fn.python_function, in-process (e), plain ndarray in",
+                        partial(dali_call, x),
+                        cfg.array_fast_per_round,
+                    )
+                )
             cases.extend(
                 (f"{s.key}_a", f"{s.label} (a)", _caller(s, x), cfg.array_slow_per_round)
                 for s in systems[1:]
@@ -1005,6 +1034,9 @@ def bench_array(cfg: Config, problems: list[str]) -> dict[str, Any]:
         "mpexec_d_over_inline": med["mpexec_d"] / med["inline"],
         "mpexec_a_over_inline": med["mpexec_a"] / med["inline"],
     }
+    if "dali" in med:
+        results["ratios"]["dali_over_mpexec_a"] = med["dali"] / med["mpexec_a"]
+        results["ratios"]["dali_over_mpexec_b"] = med["dali"] / med["mpexec_b"]
     results["rounds"] = cfg.array_rounds
     return results
 
@@ -1039,6 +1071,13 @@ def array_table(res: dict[str, Any], skipped: list[str]) -> str:
         f"mpexec (b) / inline (c) = {r['mpexec_b_over_inline']:.2f}x; "
         f"mpexec (d) / inline (c) = {r['mpexec_d_over_inline']:.2f}x; "
         f"mpexec (a) / inline (c) = {r['mpexec_a_over_inline']:.2f}x\n"
+        + (
+            f"DALI in-process (e) / mpexec (a) = {r['dali_over_mpexec_a']:.2f}x; "
+            f"DALI in-process (e) / mpexec (b) = {r['dali_over_mpexec_b']:.2f}x\n"
+            if "dali_over_mpexec_a" in r
+            else f"DALI in-process (e): {res.get('dali', 'not run')}\n"
+        )
+        + f"DALI {res.get('dali', '-')}\n"
         f"mpexec pool: {ms['bytes_shared'] / MiB:.0f} MiB passed through shared memory, "
         f"{ms['bytes_copied'] / MiB:.0f} MiB of it copied in (inputs not in the pool's arena)\n"
         f"pool arena after the section: {ms['arena_text']}"
@@ -1213,6 +1252,19 @@ def evaluate(
             "x",
             "(b) with the output written into pool memory by the function",
         )
+        for key, how, target in (
+            ("a", "plain ndarray", TARGET_ARRAY_PLAIN_VS_DALI),
+            ("b", "put", TARGET_ARRAY_PUT_VS_DALI),
+        ):
+            ratio = ar["ratios"].get(f"dali_over_mpexec_{key}")
+            add(
+                f"array {ar['array']}: DALI in-process (e) / mpexec ({key}) {how}",
+                ratio,
+                ">=",
+                target,
+                "x",
+                "" if ratio is not None else f"DALI {ar.get('dali')}",
+            )
     if md is not None:
         ratios = md["ratios"]
         for kind, how in (("plain", "copied in"), ("put", "pool.put")):

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import multiprocessing
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from ._errors import ResourceLimitError
 
@@ -149,7 +151,42 @@ def ensure_open_files(num_workers: int) -> None:
 #: 64-bit hosts (``DEFAULT_MMAP_THRESHOLD_MAX``: larger values are refused).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 _MMAP_THRESHOLD_MAX = 32 << 20
+
+
+_MALLINFO_FIELDS = [
+    "arena",
+    "ordblks",
+    "smblks",
+    "hblks",
+    "hblkhd",
+    "usmblks",
+    "fsmblks",
+    "uordblks",
+    "fordblks",
+    "keepcost",
+]
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33+): the heap's totals, in bytes."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO_FIELDS]
+
+
+class _MallInfo(ctypes.Structure):
+    """glibc's older ``struct mallinfo``: the same totals as ``int`` (they wrap past 2 GiB)."""
+
+    _fields_ = [(name, ctypes.c_int) for name in _MALLINFO_FIELDS]
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:  # pragma: no cover - no C library to load
+        return None
 
 
 def keep_memory_warm(limit: int) -> bool:
@@ -158,24 +195,79 @@ def keep_memory_warm(limit: int) -> bool:
     Blocks under ``min(limit, 32 MiB)`` come from the heap instead of fresh
     mappings, and the heap's free top is handed back only past ``limit``: a
     worker's temporaries stay in pages it already touched, call after call.
-    What it keeps is bounded by ``limit`` beyond what it uses (fragmentation
-    aside, as with any heap). ``limit <= 0`` leaves glibc's defaults. Returns
-    whether the settings took (False off glibc, e.g. musl or macOS).
+    A ``limit`` over 32 MiB (glibc's largest mmap threshold) turns malloc's
+    own mappings off, so that larger blocks (the result of ``x * 2`` on a
+    64 MiB array) come from the heap and stay warm too; a fresh mapping of
+    them costs more than computing into warm pages (the kernel zeroes every
+    page, then the mapping is torn down at ``free``). What the heap keeps past
+    ``limit`` is handed back by :func:`trim_warm_memory`. ``limit <= 0``
+    leaves glibc's defaults. Returns whether the settings took (False off
+    glibc, e.g. musl or macOS).
     """
     if limit <= 0 or sys.platform != "linux":
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # pragma: no cover - not glibc
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:  # pragma: no cover - not glibc
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     limit = min(limit, 2**31 - 1)
-    return bool(
+    done = bool(
         mallopt(_M_MMAP_THRESHOLD, min(limit, _MMAP_THRESHOLD_MAX))
         and mallopt(_M_TRIM_THRESHOLD, limit)
     )
+    if done and limit > _MMAP_THRESHOLD_MAX:
+        # No limit above 32 MiB is accepted as a threshold: no mappings at all,
+        # then. (glibc still maps when the heap cannot grow.)
+        done = bool(mallopt(_M_MMAP_MAX, 0))
+    return done
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes free inside this process's malloc heap (glibc), None where unknown."""
+    info = _mallinfo()
+    if info is None:
+        return None
+    free = int(info().fordblks)
+    # The old struct's int wraps past 2 GiB: read unsigned, it is right modulo 4 GiB
+    # (a free heap just past a multiple of 4 GiB reads small; mallinfo2 has no such gap).
+    return free if free >= 0 else free + (1 << 32)
+
+
+@functools.cache
+def _mallinfo() -> Any:
+    """glibc's ``mallinfo2`` (2.33+), else its older ``mallinfo``; None off glibc."""
+    libc = _libc() if sys.platform == "linux" else None
+    for name, struct in (("mallinfo2", _MallInfo2), ("mallinfo", _MallInfo)):
+        info = getattr(libc, name, None)
+        if info is not None:
+            info.argtypes = ()
+            info.restype = struct
+            return info
+    return None
+
+
+def trim_warm_memory(limit: int) -> bool:
+    """Hand the heap's free memory back to the kernel if over ``limit`` bytes.
+
+    :func:`keep_memory_warm` bounds only the heap's free top; free blocks
+    under a block still in use (a large temporary freed below a small object
+    that stays) are kept however many there are. Past ``limit`` they all go
+    back (``malloc_trim``: their whole pages, and the top). Returns whether it
+    trimmed. Cheap (~1 µs) when under the limit. Free bytes handed back once
+    still count (malloc does not tell them apart), so while they pass the
+    limit every look trims again: ~5 µs when nothing is left to give back.
+    """
+    free = heap_free_bytes()
+    if free is None or free <= limit:
+        return False
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:  # pragma: no cover - not glibc
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)
+    return True
 
 
 def minor_faults(pid: int) -> int | None:

@@ -20,6 +20,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ import shm
 
 from . import _codec
 from ._errors import SerializationError
-from ._host import keep_memory_warm
+from ._host import keep_memory_warm, trim_warm_memory
 from ._protocol import (
     CALL,
     CANCEL,
@@ -119,8 +120,13 @@ def current() -> tuple[int, shm.Arena] | None:
     return _current
 
 
+#: Calls shorter than this (seconds) are not followed by a look at the heap
+#: (~1 µs): touching enough memory to matter takes longer.
+_TRIM_AFTER = 1e-3
+
+
 class _Worker:
-    def __init__(self, boot: WorkerBoot, arena: shm.Arena) -> None:
+    def __init__(self, boot: WorkerBoot, arena: shm.Arena, warm: bool = False) -> None:
         self.boot = boot
         self.watch = [boot.lifeline]  # what every blocking ring wait also watches
         self.arena = arena
@@ -131,6 +137,9 @@ class _Worker:
         self.cancels: set[int] = set()  # numbers of the calls the pool asks to cancel
         self.verdicts: dict[int, bool] = {}  # call number -> cancel it
         self.closed = False  # the task ring's end marker was seen
+        # malloc keeps freed memory (keep_memory_warm): checked after a call
+        # long enough to have made large blocks, so that it stays within bound.
+        self.warm = boot.warm_memory if warm else 0
 
     def serve(self) -> None:
         while True:
@@ -236,6 +245,7 @@ class _Worker:
 
     def call(self, task_id: int, fn_id: int, body: bytes | memoryview) -> None:
         held: list[Any] = []  # the decoded arguments, dropped once the answer is pushed
+        start = time.perf_counter()
         try:
             rec = self.run(task_id, fn_id, body, held)
         except BaseException as exc:
@@ -248,6 +258,10 @@ class _Worker:
         # Writable arguments are the caller's again: a view the function kept faults.
         _codec.revoke_lent()
         held.clear()
+        if self.warm and time.perf_counter() - start > _TRIM_AFTER:
+            # Blocks freed under one still in use stay in the heap, however
+            # large (malloc trims only its top): past the bound they go back.
+            trim_warm_memory(self.warm)
 
     def run(self, task_id: int, fn_id: int, body: bytes | memoryview, held: list[Any]) -> bytes:
         """Call the function on the decoded arguments; the OK record of its result.
@@ -313,7 +327,7 @@ def main(boot: WorkerBoot) -> None:
     # multiprocessing refuses a daemonic process. Its own children never outlive it:
     # ours follow their lifeline, and multiprocessing ends daemonic ones at its exit.
     multiprocessing.current_process().daemon = False
-    keep_memory_warm(boot.warm_memory)  # before the first call allocates anything
+    warm = keep_memory_warm(boot.warm_memory)  # before the first call allocates anything
     if boot.full_traceback:
         os.environ[FULL_TRACEBACK_ENV] = "1"
     if shm.platform_info().backend == "memfd":
@@ -350,7 +364,7 @@ def main(boot: WorkerBoot) -> None:
         arena.unlink()
         return
     done.push(record(HELLO, pickle.dumps((os.getpid(), arena.id))), timeout=10)
-    worker = _Worker(boot, arena)
+    worker = _Worker(boot, arena, warm)
     try:
         worker.serve()
     finally:

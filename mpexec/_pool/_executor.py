@@ -33,7 +33,7 @@ from ._state import PoolState, PoolStats, PoolStatus
 T = TypeVar("T")
 
 #: Default bytes of freed memory a worker's malloc keeps (``warm_memory=``).
-WARM_MEMORY = 64 << 20
+WARM_MEMORY = 256 << 20
 
 
 class WorkerPool(CallExecutor):
@@ -61,10 +61,11 @@ class WorkerPool(CallExecutor):
       memory (say, a function that returned a slice of its input) as a
       read-only view, uncopied, as :meth:`submit_call` does with ``view=True``.
     - ``warm_memory``: bytes of freed memory each worker's malloc may keep
-      mapped (default 64 MiB; 0 keeps glibc's defaults). glibc hands large
+      mapped (default 256 MiB; 0 keeps glibc's defaults). glibc hands large
       freed blocks back to the kernel, so a function whose temporaries run to
-      hundreds of KiB faults every page in again on every call; kept, they
-      stay warm. Each worker's RSS may stay up to this much above what it uses.
+      hundreds of KiB, or whose result is a 64 MiB array, faults every page in
+      again on every call; kept, they stay warm. Each worker's RSS may stay up
+      to this much above what it uses.
     - ``ready``: ``"all"`` (default) returns once every worker has started, and
       raises here if one cannot (its ``worker_init`` failed, say); ``"first"``
       returns once the first has, so calls start while the others come up (a
