@@ -89,10 +89,10 @@ class Manager(threading.Thread):
         """Wait for a result, a death, a deadline or a poke; handle it. False: stopped."""
         state = self.state
         with state.lock:
-            slots = list(state.slots)
-            if state.stopping and not state.pending and not any(s.queue for s in slots):
+            if state.stopping and not state.pending and not any(s.queue for s in state.slots):
                 return False
-        ready = watcher.wait(slots, self.next_deadline(slots))
+            timeout = self.next_deadline()
+        ready = watcher.wait(timeout)
         died: list[Slot] = []
         for slot, what in ready:
             if slot is None:
@@ -106,8 +106,8 @@ class Manager(threading.Thread):
         for slot in died:
             if slot.ready:
                 self.worker_lost(slot, died=True)
-        self.check_start_deadlines(slots)
-        self.check_timeouts(slots)
+        self.check_start_deadlines()
+        self.check_timeouts()
         if state.pending:
             self.dispatch_pending()
         return True
@@ -224,23 +224,32 @@ class Manager(threading.Thread):
             else:
                 state.count_restart()
 
-    def check_start_deadlines(self, slots: list[Slot]) -> None:
+    def check_start_deadlines(self) -> None:
         """A replacement that has not said hello in time breaks the pool."""
-        for slot in slots:
+        roster = self.state.roster
+        if not roster.starting:
+            return
+        with self.state.lock:
+            starting = sorted(roster.starting, key=lambda s: s.index)
+        for slot in starting:
             if slot.start_deadline is not None and time.monotonic() > slot.start_deadline:
                 self.state.mark_broken(
                     BrokenPoolError(f"worker {slot.index} (pid {slot.pid}) did not start")
                 )
                 slot.start_deadline = None
 
-    def check_timeouts(self, slots: list[Slot]) -> None:
+    def check_timeouts(self) -> None:
         """A worker whose call has run past the pool's timeout is killed and replaced."""
         timeout = self.timeout
         if timeout is None:
             return
-        for slot in slots:
-            if slot.ready and _timed_out(slot, timeout):
-                self.worker_lost(slot, died=False)
+        state = self.state
+        while True:
+            with state.lock:  # the oldest call first: only those past it are looked at
+                oldest = state.roster.oldest_call()
+            if oldest is None or time.monotonic() - oldest[0] <= timeout:
+                return
+            self.worker_lost(oldest[1], died=False)  # it is not ready after this
 
     def dispatch_pending(self) -> None:
         """Calls waiting in the pool go to workers that have room now."""
@@ -248,11 +257,12 @@ class Manager(threading.Thread):
         with self.state.lock:
             self.sender.dispatch_pending()
 
-    def next_deadline(self, slots: list[Slot]) -> float | None:
-        """Seconds until the earliest start or call deadline (None: no deadline)."""
-        ends = [s.start_deadline for s in slots if s.start_deadline is not None]
-        if self.timeout is not None:
-            ends += [s.queue[0].started + self.timeout for s in slots if s.ready and s.queue]
+    def next_deadline(self) -> float | None:
+        """Seconds until the earliest start or call deadline (None: no deadline; lock held)."""
+        roster = self.state.roster
+        ends = [s.start_deadline for s in roster.starting if s.start_deadline is not None]
+        if self.timeout is not None and (oldest := roster.oldest_call()) is not None:
+            ends.append(oldest[0] + self.timeout)
         if not ends:
             return None
         return max(0.0, min(ends) - time.monotonic()) + 0.001
@@ -261,19 +271,22 @@ class Manager(threading.Thread):
 class Watcher:
     """One poll set over the wake-up ring, every done ring and every sentinel.
 
-    Rebuilt only when the workers change: the manager waits once per
-    completion, and building a poll set costs as much as the rest of the wait.
+    Rebuilt only when the workers change (the roster's version): the manager
+    waits once per completion, and building a poll set costs as much as the
+    rest of the wait.
     """
 
     def __init__(self, state: PoolState) -> None:
         self.state = state
-        self.key: tuple[tuple[int, bool, bool], ...] = ()
+        self.key = -1
         self.poller = select.poll()
         self.by_fd: dict[int, tuple[Slot | None, str]] = {}
 
-    def wait(self, slots: list[Slot], timeout: float | None) -> list[tuple[Slot | None, str]]:
-        key = tuple((id(s), s.ready, s.start_deadline is not None) for s in slots)
-        if key != self.key:
+    def wait(self, timeout: float | None) -> list[tuple[Slot | None, str]]:
+        state = self.state
+        if state.roster.version != self.key:
+            with state.lock:
+                key, slots = state.roster.version, list(state.slots)
             self.poller = select.poll()
             wake = self.state.wake
             if wake is None:
@@ -297,10 +310,6 @@ class Watcher:
             wake = self.state.wake
             if wake is not None:
                 wake.pop_many(timeout=0)
-
-
-def _timed_out(slot: Slot, timeout: float) -> bool:
-    return bool(slot.queue) and time.monotonic() - slot.queue[0].started > timeout
 
 
 def _timeout_error(timeout: float | None, pid: int) -> TaskTimeoutError:
