@@ -64,6 +64,7 @@ class Manager(threading.Thread):
         try:
             self.loop(watcher)
         finally:
+            watcher.close()
             # The pool was collected without shutdown(): nobody else stops the workers.
             _stop.drained(state)
 
@@ -92,6 +93,10 @@ class Manager(threading.Thread):
             if state.stopping and not state.pending and not any(s.queue for s in state.slots):
                 return False
             timeout = self.next_deadline()
+            if state.closed and (timeout is None or timeout > _CLOSING_WAIT):
+                # Shut down: its rings may be closed under us, which an epoll set
+                # drops without a word (poll said POLLNVAL): look again soon.
+                timeout = _CLOSING_WAIT
         ready = watcher.wait(timeout)
         died: list[Slot] = []
         for slot, what in ready:
@@ -273,21 +278,31 @@ class Watcher:
 
     Rebuilt only when the workers change (the roster's version): the manager
     waits once per completion, and building a poll set costs as much as the
-    rest of the wait.
+    rest of the wait. An ``epoll`` set where there is one (Linux): ``poll``
+    hands the kernel every fd on every wait (2 a worker: 4 µs of system time
+    a wait at 64 workers, growing with them), ``epoll`` keeps them registered
+    and a wait costs what is ready.
     """
 
     def __init__(self, state: PoolState) -> None:
         self.state = state
         self.key = -1
-        self.poller = select.poll()
+        self.poller: Any = None
         self.by_fd: dict[int, tuple[Slot | None, str]] = {}
+
+    def close(self) -> None:
+        """Give the epoll fd back (the manager ends)."""
+        if _EPOLL and self.poller is not None:
+            self.poller.close()
+        self.poller = None
 
     def wait(self, timeout: float | None) -> list[tuple[Slot | None, str]]:
         state = self.state
         if state.roster.version != self.key:
             with state.lock:
                 key, slots = state.roster.version, list(state.slots)
-            self.poller = select.poll()
+            self.close()
+            self.poller = select.epoll() if _EPOLL else select.poll()
             wake = self.state.wake
             if wake is None:
                 raise ValueError("the pool stopped")  # its rings are closed: the manager ends
@@ -297,12 +312,17 @@ class Watcher:
                     self.by_fd[slot.done.fileno()] = (slot, "done")
                     self.by_fd[slot.process.sentinel] = (slot, "died")
             for fd in self.by_fd:
-                self.poller.register(fd, select.POLLIN)
+                self.poller.register(fd, select.EPOLLIN if _EPOLL else select.POLLIN)
             self.key = key
         # deliver() drains a done ring (try_pop until None), so it never holds
         # credits that its doorbell no longer shows: polling the fds is enough.
-        ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
-        return [self.by_fd[fd] for fd, _ in self.poller.poll(ms) if fd in self.by_fd]
+        if _EPOLL:  # seconds, rounded up to the next millisecond by epoll itself
+            events = self.poller.poll(-1 if timeout is None else max(0.0, timeout))
+        else:
+            events = self.poller.poll(
+                None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+            )
+        return [self.by_fd[fd] for fd, _ in events if fd in self.by_fd]
 
     def drain_wake(self) -> None:
         """Take the pokes off the wake-up ring."""
@@ -310,6 +330,10 @@ class Watcher:
             wake = self.state.wake
             if wake is not None:
                 wake.pop_many(timeout=0)
+
+
+_EPOLL = hasattr(select, "epoll")
+_CLOSING_WAIT = 0.05  # seconds the manager of a shut-down pool sleeps at most
 
 
 def _timeout_error(timeout: float | None, pid: int) -> TaskTimeoutError:
