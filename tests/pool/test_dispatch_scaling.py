@@ -152,3 +152,22 @@ def test_the_oldest_call_is_found_without_looking_at_every_worker(no_rings: None
     assert len(state.roster.starting) == 0
     state.slots[5].start_deadline = now + 10
     assert state.roster.starting == {state.slots[5]}
+
+
+def test_a_manager_wake_up_looks_at_a_few_of_128_workers(no_rings: None) -> None:
+    from mpexec._pool._manager import Manager
+
+    state = _pool(128, timed=True)
+    for i, slot in enumerate(state.slots):
+        slot.enqueue(_Task(i + 1), 1)  # type: ignore[arg-type]
+    manager = Manager(state, None, None, 30.0, lambda: None)  # type: ignore[arg-type]
+    _CountingQueue.reads = 0
+    for _ in range(100):  # what each wake-up does besides what woke it
+        with state.lock:
+            deadline = manager.next_deadline()
+        manager.check_start_deadlines()
+        manager.check_timeouts()  # nothing has run 30 s: nobody is lost
+    assert deadline is not None
+    assert 29 < deadline <= 30.01
+    # A loop over every worker reads 128 queues a wake-up (12,800 here).
+    assert _CountingQueue.reads < 10 * 100, _CountingQueue.reads
