@@ -202,6 +202,14 @@ class Roster:
                     self.by_start, (task.started, slot.index, slot.generation, task.task_id)
                 )
 
+    def clear(self) -> None:
+        """Forget every worker (the pool let go of them): a worker kept here would keep
+        its process object, and what that holds, for as long as the pool's state lives."""
+        self.by_load.clear()
+        self.by_start.clear()
+        self.starting.clear()
+        self.version += 1
+
     def least_busy(self) -> Slot | None:
         """The ready worker with the fewest calls queued (lowest index first); None: all full."""
         heap = self.by_load
@@ -510,6 +518,7 @@ class PoolState:
         with self.lock:
             self.last_pids = [s.pid for s in self.slots]
             self.slots = []
+            self.roster.clear()
 
     # ------------------------------------------------------------ reading
     def pids(self) -> list[int]:

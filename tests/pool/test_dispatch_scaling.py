@@ -171,3 +171,14 @@ def test_a_manager_wake_up_looks_at_a_few_of_128_workers(no_rings: None) -> None
     assert 29 < deadline <= 30.01
     # A loop over every worker reads 128 queues a wake-up (12,800 here).
     assert _CountingQueue.reads < 10 * 100, _CountingQueue.reads
+
+
+def test_the_roster_lets_go_of_the_workers_with_the_pool(no_rings: None) -> None:
+    # A worker stopped before its hello keeps its start deadline: the roster must
+    # not keep it (and its process object) once the pool has let go of it.
+    state = _pool(4)
+    state.slots[1].start_deadline = time.monotonic() + 60
+    assert state.roster.starting == {state.slots[1]}
+    state.release()
+    assert not state.roster.starting
+    assert not state.roster.by_load
