@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "mainload": "benchmarks.mainload_bench",
     "dali": "benchmarks.dali_bench",
     "conditionals": "benchmarks.conditionals_bench",
+    "dispatch": "benchmarks.dispatch_bench",
 }
 
 __all__ = ["BENCHMARKS"]

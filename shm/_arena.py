@@ -50,6 +50,7 @@ from numpy.typing import DTypeLike
 
 from ._allocator import FreeList
 from ._errors import ArenaFullError, SharedMemoryError
+from ._hints import Hints
 from ._platform import ALIGNMENT, PAGE_SIZE
 from ._ring import Ring, RingStats
 from ._segment import Segment, SegmentHandle, format_bytes
@@ -274,6 +275,10 @@ class Arena:
         self._releases = 0
         self.bytes_copied = 0  # by share(): a statistic, read without the lock
         self._links: list[Ring] = []
+        # Rings made here carry a flag their producer sets (see _hints.py); the
+        # others (adopted, or past the page of flags) are looked at every time.
+        self._hints = Hints(backend)
+        self._plain: list[Ring] = []
         self._owed: dict[int, dict[int, int]] = {}  # id(link) -> alloc id -> refs
         self._closed = False
         self._segs.append(_new_segment(segment_size, backend, sealed))
@@ -788,12 +793,15 @@ class Arena:
         handed the ring over), the arena adopts it. Either way the peer calls
         ``shm.set_release_route(arena.id, ring)`` before opening descriptors.
         """
+        made = ring is None
         if ring is None:
             ring = Ring(capacity, RELEASE.size, self.backend)
         elif ring.record_size < RELEASE.size:
             raise ValueError(f"a release ring needs records of at least {RELEASE.size} bytes")
         with self._lock:
             self._check_open()
+            if not (made and self._hints.add(ring)):
+                self._plain.append(ring)
             self._links.append(ring)
             self._owed[id(ring)] = {}
         return ring
@@ -806,10 +814,14 @@ class Arena:
         forget the link. Returns how many references were taken back.
         """
         with self._lock:
-            self._collect_locked()
+            self._collect_locked(every=True)
             owed = self._owed.pop(id(ring), {})
             if ring in self._links:
                 self._links.remove(ring)
+                if ring in self._plain:
+                    self._plain.remove(ring)
+                else:
+                    self._hints.remove(ring)
             n = 0
             for alloc_id, count in owed.items():
                 alloc = self._allocs.get(alloc_id)
@@ -831,17 +843,23 @@ class Arena:
         newest :attr:`keep_free` bytes of them.
         """
         with self._lock:
-            n = self._collect_locked()
+            n = self._collect_locked(every=True)
             if self._discard:
                 self._give_back()
         self._drain_deferred()
         return n
 
-    def _collect_locked(self) -> int:
+    def _collect_locked(self, every: bool = False) -> int:
+        """Apply the releases waiting in the link rings (lock held); how many.
+
+        Run before every allocation and share: only the rings whose flag is
+        set are looked at (see ``_hints.py``), and all of them with ``every``
+        or now and then. A ring with nothing new costs no system call.
+        """
+        hints = self._hints
+        rings = hints.every() if every or hints.due(len(self._links)) else hints.flagged()
         n = 0
-        for ring in self._links:
-            # Now run before every allocation: a ring with nothing new costs no
-            # system call (a racy "no" is collected the next time).
+        for ring in (*self._plain, *rings) if self._plain else rings:
             if not ring.may_have_records():
                 continue
             owed = self._owed[id(ring)]
@@ -918,6 +936,8 @@ class Arena:
             for ring in self._links:
                 ring.close()
             self._links.clear()
+            self._plain.clear()
+            self._hints.close()
             self._owed.clear()
         local_arenas.pop(self.id, None)
 

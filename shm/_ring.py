@@ -193,9 +193,28 @@ class Ring:
         self._eof_seen = False
         self._poll_fds: tuple[int, ...] = ()
         self._poller: Any = None
+        self._hint: Segment | None = None  # see set_hint()
+        self._hint_buf: Any = None
+        self._hint_at = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_ring, (self._seg, self._items, self._spaces))
+        hint = (self._hint, self._hint_at) if self._hint is not None else None
+        return (_rebuild_ring, (self._seg, self._items, self._spaces, hint))
+
+    def set_hint(self, segment: Segment, offset: int) -> None:
+        """Have the producer set byte ``offset`` of ``segment`` to 1 after each push.
+
+        For a consumer of many rings (an arena's release rings): it looks at
+        one shared page to learn which rings have something, instead of at
+        every ring; it clears a byte before popping that ring (see
+        :meth:`shm.Arena.collect`). Set it before the ring goes to the
+        producer's process: the hint travels with the ring.
+        """
+        self._hint, self._hint_buf, self._hint_at = segment, segment.buf, offset
+
+    def _signal(self) -> None:
+        if self._hint_buf is not None:
+            self._hint_buf[self._hint_at] = 1
 
     # ---------------------------------------------------------------- producer
     def fileno(self) -> int:
@@ -210,6 +229,7 @@ class Ring:
             return False
         self._write(data)
         self._items.ring(1)
+        self._signal()
         return True
 
     def push(
@@ -224,6 +244,7 @@ class Ring:
             raise RingTimeoutError(f"no free slot in the ring within {timeout} s")
         self._write(data)
         self._items.ring(1)
+        self._signal()
 
     def push_many(
         self,
@@ -246,6 +267,7 @@ class Ring:
             for rec in records[i : i + k]:
                 self._write(rec)
             self._items.ring(k)
+            self._signal()
             i += k
 
     def _check_size(self, data: bytes | bytearray | memoryview) -> None:
@@ -437,8 +459,7 @@ class Ring:
         such guarantee from Python (see the publication protocol above).
         """
         _U64.pack_into(self._buf, _PROGRESS, value)
-        if _FENCE.acquire(blocking=False):  # the attempt itself is the barrier; never waits
-            _FENCE.release()
+        fence()
 
     def progress(self) -> int:
         """The number the producer last published (0 before any); read racily."""
@@ -458,6 +479,7 @@ class Ring:
         self._space_credits += 1  # the spare slot: spent by the marker just below
         self._write(b"", length=_EOF)
         self._items.ring(1)
+        self._signal()
         self._eof_sent = True
 
     def close_consumer(self) -> None:
@@ -509,7 +531,21 @@ class Ring:
         )
 
 
-def _rebuild_ring(seg: Segment, items: Doorbell, spaces: Doorbell) -> Ring:
+def _rebuild_ring(
+    seg: Segment, items: Doorbell, spaces: Doorbell, hint: tuple[Segment, int] | None = None
+) -> Ring:
     ring = Ring.__new__(Ring)
     ring._setup(seg, items, spaces)  # noqa: SLF001 - unpickling: the ring's own set-up
+    if hint is not None:
+        ring.set_hint(*hint)
     return ring
+
+
+def fence() -> None:
+    """A full memory barrier (a lock's atomic read-modify-write; never waits).
+
+    See :meth:`Ring.publish_progress`: a store before it is seen by other
+    processes before any load after it (x86; see the module's docstring).
+    """
+    if _FENCE.acquire(blocking=False):
+        _FENCE.release()

@@ -109,7 +109,9 @@ class WorkerPool(CallExecutor):
         self.timeout = timeout
         self.restart = restart
         self._inline = num_workers == 0
-        self._state = PoolState(inline=self._inline, view_results=results == "view")
+        self._state = PoolState(
+            inline=self._inline, view_results=results == "view", timed=timeout is not None
+        )
         seed_entropy = int(np.random.SeedSequence(seed).entropy)  # type: ignore[arg-type]
         init = (
             _codec.dump_value((worker_init, tuple(worker_init_args)), "worker_init")

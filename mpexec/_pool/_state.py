@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
 import itertools
 import os
 import threading
@@ -72,7 +73,12 @@ class PoolStatus:
 
 
 class Slot:
-    """One worker process and the rings and bookkeeping that go with it."""
+    """One worker process and the rings and bookkeeping that go with it.
+
+    Its ``ready`` and ``start_deadline``, and its queue through :meth:`enqueue`
+    and :meth:`PoolState.complete`, are reported to the pool's :class:`Roster`
+    as they change.
+    """
 
     def __init__(self, index: int, generation: int) -> None:
         self.index = index
@@ -88,9 +94,32 @@ class Slot:
         self.fns: set[int] = set()
         self.forget: list[int] = []
         self.calls = 0  # CALL records pushed (the worker numbers them the same way)
-        self.ready = False
+        self.roster: Roster | None = None  # the pool's, once installed
+        self._ready = False
         # While a replacement starts (the manager reads its hello, never waits for it).
-        self.start_deadline: float | None = None
+        self._start_deadline: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether it takes calls (its hello was read, and it was not lost since)."""
+        return self._ready
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+        if self.roster is not None:
+            self.roster.changed(self)
+
+    @property
+    def start_deadline(self) -> float | None:
+        """While it starts (after the pool's): when it must have said hello."""
+        return self._start_deadline
+
+    @start_deadline.setter
+    def start_deadline(self, value: float | None) -> None:
+        self._start_deadline = value
+        if self.roster is not None:
+            self.roster.changed(self)
 
     def take_forgotten(self) -> list[int]:
         """The ids of functions its worker is to drop with its next task (taken off)."""
@@ -102,16 +131,108 @@ class Slot:
         self.fns.add(fn_id)
         self.calls += 1
         task.link.slot, task.link.seq = self, self.calls  # where its future looks
-        if not self.queue:
+        first = not self.queue
+        if first:
             task.started = time.monotonic()
         self.queue.append(task)
+        if self.roster is not None:
+            self.roster.loaded(self, first)
 
     def has_room(self) -> bool:
-        return self.ready and len(self.queue) < _IN_FLIGHT
+        return self._ready and len(self.queue) < _IN_FLIGHT
 
     def close_rings(self) -> None:
         for ring in (self.tasks, self.done, self.result_releases):
             ring.close()
+
+
+class Roster:
+    """The workers, ordered as the pool and its manager read them (under the state's lock).
+
+    So that neither a dispatch nor a wake-up of the manager looks at every
+    worker (with 64-128 workers, most of a call's cost in the main process):
+
+    - by load: ``(calls queued, index)`` of the ready workers, in a heap: the
+      least busy one, lowest index first, in O(log W) (:meth:`least_busy`);
+    - with a call timeout, by deadline: when each worker's oldest call started;
+    - the workers starting (with a start deadline), a set;
+    - ``version``, bumped whenever which workers are ready or starting changes
+      (the manager rebuilds its poll set only then).
+
+    A heap entry is pushed at each change and checked against its worker when
+    it reaches the top (one that no longer holds is dropped there), and the
+    heap is rebuilt when stale entries outnumber live ones.
+    """
+
+    def __init__(self, state: PoolState, timed: bool) -> None:
+        self.state = state
+        self.timed = timed  # the pool has a call timeout: keep the deadlines
+        self.by_load: list[tuple[int, int, int]] = []  # (queued, index, generation)
+        self.by_start: list[tuple[float, int, int, int]] = []  # (started, index, gen, task id)
+        self.starting: set[Slot] = set()
+        self.version = 0
+
+    def _current(self, index: int, generation: int) -> Slot | None:
+        slots = self.state.slots
+        slot = slots[index] if index < len(slots) else None
+        return slot if slot is not None and slot.generation == generation else None
+
+    def changed(self, slot: Slot) -> None:
+        """``slot`` became ready or not, started or stopped starting, or was installed."""
+        with self.state.lock:  # the manager's steps change these without it
+            self.version += 1
+            if slot.start_deadline is not None:
+                self.starting.add(slot)
+            else:
+                self.starting.discard(slot)
+            self.loaded(slot, bool(slot.queue))
+
+    def loaded(self, slot: Slot, new_head: bool) -> None:
+        """``slot``'s queue changed; ``new_head``: its oldest call is a new one (lock held)."""
+        if slot.ready:
+            heapq.heappush(self.by_load, (len(slot.queue), slot.index, slot.generation))
+            if len(self.by_load) > 4 * len(self.state.slots) + 64:
+                self.by_load = [
+                    (len(s.queue), s.index, s.generation) for s in self.state.slots if s.ready
+                ]
+                heapq.heapify(self.by_load)
+            if self.timed and new_head and slot.queue:
+                task = slot.queue[0]
+                heapq.heappush(
+                    self.by_start, (task.started, slot.index, slot.generation, task.task_id)
+                )
+
+    def clear(self) -> None:
+        """Forget every worker (the pool let go of them): a worker kept here would keep
+        its process object, and what that holds, for as long as the pool's state lives."""
+        self.by_load.clear()
+        self.by_start.clear()
+        self.starting.clear()
+        self.version += 1
+
+    def least_busy(self) -> Slot | None:
+        """The ready worker with the fewest calls queued (lowest index first); None: all full."""
+        heap = self.by_load
+        while heap:
+            queued, index, generation = heap[0]
+            slot = self._current(index, generation)
+            if slot is not None and slot.ready and len(slot.queue) == queued:
+                return slot if queued < _IN_FLIGHT else None
+            heapq.heappop(heap)
+        return None
+
+    def oldest_call(self) -> tuple[float, Slot] | None:
+        """When the longest-running worker's call started, and that worker (with a timeout)."""
+        heap = self.by_start
+        while heap:
+            started, index, generation, task_id = heap[0]
+            slot = self._current(index, generation)
+            if slot is not None and slot.ready and slot.queue:
+                head = slot.queue[0]
+                if head.task_id == task_id and head.started == started:
+                    return started, slot
+            heapq.heappop(heap)
+        return None
 
 
 class PoolState:
@@ -121,13 +242,17 @@ class PoolState:
     stopped: its memory is unmapped as soon as nothing made from it is held).
     """
 
-    def __init__(self, *, inline: bool = False, view_results: bool = False) -> None:
+    def __init__(
+        self, *, inline: bool = False, view_results: bool = False, timed: bool = False
+    ) -> None:
         self.pid = os.getpid()  # the process that owns it; a forked child does not
         self.inline = inline  # num_workers=0: calls run in the caller
         self.arena: shm.Arena | None = None
         self.last_pids: list[int] = []  # the workers' pids, kept after shutdown
         self.lock = threading.RLock()
         self.slots: list[Slot] = []
+        # ``timed``: calls have a timeout, so the manager needs their deadlines.
+        self.roster = Roster(self, timed)
         self.pending: collections.deque[Task] = collections.deque()
         self.broken: BaseException | None = None
         self.closed = False  # no more submissions
@@ -203,20 +328,20 @@ class PoolState:
         if task.worker is not None:
             slot = self.slots[task.worker % len(self.slots)]
             return slot if slot.has_room() else None
-        best = None
-        for slot in self.slots:
-            n = len(slot.queue)
-            if slot.ready and n < _IN_FLIGHT and (best is None or n < len(best.queue)):
-                best = slot
-        return best
+        return self.roster.least_busy()
 
     def install(self, slot: Slot) -> None:
         """Put a started worker in its place (a replacement takes its predecessor's)."""
         with self.lock:
             if slot.index < len(self.slots):
+                old = self.slots[slot.index]
+                old.roster = None  # gone: it reports nothing more
+                self.roster.starting.discard(old)
                 self.slots[slot.index] = slot
             else:
                 self.slots.append(slot)
+            slot.roster = self.roster
+            self.roster.changed(slot)
 
     def dispatch_pending(self, send: Callable[[Task, Slot], None]) -> None:
         """``send`` waiting calls, in order, to workers with room (the lock is held).
@@ -288,6 +413,7 @@ class PoolState:
             task = queue.popleft()
             if queue:
                 queue[0].started = time.monotonic()
+            self.roster.loaded(slot, True)
             if skipped:
                 return task
             if ok:
@@ -341,6 +467,7 @@ class PoolState:
         for slot in self.slots:
             tasks += slot.queue
             slot.queue.clear()
+            self.roster.loaded(slot, False)
         return tasks
 
     # ------------------------------------------------------------ stopping
@@ -391,6 +518,7 @@ class PoolState:
         with self.lock:
             self.last_pids = [s.pid for s in self.slots]
             self.slots = []
+            self.roster.clear()
 
     # ------------------------------------------------------------ reading
     def pids(self) -> list[int]:

@@ -727,3 +727,81 @@ def test_a_release_runs_once_when_its_anchor_goes_and_at_exit_for_those_alive() 
     assert sorted(lines[:2]) == ["a released", "a released again"]
     assert lines[2:] == ["a gone", "in use 1024", "b released"]
     assert out.stderr == ""
+
+
+class _CountingRing:
+    """Counts the looks an arena takes at its link rings (``may_have_records``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.looks = 0
+        original = shm.Ring.may_have_records
+
+        def counted(ring: shm.Ring) -> bool:
+            self.looks += 1
+            return original(ring)
+
+        monkeypatch.setattr(shm.Ring, "may_have_records", counted)
+
+
+def test_allocating_looks_only_at_the_link_rings_that_have_releases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pool's arena has a link ring per worker and reads releases before every
+    # allocation: with 64 idle rings that must not cost 64 looks an allocation.
+    from shm._views import RELEASE
+
+    with shm.Arena(segment_size=MiB, capacity=8 * MiB, name="many-links") as arena:
+        rings = [arena.link() for _ in range(64)]
+        descs = [arena.share(np.arange(8.0), peer=rings[k]) for k in (3, 40)]
+        counter = _CountingRing(monkeypatch)
+        for _ in range(200):
+            arena.empty(16, np.float32)
+        # One look at all 64 now and then (< a quarter of a ring a collection).
+        assert counter.looks <= 200 // 4 + 1, counter.looks
+        # A release pushed into one ring is applied by the next allocation,
+        # looking at that ring alone (its flag), not at the 63 others.
+        assert arena.stats().exported == 2
+        rings[40].try_push(RELEASE.pack(arena.id, descs[1].alloc_id, 1))
+        counter.looks = 0
+        arena.empty(16, np.float32)
+        assert arena._exported == 1
+        assert 1 <= counter.looks <= 3, counter.looks
+        rings[3].try_push(RELEASE.pack(arena.id, descs[0].alloc_id, 1))
+        arena.share(np.asarray(arena.empty(4)))  # share() collects too
+        assert arena._exported == 1
+
+
+def test_a_release_whose_flag_was_lost_is_still_collected(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Weakly ordered CPUs can hide a flag: collect() and a periodic look at
+    # every ring still apply the release.
+    from shm._views import RELEASE
+
+    with shm.Arena(segment_size=MiB, capacity=8 * MiB, name="lost-flag") as arena:
+        rings = [arena.link() for _ in range(8)]
+        descs = [arena.share(np.arange(8.0), peer=rings[5]) for _ in range(2)]
+        hints = arena._hints
+        assert hints.page is not None
+        for desc in descs:
+            rings[5].try_push(RELEASE.pack(arena.id, desc.alloc_id, 1))
+            hints.page.buf[:] = bytes(len(hints.page.buf))  # the flag "lost"
+        arena.empty(4)
+        assert arena._exported == 2
+        for _ in range(64):  # the periodic look at every ring
+            arena.empty(4)
+        assert arena._exported == 0
+        arena.share(np.arange(3.0), peer=rings[5])
+        rings[5].try_push(RELEASE.pack(arena.id, descs[0].alloc_id + 2, 1))
+        hints.page.buf[:] = bytes(len(hints.page.buf))
+        assert arena.collect() == 1  # an explicit collect() looks at every ring
+
+
+def test_link_rings_reuse_a_freed_flag_and_adopted_rings_have_none() -> None:
+    with shm.Arena(segment_size=MiB, capacity=8 * MiB, name="flags") as arena:
+        a, b = arena.link(), arena.link()
+        arena.reclaim(a)
+        c = arena.link()  # takes a's flag
+        hints = arena._hints
+        assert hints.index[id(c)] == 0
+        assert hints.index[id(b)] == 1
+        adopted = arena.link(shm.Ring(16, shm.RELEASE_RECORD_SIZE))
+        assert id(adopted) not in hints.index  # made elsewhere: looked at every time

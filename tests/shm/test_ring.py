@@ -661,3 +661,19 @@ def test_cross_process_both_backends(ctx: Any, backend: str, no_leaks: None) -> 
         assert proc.exitcode == 0
         # A process, or its sentinel, is ready once it has exited; the drained ring is not.
         assert shm.wait([ring, proc, proc.sentinel], timeout=LONG) == [proc, proc.sentinel]
+
+
+def test_a_producer_in_another_process_sets_the_rings_hint(ctx: Any, no_leaks: None) -> None:
+    # The hint (set_hint) travels with the ring: a child's pushes set the byte
+    # the parent reads, and only that byte.
+    page = shm.Segment.create(4096)
+    ring = shm.Ring(8, 8)
+    ring.set_hint(page, 7)
+    with _rings(ring):
+        with _child(ctx, _produce_then_exit, ring, 2) as proc:
+            proc.join(LONG)
+        assert page.buf[7] == 1
+        assert bytes(page.buf[:7]) == bytes(7)
+        assert page.buf[8] == 0
+        assert _drain(ring) == [_u64(0), _u64(1)]
+    page.close()

@@ -1,0 +1,184 @@
+"""A dispatch must not look at every worker: the pool's roster (issue 37).
+
+With 64-128 workers the main process's cost a call must stay flat: picking a
+worker, and the manager's deadlines, are read from ordered structures kept as
+calls come and go. These tests drive :class:`PoolState` without processes
+(the slots' rings are not made) and check both the choice, against the
+policy it has always had (the least busy ready worker, lowest index first),
+and how many workers a choice looks at.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+import types
+from typing import Any
+
+import pytest
+
+import shm
+from mpexec._pool import _state
+from mpexec._pool._state import PoolState, Slot
+
+IN_FLIGHT = _state._IN_FLIGHT
+
+
+class _CountingQueue(collections.deque[Any]):
+    """A slot's queue that counts how often its length is read."""
+
+    reads = 0
+
+    def __len__(self) -> int:
+        _CountingQueue.reads += 1
+        return super().__len__()
+
+
+@pytest.fixture
+def no_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Slots without rings: nothing here pushes or pops.
+    fake = types.SimpleNamespace(**{k: getattr(shm, k) for k in dir(shm) if not k.startswith("_")})
+    fake.Ring = lambda *a, **k: None
+    monkeypatch.setattr(_state, "shm", fake)
+
+
+def _pool(n: int, timed: bool = False) -> PoolState:
+    state = PoolState(inline=True, timed=timed)  # inline: no wake-up ring either
+    for i in range(n):
+        slot = Slot(i, 0)
+        slot.queue = _CountingQueue()
+        state.install(slot)
+        slot.ready = True
+    return state
+
+
+class _Task:
+    def __init__(self, task_id: int, worker: int | None = None) -> None:
+        self.task_id = task_id
+        self.worker = worker
+        self.started = 0.0
+        self.sent = 0.0
+        self.link = types.SimpleNamespace(slot=None, seq=0)
+
+
+def _queued(slot: Slot) -> int:
+    return collections.deque.__len__(slot.queue)  # uncounted
+
+
+def _reference(state: PoolState) -> Slot | None:
+    """The policy as it always was: a loop over every worker."""
+    best = None
+    for slot in state.slots:
+        n = _queued(slot)
+        if slot.ready and n < IN_FLIGHT and (best is None or n < _queued(best)):
+            best = slot
+    return best
+
+
+def test_picking_a_worker_keeps_the_policy_under_random_traffic(no_rings: None) -> None:
+    state = _pool(37)
+    rng = random.Random(5)
+    next_id = 1
+    for _ in range(5000):
+        op = rng.random()
+        if op < 0.5:
+            task = _Task(next_id)
+            next_id += 1
+            want = _reference(state)
+            got = state.pick_slot(task)  # type: ignore[arg-type]
+            assert got is want
+            if got is not None:
+                got.enqueue(task, 1)  # type: ignore[arg-type]
+        elif op < 0.9:
+            busy = [s for s in state.slots if s.queue]
+            if busy:
+                slot = rng.choice(busy)
+                state.complete(slot, slot.queue[0].task_id, skipped=False, ok=True)
+        elif op < 0.95:
+            slot = rng.choice(state.slots)
+            state.lose_worker(slot)  # not ready, its queue emptied
+        else:
+            slot = rng.choice(state.slots)
+            if not slot.ready:
+                new = Slot(slot.index, slot.generation + 1)  # a replacement
+                new.queue = _CountingQueue()
+                state.install(new)
+                new.ready = True
+    assert state.pick_slot(_Task(0, worker=3)) in (state.slots[3], None)  # type: ignore[arg-type]
+
+
+def test_picking_a_worker_looks_at_a_few_of_128_not_all(no_rings: None) -> None:
+    state = _pool(128)
+    for i in range(300):  # every worker busy with 2-3 calls
+        task = _Task(i + 1)
+        slot = state.pick_slot(task)  # type: ignore[arg-type]
+        assert slot is not None
+        slot.enqueue(task, 1)  # type: ignore[arg-type]
+    _CountingQueue.reads = 0
+    picks = 200
+    for i in range(picks):  # steady state: one call back, one call out
+        slot = state.slots[(i * 7) % 128]
+        state.complete(slot, slot.queue[0].task_id, skipped=False, ok=True)
+        task = _Task(1000 + i)
+        chosen = state.pick_slot(task)  # type: ignore[arg-type]
+        assert chosen is slot  # the one with a call fewer (lowest index first)
+        chosen.enqueue(task, 1)  # type: ignore[arg-type]
+    # A loop over every worker reads 128 lengths a pick (25,600 here).
+    assert _CountingQueue.reads < 12 * picks, _CountingQueue.reads
+
+
+def test_the_oldest_call_is_found_without_looking_at_every_worker(no_rings: None) -> None:
+    state = _pool(64, timed=True)
+    now = time.monotonic()
+    for i, slot in enumerate(state.slots):
+        task = _Task(i + 1)
+        slot.enqueue(task, 1)  # type: ignore[arg-type]
+        task.started = now - i  # worker 63's call is the oldest
+        state.roster.loaded(slot, True)
+    oldest = state.roster.oldest_call()
+    assert oldest is not None
+    assert oldest[1] is state.slots[63]
+    assert oldest[0] == now - 63
+    state.lose_worker(state.slots[63])
+    oldest = state.roster.oldest_call()
+    assert oldest is not None
+    assert oldest[1] is state.slots[62]
+    slot = state.slots[62]
+    state.complete(slot, slot.queue[0].task_id, skipped=False, ok=True)
+    oldest = state.roster.oldest_call()
+    assert oldest is not None
+    assert oldest[1] is state.slots[61]  # 62 has nothing queued now
+    assert len(state.roster.starting) == 0
+    state.slots[5].start_deadline = now + 10
+    assert state.roster.starting == {state.slots[5]}
+
+
+def test_a_manager_wake_up_looks_at_a_few_of_128_workers(no_rings: None) -> None:
+    from mpexec._pool._manager import Manager
+
+    state = _pool(128, timed=True)
+    for i, slot in enumerate(state.slots):
+        slot.enqueue(_Task(i + 1), 1)  # type: ignore[arg-type]
+    manager = Manager(state, None, None, 30.0, lambda: None)  # type: ignore[arg-type]
+    _CountingQueue.reads = 0
+    for _ in range(100):  # what each wake-up does besides what woke it
+        with state.lock:
+            deadline = manager.next_deadline()
+        manager.check_start_deadlines()
+        manager.check_timeouts()  # nothing has run 30 s: nobody is lost
+    assert deadline is not None
+    assert 29 < deadline <= 30.01
+    # A loop over every worker reads 128 queues a wake-up (12,800 here).
+    assert _CountingQueue.reads < 10 * 100, _CountingQueue.reads
+
+
+def test_the_roster_lets_go_of_the_workers_with_the_pool(no_rings: None) -> None:
+    # A worker stopped before its hello keeps its start deadline: the roster must
+    # not keep it (and its process object) once the pool has let go of it.
+    state = _pool(4)
+    state.slots[1].start_deadline = time.monotonic() + 60
+    assert state.roster.starting == {state.slots[1]}
+    state.release()
+    assert not state.roster.starting
+    assert not state.roster.by_load
