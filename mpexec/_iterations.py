@@ -75,6 +75,9 @@ class OpState:
         self.fed: collections.deque[list[tuple[Any, ...]]] = collections.deque()
         self.calls = self.samples = 0
         self.function_s = self.waiting_s = 0.0
+        # The CPU its units took in the workers, and their samples: what sizes its chunks.
+        self.cpu_s = 0.0
+        self.cpu_samples = 0
         self.bytes_in = self.bytes_out = self.bytes_copied = 0
 
     @property

@@ -54,7 +54,8 @@ Scaling to many workers: a chunk costs the main process about the same CPU
 whatever it carries, so a batch cut into a chunk per worker would cost it more a
 sample the more workers there are. Once an op's calls have shown how long a
 sample takes, its chunks carry up to _AMORTISE_SAMPLES samples (a whole batch of
-up to that many; fewer where that would take over _CHUNK_SECONDS), and the
+up to that many; fewer where that would take over the CPU time of the one chunk
+policy, _mapping.calls_in_chunk), and the
 window holds enough iterations for every worker to have prefetch_depth units of
 work (a stateless batch op's call is one unit: a whole batch), as many as
 _WINDOW_BYTES of their outputs allow; where it allows fewer, batches are cut
@@ -79,6 +80,7 @@ from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Op, Plan, Scope
 from ._iterations import Iteration, OpState, OpStats
+from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import ChainRunner, Chunk, ChunkResult, check_consistent, derive_seed, nbytes
 from ._source_runners import SourceBatchRunner, batch_rows, check_source_value, sample_tuple
@@ -89,7 +91,6 @@ from ._tracebacks import reraise
 # of CPU however many samples it carries (its encoding, ring push, result and
 # assembly): carrying _AMORTISE_SAMPLES keeps that to a few µs a sample.
 _AMORTISE_SAMPLES = 64
-_CHUNK_SECONDS = 0.25  # longer than this, a chunk is cut smaller (first batch, epoch's tail)
 _MAX_CHUNKS_PER_WORKER = 4  # chunks of one op's batch, per worker, at most
 _WINDOW_BYTES = 1 << 30  # what the iterations in flight may hold (their outputs)
 _WAIT_SECONDS = 1.0  # how often a waiting run() looks whether the pipeline closed
@@ -763,26 +764,23 @@ class Scheduler:
     def _chunk_count(self, s: OpState, size: int) -> int:
         """How many chunks op ``s``'s batch of ``size`` samples is cut into.
 
-        Until its calls' time is known, one per worker. Then each chunk carries
-        ``_AMORTISE_SAMPLES`` (a whole batch of up to that many), so that its
-        dispatch costs the main process a few µs a sample however many workers
-        there are: the window (:attr:`window`) then keeps more iterations in
-        flight to give every worker its share. Where that many samples would
-        take longer than ``_CHUNK_SECONDS``, chunks carry fewer (a long chunk
-        delays the first batch and idles the other workers at an epoch's end);
-        and where the memory budget caps the window, the batch is cut into
-        enough chunks for every worker still to hold ``prefetch_depth`` of them.
-        At most ``_MAX_CHUNKS_PER_WORKER`` per worker.
+        Until its calls' CPU time is known, one per worker. Then each chunk
+        carries ``_AMORTISE_SAMPLES`` (a whole batch of up to that many), so
+        that its dispatch costs the main process a few µs a sample however
+        many workers there are: the window (:attr:`window`) then keeps more
+        iterations in flight to give every worker its share. Where that many
+        samples take more of a worker's CPU than the one chunk policy gives a
+        chunk (:func:`~mpexec._mapping.calls_in_chunk`: CPU, so that a loaded
+        host does not cut batches smaller), chunks carry fewer (a long chunk
+        delays the first batch, idles workers at an epoch's end). Where the
+        memory budget caps the window, the batch is cut into enough chunks for
+        every worker to hold ``prefetch_depth``; ``_MAX_CHUNKS_PER_WORKER`` at most.
         """
         workers = self._workers
-        samples = s.members[-1].samples
-        if not samples:
+        if not s.cpu_samples:
             return max(1, min(size, workers))
-        per_sample = sum(m.function_s for m in s.members) / samples
-        carry = _AMORTISE_SAMPLES
-        if per_sample > 0:
-            carry = max(1, min(carry, int(_CHUNK_SECONDS / per_sample)))
-        # (Rounded: a chunk a little longer than _CHUNK_SECONDS beats twice the chunks.)
+        carry = calls_in_chunk(s.cpu_s / s.cpu_samples, _AMORTISE_SAMPLES)
+        # (Rounded: a chunk a little longer than the policy's beats twice the chunks.)
         chunks = max(round(size / carry), -(-self.prefetch_depth * workers // self._window_cap()))
         return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))
 
@@ -819,6 +817,8 @@ class Scheduler:
             m.bytes_in += b_in
             m.bytes_out += b_out
         s.waiting_s += max(0.0, elapsed - res.seconds)
+        s.cpu_s += res.cpu
+        s.cpu_samples += res.count
         if s.executor is self.executor:  # per worker of the pipeline's pool
             self.busy[res.pid] += res.seconds
             self.faults += res.faults

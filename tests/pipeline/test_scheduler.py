@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -339,6 +340,41 @@ def test_chunks_carry_whole_batches_and_the_window_follows_the_workers() -> None
     # The same samples, however they were cut.
     values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
     assert values.tolist() == [i % 251 for i in range(20 * 16)]
+
+
+class _Waits:
+    """A sample that takes 50 ms of wall time and almost no CPU: a loaded host's view."""
+
+    def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        time.sleep(0.05)
+        return np.full(4, x[0] % 251, np.uint8)
+
+
+def test_a_loaded_host_does_not_cut_batches_smaller() -> None:
+    """Chunks are sized by the workers' CPU time, not wall time (one policy with map's).
+
+    On a loaded host a sample's wall time grows while its work does not: sized
+    by wall time, 8 samples of 50 ms (0.4 s) were cut in two, so the busier the
+    host, the more the main process spent a sample. Their CPU is a few µs: the
+    batch stays whole.
+    """
+    executor = _ManyWorkers(4)
+
+    def waiting() -> Any:
+        src = fn.external_source(source=_Indices(), batch=False, name="src")
+        return fn.python_function(src, function=_Waits(), name="wait")
+
+    scheduler = _scheduler_over(executor, waiting, batch=8)
+    try:
+        got = [scheduler.next_result() for _ in range(5)]
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    later = [u for u in executor.units if u.chunk.iteration >= 2]
+    assert later
+    assert all(u.chunk.count == 8 for u in later), [u.chunk.count for u in later]
+    values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
+    assert values.tolist() == [i % 251 for i in range(5 * 8)]
 
 
 def test_the_window_stays_within_its_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
