@@ -55,21 +55,31 @@ T = TypeVar("T")
 # most twice the chunk's planned time and AUTO_CHUNK_WALL and one call, and a
 # call that was not started when the caller gave up never runs.
 AUTO_CHUNK_SECONDS = 0.1
+# A batch that its caller waits for alone (mpexec.dali: DALI calls the op one batch
+# at a time) is cut finer, for balance: no other batch keeps an idle worker busy.
+BALANCE_CHUNK_SECONDS = 0.02
 AUTO_CHUNK_WALL_SIZE = 2 * AUTO_CHUNK_SECONDS
 AUTO_CHUNK_WALL = 0.05
 AUTO_CHUNK_BYTES = 4 << 20
 AUTO_CHUNK_MAX = 256
+# A chunk's results that are small arrays of one shape and dtype travel as one
+# block of at most this size, taken apart into rows in the caller in one call:
+# per result, the main process then does no decoding of its own. (Small: a row
+# kept keeps its block, as a slab allocator's object does.)
+STACK_BYTES = 64 << 10
 
 
-def calls_in_chunk(cpu_per_call: float, most: int) -> int:
+def calls_in_chunk(cpu_per_call: float, most: int, *, alone: bool = False) -> int:
     """How many calls a chunk carries: :data:`AUTO_CHUNK_SECONDS` of a worker's CPU, 1 to ``most``.
 
     ``cpu_per_call``: a call's CPU seconds in a worker, as measured (0:
-    too quick to time, ``most``).
+    too quick to time, ``most``). ``alone``: one batch is all the workers
+    have, which is cut finer (:data:`BALANCE_CHUNK_SECONDS`).
     """
     if cpu_per_call <= 0:
         return most
-    return max(1, min(most, int(AUTO_CHUNK_SECONDS / cpu_per_call)))
+    target = BALANCE_CHUNK_SECONDS if alone else AUTO_CHUNK_SECONDS
+    return max(1, min(most, int(target / cpu_per_call)))
 
 
 class CallExecutor(Executor):
@@ -270,7 +280,8 @@ def run_measured(
     """A chunk of an automatic ``map()``, run in a worker: what :func:`map_auto` needs.
 
     ``(results, seconds, cpu seconds, array bytes, error)``: the calls'
-    results, how long they ran (wall time, and this thread's CPU time), the
+    results (small arrays of one shape and dtype as one block: see
+    :func:`stack_results`), how long they ran (wall time, and this thread's CPU time), the
     bytes of their arrays (in and out, at any depth), and the exception of
     the call that raised (or whose result cannot be pickled), packed the
     worker's own way (see :func:`pack_error`), or None. The worker decides
@@ -310,7 +321,30 @@ def run_measured(
             break
         if time.perf_counter() - start >= wall + slow * len(results):
             break
-    return results, time.perf_counter() - start, time.thread_time() - cpu, nbytes, error
+    seconds = time.perf_counter() - start
+    return stack_results(results), seconds, time.thread_time() - cpu, nbytes, error
+
+
+def stack_results(results: list[Any]) -> Any:
+    """``results`` as one array if they are small arrays of one shape and dtype, else as they are.
+
+    The caller takes it apart with ``list(block)``: each row a view of the
+    block, with the result's shape, dtype and values, writable as a result
+    is. Not 0-d arrays (a block's rows would be NumPy scalars), subclasses or
+    object arrays.
+    """
+    if len(results) < 2:
+        return results
+    first = results[0]
+    if type(first) is not np.ndarray or not first.ndim or first.dtype.hasobject:
+        return results
+    if first.nbytes * len(results) > STACK_BYTES:
+        return results
+    shape, dtype = first.shape, first.dtype
+    for r in results:
+        if type(r) is not np.ndarray or r.shape != shape or r.dtype != dtype:
+            return results
+    return np.stack(results)
 
 
 #: Types whose values pickle as they are and hold no array.
@@ -371,8 +405,9 @@ class ChunkSizer:
     the same function on the same pool ended with); after each chunk, as
     many as take :data:`AUTO_CHUNK_SECONDS` of CPU (:func:`calls_in_chunk`),
     run at most :data:`AUTO_CHUNK_WALL_SIZE` and carry at most
-    :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed, at once: calls
-    that turn slow after it are the worker's to stop (:func:`run_measured`).
+    :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed, at once (but
+    by wall time, by half at most: calls that turn slow after it are the
+    worker's to stop, :func:`run_measured`).
     With a known length, the last calls are shared evenly: once what is left
     fits in the chunks of a window (two a worker), it goes in chunks of equal
     size, so that every worker ends at about the same time at the cost of no
@@ -416,7 +451,9 @@ class ChunkSizer:
             return
         best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX)
         if seconds > 0:
-            best = min(best, int(AUTO_CHUNK_WALL_SIZE * ran / seconds))
+            # Wall time: by half at most a chunk (a worker descheduled for a while on
+            # a busy host is not calls that turned slow; those, its worker stops).
+            best = min(best, max(int(AUTO_CHUNK_WALL_SIZE * ran / seconds), self.size // 2))
         if nbytes > 0:
             best = min(best, AUTO_CHUNK_BYTES * ran // nbytes)
         self.size = max(1, best)
@@ -518,6 +555,8 @@ def map_auto(
             except Exception as exc:
                 raise for_caller(exc)  # noqa: B904 - as above
             sent -= 1
+            if type(results) is np.ndarray:  # small arrays as one block: its rows
+                results = list(results)
             ran = len(results) + (error is not None)
             if error is None and ran < len(chunk.calls):
                 # Handed back: the calls turned slow or large. Sized anew before they go.

@@ -65,7 +65,6 @@ smaller again. Results come back a chunk, so a batch, at a time.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import threading
 import time
@@ -79,7 +78,7 @@ from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Op, Plan, Scope
-from ._iterations import Iteration, OpState, OpStats
+from ._iterations import Iteration, OpState, OpStats, annotate
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import ChainRunner, Chunk, ChunkResult, check_consistent, derive_seed, nbytes
@@ -129,6 +128,10 @@ class Scheduler:
         self._next_index = 0
         self._next_seq = 0
         self._ending = False  # a source ended this epoch: launch no more
+        # Where the last epoch ended (its iteration with a source's end): an epoch
+        # launches no further until that iteration came in without one, rather than
+        # a window of iterations past its end (W x prefetch_depth dispatches wasted).
+        self._end: int | None = None
         self._closed = False
         self._delivered = 0  # iterations of this epoch handed to the caller
         self.busy: dict[int, float] = collections.defaultdict(float)  # pid -> seconds
@@ -402,8 +405,9 @@ class Scheduler:
 
     # ------------------------------------------------------------ scheduling
     def _fill(self) -> None:
+        end = self._end
         while len(self._window) < self.window and not self._ending and not self._closed:
-            if not self._launch():
+            if (end is not None and self._next_index > end) or not self._launch():
                 return
 
     def _launch(self) -> bool:
@@ -427,7 +431,7 @@ class Scheduler:
                     samples if s.op.source_mode == SourceMode.FEED else self._own(s, samples)
                 )
             except Exception as exc:
-                self._fail(it, _annotate(exc, s.op, it, None))
+                self._fail(it, annotate(exc, s.op, it, None))
                 return True
             n = len(samples[0])
             if (
@@ -531,8 +535,10 @@ class Scheduler:
             if it.error is not None:
                 continue
             size = it.size if it.stop is None else min(it.size, it.stop)
+            if it.stop is None and it.index == self._end:
+                self._end = None  # a longer epoch than the last: the next run() fills on
             if it.stop is not None:
-                self._ending = True
+                self._ending, self._end = True, it.index
                 for later in [x for x in self._window if x.index > it.index]:
                     self._window.remove(later)
                     self._drop(later)
@@ -567,14 +573,14 @@ class Scheduler:
                 try:
                     it.values[s.pos] = self._select(it, s)
                 except Exception as exc:
-                    self._fail(it, _annotate(exc, s.op, it, None))
+                    self._fail(it, annotate(exc, s.op, it, None))
                     return
                 self._done_here(it)
                 continue
             try:
                 ready = self._handed_off(it, s)
             except Exception as exc:  # a closed GPU stage: fail the iteration, in the window
-                self._fail(it, _annotate(exc, s.op, it, None))
+                self._fail(it, annotate(exc, s.op, it, None))
                 return
             if not ready or s.pos in it.dispatched:
                 continue  # (dispatched already: by a handoff that completed meanwhile)
@@ -583,7 +589,7 @@ class Scheduler:
             try:
                 samples = self._rows(it, s.members[0].op.scope)
             except Exception as exc:
-                self._fail(it, _annotate(exc, s.op, it, None))
+                self._fail(it, annotate(exc, s.op, it, None))
                 return
             if samples is not None and not len(samples):
                 # A branch no sample took: nothing to call (DALI calls no batch function either).
@@ -692,7 +698,7 @@ class Scheduler:
         try:
             blocks = self._blocks(s, size)  # shared memory may be full: fail the iteration
         except Exception as exc:
-            self._fail(it, _annotate(exc, op, it, None))
+            self._fail(it, annotate(exc, op, it, None))
             return
         it.blocks[s.pos] = blocks
         submit = s.executor.submit_unit
@@ -708,7 +714,7 @@ class Scheduler:
             try:
                 future = submit(unit)
             except Exception as exc:
-                self._fail(it, _annotate(exc, op, it, None))
+                self._fail(it, annotate(exc, op, it, None))
                 return
             future.add_done_callback(functools.partial(self._on_chunk, it, s, ci, t0))
 
@@ -803,7 +809,7 @@ class Scheduler:
         if exc is not None:
             name = getattr(exc, "mpexec_op", None)
             op = next((m.op for m in s.members if m.op.name == name), s.op)
-            self._fail(it, _annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
+            self._fail(it, annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
             return
         res: ChunkResult = future.result()
         per_op = res.per_op or ((res.seconds, 0, 0),)
@@ -976,20 +982,3 @@ def _batch_in_workers(s: OpState, executor: UnitExecutor) -> bool:
     """``s`` is a stateless batch op run by the pipeline's executor (its workers)."""
     op = s.op
     return op.batch_processing and not (op.is_source or op.stateful) and s.executor is executor
-
-
-def _annotate(exc: BaseException, op: Op, it: Iteration, sample: int | None) -> BaseException:
-    where = f"in {op.describe()}, iteration {it.index} of epoch {it.epoch}"
-    if sample is not None:
-        where += f", sample {sample} (index {it.epoch_start + sample} in the epoch)"
-    note = f"mpexec: raised {where}"
-    notes = getattr(exc, "__notes__", None)
-    if notes is None or note not in notes:
-        if hasattr(exc, "add_note"):
-            exc.add_note(note)
-        else:  # pragma: no cover - Python 3.10
-            exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
-    for attr, value in (("mpexec_op", op.name), ("mpexec_iteration", it.index)):
-        with contextlib.suppress(AttributeError):  # exceptions with __slots__
-            setattr(exc, attr, value)
-    return exc

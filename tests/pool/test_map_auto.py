@@ -217,11 +217,20 @@ def test_chunk_size_follows_cpu_time_within_a_wall_time_bound() -> None:
     # A loaded host: 1 ms of CPU a call took 2 ms; the CPU target still rules.
     sizer.learn(ran=16, seconds=16 * 2 * ms, cpu=16 * ms, nbytes=0)
     assert sizer.size == int(AUTO_CHUNK_SECONDS / ms)
-    # Calls that wait (I/O): little CPU, but a chunk runs at most AUTO_CHUNK_WALL_SIZE.
+    # Calls that wait (I/O): little CPU, but a chunk runs at most AUTO_CHUNK_WALL_SIZE,
+    # reached by halves (a worker descheduled a moment is not calls turned slow).
+    sizer.learn(ran=16, seconds=16 * 5 * ms, cpu=16 * 0.01 * ms, nbytes=0)
+    assert sizer.size == max(
+        int(AUTO_CHUNK_WALL_SIZE / (5 * ms)), int(AUTO_CHUNK_SECONDS / ms) // 2
+    )
     sizer.learn(ran=16, seconds=16 * 5 * ms, cpu=16 * 0.01 * ms, nbytes=0)
     assert sizer.size == int(AUTO_CHUNK_WALL_SIZE / (5 * ms))
-    sizer.learn(ran=4, seconds=4 * 0.3, cpu=4 * 0.0001, nbytes=0)  # 0.3 s waits: alone
-    assert sizer.size == 1
+    sizes = []
+    for _ in range(8):
+        sizer.learn(ran=4, seconds=4 * 0.3, cpu=4 * 0.0001, nbytes=0)  # 0.3 s waits: alone
+        sizes.append(sizer.size)
+    assert sizes[0] == int(AUTO_CHUNK_WALL_SIZE / (5 * ms)) // 2
+    assert sizes[-1] == 1
 
 
 def test_chunk_size_keeps_within_the_bytes_bound() -> None:
@@ -505,3 +514,66 @@ def test_map_takes_a_numpy_integer_prefetch() -> None:
             9,
             16,
         ]
+
+
+# ---------------------------------------------------------------- the main process's share
+def _row(x: int) -> np.ndarray[Any, Any]:
+    return np.full(16, x, np.float32)
+
+
+def _scalar_array(x: int) -> np.ndarray[Any, Any]:
+    return np.array(x, np.int64)  # 0-d: not stacked (its row would be a NumPy scalar)
+
+
+def _mixed(x: int) -> Any:
+    return np.full(4 + x % 2, x, np.int32)
+
+
+def test_a_second_map_of_the_same_function_starts_at_the_size_learned() -> None:
+    """A map per epoch does not send its first calls one a task again (per pool, per fn)."""
+    n = 400
+    with WorkerPool(2) as pool:
+        assert list(pool.map(_square, range(n), timeout=T)) == [x * x for x in range(n)]
+        first = pool.stats().submitted
+        assert list(pool.map(_square, range(n), timeout=T)) == [x * x for x in range(n)]
+        second = pool.stats().submitted - first
+        # The first map sent a window of single calls before it knew their time; the
+        # second shares its calls evenly over a window of chunks (two a worker) at once.
+        assert first > 2 * pool.num_workers
+        assert second == 2 * pool.num_workers, (first, second)
+        # Another function learns for itself.
+        assert list(pool.map(_add, range(n), range(n), timeout=T)) == [2 * x for x in range(n)]
+        assert pool.stats().submitted - first - second > 2 * pool.num_workers
+
+
+@pytest.mark.parametrize("make", [_row, _scalar_array, _mixed])
+def test_small_array_results_come_back_as_they_were_made(make: Any) -> None:
+    """Results of one shape and dtype travel as one block; each item is still its own."""
+    n = 600
+    with WorkerPool(2) as pool:
+        got = list(pool.map(make, range(n), timeout=T))
+        assert pool.stats().submitted < n // 4, "not chunked: the test proves nothing"
+    for x, r in enumerate(got):
+        want = make(x)
+        assert type(r) is np.ndarray
+        assert (r.shape, r.dtype) == (want.shape, want.dtype)
+        np.testing.assert_array_equal(r, want)
+        assert r.flags.writeable  # the caller's own, as every result is
+    got[0][...] = -1  # a row is its item's alone
+    np.testing.assert_array_equal(got[1], make(1))
+
+
+def test_the_worker_stacks_only_small_arrays_of_one_shape() -> None:
+    from mpexec._mapping import STACK_BYTES, stack_results
+
+    same = [np.full(8, i, np.float64) for i in range(10)]
+    block = stack_results(same)
+    assert type(block) is np.ndarray
+    assert block.shape == (10, 8)
+    assert type(stack_results(same[:1])) is list
+    assert type(stack_results([np.array(1), np.array(2)])) is list  # 0-d
+    big = [np.zeros(STACK_BYTES // 8, np.float64) for _ in range(2)]
+    assert type(stack_results(big)) is list
+    assert type(stack_results([np.zeros(3), np.zeros(4)])) is list
+    assert type(stack_results([np.zeros(3), np.zeros(3, np.float32)])) is list
+    assert type(stack_results([np.zeros(3), [0.0, 0.0, 0.0]])) is list
