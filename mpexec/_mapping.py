@@ -406,8 +406,8 @@ class ChunkSizer:
     many as take :data:`AUTO_CHUNK_SECONDS` of CPU (:func:`calls_in_chunk`),
     run at most :data:`AUTO_CHUNK_WALL_SIZE` and carry at most
     :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed, at once (but
-    by wall time, by half at most: calls that turn slow after it are the
-    worker's to stop, :func:`run_measured`).
+    by wall time, by half at most unless its worker ended it: calls that
+    turn slow after it are the worker's to stop, :func:`run_measured`).
     With a known length, the last calls are shared evenly: once what is left
     fits in the chunks of a window (two a worker), it goes in chunks of equal
     size, so that every worker ends at about the same time at the cost of no
@@ -445,15 +445,19 @@ class ChunkSizer:
             self.left = max(0, self.left - len(chunk))
         return chunk
 
-    def learn(self, ran: int, seconds: float, cpu: float, nbytes: int) -> None:
-        """A chunk ran ``ran`` calls: ``seconds`` (``cpu`` on a CPU), ``nbytes`` of arrays."""
+    def learn(self, ran: int, seconds: float, cpu: float, nbytes: int, ended: bool = False) -> None:
+        """A chunk ran ``ran`` calls: ``seconds`` (``cpu`` on a CPU), ``nbytes`` of arrays.
+
+        ``ended``: its worker ended it early, its calls having turned slow.
+        """
         if ran < 1:
             return
         best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX)
         if seconds > 0:
-            # Wall time: by half at most a chunk (a worker descheduled for a while on
-            # a busy host is not calls that turned slow; those, its worker stops).
-            best = min(best, max(int(AUTO_CHUNK_WALL_SIZE * ran / seconds), self.size // 2))
+            # Wall time: by half at most a chunk that ran all its calls (a worker
+            # descheduled a while on a busy host is not calls that turned slow).
+            floor = 0 if ended else self.size // 2
+            best = min(best, max(int(AUTO_CHUNK_WALL_SIZE * ran / seconds), floor))
         if nbytes > 0:
             best = min(best, AUTO_CHUNK_BYTES * ran // nbytes)
         self.size = max(1, best)
@@ -562,7 +566,7 @@ def map_auto(
                 # Handed back: the calls turned slow or large. Sized anew before they go.
                 chunk.calls, chunk.future = chunk.calls[ran:], None
                 back_out += 1
-                sizer.learn(ran, seconds, cpu, nbytes)
+                sizer.learn(ran, seconds, cpu, nbytes, ended=True)
                 fill()
             else:
                 chunks.remove(chunk)

@@ -8,6 +8,7 @@ pipeline's own, inline and with workers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -375,6 +376,70 @@ def test_a_loaded_host_does_not_cut_batches_smaller() -> None:
     assert all(u.chunk.count == 8 for u in later), [u.chunk.count for u in later]
     values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
     assert values.tolist() == [i % 251 for i in range(5 * 8)]
+
+
+def test_an_epoch_launches_no_further_than_the_last_one_ended() -> None:
+    """Iterations past an epoch's end cost dispatches: the next epoch stops where it ended.
+
+    With 16 workers the window holds 32 iterations, so the first epoch (40
+    batches, its end found in the workers) launches up to 32 past its end;
+    the second launches up to where the first ended, then waits for that
+    iteration to say whether the epoch goes on.
+    """
+    executor = _ManyWorkers(16)
+    scheduler = _scheduler_over(executor, _per_sample_graph(4), batch=16)
+    try:
+        epochs = []
+        for _ in range(2):
+            got = []
+            with contextlib.suppress(StopIteration):
+                while True:
+                    got.append(scheduler.next_result())
+            epochs.append(got)
+            scheduler.reset()
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    assert [len(e) for e in epochs] == [40, 40]
+    second = {u.chunk.iteration for u in executor.units if u.chunk.epoch == 1}
+    assert max(second) == 40, sorted(second)  # its end (iteration 40), none past it
+    for got in epochs:
+        values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
+        assert values.tolist() == [i % 251 for i in range(40 * 16)]
+
+
+class _Growing:
+    """Epoch e has 10 + 5 * e batches of 16."""
+
+    def __call__(self, info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+        if info.idx_in_epoch >= (10 + 5 * info.epoch_idx) * 16:
+            raise StopIteration
+        return np.array([info.idx_in_epoch])
+
+
+def test_an_epoch_longer_than_the_last_goes_on_past_its_end() -> None:
+    executor = _ManyWorkers(16)
+
+    def graph() -> Any:
+        src = fn.external_source(source=_Growing(), batch=False, name="src")
+        return fn.python_function(src, function=_Filler(4), name="fill")
+
+    scheduler = _scheduler_over(executor, graph, batch=16)
+    try:
+        lengths = []
+        for _ in range(3):
+            n = 0
+            with contextlib.suppress(StopIteration):
+                while True:
+                    (b,) = scheduler.next_result()
+                    assert b.as_array()[0, 0] == (n * 16) % 251
+                    n += 1
+            lengths.append(n)
+            scheduler.reset()
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    assert lengths == [10, 15, 20]
 
 
 def test_the_window_stays_within_its_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:

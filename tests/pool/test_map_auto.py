@@ -231,6 +231,10 @@ def test_chunk_size_follows_cpu_time_within_a_wall_time_bound() -> None:
         sizes.append(sizer.size)
     assert sizes[0] == int(AUTO_CHUNK_WALL_SIZE / (5 * ms)) // 2
     assert sizes[-1] == 1
+    # A chunk its worker ended (its calls turned slow): its rate holds at once.
+    sizer.size = 40
+    sizer.learn(ran=4, seconds=4 * 0.3, cpu=4 * 0.0001, nbytes=0, ended=True)
+    assert sizer.size == 1
 
 
 def test_chunk_size_keeps_within_the_bytes_bound() -> None:
