@@ -117,17 +117,22 @@ class CallExecutor(Executor):
         yields results as they complete. ``timeout`` bounds the whole map.
 
         ``chunksize=None`` (the default) chunks automatically: one call a task
-        until the first results show that calls are short, then as many a
-        task as take about 20 ms of a worker's CPU (and run at most 50 ms: a
-        call of 25 ms or more goes alone), at most 256, with at most 4 MiB of
-        arrays in and out (counted at any depth: a dict of arrays counts
-        them); fewer again near the end of an iterable of known length. The
-        worker ends a chunk early, with the results it has, once it has run
-        50 ms or made 4 MiB of arrays (calls that turned slow or large), or
-        when ``timeout`` has passed; the calls it did not start are sent
-        again. So a result waits in its chunk for at most 50 ms and one
-        call, and a call not started when the map is closed or times out
-        does not run (a chunk running then stops within 50 ms and one call).
+        until the first results show that calls are short (or at the size an
+        earlier map of the same function on this pool learned), then as many
+        a task as take about 0.1 s of a worker's CPU (and run at most 0.2 s:
+        a call of 0.2 s or more goes alone), at most 256, with at most 4 MiB
+        of arrays in and out (counted at any depth: a dict of arrays counts
+        them); the last calls of an iterable of known length in equal chunks,
+        two a worker. The worker ends a chunk early, with the results it has,
+        once its calls run 50 ms behind twice the rate it was sized at, or
+        made 4 MiB of arrays (calls that turned slow or large), or when
+        ``timeout`` has passed; the calls it did not start are sent again,
+        spread over the workers. So a result waits in its chunk for at most
+        twice the chunk's planned time, 50 ms and one call, and a call not
+        started when the map times out does not run. Closing the map cancels
+        the chunks not started; a chunk running then runs on to its end (its
+        planned time, about 0.1 s of a worker's CPU), or to its first call
+        that turned slow.
         Results still come one per item, and an exception, or a result
         that cannot be pickled, is raised at its own item, after the results
         before it; a pool with a per-call ``timeout`` never chunks by itself
