@@ -65,8 +65,10 @@ AUTO_CHUNK_MAX = 256
 # A chunk's results that are small arrays of one shape and dtype travel as one
 # block of at most this size, taken apart into rows in the caller in one call:
 # per result, the main process then does no decoding of its own. (Small: a row
-# kept keeps its block, as a slab allocator's object does.)
-STACK_BYTES = 64 << 10
+# kept keeps its block, as a slab allocator's object does; and no larger than an
+# array the pool copies inline, _codec.INLINE_MAX, so that the block travels as
+# each of its rows would have, in the caller's own memory.)
+STACK_BYTES = _codec.INLINE_MAX
 
 
 def calls_in_chunk(cpu_per_call: float, most: int, *, alone: bool = False) -> int:
