@@ -82,7 +82,13 @@ from ._iterations import Iteration, OpState, OpStats, annotate
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import ChainRunner, Chunk, ChunkResult, check_consistent, derive_seed, nbytes
-from ._source_runners import SourceBatchRunner, batch_rows, check_source_value, sample_tuple
+from ._source_runners import (
+    SourceBatchRunner,
+    batch_rows,
+    check_source_value,
+    own_columns,
+    sample_tuple,
+)
 from ._tracebacks import reraise
 
 # How an op's batch is cut into chunks, and how many iterations are in flight
@@ -480,26 +486,11 @@ class Scheduler:
             it.stop = 0
         return columns
 
-    def _own(self, s: OpState, columns: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
-        """Copies of a source's arrays (into shared memory), read-only.
-
-        The source, or the caller of feed_input, may refill its buffers at
-        once (as DALI's external_source allows: it copies too); this one copy
-        is where data enters the pipeline.
-        """
-        out = []
-        for col in columns:
-            own = []
-            for a in col:
-                if self._workers and not a.dtype.hasobject and a.nbytes:
-                    c = s.executor.share(a)
-                    s.bytes_copied += a.nbytes
-                else:
-                    c = np.array(a, copy=True)
-                c.flags.writeable = False
-                own.append(c)
-            out.append(own)
-        return tuple(out)
+    def _own(self, s: OpState, columns: tuple[list[Any], ...]) -> tuple[Any, ...]:
+        """A source's columns copied once, into shared memory (see own_columns)."""
+        owned, shared = own_columns(columns, s.executor if self._workers else None)
+        s.bytes_copied += shared
+        return owned
 
     def _next_item(self, s: OpState) -> Any:
         op = s.op

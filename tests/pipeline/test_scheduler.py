@@ -461,3 +461,57 @@ def test_the_window_stays_within_its_memory_budget(monkeypatch: pytest.MonkeyPat
     # 2 (prefetch_depth) x 16 workers over 4 iterations: 8 chunks a batch.
     assert later
     assert all(u.chunk.count == batch // 8 for u in later)
+
+
+class _Blocks(_ManyWorkers):
+    """Counts the source arrays shared one by one; gives blocks of its memory."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.shared = 0
+        self.blocks = 0
+
+    def share(self, array: Any) -> Any:
+        self.shared += 1
+        return super().share(array)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        self.blocks += 1
+        return np.empty(shape, dtype)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_source_read_here_is_copied_a_batch_at_a_time(ragged: bool) -> None:
+    """A source read in this process: its batch's samples enter shared memory as one block.
+
+    One allocation and one copy a batch (the samples' rows), not one share a
+    sample; ragged samples still go one by one.
+    """
+    batch, n = 8, 40
+    samples = [np.full(3 + (i % 2 if ragged else 0), i, np.int32) for i in range(n)]
+    executor = _Blocks(2)
+
+    def graph() -> Any:
+        src = fn.external_source(source=samples, batch=False, name="src", cycle=False)
+        return src, fn.python_function(src, function=_Twice(), name="twice")
+
+    scheduler = _scheduler_over(executor, graph, batch=batch)
+    try:
+        got = [scheduler.next_result() for _ in range(n // batch)]
+        stats = {s.name: s for s in scheduler.op_stats()}
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    for k, (src, twice) in enumerate(got):
+        for j in range(batch):
+            i = k * batch + j
+            np.testing.assert_array_equal(src[j], samples[i])
+            np.testing.assert_array_equal(twice[j], 2 * samples[i])
+            assert not src[j].flags.writeable
+    assert executor.shared == (n if ragged else 0)
+    assert stats["src"].bytes_copied == sum(a.nbytes for a in samples)
+
+
+class _Twice:
+    def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return 2 * x
