@@ -9,6 +9,7 @@ these hold the state it works on.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -75,6 +76,9 @@ class OpState:
         self.fed: collections.deque[list[tuple[Any, ...]]] = collections.deque()
         self.calls = self.samples = 0
         self.function_s = self.waiting_s = 0.0
+        # The CPU its units took in the workers, and their samples: what sizes its chunks.
+        self.cpu_s = 0.0
+        self.cpu_samples = 0
         self.bytes_in = self.bytes_out = self.bytes_copied = 0
 
     @property
@@ -198,3 +202,21 @@ class PipelineStats:
             lines.append(f"worker page faults: {self.faults_per_sample:.1f} per sample")
         lines.append(self.READING_GUIDE)
         return "\n".join(lines)
+
+
+def annotate(exc: BaseException, op: Op, it: Iteration, sample: int | None) -> BaseException:
+    """``exc`` with a note naming op ``op``, iteration ``it`` and ``sample`` (if any)."""
+    where = f"in {op.describe()}, iteration {it.index} of epoch {it.epoch}"
+    if sample is not None:
+        where += f", sample {sample} (index {it.epoch_start + sample} in the epoch)"
+    note = f"mpexec: raised {where}"
+    notes = getattr(exc, "__notes__", None)
+    if notes is None or note not in notes:
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        else:  # pragma: no cover - Python 3.10
+            exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
+    for attr, value in (("mpexec_op", op.name), ("mpexec_iteration", it.index)):
+        with contextlib.suppress(AttributeError):  # exceptions with __slots__
+            setattr(exc, attr, value)
+    return exc

@@ -11,12 +11,14 @@ Both complete their futures with :func:`settle`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import numbers
 import operator
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Generator, Iterable, Iterator, MutableMapping
 from concurrent.futures import FIRST_COMPLETED, Executor, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
@@ -29,25 +31,57 @@ from ._tracebacks import for_caller, pack_error, unpack_error
 
 T = TypeVar("T")
 
-# Automatic chunking (map's default): once calls prove short, they travel in
-# chunks of about AUTO_CHUNK_SECONDS of a worker's CPU time, so that the main
-# process's fixed cost per task (100-200 us of its CPU, which on busy cores
-# comes out of the workers') is a percent or so of the work. CPU time, not
-# wall time: on a loaded host a call's wall time grows, its work does not. A
-# chunk carries at most AUTO_CHUNK_BYTES of arrays (its calls' arguments and
-# results, at any depth: {"img": array} counts its array), so that reading
-# ahead in chunks holds no more memory than a few calls on large arrays would,
-# and at most AUTO_CHUNK_MAX calls. The worker ends a chunk itself, returning
-# the results it has, once it has run AUTO_CHUNK_WALL seconds or made
+# One chunk policy, for every runner that takes many calls in one worker task
+# (map's automatic chunks, a pipeline's per-sample chunks, mpexec.dali's): a
+# chunk carries as many calls as take AUTO_CHUNK_SECONDS of a worker's CPU
+# (calls_in_chunk), so that the main process's fixed cost per task (its encoding,
+# ring push, result and hand-off: 100-200 us of its CPU, which on busy cores
+# comes out of the workers') is a few percent of the work even with many
+# workers. CPU time, not wall time: on a loaded host a call's wall time grows,
+# its work does not, and the chunks must not shrink with the load.
+#
+# map() adds its own bounds. Calls that wait (I/O) take little CPU: a chunk of
+# them runs at most AUTO_CHUNK_WALL_SIZE of wall time. A chunk carries at most
+# AUTO_CHUNK_BYTES of arrays (its calls' arguments and results, at any depth:
+# {"img": array} counts its array), so that reading ahead in chunks holds no
+# more memory than a few calls on large arrays would, and at most
+# AUTO_CHUNK_MAX calls. The worker ends a chunk itself, returning the results
+# it has, once its calls run AUTO_CHUNK_WALL behind twice the rate the chunk was
+# sized at, or once it has made
 # AUTO_CHUNK_BYTES of arrays (calls that turned slow, or large, after the ones
 # the chunk was sized from), or once the map's caller has given up (its
-# timeout): the calls it did not start go out again, in chunks sized anew, or
-# not at all. So a result waits in its chunk for at most that budget and one
-# call, and a call that was not started when the caller gave up never runs.
-AUTO_CHUNK_SECONDS = 0.02
+# timeout): the calls it did not start go out again, spread over the workers
+# in chunks sized anew, or not at all. So a result waits in its chunk for at
+# most twice the chunk's planned time and AUTO_CHUNK_WALL and one call, and a
+# call that was not started when the caller gave up never runs.
+AUTO_CHUNK_SECONDS = 0.1
+# A batch that its caller waits for alone (mpexec.dali: DALI calls the op one batch
+# at a time) is cut finer, for balance: no other batch keeps an idle worker busy.
+BALANCE_CHUNK_SECONDS = 0.02
+AUTO_CHUNK_WALL_SIZE = 2 * AUTO_CHUNK_SECONDS
 AUTO_CHUNK_WALL = 0.05
 AUTO_CHUNK_BYTES = 4 << 20
 AUTO_CHUNK_MAX = 256
+# A chunk's results that are small arrays of one shape and dtype travel as one
+# block of at most this size, taken apart into rows in the caller in one call:
+# per result, the main process then does no decoding of its own. (Small: a row
+# kept keeps its block, as a slab allocator's object does; and no larger than an
+# array the pool copies inline, _codec.INLINE_MAX, so that the block travels as
+# each of its rows would have, in the caller's own memory.)
+STACK_BYTES = _codec.INLINE_MAX
+
+
+def calls_in_chunk(cpu_per_call: float, most: int, *, alone: bool = False) -> int:
+    """How many calls a chunk carries: :data:`AUTO_CHUNK_SECONDS` of a worker's CPU, 1 to ``most``.
+
+    ``cpu_per_call``: a call's CPU seconds in a worker, as measured (0:
+    too quick to time, ``most``). ``alone``: one batch is all the workers
+    have, which is cut finer (:data:`BALANCE_CHUNK_SECONDS`).
+    """
+    if cpu_per_call <= 0:
+        return most
+    target = BALANCE_CHUNK_SECONDS if alone else AUTO_CHUNK_SECONDS
+    return max(1, min(most, int(target / cpu_per_call)))
 
 
 class CallExecutor(Executor):
@@ -85,17 +119,22 @@ class CallExecutor(Executor):
         yields results as they complete. ``timeout`` bounds the whole map.
 
         ``chunksize=None`` (the default) chunks automatically: one call a task
-        until the first results show that calls are short, then as many a
-        task as take about 20 ms of a worker's CPU (and run at most 50 ms: a
-        call of 25 ms or more goes alone), at most 256, with at most 4 MiB of
-        arrays in and out (counted at any depth: a dict of arrays counts
-        them); fewer again near the end of an iterable of known length. The
-        worker ends a chunk early, with the results it has, once it has run
-        50 ms or made 4 MiB of arrays (calls that turned slow or large), or
-        when ``timeout`` has passed; the calls it did not start are sent
-        again. So a result waits in its chunk for at most 50 ms and one
-        call, and a call not started when the map is closed or times out
-        does not run (a chunk running then stops within 50 ms and one call).
+        until the first results show that calls are short (or at the size an
+        earlier map of the same function on this pool learned), then as many
+        a task as take about 0.1 s of a worker's CPU (and run at most 0.2 s:
+        a call of 0.2 s or more goes alone), at most 256, with at most 4 MiB
+        of arrays in and out (counted at any depth: a dict of arrays counts
+        them); the last calls of an iterable of known length in equal chunks,
+        two a worker. The worker ends a chunk early, with the results it has,
+        once its calls run 50 ms behind twice the rate it was sized at, or
+        made 4 MiB of arrays (calls that turned slow or large), or when
+        ``timeout`` has passed; the calls it did not start are sent again,
+        spread over the workers. So a result waits in its chunk for at most
+        twice the chunk's planned time, 50 ms and one call, and a call not
+        started when the map times out does not run. Closing the map cancels
+        the chunks not started; a chunk running then runs on to its end (its
+        planned time, about 0.1 s of a worker's CPU), or to its first call
+        that turned slow.
         Results still come one per item, and an exception, or a result
         that cannot be pickled, is raised at its own item, after the results
         before it; a pool with a per-call ``timeout`` never chunks by itself
@@ -122,6 +161,7 @@ class CallExecutor(Executor):
             ordered=ordered,
             prefetch=prefetch,
             check_fn=check_fn,
+            learned=self.__dict__.setdefault("_map_learned", weakref.WeakKeyDictionary()),
         )
 
     def _before_map(self) -> bool:
@@ -149,13 +189,16 @@ def map_calls(
     ordered: bool,
     prefetch: int | None,
     check_fn: bool = True,
+    learned: MutableMapping[Any, tuple[int, float]] | None = None,
 ) -> Iterator[T]:
     """``pool.map(fn, *iterables, ...)``: at most ``prefetch`` calls (or chunks) in flight.
 
     ``prefetch`` defaults to twice ``workers``; ``timeout`` bounds the whole
     map. With ``chunksize`` > 1 each chunk is one call of :func:`run_chunk`;
     ``check_fn`` pickles ``fn`` first, so that an error names the function
-    rather than the wrapper. ``chunksize=None``: :func:`map_auto`.
+    rather than the wrapper. ``chunksize=None``: :func:`map_auto`, whose
+    chunks start at the size ``learned`` keeps for ``fn`` (per pool: a
+    function's map in each epoch does not learn its calls' time again).
     """
     if chunksize is not None and (type(chunksize) is not int or chunksize < 1):
         raise ValueError(f"chunksize must be an int >= 1 (or None: automatic), not {chunksize!r}")
@@ -168,8 +211,12 @@ def map_calls(
     deadline = None if timeout is None else time.monotonic() + timeout
     calls = Inputs(zip(*iterables, strict=False))
     if chunksize is None:
-        sizer = ChunkSizer(workers, known_length(iterables))
-        return map_auto(pool, fn, calls, sizer, limit, deadline, ordered, check_fn)
+        start = None
+        if learned is not None:
+            with contextlib.suppress(TypeError):  # not weakly referable, or unhashable
+                start = learned.get(fn)
+        sizer = ChunkSizer(workers, known_length(iterables), start)
+        return map_auto(pool, fn, calls, sizer, limit, deadline, ordered, check_fn, learned)
     if chunksize == 1:
         return map_results(pool, fn, calls, limit, deadline, ordered, calls)
     if check_fn:
@@ -235,24 +282,29 @@ def run_measured(
     max_bytes: int,
     calls: tuple[tuple[Any, ...], ...],
     stop_at: float | None = None,
+    per_call: float = 0.0,
 ) -> tuple[list[T], float, float, int, bytes | None]:
     """A chunk of an automatic ``map()``, run in a worker: what :func:`map_auto` needs.
 
     ``(results, seconds, cpu seconds, array bytes, error)``: the calls'
-    results, how long they ran (wall time, and this thread's CPU time), the
+    results (small arrays of one shape and dtype as one block: see
+    :func:`stack_results`), how long they ran (wall time, and this thread's CPU time), the
     bytes of their arrays (in and out, at any depth), and the exception of
     the call that raised (or whose result cannot be pickled), packed the
     worker's own way (see :func:`pack_error`), or None. The worker decides
-    when the chunk is done: after a call that raised, once the calls have
-    run ``wall`` seconds or made ``max_bytes`` of arrays, or once
-    ``stop_at`` (``time.time()``) has passed, when the caller has given up.
-    The calls not run are the caller's to send again, or not.
+    when the chunk is done: after a call that raised; once the calls have
+    run ``wall`` seconds longer than twice ``per_call`` (the wall seconds a
+    call took when the chunk was sized; 0: unknown) each: they turned slow,
+    the slack keeps a worker that was only descheduled a moment from ending
+    its chunk; once they have made ``max_bytes`` of arrays; or once ``stop_at``
+    (``time.time()``) has passed, when the caller has given up. The calls
+    not run are the caller's to send again, or not.
     """
     results: list[T] = []
     nbytes = 0
     error = None
     start, cpu = time.perf_counter(), time.thread_time()
-    end = start + wall
+    slow = 2 * per_call  # a call's time at which the chunk has turned slow
     for call in calls:
         if stop_at is not None and time.time() >= stop_at:
             break  # the map timed out: its caller does not want these
@@ -272,9 +324,34 @@ def run_measured(
                 break
         nbytes += sum(_array_bytes(a) or 0 for a in call) + size
         results.append(result)
-        if nbytes >= max_bytes or time.perf_counter() >= end:
+        if nbytes >= max_bytes:
             break
-    return results, time.perf_counter() - start, time.thread_time() - cpu, nbytes, error
+        if time.perf_counter() - start >= wall + slow * len(results):
+            break
+    seconds = time.perf_counter() - start
+    return stack_results(results), seconds, time.thread_time() - cpu, nbytes, error
+
+
+def stack_results(results: list[Any]) -> Any:
+    """``results`` as one array if they are small arrays of one shape and dtype, else as they are.
+
+    The caller takes it apart with ``list(block)``: each row a view of the
+    block, with the result's shape, dtype and values, writable as a result
+    is. Not 0-d arrays (a block's rows would be NumPy scalars), subclasses or
+    object arrays.
+    """
+    if len(results) < 2:
+        return results
+    first = results[0]
+    if type(first) is not np.ndarray or not first.ndim or first.dtype.hasobject:
+        return results
+    if first.nbytes * len(results) > STACK_BYTES:
+        return results
+    shape, dtype = first.shape, first.dtype
+    for r in results:
+        if type(r) is not np.ndarray or r.shape != shape or r.dtype != dtype:
+            return results
+    return np.stack(results)
 
 
 #: Types whose values pickle as they are and hold no array.
@@ -331,25 +408,43 @@ def known_length(iterables: tuple[Iterable[Any], ...]) -> int | None:
 class ChunkSizer:
     """How many calls the next chunk of an automatic ``map()`` takes.
 
-    One at first; after each chunk, as many as take :data:`AUTO_CHUNK_SECONDS`
-    of CPU, run at most :data:`AUTO_CHUNK_WALL` and carry at most
-    :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed (at most twice as
-    many as it had: calls that were quick may turn slow). With a known
-    length, the last calls go in smaller chunks, so that every worker has a
-    share of the end.
+    One at first (or what ``learned`` says: the rate an earlier ``map()`` of
+    the same function on the same pool ended with); after each chunk, as
+    many as take :data:`AUTO_CHUNK_SECONDS` of CPU (:func:`calls_in_chunk`),
+    run at most :data:`AUTO_CHUNK_WALL_SIZE` and carry at most
+    :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed, at once (but
+    by wall time, by half at most unless its worker ended it: calls that
+    turn slow after it are the worker's to stop, :func:`run_measured`).
+    With a known length, the last calls are shared evenly: once what is left
+    fits in the chunks of a window (two a worker), it goes in chunks of equal
+    size, so that every worker ends at about the same time at the cost of no
+    more chunks than a window holds (not one a call at the end).
     """
 
-    def __init__(self, workers: int, length: int | None) -> None:
-        self.size = 1
-        self.share = 2 * max(1, workers)  # chunks of the calls left, at least
+    def __init__(
+        self, workers: int, length: int | None, learned: tuple[int, float] | None = None
+    ) -> None:
+        self.size, self.per_call = learned or (1, 0.0)
+        self.workers = max(1, workers)
+        self.share = 2 * self.workers  # the last calls go in this many chunks
         self.left = length
+        self.tail: int | None = None  # the size of the last chunks, once set
+
+    @property
+    def learned(self) -> tuple[int, float]:
+        """(size, wall seconds a call) to start the next map of the same function with."""
+        return self.size, self.per_call
 
     def next_size(self, handed_back: int = 0) -> int:
         """The next chunk's size, ``handed_back`` calls (that a worker did not run) pending."""
         size = self.size
         if self.left is not None:
-            size = max(1, min(size, (self.left + handed_back) // self.share))
-        return size
+            left = self.left + handed_back
+            if self.tail is None and left <= self.share * size:
+                self.tail = -(-left // self.share)
+            if self.tail is not None:
+                size = min(size, self.tail)
+        return max(1, size)
 
     def take(self, calls: Iterator[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
         chunk = tuple(itertools.islice(calls, self.next_size()))
@@ -357,18 +452,23 @@ class ChunkSizer:
             self.left = max(0, self.left - len(chunk))
         return chunk
 
-    def learn(self, ran: int, seconds: float, cpu: float, nbytes: int) -> None:
-        """A chunk ran ``ran`` calls: ``seconds`` (``cpu`` on a CPU), ``nbytes`` of arrays."""
+    def learn(self, ran: int, seconds: float, cpu: float, nbytes: int, ended: bool = False) -> None:
+        """A chunk ran ``ran`` calls: ``seconds`` (``cpu`` on a CPU), ``nbytes`` of arrays.
+
+        ``ended``: its worker ended it early, its calls having turned slow.
+        """
         if ran < 1:
             return
-        best = AUTO_CHUNK_MAX
-        if cpu > 0:
-            best = min(best, int(AUTO_CHUNK_SECONDS * ran / cpu))
+        best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX)
         if seconds > 0:
-            best = min(best, int(AUTO_CHUNK_WALL * ran / seconds))
+            # Wall time: by half at most a chunk that ran all its calls (a worker
+            # descheduled a while on a busy host is not calls that turned slow).
+            floor = 0 if ended else self.size // 2
+            best = min(best, max(int(AUTO_CHUNK_WALL_SIZE * ran / seconds), floor))
         if nbytes > 0:
             best = min(best, AUTO_CHUNK_BYTES * ran // nbytes)
-        self.size = max(1, min(best, 2 * ran))
+        self.size = max(1, best)
+        self.per_call = seconds / ran
 
 
 class _Chunk:
@@ -390,8 +490,11 @@ def map_auto(
     deadline: float | None,
     ordered: bool,
     check_fn: bool = True,
+    learned: MutableMapping[Any, tuple[int, float]] | None = None,
 ) -> Generator[T, None, None]:
     """``map(chunksize=None)``: chunks of :func:`run_measured`, sized by ``sizer``.
+
+    ``learned``: where the sizer's last rate is kept for ``fn``'s next map.
 
     Each item's result is yielded in turn; an item's exception is raised at
     that item, after the results before it; closing the generator cancels
@@ -406,22 +509,24 @@ def map_auto(
     # The deadline on the clock every process (and node) shares.
     stop_at = None if deadline is None else time.time() + (deadline - time.monotonic())
     chunks: list[_Chunk] = []  # in the order of their results (ordered: the order yielded)
-    sent, ended = 0, False
+    sent, ended, back_out = 0, False, 0  # back_out: chunks of calls handed back, unsent
 
     def fill() -> None:
         """Send chunks until ``limit`` are out: calls handed back first, then new ones."""
-        nonlocal sent, ended
+        nonlocal sent, ended, back_out
         while sent < limit:
-            back = next((i for i, c in enumerate(chunks) if c.future is None), None)
-            if back is not None:
+            if back_out:
+                back = next(i for i, c in enumerate(chunks) if c.future is None)
                 rest = chunks[back]
-                n = sizer.next_size(len(rest.calls))
+                # They turned slow or large: spread over the workers, sized anew.
+                n = min(sizer.next_size(len(rest.calls)), -(-len(rest.calls) // sizer.workers))
                 piece, rest.calls = rest.calls[:n], rest.calls[n:]
-                out = _Chunk(piece, pool.submit(run, piece, stop_at))
+                out = _Chunk(piece, pool.submit(run, piece, stop_at, sizer.per_call))
                 if rest.calls:
                     chunks.insert(back, out)
                 else:
                     chunks[back] = out
+                    back_out -= 1
             elif ended:
                 return
             else:
@@ -429,7 +534,7 @@ def map_auto(
                 if not piece:
                     ended = True
                     return
-                chunks.append(_Chunk(piece, pool.submit(run, piece, stop_at)))
+                chunks.append(_Chunk(piece, pool.submit(run, piece, stop_at, sizer.per_call)))
             sent += 1
 
     error = None
@@ -461,11 +566,14 @@ def map_auto(
             except Exception as exc:
                 raise for_caller(exc)  # noqa: B904 - as above
             sent -= 1
+            if type(results) is np.ndarray:  # small arrays as one block: its rows
+                results = list(results)
             ran = len(results) + (error is not None)
             if error is None and ran < len(chunk.calls):
                 # Handed back: the calls turned slow or large. Sized anew before they go.
                 chunk.calls, chunk.future = chunk.calls[ran:], None
-                sizer.learn(ran, seconds, cpu, nbytes)
+                back_out += 1
+                sizer.learn(ran, seconds, cpu, nbytes, ended=True)
                 fill()
             else:
                 chunks.remove(chunk)
@@ -477,6 +585,9 @@ def map_auto(
         for c in chunks:
             if c.future is not None:
                 c.future.cancel()  # now, not when collected
+        if learned is not None:
+            with contextlib.suppress(TypeError):  # not weakly referable, or unhashable
+                learned[fn] = sizer.learned
     if error is not None:
         raise for_caller(unpack_error(error))
     if isinstance(calls, Inputs):

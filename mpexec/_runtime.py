@@ -222,6 +222,7 @@ class ChunkResult:
     per_op: tuple[tuple[float, int, int], ...] = ()  # a ChainRunner's (s, in, out) per op
     written: tuple[bool, ...] = ()
     faults: int = 0  # minor page faults the running thread took (Linux; else 0)
+    cpu: float = 0.0  # the running thread's CPU seconds (per-sample runners; else 0)
 
 
 def thread_faults() -> int:
@@ -414,7 +415,7 @@ class OpRunner:
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
         """Run the chunk; ``out``: per output, an array to write its rows into, or None."""
         global _current
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         faults = thread_faults()
         stop = None
         self._where = (chunk.epoch, chunk.iteration)
@@ -447,7 +448,14 @@ class OpRunner:
         seconds = time.perf_counter() - t0
         faults = thread_faults() - faults
         return ChunkResult(
-            columns, count, seconds, os.getpid(), stop, written=written, faults=faults
+            columns,
+            count,
+            seconds,
+            os.getpid(),
+            stop,
+            written=written,
+            faults=faults,
+            cpu=time.thread_time() - c0,
         )
 
     # ------------------------------------------------------------ calling
@@ -695,7 +703,7 @@ class ChainRunner:
 
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
         """Run the chunk through every op; ``out`` as :meth:`OpRunner.__call__`."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         faults = thread_faults()
         spent = [[0.0, 0, 0] for _ in self.runners]
         source = self.runners[0].kind is CallKind.SOURCE
@@ -774,7 +782,8 @@ class ChainRunner:
         columns, written = write_columns(rows, self.runners[-1].num_outputs, out)
         seconds = time.perf_counter() - t0
         faults = thread_faults() - faults
-        return ChunkResult(columns, count, seconds, os.getpid(), stop, per_op, written, faults)
+        cpu = time.thread_time() - c0
+        return ChunkResult(columns, count, seconds, os.getpid(), stop, per_op, written, faults, cpu)
 
 
 class _Passed(Exception):

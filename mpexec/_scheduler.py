@@ -54,7 +54,8 @@ Scaling to many workers: a chunk costs the main process about the same CPU
 whatever it carries, so a batch cut into a chunk per worker would cost it more a
 sample the more workers there are. Once an op's calls have shown how long a
 sample takes, its chunks carry up to _AMORTISE_SAMPLES samples (a whole batch of
-up to that many; fewer where that would take over _CHUNK_SECONDS), and the
+up to that many; fewer where that would take over the CPU time of the one chunk
+policy, _mapping.calls_in_chunk), and the
 window holds enough iterations for every worker to have prefetch_depth units of
 work (a stateless batch op's call is one unit: a whole batch), as many as
 _WINDOW_BYTES of their outputs allow; where it allows fewer, batches are cut
@@ -64,7 +65,6 @@ smaller again. Results come back a chunk, so a batch, at a time.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import threading
 import time
@@ -78,10 +78,17 @@ from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Op, Plan, Scope
-from ._iterations import Iteration, OpState, OpStats
+from ._iterations import Iteration, OpState, OpStats, annotate
+from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import ChainRunner, Chunk, ChunkResult, check_consistent, derive_seed, nbytes
-from ._source_runners import SourceBatchRunner, batch_rows, check_source_value, sample_tuple
+from ._source_runners import (
+    SourceBatchRunner,
+    batch_rows,
+    check_source_value,
+    own_columns,
+    sample_tuple,
+)
 from ._tracebacks import reraise
 
 # How an op's batch is cut into chunks, and how many iterations are in flight
@@ -89,7 +96,6 @@ from ._tracebacks import reraise
 # of CPU however many samples it carries (its encoding, ring push, result and
 # assembly): carrying _AMORTISE_SAMPLES keeps that to a few µs a sample.
 _AMORTISE_SAMPLES = 64
-_CHUNK_SECONDS = 0.25  # longer than this, a chunk is cut smaller (first batch, epoch's tail)
 _MAX_CHUNKS_PER_WORKER = 4  # chunks of one op's batch, per worker, at most
 _WINDOW_BYTES = 1 << 30  # what the iterations in flight may hold (their outputs)
 _WAIT_SECONDS = 1.0  # how often a waiting run() looks whether the pipeline closed
@@ -128,6 +134,10 @@ class Scheduler:
         self._next_index = 0
         self._next_seq = 0
         self._ending = False  # a source ended this epoch: launch no more
+        # Where the last epoch ended (its iteration with a source's end): an epoch
+        # launches no further until that iteration came in without one, rather than
+        # a window of iterations past its end (W x prefetch_depth dispatches wasted).
+        self._end: int | None = None
         self._closed = False
         self._delivered = 0  # iterations of this epoch handed to the caller
         self.busy: dict[int, float] = collections.defaultdict(float)  # pid -> seconds
@@ -401,8 +411,9 @@ class Scheduler:
 
     # ------------------------------------------------------------ scheduling
     def _fill(self) -> None:
+        end = self._end
         while len(self._window) < self.window and not self._ending and not self._closed:
-            if not self._launch():
+            if (end is not None and self._next_index > end) or not self._launch():
                 return
 
     def _launch(self) -> bool:
@@ -426,7 +437,7 @@ class Scheduler:
                     samples if s.op.source_mode == SourceMode.FEED else self._own(s, samples)
                 )
             except Exception as exc:
-                self._fail(it, _annotate(exc, s.op, it, None))
+                self._fail(it, annotate(exc, s.op, it, None))
                 return True
             n = len(samples[0])
             if (
@@ -475,26 +486,11 @@ class Scheduler:
             it.stop = 0
         return columns
 
-    def _own(self, s: OpState, columns: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
-        """Copies of a source's arrays (into shared memory), read-only.
-
-        The source, or the caller of feed_input, may refill its buffers at
-        once (as DALI's external_source allows: it copies too); this one copy
-        is where data enters the pipeline.
-        """
-        out = []
-        for col in columns:
-            own = []
-            for a in col:
-                if self._workers and not a.dtype.hasobject and a.nbytes:
-                    c = s.executor.share(a)
-                    s.bytes_copied += a.nbytes
-                else:
-                    c = np.array(a, copy=True)
-                c.flags.writeable = False
-                own.append(c)
-            out.append(own)
-        return tuple(out)
+    def _own(self, s: OpState, columns: tuple[list[Any], ...]) -> tuple[Any, ...]:
+        """A source's columns copied once, into shared memory (see own_columns)."""
+        owned, shared = own_columns(columns, s.executor if self._workers else None)
+        s.bytes_copied += shared
+        return owned
 
     def _next_item(self, s: OpState) -> Any:
         op = s.op
@@ -530,8 +526,10 @@ class Scheduler:
             if it.error is not None:
                 continue
             size = it.size if it.stop is None else min(it.size, it.stop)
+            if it.stop is None and it.index == self._end:
+                self._end = None  # a longer epoch than the last: the next run() fills on
             if it.stop is not None:
-                self._ending = True
+                self._ending, self._end = True, it.index
                 for later in [x for x in self._window if x.index > it.index]:
                     self._window.remove(later)
                     self._drop(later)
@@ -566,14 +564,14 @@ class Scheduler:
                 try:
                     it.values[s.pos] = self._select(it, s)
                 except Exception as exc:
-                    self._fail(it, _annotate(exc, s.op, it, None))
+                    self._fail(it, annotate(exc, s.op, it, None))
                     return
                 self._done_here(it)
                 continue
             try:
                 ready = self._handed_off(it, s)
             except Exception as exc:  # a closed GPU stage: fail the iteration, in the window
-                self._fail(it, _annotate(exc, s.op, it, None))
+                self._fail(it, annotate(exc, s.op, it, None))
                 return
             if not ready or s.pos in it.dispatched:
                 continue  # (dispatched already: by a handoff that completed meanwhile)
@@ -582,7 +580,7 @@ class Scheduler:
             try:
                 samples = self._rows(it, s.members[0].op.scope)
             except Exception as exc:
-                self._fail(it, _annotate(exc, s.op, it, None))
+                self._fail(it, annotate(exc, s.op, it, None))
                 return
             if samples is not None and not len(samples):
                 # A branch no sample took: nothing to call (DALI calls no batch function either).
@@ -691,7 +689,7 @@ class Scheduler:
         try:
             blocks = self._blocks(s, size)  # shared memory may be full: fail the iteration
         except Exception as exc:
-            self._fail(it, _annotate(exc, op, it, None))
+            self._fail(it, annotate(exc, op, it, None))
             return
         it.blocks[s.pos] = blocks
         submit = s.executor.submit_unit
@@ -707,7 +705,7 @@ class Scheduler:
             try:
                 future = submit(unit)
             except Exception as exc:
-                self._fail(it, _annotate(exc, op, it, None))
+                self._fail(it, annotate(exc, op, it, None))
                 return
             future.add_done_callback(functools.partial(self._on_chunk, it, s, ci, t0))
 
@@ -763,26 +761,23 @@ class Scheduler:
     def _chunk_count(self, s: OpState, size: int) -> int:
         """How many chunks op ``s``'s batch of ``size`` samples is cut into.
 
-        Until its calls' time is known, one per worker. Then each chunk carries
-        ``_AMORTISE_SAMPLES`` (a whole batch of up to that many), so that its
-        dispatch costs the main process a few µs a sample however many workers
-        there are: the window (:attr:`window`) then keeps more iterations in
-        flight to give every worker its share. Where that many samples would
-        take longer than ``_CHUNK_SECONDS``, chunks carry fewer (a long chunk
-        delays the first batch and idles the other workers at an epoch's end);
-        and where the memory budget caps the window, the batch is cut into
-        enough chunks for every worker still to hold ``prefetch_depth`` of them.
-        At most ``_MAX_CHUNKS_PER_WORKER`` per worker.
+        Until its calls' CPU time is known, one per worker. Then each chunk
+        carries ``_AMORTISE_SAMPLES`` (a whole batch of up to that many), so
+        that its dispatch costs the main process a few µs a sample however
+        many workers there are: the window (:attr:`window`) then keeps more
+        iterations in flight to give every worker its share. Where that many
+        samples take more of a worker's CPU than the one chunk policy gives a
+        chunk (:func:`~mpexec._mapping.calls_in_chunk`: CPU, so that a loaded
+        host does not cut batches smaller), chunks carry fewer (a long chunk
+        delays the first batch, idles workers at an epoch's end). Where the
+        memory budget caps the window, the batch is cut into enough chunks for
+        every worker to hold ``prefetch_depth``; ``_MAX_CHUNKS_PER_WORKER`` at most.
         """
         workers = self._workers
-        samples = s.members[-1].samples
-        if not samples:
+        if not s.cpu_samples:
             return max(1, min(size, workers))
-        per_sample = sum(m.function_s for m in s.members) / samples
-        carry = _AMORTISE_SAMPLES
-        if per_sample > 0:
-            carry = max(1, min(carry, int(_CHUNK_SECONDS / per_sample)))
-        # (Rounded: a chunk a little longer than _CHUNK_SECONDS beats twice the chunks.)
+        carry = calls_in_chunk(s.cpu_s / s.cpu_samples, _AMORTISE_SAMPLES)
+        # (Rounded: a chunk a little longer than the policy's beats twice the chunks.)
         chunks = max(round(size / carry), -(-self.prefetch_depth * workers // self._window_cap()))
         return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))
 
@@ -805,7 +800,7 @@ class Scheduler:
         if exc is not None:
             name = getattr(exc, "mpexec_op", None)
             op = next((m.op for m in s.members if m.op.name == name), s.op)
-            self._fail(it, _annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
+            self._fail(it, annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
             return
         res: ChunkResult = future.result()
         per_op = res.per_op or ((res.seconds, 0, 0),)
@@ -819,6 +814,8 @@ class Scheduler:
             m.bytes_in += b_in
             m.bytes_out += b_out
         s.waiting_s += max(0.0, elapsed - res.seconds)
+        s.cpu_s += res.cpu
+        s.cpu_samples += res.count
         if s.executor is self.executor:  # per worker of the pipeline's pool
             self.busy[res.pid] += res.seconds
             self.faults += res.faults
@@ -976,20 +973,3 @@ def _batch_in_workers(s: OpState, executor: UnitExecutor) -> bool:
     """``s`` is a stateless batch op run by the pipeline's executor (its workers)."""
     op = s.op
     return op.batch_processing and not (op.is_source or op.stateful) and s.executor is executor
-
-
-def _annotate(exc: BaseException, op: Op, it: Iteration, sample: int | None) -> BaseException:
-    where = f"in {op.describe()}, iteration {it.index} of epoch {it.epoch}"
-    if sample is not None:
-        where += f", sample {sample} (index {it.epoch_start + sample} in the epoch)"
-    note = f"mpexec: raised {where}"
-    notes = getattr(exc, "__notes__", None)
-    if notes is None or note not in notes:
-        if hasattr(exc, "add_note"):
-            exc.add_note(note)
-        else:  # pragma: no cover - Python 3.10
-            exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
-    for attr, value in (("mpexec_op", op.name), ("mpexec_iteration", it.index)):
-        with contextlib.suppress(AttributeError):  # exceptions with __slots__
-            setattr(exc, attr, value)
-    return exc

@@ -270,6 +270,66 @@ class WorkerBatchSource:
         return rows
 
 
+#: A source's batch up to this size is copied as one block (small samples, whose copies
+#: cost the main process more than their bytes); larger ones a sample at a time, so that
+#: a large batch does not need one run of free shared memory as large as itself.
+BLOCK_BYTES = 4 << 20
+
+
+def own_columns(columns: tuple[list[Any], ...], executor: Any) -> tuple[tuple[Any, ...], int]:
+    """Copies of a source's columns made in the main process, read-only; and the bytes shared.
+
+    The source, or the caller of feed_input, may refill its buffers at once
+    (as DALI's external_source allows: it copies too); this one copy is where
+    data enters the pipeline. ``executor``: where the copies go (its
+    ``share``; its ``empty`` for a block), or None: this process's memory (no
+    workers). A column whose samples are arrays of one shape and dtype is
+    copied as one block, the batch's rows (one allocation, one copy and one
+    descriptor for the batch, as an op's output block), up to
+    :data:`BLOCK_BYTES`; otherwise each sample is copied on its own.
+    """
+    out: list[Any] = []
+    shared = 0
+    for col in columns:
+        block = _one_block(col, executor)
+        if block is not None:
+            shared += block.nbytes if executor is not None else 0
+            out.append(block)
+            continue
+        own = []
+        for a in col:
+            if executor is not None and not a.dtype.hasobject and a.nbytes:
+                c = executor.share(a)
+                shared += a.nbytes
+            else:
+                c = np.array(a, copy=True)
+            c.flags.writeable = False
+            own.append(c)
+        out.append(own)
+    return tuple(out), shared
+
+
+def _one_block(col: list[Any], executor: Any) -> Any:
+    """``col``'s samples copied into one read-only block, if they share a shape and dtype."""
+    if len(col) < 2:
+        return None
+    shape, dtype = col[0].shape, col[0].dtype
+    if dtype.hasobject or not col[0].nbytes or col[0].nbytes * len(col) > BLOCK_BYTES:
+        return None
+    for a in col:
+        if a.shape != shape or a.dtype != dtype:
+            return None
+    empty = None if executor is None else getattr(executor, "empty", None)
+    if executor is not None and empty is None:
+        return None  # no block of its own to give (a RayPool's): a copy a sample
+    block = (
+        np.empty((len(col), *shape), dtype) if empty is None else empty((len(col), *shape), dtype)
+    )
+    np.stack(col, out=block)
+    block.flags.writeable = False
+    return block
+
+
 def sample_tuple(what: str, num_outputs: int, item: Any) -> tuple[Any, ...]:
     """A per-sample source's item as a tuple of arrays, one per output; ``what`` names it."""
     if num_outputs == 1:

@@ -49,7 +49,7 @@ from ._codec import writable
 from ._dali_runner import ChunkRunner
 from ._errors import PoolClosedError
 from ._extras import INSTALL_DOC, install_command
-from ._mapping import ChunkSizer
+from ._mapping import AUTO_CHUNK_MAX, calls_in_chunk
 from ._pipeline import Pipeline
 from ._pool import WorkerPool
 
@@ -301,9 +301,11 @@ def _adjacent(arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any] | None
 def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]:
     """Rows per call: one chunk per worker, more where samples are slow (a shorter tail).
 
-    How many samples a chunk should hold is ``map()``'s automatic policy
-    (:class:`~mpexec._mapping.ChunkSizer`: about ``AUTO_CHUNK_SECONDS`` of a
-    worker's CPU, at most ``AUTO_CHUNK_MAX`` samples), learned from the last
+    How many samples a chunk should hold is the one chunk policy's
+    (:func:`~mpexec._mapping.calls_in_chunk`), with its target for a batch
+    its caller waits for alone (``BALANCE_CHUNK_SECONDS`` of a worker's CPU,
+    at most ``AUTO_CHUNK_MAX`` samples: DALI calls the op one batch at a
+    time, so a batch is cut finer than a pipeline's), learned from the last
     batch's CPU seconds per sample; a batch is then cut into 1 to
     ``_MAX_CHUNKS_PER_WORKER`` chunks a worker.
     """
@@ -311,9 +313,8 @@ def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]
         return [(0, 0)]
     per_worker = 1
     if per_sample:
-        sizer = ChunkSizer(workers, None)
-        sizer.learn(size, 0.0, size * per_sample, 0)  # CPU time only, whatever the load
-        per_worker = round(size / sizer.size / workers)
+        carry = calls_in_chunk(per_sample, min(AUTO_CHUNK_MAX, 2 * size), alone=True)
+        per_worker = round(size / carry / workers)  # CPU time only, whatever the load
     k = max(1, min(size, workers * max(1, min(_MAX_CHUNKS_PER_WORKER, per_worker))))
     return [(size * i // k, size * (i + 1) // k) for i in range(k)]
 

@@ -153,8 +153,9 @@ def test_python_function_runner_loads_no_caller_side_module_in_a_worker() -> Non
 
 
 def test_python_function_chunks_follow_maps_chunk_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows per chunk come from ``map()``'s automatic policy (one time target for both):
-    about AUTO_CHUNK_SECONDS of CPU a chunk, 1 to 4 chunks a worker."""
+    """Rows per chunk come from the one chunk policy (``calls_in_chunk``), with its
+    target for a batch waited for alone: about BALANCE_CHUNK_SECONDS of CPU a
+    chunk, 1 to 4 chunks a worker."""
     import mpexec._mapping as mapping
     from mpexec.dali import _chunks
 
@@ -165,7 +166,7 @@ def test_python_function_chunks_follow_maps_chunk_policy(monkeypatch: pytest.Mon
     bounds = _chunks(64, 4, 0.002)  # 0.02 s a chunk: 10 samples, 2 chunks a worker
     assert len(bounds) == 8
     assert (bounds[0][0], bounds[-1][1]) == (0, 64)
-    monkeypatch.setattr(mapping, "AUTO_CHUNK_SECONDS", 0.064)  # 32 samples a chunk
+    monkeypatch.setattr(mapping, "BALANCE_CHUNK_SECONDS", 0.064)  # 32 samples a chunk
     assert len(_chunks(64, 4, 0.002)) == 4
 
 

@@ -193,9 +193,9 @@ def test_bit_identical_whatever_the_chunking(
     reference: Run, num_workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Slow ops are cut into several chunks per worker: outputs stay the same."""
-    from mpexec import _scheduler
+    from mpexec import _mapping, _scheduler
 
-    monkeypatch.setattr(_scheduler, "_CHUNK_SECONDS", 1e-9)  # every op "slow": most chunks
+    monkeypatch.setattr(_mapping, "AUTO_CHUNK_SECONDS", 1e-9)  # every op "slow": most chunks
     counts: list[int] = []
     chunk_count = _scheduler.Scheduler._chunk_count
 

@@ -8,8 +8,10 @@ pipeline's own, inline and with workers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -341,6 +343,105 @@ def test_chunks_carry_whole_batches_and_the_window_follows_the_workers() -> None
     assert values.tolist() == [i % 251 for i in range(20 * 16)]
 
 
+class _Waits:
+    """A sample that takes 50 ms of wall time and almost no CPU: a loaded host's view."""
+
+    def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        time.sleep(0.05)
+        return np.full(4, x[0] % 251, np.uint8)
+
+
+def test_a_loaded_host_does_not_cut_batches_smaller() -> None:
+    """Chunks are sized by the workers' CPU time, not wall time (one policy with map's).
+
+    On a loaded host a sample's wall time grows while its work does not: sized
+    by wall time, 8 samples of 50 ms (0.4 s) were cut in two, so the busier the
+    host, the more the main process spent a sample. Their CPU is a few µs: the
+    batch stays whole.
+    """
+    executor = _ManyWorkers(4)
+
+    def waiting() -> Any:
+        src = fn.external_source(source=_Indices(), batch=False, name="src")
+        return fn.python_function(src, function=_Waits(), name="wait")
+
+    scheduler = _scheduler_over(executor, waiting, batch=8)
+    try:
+        got = [scheduler.next_result() for _ in range(5)]
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    later = [u for u in executor.units if u.chunk.iteration >= 2]
+    assert later
+    assert all(u.chunk.count == 8 for u in later), [u.chunk.count for u in later]
+    values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
+    assert values.tolist() == [i % 251 for i in range(5 * 8)]
+
+
+def test_an_epoch_launches_no_further_than_the_last_one_ended() -> None:
+    """Iterations past an epoch's end cost dispatches: the next epoch stops where it ended.
+
+    With 16 workers the window holds 32 iterations, so the first epoch (40
+    batches, its end found in the workers) launches up to 32 past its end;
+    the second launches up to where the first ended, then waits for that
+    iteration to say whether the epoch goes on.
+    """
+    executor = _ManyWorkers(16)
+    scheduler = _scheduler_over(executor, _per_sample_graph(4), batch=16)
+    try:
+        epochs = []
+        for _ in range(2):
+            got = []
+            with contextlib.suppress(StopIteration):
+                while True:
+                    got.append(scheduler.next_result())
+            epochs.append(got)
+            scheduler.reset()
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    assert [len(e) for e in epochs] == [40, 40]
+    second = {u.chunk.iteration for u in executor.units if u.chunk.epoch == 1}
+    assert max(second) == 40, sorted(second)  # its end (iteration 40), none past it
+    for got in epochs:
+        values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
+        assert values.tolist() == [i % 251 for i in range(40 * 16)]
+
+
+class _Growing:
+    """Epoch e has 10 + 5 * e batches of 16."""
+
+    def __call__(self, info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+        if info.idx_in_epoch >= (10 + 5 * info.epoch_idx) * 16:
+            raise StopIteration
+        return np.array([info.idx_in_epoch])
+
+
+def test_an_epoch_longer_than_the_last_goes_on_past_its_end() -> None:
+    executor = _ManyWorkers(16)
+
+    def graph() -> Any:
+        src = fn.external_source(source=_Growing(), batch=False, name="src")
+        return fn.python_function(src, function=_Filler(4), name="fill")
+
+    scheduler = _scheduler_over(executor, graph, batch=16)
+    try:
+        lengths = []
+        for _ in range(3):
+            n = 0
+            with contextlib.suppress(StopIteration):
+                while True:
+                    (b,) = scheduler.next_result()
+                    assert b.as_array()[0, 0] == (n * 16) % 251
+                    n += 1
+            lengths.append(n)
+            scheduler.reset()
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    assert lengths == [10, 15, 20]
+
+
 def test_the_window_stays_within_its_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Large iterations: fewer in flight, each cut into more chunks to keep workers busy."""
     from mpexec import _scheduler
@@ -360,3 +461,57 @@ def test_the_window_stays_within_its_memory_budget(monkeypatch: pytest.MonkeyPat
     # 2 (prefetch_depth) x 16 workers over 4 iterations: 8 chunks a batch.
     assert later
     assert all(u.chunk.count == batch // 8 for u in later)
+
+
+class _Blocks(_ManyWorkers):
+    """Counts the source arrays shared one by one; gives blocks of its memory."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.shared = 0
+        self.blocks = 0
+
+    def share(self, array: Any) -> Any:
+        self.shared += 1
+        return super().share(array)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        self.blocks += 1
+        return np.empty(shape, dtype)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_source_read_here_is_copied_a_batch_at_a_time(ragged: bool) -> None:
+    """A source read in this process: its batch's samples enter shared memory as one block.
+
+    One allocation and one copy a batch (the samples' rows), not one share a
+    sample; ragged samples still go one by one.
+    """
+    batch, n = 8, 40
+    samples = [np.full(3 + (i % 2 if ragged else 0), i, np.int32) for i in range(n)]
+    executor = _Blocks(2)
+
+    def graph() -> Any:
+        src = fn.external_source(source=samples, batch=False, name="src", cycle=False)
+        return src, fn.python_function(src, function=_Twice(), name="twice")
+
+    scheduler = _scheduler_over(executor, graph, batch=batch)
+    try:
+        got = [scheduler.next_result() for _ in range(n // batch)]
+        stats = {s.name: s for s in scheduler.op_stats()}
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    for k, (src, twice) in enumerate(got):
+        for j in range(batch):
+            i = k * batch + j
+            np.testing.assert_array_equal(src[j], samples[i])
+            np.testing.assert_array_equal(twice[j], 2 * samples[i])
+            assert not src[j].flags.writeable
+    assert executor.shared == (n if ragged else 0)
+    assert stats["src"].bytes_copied == sum(a.nbytes for a in samples)
+
+
+class _Twice:
+    def __call__(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return 2 * x

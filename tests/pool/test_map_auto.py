@@ -24,8 +24,10 @@ from mpexec import WorkerPool
 from mpexec._mapping import (
     AUTO_CHUNK_BYTES,
     AUTO_CHUNK_MAX,
-    AUTO_CHUNK_WALL,
+    AUTO_CHUNK_SECONDS,
+    AUTO_CHUNK_WALL_SIZE,
     ChunkSizer,
+    calls_in_chunk,
     known_length,
 )
 from tests.conftest import wait_until
@@ -50,7 +52,7 @@ def _fail_at(x: int, bad: int) -> int:
 
 
 def _slow_square(x: int) -> int:
-    time.sleep(0.03)  # over half a chunk's longest run: never chunked
+    time.sleep(1.25 * AUTO_CHUNK_WALL_SIZE)  # longer than a chunk's longest run: never chunked
     return x * x
 
 
@@ -84,8 +86,8 @@ def test_short_calls_travel_in_chunks_and_come_back_one_per_item_in_order() -> N
 
 def test_calls_longer_than_a_chunk_go_alone() -> None:
     with WorkerPool(2) as pool:
-        assert list(pool.map(_slow_square, range(12), timeout=T)) == [x * x for x in range(12)]
-        assert pool.stats().submitted == 12
+        assert list(pool.map(_slow_square, range(6), timeout=T)) == [x * x for x in range(6)]
+        assert pool.stats().submitted == 6
 
 
 def test_a_pool_timeout_stays_per_call() -> None:
@@ -182,33 +184,56 @@ def test_a_chunk_carries_a_bounded_size_of_arrays(monkeypatch: pytest.MonkeyPatc
 
 
 # ---------------------------------------------------------------- the sizing rule
-def test_chunk_size_grows_at_most_twofold_toward_the_target() -> None:
+def test_chunk_size_goes_to_the_target_at_once() -> None:
+    """No doubling from one call: a chunk that turns slow is its worker's to end."""
     sizer = ChunkSizer(workers=2, length=None)
     assert sizer.size == 1
-    ms = 1 / 1024  # about a millisecond of CPU a call: 20 calls make the 20 ms target
-    for expected in (2, 4, 8, 16, 20, 20):
-        sizer.learn(ran=sizer.size, seconds=sizer.size * ms, cpu=sizer.size * ms, nbytes=0)
-        assert sizer.size == expected
-    sizer.learn(ran=20, seconds=1.0, cpu=1.0, nbytes=0)  # calls turned slow: alone at once
+    ms = 1e-3  # a millisecond of CPU a call: AUTO_CHUNK_SECONDS / ms calls make the target
+    sizer.learn(ran=1, seconds=ms, cpu=ms, nbytes=0)
+    assert sizer.size == int(AUTO_CHUNK_SECONDS / ms)
+    assert sizer.per_call == ms  # what the worker compares its calls with
+    sizer.learn(ran=20, seconds=20 * 0.3, cpu=20 * 0.3, nbytes=0)  # turned slow: alone at once
     assert sizer.size == 1
-    sizer.learn(ran=1, seconds=0.0, cpu=0.0, nbytes=0)  # too quick to time: the cap, in steps
-    assert sizer.size == 2
-    for _ in range(20):
-        sizer.learn(ran=sizer.size, seconds=0.0, cpu=0.0, nbytes=0)
+    sizer.learn(ran=1, seconds=0.0, cpu=0.0, nbytes=0)  # too quick to time: the cap
     assert sizer.size == AUTO_CHUNK_MAX
 
 
+def test_a_map_of_2_ms_calls_goes_in_chunks_of_the_target_cpu_time() -> None:
+    """The one policy: AUTO_CHUNK_SECONDS of a worker's CPU (0.1 s: 50 calls of 2 ms)."""
+    assert AUTO_CHUNK_SECONDS >= 0.1, "chunks that small cost the main process > 3 µs a call"
+    assert calls_in_chunk(0.002, AUTO_CHUNK_MAX) == int(AUTO_CHUNK_SECONDS / 0.002)
+    assert calls_in_chunk(0.002, 64) == min(64, int(AUTO_CHUNK_SECONDS / 0.002))
+    assert calls_in_chunk(0.0, 64) == 64  # too quick to time
+    assert calls_in_chunk(10.0, 64) == 1
+    sizer = ChunkSizer(workers=16, length=None)
+    sizer.learn(ran=4, seconds=4 * 0.002, cpu=4 * 0.002, nbytes=4 * 64)
+    assert sizer.size == calls_in_chunk(0.002, AUTO_CHUNK_MAX)
+
+
 def test_chunk_size_follows_cpu_time_within_a_wall_time_bound() -> None:
-    ms = 1 / 1024
+    ms = 1e-3
     sizer = ChunkSizer(workers=2, length=None)
     sizer.size = 16
     # A loaded host: 1 ms of CPU a call took 2 ms; the CPU target still rules.
     sizer.learn(ran=16, seconds=16 * 2 * ms, cpu=16 * ms, nbytes=0)
-    assert sizer.size == 20
-    # Calls that wait (I/O): little CPU, but a chunk runs at most AUTO_CHUNK_WALL.
+    assert sizer.size == int(AUTO_CHUNK_SECONDS / ms)
+    # Calls that wait (I/O): little CPU, but a chunk runs at most AUTO_CHUNK_WALL_SIZE,
+    # reached by halves (a worker descheduled a moment is not calls turned slow).
     sizer.learn(ran=16, seconds=16 * 5 * ms, cpu=16 * 0.01 * ms, nbytes=0)
-    assert sizer.size == int(AUTO_CHUNK_WALL / (5 * ms))
-    sizer.learn(ran=4, seconds=4 * 0.03, cpu=4 * 0.0001, nbytes=0)  # 30 ms waits: alone
+    assert sizer.size == max(
+        int(AUTO_CHUNK_WALL_SIZE / (5 * ms)), int(AUTO_CHUNK_SECONDS / ms) // 2
+    )
+    sizer.learn(ran=16, seconds=16 * 5 * ms, cpu=16 * 0.01 * ms, nbytes=0)
+    assert sizer.size == int(AUTO_CHUNK_WALL_SIZE / (5 * ms))
+    sizes = []
+    for _ in range(8):
+        sizer.learn(ran=4, seconds=4 * 0.3, cpu=4 * 0.0001, nbytes=0)  # 0.3 s waits: alone
+        sizes.append(sizer.size)
+    assert sizes[0] == int(AUTO_CHUNK_WALL_SIZE / (5 * ms)) // 2
+    assert sizes[-1] == 1
+    # A chunk its worker ended (its calls turned slow): its rate holds at once.
+    sizer.size = 40
+    sizer.learn(ran=4, seconds=4 * 0.3, cpu=4 * 0.0001, nbytes=0, ended=True)
     assert sizer.size == 1
 
 
@@ -221,17 +246,37 @@ def test_chunk_size_keeps_within_the_bytes_bound() -> None:
     assert sizer.size == 1
 
 
-def test_the_last_calls_of_a_known_length_go_in_smaller_chunks() -> None:
-    sizer = ChunkSizer(workers=2, length=100)
+@pytest.mark.parametrize(("length", "tail"), [(100, 25), (130, 33), (1000, 50)])
+def test_the_last_calls_of_a_known_length_are_shared_evenly(length: int, tail: int) -> None:
+    """What is left, once it fits in a window (two chunks a worker), goes in equal chunks."""
+    sizer = ChunkSizer(workers=2, length=length)
     sizer.size = 50
-    calls = iter([(i,) for i in range(100)])
+    calls = iter([(i,) for i in range(length)])
     sizes = []
     while chunk := sizer.take(calls):
         sizes.append(len(chunk))
-    assert sum(sizes) == 100
-    assert sizes[0] == 25  # a quarter: every one of 2 workers keeps two chunks' share
-    assert sizes[-4:] == [1, 1, 1, 1]
+    assert sum(sizes) == length
     assert sizes == sorted(sizes, reverse=True)
+    last = sizes[-4:]  # the window's four chunks: every worker ends at about the same time
+    assert max(last) - min(last) <= max(1, tail // 8), sizes
+    assert max(last) == tail, sizes
+    # Not one chunk a call at the end: at most a window more than the calls need.
+    assert len(sizes) <= -(-length // 50) + 4
+
+
+def test_a_map_ends_in_few_chunks_for_many_workers() -> None:
+    """64 workers, 7,680 calls of 2 ms: chunks of the target to the end, not one a call."""
+    for cpu in (0.002, 0.0):  # calls on a CPU, and calls that wait (mainload's stand-in)
+        sizer = ChunkSizer(workers=64, length=7680)
+        sizer.take(iter([(0,)]))
+        sizer.learn(ran=1, seconds=0.002, cpu=cpu, nbytes=0)
+        calls = iter([(i,) for i in range(7679)])
+        sizes = [1]
+        while chunk := sizer.take(calls):
+            sizes.append(len(chunk))
+        assert sum(sizes) == 7680
+        best = calls_in_chunk(cpu, int(AUTO_CHUNK_WALL_SIZE / 0.002))
+        assert len(sizes) <= max(-(-7680 // best), 2 * 64) + 2, f"{len(sizes)} chunks"  # was 597
 
 
 class _NoLen:
@@ -473,3 +518,66 @@ def test_map_takes_a_numpy_integer_prefetch() -> None:
             9,
             16,
         ]
+
+
+# ---------------------------------------------------------------- the main process's share
+def _row(x: int) -> np.ndarray[Any, Any]:
+    return np.full(16, x, np.float32)
+
+
+def _scalar_array(x: int) -> np.ndarray[Any, Any]:
+    return np.array(x, np.int64)  # 0-d: not stacked (its row would be a NumPy scalar)
+
+
+def _mixed(x: int) -> Any:
+    return np.full(4 + x % 2, x, np.int32)
+
+
+def test_a_second_map_of_the_same_function_starts_at_the_size_learned() -> None:
+    """A map per epoch does not send its first calls one a task again (per pool, per fn)."""
+    n = 400
+    with WorkerPool(2) as pool:
+        assert list(pool.map(_square, range(n), timeout=T)) == [x * x for x in range(n)]
+        first = pool.stats().submitted
+        assert list(pool.map(_square, range(n), timeout=T)) == [x * x for x in range(n)]
+        second = pool.stats().submitted - first
+        # The first map sent a window of single calls before it knew their time; the
+        # second shares its calls evenly over a window of chunks (two a worker) at once.
+        assert first > 2 * pool.num_workers
+        assert second == 2 * pool.num_workers, (first, second)
+        # Another function learns for itself.
+        assert list(pool.map(_add, range(n), range(n), timeout=T)) == [2 * x for x in range(n)]
+        assert pool.stats().submitted - first - second > 2 * pool.num_workers
+
+
+@pytest.mark.parametrize("make", [_row, _scalar_array, _mixed])
+def test_small_array_results_come_back_as_they_were_made(make: Any) -> None:
+    """Results of one shape and dtype travel as one block; each item is still its own."""
+    n = 600
+    with WorkerPool(2) as pool:
+        got = list(pool.map(make, range(n), timeout=T))
+        assert pool.stats().submitted < n // 4, "not chunked: the test proves nothing"
+    for x, r in enumerate(got):
+        want = make(x)
+        assert type(r) is np.ndarray
+        assert (r.shape, r.dtype) == (want.shape, want.dtype)
+        np.testing.assert_array_equal(r, want)
+        assert r.flags.writeable  # the caller's own, as every result is
+    got[0][...] = -1  # a row is its item's alone
+    np.testing.assert_array_equal(got[1], make(1))
+
+
+def test_the_worker_stacks_only_small_arrays_of_one_shape() -> None:
+    from mpexec._mapping import STACK_BYTES, stack_results
+
+    same = [np.full(8, i, np.float64) for i in range(10)]
+    block = stack_results(same)
+    assert type(block) is np.ndarray
+    assert block.shape == (10, 8)
+    assert type(stack_results(same[:1])) is list
+    assert type(stack_results([np.array(1), np.array(2)])) is list  # 0-d
+    big = [np.zeros(STACK_BYTES // 8, np.float64) for _ in range(2)]
+    assert type(stack_results(big)) is list
+    assert type(stack_results([np.zeros(3), np.zeros(4)])) is list
+    assert type(stack_results([np.zeros(3), np.zeros(3, np.float32)])) is list
+    assert type(stack_results([np.zeros(3), [0.0, 0.0, 0.0]])) is list
