@@ -280,8 +280,10 @@ def _scale_rows(res: dict[str, dict[str, dict[str, float]]]) -> list[list[str]]:
         rows.append(
             [
                 name,
-                f"{fmt_time(t['median'] * 1e6)} ({fmt_time(t['min'] * 1e6)}-"
-                f"{fmt_time(t['max'] * 1e6)})",
+                (
+                    f"{fmt_time(t['median'] * 1e6)} ({fmt_time(t['min'] * 1e6)}-"
+                    f"{fmt_time(t['max'] * 1e6)})"
+                ),
                 med("workers", fmt="{:.0f}"),
                 med("PSS per worker", mib),
                 med("USS per worker", mib),
