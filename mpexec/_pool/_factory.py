@@ -69,7 +69,11 @@ class WorkerFactory:
     def start(self, indices: Iterable[int], generation: int, wait_all: bool = True) -> None:
         """Start workers in parallel, then wait for each to say hello (``wait_all``)
         or for the first only: the manager reads the others' as replacements'."""
-        started = [self.launch(index, generation) for index in indices]
+        # The fork server forks each worker while the next one is prepared here.
+        with _launch.pipelined_starts():
+            started = [self.launch(index, generation) for index in indices]
+        for slot in started:
+            slot.pid = slot.process.pid  # before any wait on its sentinel
         deadline = time.monotonic() + self.start_timeout
         if wait_all or len(started) < 2:
             for slot in started:
@@ -123,7 +127,6 @@ class WorkerFactory:
             slot.close_rings()
             arena.reclaim(slot.arg_releases)
             raise
-        slot.pid = slot.process.pid
         if self.opened is not None:
             self.opened[index] = (slot, _opened_since(before))
         for ring in (slot.tasks, slot.done, slot.result_releases, slot.arg_releases):
@@ -148,6 +151,7 @@ class WorkerFactory:
     def relaunch(self, slot: Slot) -> Slot:
         """A replacement for ``slot``'s lost worker; the manager reads its hello."""
         new = self.launch(slot.index, slot.generation + 1)
+        new.pid = new.process.pid
         new.start_deadline = time.monotonic() + self.start_timeout
         return new
 
