@@ -162,7 +162,10 @@ def tree():
     parents = {p.ppid() for p in kids}
     # Workers: the leaves (a fork server or a resource tracker has children, or is
     # not a worker: both are counted in the tree's total, not per worker).
-    helper = lambda p: p.cmdline()[-1:] and p.cmdline()[-1].startswith("from multiprocessing.")
+    # (A forked worker's command line is its parent's: a fork server's, or this one's.)
+    helper = lambda p: p.cmdline()[-1:] and p.cmdline()[-1].startswith(
+        "from multiprocessing.resource_tracker"
+    )
     workers = [p for p in kids if p.pid not in parents and not helper(p)]
     return me, kids, workers
 
