@@ -127,10 +127,12 @@ class WorkerFactory:
             slot.close_rings()
             arena.reclaim(slot.arg_releases)
             raise
-        if self.opened is not None:
-            self.opened[index] = (slot, _opened_since(before))
         for ring in (slot.tasks, slot.done, slot.result_releases, slot.arg_releases):
             ring.handed_over()  # the worker has its fds: ours would only count
+        if self.opened is not None:
+            # Noted after those closed: a later child must never close a number
+            # that was free when it started (its own pipe may have taken it).
+            self.opened[index] = (slot, _opened_since(before))
         self.state.install(slot)
         return slot
 
@@ -144,7 +146,7 @@ class WorkerFactory:
         assert self.opened is not None
         fds: set[int] = set()
         for i, (slot, opened) in self.opened.items():
-            if i != index and slot.process is not None and slot.process.exitcode is None:
+            if i != index and _running(slot.process):
                 fds |= opened
         return tuple(sorted(fds - own))
 
@@ -173,6 +175,13 @@ class WorkerFactory:
             err = died_starting(slot)
             raise err from err.__cause__
         hello(slot, rec)
+
+
+def _running(process: Any) -> bool:
+    try:
+        return process is not None and process.exitcode is None
+    except ValueError:  # closed by the pool: it has exited
+        return False
 
 
 _FD_DIR = Path("/proc/self/fd")
