@@ -27,6 +27,18 @@ dataloader
     first batch, for each of three epochs (each epoch starts its workers
     anew, in both). Needs torch; skipped without it.
 
+at scale (``SCALE_WORKERS``, 64)
+    ``WorkerPool(64)``, a 64-worker pipeline, ``mpexec.torch.DataLoader`` and
+    torch's ``DataLoader`` with 64 workers (the host's default start method
+    for ours, torch's own default, fork, for torch's): the time to the first
+    result (pool: started and answered; pipeline: from ``pipeline_def`` to the
+    first batch; loaders: ``iter`` to the first batch), then, with the workers
+    idle, each worker's PSS and USS (what the worker alone holds), the fds
+    each worker has open (mean and the largest: a count that grows with the
+    worker's index means each worker holds something of every earlier one,
+    O(W^2) in all), the main process's fds and the PSS of the whole tree
+    (main, workers, fork server). Also ``WorkerPool(64)`` under ``fork``.
+
 Run with ``python -m benchmarks startup`` (``--quick``: fewer rounds).
 """
 
@@ -140,6 +152,153 @@ print("RESULT " + json.dumps(out))
 """
 
 
+_SCALE_PROBE = """
+import os, time, psutil
+WORKERS = int(WORKERS)
+
+def tree():
+    me = psutil.Process()
+    kids = me.children(recursive=True)
+    parents = {p.ppid() for p in kids}
+    # Workers: the leaves (a fork server or a resource tracker has children, or is
+    # not a worker: both are counted in the tree's total, not per worker).
+    # (A forked worker's command line is its parent's: a fork server's, or this one's.)
+    helper = lambda p: p.cmdline()[-1:] and p.cmdline()[-1].startswith(
+        "from multiprocessing.resource_tracker"
+    )
+    workers = [p for p in kids if p.pid not in parents and not helper(p)]
+    return me, kids, workers
+
+def measure(t_first):
+    me, kids, workers = tree()
+    info = {p.pid: p.memory_full_info() for p in [me, *kids]}
+    fds = [p.num_fds() for p in workers]
+    n = max(len(workers), 1)
+    return {
+        "first result": t_first,
+        "workers": len(workers),
+        "PSS per worker": sum(info[p.pid].pss for p in workers) / n,
+        "USS per worker": sum(info[p.pid].uss for p in workers) / n,
+        "fds per worker": sum(fds) / n,
+        "fds per worker, largest": max(fds, default=0),
+        "main fds": me.num_fds(),
+        "PSS of the tree": sum(m.pss for m in info.values()),
+    }
+
+def settle():
+    time.sleep(0.5)  # a benchmark, not a test: let the workers go idle
+
+import mpexec
+from benchmarks import _workloads as wl
+if SYSTEM == "pool":
+    t0 = time.perf_counter()
+    pool = mpexec.WorkerPool(WORKERS, start_method=METHOD or None)
+    pool.submit(wl.echo, 1).result(120)
+    t = time.perf_counter() - t0
+    settle()
+    out = measure(t)
+    pool.shutdown()
+elif SYSTEM == "pipeline":
+    from mpexec import fn
+    t0 = time.perf_counter()
+
+    @mpexec.pipeline_def(batch_size=wl.LIGHT_BATCH, num_workers=WORKERS, seed=1)
+    def light():
+        x, i = fn.external_source(source=lambda info: wl.light_load(info.idx_in_epoch),
+                                  batch=False, num_outputs=2)
+        return fn.python_function(x, i, function=wl.light_transform)
+
+    with light() as pipe:
+        pipe.run()
+        t = time.perf_counter() - t0
+        settle()
+        out = measure(t)
+else:
+    import torch
+    import torch.utils.data as tud
+
+    class Light(tud.Dataset):
+        def __len__(self):
+            return 4 * WORKERS * wl.LIGHT_BATCH
+        def __getitem__(self, i):
+            return torch.from_numpy(wl.light_load(i)[0])
+
+    if SYSTEM == "mpexec.torch":
+        from mpexec.torch import DataLoader
+    else:
+        DataLoader = tud.DataLoader
+    loader = DataLoader(Light(), batch_size=wl.LIGHT_BATCH, num_workers=WORKERS)
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    t = time.perf_counter() - t0
+    settle()
+    out = measure(t)
+    del it
+print("RESULT " + json.dumps(out))
+"""
+
+#: The worker count of the "at scale" figures.
+SCALE_WORKERS = 64
+
+
+def _scale_probes(quick: bool) -> dict[str, tuple[str, dict[str, str]]]:
+    """System label -> (probe code, names) for the "at scale" figures."""
+    w = str(SCALE_WORKERS)
+    probes = {
+        f"WorkerPool({w})": (_SCALE_PROBE, {"SYSTEM": "pool", "WORKERS": w, "METHOD": ""}),
+        f"pipeline, {w} workers": (
+            _SCALE_PROBE,
+            {"SYSTEM": "pipeline", "WORKERS": w, "METHOD": ""},
+        ),
+    }
+    if not quick:
+        probes[f"WorkerPool({w}), fork"] = (
+            _SCALE_PROBE,
+            {"SYSTEM": "pool", "WORKERS": w, "METHOD": "fork"},
+        )
+    if _have_torch():
+        probes[f"mpexec.torch.DataLoader, {w} workers"] = (
+            _SCALE_PROBE,
+            {"SYSTEM": "mpexec.torch", "WORKERS": w, "METHOD": ""},
+        )
+        probes[f"torch DataLoader, {w} workers"] = (
+            _SCALE_PROBE,
+            {"SYSTEM": "torch", "WORKERS": w, "METHOD": ""},
+        )
+    return probes
+
+
+def _scale_rows(res: dict[str, dict[str, dict[str, float]]]) -> list[list[str]]:
+    mib = 1 << 20
+    rows = []
+    for name, figs in res.items():
+        if "first result" not in figs:
+            continue
+        t = figs["first result"]
+
+        def med(key: str, scale: float = 1.0, fmt: str = "{:.1f}", figs: Any = figs) -> str:
+            return fmt.format(figs[key]["median"] / scale) if key in figs else "-"
+
+        rows.append(
+            [
+                name,
+                (
+                    f"{fmt_time(t['median'] * 1e6)} ({fmt_time(t['min'] * 1e6)}-"
+                    f"{fmt_time(t['max'] * 1e6)})"
+                ),
+                med("workers", fmt="{:.0f}"),
+                med("PSS per worker", mib),
+                med("USS per worker", mib),
+                med("fds per worker"),
+                med("fds per worker, largest", fmt="{:.0f}"),
+                med("main fds", fmt="{:.0f}"),
+                med("PSS of the tree", mib, "{:.0f}"),
+            ]
+        )
+    return rows
+
+
 def _probe(code: str, **names: str) -> dict[str, float]:
     """Run ``code`` in a fresh interpreter with ``names`` bound; its RESULT line."""
     prologue = "import json\n" + "".join(f"{k} = {v!r}\n" for k, v in names.items())
@@ -235,7 +394,24 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
             for what, seconds in got.items():
                 samples[name].setdefault(what, []).append(seconds)
         log(f"[startup] round {r + 1}/{rounds} done")
+    scale = _scale_probes(quick)
+    scale_samples: dict[str, dict[str, list[float]]] = {n: {} for n in scale}
+    scale_names = list(scale)
+    for r in range(2 if quick else 3):
+        order = scale_names[r % len(scale_names) :] + scale_names[: r % len(scale_names)]
+        for name in order:
+            code, bound = scale[name]
+            try:
+                got = _probe(code, **bound)
+            except (RuntimeError, subprocess.SubprocessError) as exc:
+                errors.append(f"{name}: {exc}")
+                log(f"[startup] {name}: {exc}")
+                continue
+            for what, value in got.items():
+                scale_samples[name].setdefault(what, []).append(value)
+        log(f"[startup] at scale: round {r + 1} done")
     res = {n: {w: _summary(v) for w, v in figs.items()} for n, figs in samples.items()}
+    scale_res = {n: {w: _summary(v) for w, v in figs.items()} for n, figs in scale_samples.items()}
     result: dict[str, Any] = stamp(quick)
     result["env"].update(
         load_before=load_before,
@@ -245,6 +421,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     result |= {
         "rounds": rounds,
         "systems": res,
+        "at_scale": scale_res,
         "errors": errors,
     }
     rows = [
@@ -264,6 +441,22 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
         + table(["system", "figure", "median", "min", "max"], rows, right={2, 3, 4})
         + "\n\nOurs against the peer (medians of the same rounds)\n\n"
         + table(["ours", "figure", "ours", "peer", "ratio"], _ratio_rows(res), right={2, 3, 4})
+        + f"\n\nAt scale: {SCALE_WORKERS} workers, idle after the first result (medians; "
+        "MiB; fds: mean over the workers and the largest)\n\n"
+        + table(
+            [
+                "system",
+                "first result (min-max)",
+                "workers",
+                "PSS/worker",
+                "USS/worker",
+                "fds/worker",
+                "largest",
+                "main fds",
+                "tree PSS",
+            ],
+            _scale_rows(scale_res),
+        )
         + "\n"
         + ("".join(f"\nerror: {e}" for e in errors))
     )

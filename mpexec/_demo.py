@@ -143,23 +143,29 @@ class EncodedImages:
     """The pipeline's source: ``callable(SampleInfo)`` over encoded images, picklable.
 
     Returns sample ``info.idx_in_epoch``, cycling through the images ``passes``
-    times, then raises ``StopIteration``, which ends the epoch.
+    times, then raises ``StopIteration``, which ends the epoch. With ``warmup``,
+    epoch 0 is a warm-up of the first ``warmup`` images only, and the passes
+    come from epoch 1 on (``len()`` counts those).
     """
 
-    def __init__(self, data: Sequence[U8], passes: int = 1) -> None:
+    def __init__(self, data: Sequence[U8], passes: int = 1, warmup: int = 0) -> None:
         if not data:
             raise ValueError("EncodedImages needs at least one image")
         if passes < 1:
             raise ValueError(f"passes must be at least 1, not {passes}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be at least 0, not {warmup}")
         self.data = list(data)
         self.passes = passes
+        self.warmup = warmup
 
     def __len__(self) -> int:
         return len(self.data) * self.passes
 
     def __call__(self, info: Any) -> U8:
         idx = int(info.idx_in_epoch)
-        if idx >= len(self):
+        warming = self.warmup and int(getattr(info, "epoch_idx", 0)) == 0
+        if idx >= (self.warmup if warming else len(self)):
             raise StopIteration
         return self.data[idx % len(self.data)]
 
@@ -227,6 +233,17 @@ def normalize(img: U8) -> F32:
     """``img`` (uint8 HWC) as float32 CHW, less the ImageNet mean, over its std."""
     x = (img.astype(np.float32) - MEAN) / STD
     return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+
+def sample_digest(img: Any) -> U8:
+    """The SHA-1 of a sample's bytes (20 uint8): the demo's check of every output.
+
+    Made where the sample is made (in a worker; in the serial loop, in the loop),
+    so that hashing 600 KB a sample is the same work on both sides and not the
+    main process's: a training loop hands its batches on, it does not read them.
+    """
+    h = hashlib.sha1(np.ascontiguousarray(img).data, usedforsecurity=False)
+    return np.frombuffer(h.digest(), dtype=np.uint8)
 
 
 #: The augmentation, in order: (name, function, takes an ``rng`` keyword).
@@ -371,15 +388,27 @@ class Timing:
         return self.images / self.seconds if self.seconds > 0 else math.inf
 
 
+def warmup_images(config: DemoConfig) -> int:
+    """Images of the untimed warm-up, on both sides: a batch for each worker (each
+    one runs every step before the clock starts), at most the image set."""
+    return min(config.images, config.batch_size * max(1, config.workers))
+
+
+def warm_up_serial(encoded: Sequence[U8], seed: int, count: int) -> None:
+    """The serial loop's warm-up: its first ``count`` images, as the timed loop makes them."""
+    for index in range(min(count, len(encoded))):
+        sample_digest(augment_one(encoded[index], seed, index))
+
+
 def run_serial(
     encoded: Sequence[U8], seed: int, progress: Progress | None = None
 ) -> tuple[Timing, str]:
-    """Augment every image once in a plain loop here; the timing and an output digest."""
+    """Augment every image once in a plain loop here; the timing and an output digest
+    (of the per-sample digests, as the pipeline's)."""
     digest = hashlib.sha1(usedforsecurity=False)
     start = time.perf_counter()
     for index, item in enumerate(encoded):
-        out = augment_one(item, seed, index)
-        digest.update(np.ascontiguousarray(out).data)
+        digest.update(sample_digest(augment_one(item, seed, index)).data)
         if progress is not None:
             progress.update(1)
     seconds = time.perf_counter() - start
@@ -407,7 +436,8 @@ def build_pipeline(source: EncodedImages, config: DemoConfig) -> Pipeline:
         img = fn.python_function(img, function=random_crop, name="random_crop")
         img = fn.python_function(img, function=flip, name="flip")
         img = fn.python_function(img, function=color_jitter, name="color_jitter")
-        return fn.python_function(img, function=normalize, output_layouts="CHW", name="normalize")
+        out = fn.python_function(img, function=normalize, output_layouts="CHW", name="normalize")
+        return out, fn.python_function(out, function=sample_digest, name="digest")
 
     return augment()
 
@@ -417,12 +447,15 @@ class PipelineRun:
     """The pipeline's part of the demo."""
 
     timing: Timing
+    #: Building the graph, starting the workers and the warm-up epoch (not timed).
     startup_s: float
     batches: int
     digest: str
     stats: Any
     #: Who used the CPUs during the epoch (startup not counted, as in ``timing``).
     load: CpuLoad | None = None
+    #: Images of the warm-up epoch (in ``startup_s``).
+    warmup_images: int = 0
 
 
 def run_pipeline(
@@ -430,21 +463,29 @@ def run_pipeline(
 ) -> PipelineRun:
     """Run one epoch of the pipeline (every sample of ``source``), timed.
 
-    Startup (building the graph, starting the workers) is timed apart from
-    the epoch; the throughput counts only the epoch.
+    Startup (building the graph, starting the workers and, if ``source`` has
+    one, its warm-up epoch) is timed apart from the epoch; the throughput
+    counts only the epoch. The warm-up epoch lets the workers load the
+    functions, fault in their memory and the scheduler learn the ops' times
+    before the clock starts; it starts the timed epoch with an empty pipeline,
+    so that no work of the timed images is done before the clock starts.
     """
     digest = hashlib.sha1(usedforsecurity=False)
-    images = batches = 0
+    images = batches = warm = 0
     start = time.perf_counter()
     with build_pipeline(source, config) as pipe:
+        if source.warmup:
+            for batch, _ in pipe:
+                warm += len(batch)
+            pipe.reset()
         started = time.perf_counter()
         meter = CpuMeter()  # while the workers live: their CPU time is ours
         if progress is not None:
             progress.restart()
-        for (batch,) in pipe:
-            for sample in batch:
+        for batch, digests in pipe:
+            for sample, sample_sha in zip(batch, digests, strict=True):
                 _check_output(sample)
-                digest.update(np.ascontiguousarray(sample).data)
+                digest.update(np.asarray(sample_sha).data)
             images += len(batch)
             batches += 1
             if progress is not None:
@@ -459,6 +500,7 @@ def run_pipeline(
         digest=digest.hexdigest(),
         stats=stats,
         load=load,
+        warmup_images=warm,
     )
 
 
@@ -506,6 +548,7 @@ class DemoResult:
             "pipeline": _timing_json(self.pipeline.timing)
             | {
                 "startup_s": self.pipeline.startup_s,
+                "warmup_images": self.pipeline.warmup_images,
                 "batches": self.pipeline.batches,
                 "digest": self.pipeline.digest,
             },
@@ -542,6 +585,8 @@ def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
         bar.close()
     generate_s = time.perf_counter() - start
 
+    warmup = warmup_images(config)
+    warm_up_serial(encoded, config.seed, warmup)
     bar = Progress("serial", len(encoded), err, enabled=config.progress)
     try:
         meter = CpuMeter()
@@ -550,7 +595,7 @@ def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
     finally:
         bar.close()
 
-    source = EncodedImages(encoded, passes=config.epochs)
+    source = EncodedImages(encoded, passes=config.epochs, warmup=warmup)
     bar = Progress("pipeline", len(source), err, enabled=config.progress)
     try:
         pipeline = run_pipeline(source, config, bar)
@@ -611,14 +656,16 @@ def format_result(result: DemoResult) -> str:
     )
     serial = (
         f"{s.images_per_s:8.1f} images/s  "
-        f"({_plural(s.images, 'image')} in {s.seconds:.2f} s, one loop in this process)"
+        f"({_plural(s.images, 'image')} in {s.seconds:.2f} s, one loop in this process; "
+        f"{_plural(p.warmup_images, 'image')} of warm-up before, not counted)"
     )
     pipeline = (
         f"{p.timing.images_per_s:8.1f} images/s  "
         f"({_plural(p.timing.images, 'image')} in {p.timing.seconds:.2f} s: "
         f"{_plural(c.epochs, 'epoch')}, "
         f"{_plural(p.batches, 'batch', 'batches')} of up to {c.batch_size}; "
-        f"startup {p.startup_s:.2f} s not counted)"
+        f"startup and a warm-up epoch of {_plural(p.warmup_images, 'image')} "
+        f"{p.startup_s:.2f} s, not counted)"
     )
     speedup = (
         f"{result.speedup:8.2f}x          "
@@ -634,7 +681,7 @@ def format_result(result: DemoResult) -> str:
             f"  pipeline  {pipeline}",
             f"  speed-up  {speedup}{verdict}",
             *([f"  host load {load}"] if load else []),
-            f"output digest  {p.digest}  (SHA-1 of the pipeline's outputs, in order)",
+            f"output digest  {p.digest}  (SHA-1 of the SHA-1s of the pipeline's outputs, in order)",
             "per-op stats",
             str(p.stats),
         ]

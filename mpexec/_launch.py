@@ -360,6 +360,27 @@ class _SpawnPopen(popen_spawn_posix.Popen):
                     os.close(fd)
 
 
+_pipelining = threading.local()  # .on: this thread's fork-server starts do not wait
+
+
+@contextlib.contextmanager
+def pipelined_starts() -> Iterator[None]:
+    """Fork-server starts in this block return before the server has forked the child.
+
+    multiprocessing waits for each child's pid before ``start()`` returns: a
+    round trip per process, during which the fork server forks and the caller
+    waits. In the block the pid is read on first use (``process.pid``), so the
+    caller prepares the next worker while the server forks this one. Read each
+    started process's ``pid`` before waiting on its ``sentinel``: until then the
+    pid's bytes make the sentinel readable.
+    """
+    _pipelining.on = True
+    try:
+        yield
+    finally:
+        _pipelining.on = False
+
+
 class _ForkServerPopen(popen_forkserver.Popen):
     """The standard forkserver Popen, talking to mpexec's fork server."""
 
@@ -367,7 +388,25 @@ class _ForkServerPopen(popen_forkserver.Popen):
 
     def __init__(self, process_obj: Any) -> None:
         self._reading = threading.Lock()  # before the base class launches
+        self._pid: int | None = None
+        self._name = process_obj.name
         super().__init__(process_obj)
+
+    @property  # an attribute of multiprocessing's Popen
+    def pid(self) -> int:
+        """The child's pid: the server's first word on the sentinel, read once."""
+        if self._pid is None:
+            with self._reading:
+                if self._pid is None:
+                    try:
+                        self._pid = forkserver.read_signed(self.sentinel)
+                    except (OSError, EOFError) as exc:
+                        raise _server_gone(self._name, exc) from exc
+        return self._pid
+
+    @pid.setter
+    def pid(self, value: int) -> None:
+        self._pid = value
 
     def poll(self, flag: int = os.WNOHANG) -> int | None:
         """The exit code once the server has sent it: read once, whoever asks.
@@ -379,10 +418,15 @@ class _ForkServerPopen(popen_forkserver.Popen):
         must not hold up another thread's ``is_alive()``).
         """
         if self.returncode is None:
-            try:
-                ready = bool(mp_connection.wait([self.sentinel], 0 if flag == os.WNOHANG else None))
-            except (OSError, ValueError):  # closed by a thread that read the code
-                ready = True
+            if self._pid is None:  # a pipelined start: the pid comes first
+                if flag == os.WNOHANG and not self._readable():
+                    return None  # not even forked yet
+                try:
+                    self.pid  # noqa: B018 - read (and kept) now
+                except BrokenPoolError:  # the server died before it forked the child
+                    self.returncode = 255
+                    return self.returncode
+            ready = self._readable(None if flag != os.WNOHANG else 0)
             if not ready:
                 return None
             with self._reading:
@@ -393,6 +437,19 @@ class _ForkServerPopen(popen_forkserver.Popen):
                         # The server itself died without a word (multiprocessing's 255).
                         self.returncode = 255
         return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        # The base class's wait sees the sentinel readable while the pid is unread.
+        if self.returncode is None and self._pid is None:
+            with contextlib.suppress(BrokenPoolError):
+                self.pid  # noqa: B018 - the server's first word, right after the fork
+        return super().wait(timeout)
+
+    def _readable(self, timeout: float | None = 0) -> bool:
+        try:
+            return bool(mp_connection.wait([self.sentinel], timeout))
+        except (OSError, ValueError):  # closed by a thread that read the code
+            return True
 
     def _launch(self, process_obj: Any) -> None:
         # As multiprocessing.popen_forkserver.Popen._launch (3.10 - 3.13), but
@@ -409,17 +466,22 @@ class _ForkServerPopen(popen_forkserver.Popen):
             )
             with open(w, "wb", closefd=True) as f:
                 f.write(buf.getbuffer())
-            self.pid = forkserver.read_signed(self.sentinel)
         except (OSError, EOFError) as exc:
-            # The server went away without a word to us: most likely it died
-            # importing mpexec, with its traceback on stderr (it has no other).
-            raise BrokenPoolError(
-                f"mpexec's fork server could not start {process_obj.name}: "
-                f"{type(exc).__name__}: {exc}. It most likely died preloading mpexec in "
-                "a broken environment (its traceback is on stderr): a package missing "
-                "or shadowed on sys.path, or a bad PYTHONPATH. Fix that, or pass "
-                "start_method='spawn', whose workers report their own traceback"
-            ) from exc
+            raise _server_gone(process_obj.name, exc) from exc
+        if not getattr(_pipelining, "on", False):
+            self.pid  # noqa: B018 - multiprocessing's way: wait for it now
+
+
+def _server_gone(name: str, exc: BaseException) -> BrokenPoolError:
+    # The server went away without a word to us: most likely it died
+    # importing mpexec, with its traceback on stderr (it has no other).
+    return BrokenPoolError(
+        f"mpexec's fork server could not start {name}: "
+        f"{type(exc).__name__}: {exc}. It most likely died preloading mpexec in "
+        "a broken environment (its traceback is on stderr): a package missing "
+        "or shadowed on sys.path, or a bad PYTHONPATH. Fix that, or pass "
+        "start_method='spawn', whose workers report their own traceback"
+    )
 
 
 _server: forkserver.ForkServer | None = None

@@ -76,6 +76,9 @@ class WorkerBoot:
     #: environment of its start, not the caller's now.
     full_traceback: bool = False
     warm_memory: int = 0  # bytes of freed memory malloc may keep (0: glibc's defaults)
+    #: Under fork: the fds of the other workers' starts this child inherited,
+    #: closed first thing (see ``_pool._factory``); empty otherwise.
+    inherited: tuple[int, ...] = ()
 
 
 def seed_worker(entropy: int, index: int, generation: int) -> None:
@@ -322,6 +325,11 @@ def main(boot: WorkerBoot) -> None:
     """Entry point of a worker process."""
     # Ctrl-C reaches the whole process group: the pool's process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Our copies of the objects that own these are never used or closed here
+    # (a fork child leaves by os._exit: no finalizer runs).
+    for fd in boot.inherited:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     # Started daemonic (the pool's process terminates it at exit), but a function
     # may start processes of its own (a nested pool, a pipeline, a DataLoader), which
     # multiprocessing refuses a daemonic process. Its own children never outlive it:

@@ -20,7 +20,8 @@ Nothing here imports DALI except :func:`external_source`.
     python_function op  -- lists of arrays (views of DALI's buffers) -->
                                      one copy into a shared block
                                      per input (the one copy: DALI's
-                                     memory is not shared)
+                                     memory is not shared), a chunk's
+                                     rows just before the chunk goes
                                      chunks of rows, and their rows
                                      of an output block  -- submit() -->  workers call
                                                                           f per sample,
@@ -157,7 +158,7 @@ class DaliFunction:
         size = len(inputs[0])
         if any(len(x) != size for x in inputs):
             raise ValueError("the inputs hold batches of different sizes")
-        columns = [_shared_rows(pool, list(x)) for x in inputs]
+        columns = [_SharedRows(pool, list(x)) for x in inputs]
         workers = max(1, pool.num_workers)
         bounds = _chunks(size, workers, self._per_sample)
         blocks = [None if sp is None else pool.empty((size, *sp[0]), sp[1]) for sp in self._specs]
@@ -212,7 +213,10 @@ class DaliFunction:
             if nxt is not None:
                 i, (a, b) = nxt
                 out = tuple(None if k is None else writable(k[a:b]) for k in blocks)
-                running[pool.submit(self._runner, *(c[a:b] for c in columns), out=out)] = i
+                # Each chunk's rows are copied in just before it goes: the first
+                # worker starts after a chunk's copy, not the whole batch's.
+                rows = (c.rows(a, b) for c in columns)
+                running[pool.submit(self._runner, *rows, out=out)] = i
 
         try:
             for _ in range(2 * workers):
@@ -252,35 +256,47 @@ class DaliFunction:
         return f"mpexec.dali.python_function({name}, num_outputs={self.num_outputs})"
 
 
-def _shared_rows(pool: WorkerPool, samples: list[Any]) -> Any:
-    """The samples copied into the pool's shared memory: one block (its rows are the
-    samples), or, for samples of different shapes, a list of views of one buffer.
+class _SharedRows:
+    """One input's samples in the pool's shared memory, copied in a chunk at a time.
 
-    One copy in all, and a chunk of rows travels as one descriptor. DALI hands
-    a batch as views of its own buffer, often one contiguous run of memory:
-    then the copy is one ``memcpy``.
+    Dense samples go into one block (its rows are the samples), samples of
+    different shapes into views of one buffer: one copy in all, and a chunk of
+    rows travels as one descriptor. DALI hands a batch as views of its own
+    buffer, often one contiguous run of memory: then a chunk's copy is one
+    ``memcpy``.
     """
-    arrays = [np.asarray(s) for s in samples]
-    if not arrays:
-        return []
-    first = arrays[0]
-    if all(a.shape == first.shape and a.dtype == first.dtype for a in arrays):
-        dense = _adjacent(arrays)
-        block = pool.empty((len(arrays), *first.shape), first.dtype)
-        if dense is not None:
-            np.copyto(block, dense)
-        else:
-            np.stack(arrays, out=block)
-        return block
-    nbytes = [a.nbytes for a in arrays]
-    raw = pool.empty((sum(nbytes),), np.uint8)
-    out, at = [], 0
-    for a, nb in zip(arrays, nbytes, strict=True):
-        view = raw[at : at + nb].view(a.dtype).reshape(a.shape)
-        np.copyto(view, a)
-        out.append(view)
-        at += nb
-    return out
+
+    def __init__(self, pool: WorkerPool, samples: list[Any]) -> None:
+        self.arrays = [np.asarray(s) for s in samples]
+        self.dense: np.ndarray[Any, Any] | None = None  # the samples as one array
+        self.shared: Any = []  # the block, or the list of views
+        arrays = self.arrays
+        if not arrays:
+            return
+        first = arrays[0]
+        if all(a.shape == first.shape and a.dtype == first.dtype for a in arrays):
+            self.dense = _adjacent(arrays)
+            self.shared = pool.empty((len(arrays), *first.shape), first.dtype)
+            return
+        nbytes = [a.nbytes for a in arrays]
+        raw = pool.empty((sum(nbytes),), np.uint8)
+        at = 0
+        for a, nb in zip(arrays, nbytes, strict=True):
+            self.shared.append(raw[at : at + nb].view(a.dtype).reshape(a.shape))
+            at += nb
+
+    def rows(self, a: int, b: int) -> Any:
+        """Rows ``a:b``, copied in now (each chunk's rows are asked for once)."""
+        part = self.shared[a:b]
+        if isinstance(part, np.ndarray):
+            if self.dense is not None:
+                np.copyto(part, self.dense[a:b])
+            elif b > a:
+                np.stack(self.arrays[a:b], out=part)
+            return part
+        for view, src in zip(part, self.arrays[a:b], strict=True):
+            np.copyto(view, src)
+        return part
 
 
 def _adjacent(arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any] | None:

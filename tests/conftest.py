@@ -52,10 +52,27 @@ _STARTED: set[int] = set()
 _start = mp.process.BaseProcess.start
 
 
+#: The popens of fork-server starts that did not wait for the pid (mpexec's
+#: ``_launch.pipelined_starts``): reading it here would make them wait.
+_PENDING: list[Any] = []
+
+
 def _recording_start(self: mp.process.BaseProcess) -> None:
     _start(self)
-    if self.pid is not None:
+    popen = self._popen  # type: ignore[attr-defined]
+    if getattr(popen, "_pid", 0) is None:
+        _PENDING.append(popen)
+    elif self.pid is not None:
         _STARTED.add(self.pid)
+
+
+def _started() -> set[int]:
+    """The pids of the processes started so far (those read by now, for pipelined ones)."""
+    for popen in list(_PENDING):
+        if popen._pid is not None:
+            _STARTED.add(popen._pid)
+            _PENDING.remove(popen)
+    return _STARTED
 
 
 mp.process.BaseProcess.start = _recording_start  # type: ignore[method-assign]
@@ -74,7 +91,7 @@ def shm_names() -> set[str]:
     except FileNotFoundError:
         return set()
     me = psutil.Process()
-    ours = {me.pid} | _STARTED | {c.pid for c in me.children(recursive=True)}
+    ours = {me.pid} | _started() | {c.pid for c in me.children(recursive=True)}
     return {n for n in names if _creator(n) in ours}
 
 

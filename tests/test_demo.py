@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import pickle
@@ -121,6 +122,27 @@ def test_encoded_images_source() -> None:
         _demo.EncodedImages([])
     with pytest.raises(ValueError, match="passes"):
         _demo.EncodedImages(data, passes=0)
+
+
+def test_encoded_images_warm_up_in_epoch_0() -> None:
+    # The demo's warm-up: epoch 0 makes the first images only, the passes follow.
+    data = _demo.make_image_set(3, seed=0, size=16)
+    source = _demo.EncodedImages(data, passes=2, warmup=2)
+    assert len(source) == 6  # the timed epochs'
+    assert source(_Info(1, 0)) is data[1]
+    with pytest.raises(StopIteration):
+        source(_Info(2, 0))
+    assert source(_Info(5, 1)) is data[2]
+    with pytest.raises(StopIteration):
+        source(_Info(6, 1))
+    with pytest.raises(ValueError, match="warmup"):
+        _demo.EncodedImages(data, warmup=-1)
+
+
+@dataclass
+class _Info:
+    idx_in_epoch: int
+    epoch_idx: int = 0
 
 
 # ------------------------------------------------------------------ the ops
@@ -274,9 +296,8 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(
 # ------------------------------------------------------------------ the demo, end to end
 
 
-@dataclass
-class _Info:
-    idx_in_epoch: int
+#: The fake's own reference: a test may count the serial loop's calls of the module's.
+_AUGMENT = _demo.augment_one
 
 
 class FakePipeline:
@@ -286,6 +307,8 @@ class FakePipeline:
         self.source = source
         self.config = config
         self.calls = 0
+        self.epoch = 0
+        self.epochs: list[int] = []  # images made in each epoch
 
     def __enter__(self) -> FakePipeline:
         return self
@@ -295,21 +318,26 @@ class FakePipeline:
     ) -> None:
         pass
 
-    def __iter__(self) -> Iterator[tuple[list[np.ndarray]]]:
+    def __iter__(self) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
         idx = 0
+        self.epochs.append(0)
         while True:
             batch = []
             for _ in range(self.config.batch_size):
                 try:
-                    enc = self.source(_Info(idx))
+                    enc = self.source(_Info(idx, self.epoch))
                 except StopIteration:
                     break
-                batch.append(_demo.augment_one(enc, self.config.seed + 1, idx))
+                batch.append(_AUGMENT(enc, self.config.seed + 1, idx))
                 idx += 1
             self.calls += len(batch)
+            self.epochs[-1] += len(batch)
             if not batch:
                 return
-            yield (batch,)
+            yield batch, [_demo.sample_digest(x) for x in batch]
+
+    def reset(self) -> None:
+        self.epoch += 1
 
     def stats(self) -> str:
         return f"FAKE STATS {self.calls} calls"
@@ -332,7 +360,8 @@ def test_demo_reports_throughput(capsys: pytest.CaptureFixture[str]) -> None:
     assert "speed-up" in out
     assert "6 images in" in out  # 2 epochs of 3
     assert "3 batches of up to 2" in out
-    assert "FAKE STATS 6 calls" in out
+    assert "FAKE STATS 9 calls" in out  # and a warm-up of 3
+    assert "a warm-up epoch of 3 images" in out
 
 
 @pytest.mark.usefixtures("fake_pipeline")
@@ -345,7 +374,8 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["pipeline"]["images"] == 2
     assert summary["pipeline"]["batches"] == 1
     assert summary["speedup"] > 0
-    assert summary["stats"] == "FAKE STATS 2 calls"
+    assert summary["stats"] == "FAKE STATS 4 calls"  # a warm-up of 2, then 2
+    assert summary["pipeline"]["warmup_images"] == 2
     for phase in ("serial", "pipeline"):
         load = summary["host_load"][phase]
         assert 0.0 <= load["other_share"] <= 1.0
@@ -410,6 +440,52 @@ def test_pipeline_outputs_do_not_depend_on_workers() -> None:
         assert run.startup_s >= 0
         assert "color_jitter" in str(run.stats)
     assert runs[0].digest == runs[1].digest
+
+
+def test_the_demo_warms_up_both_sides_before_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both sides make a batch per worker untimed first: the pipeline as an epoch
+    # of its own (the timed one starts with nothing in flight), the loop as
+    # the same images; the clock counts only the timed images.
+    made: list[FakePipeline] = []
+
+    def build(source: _demo.EncodedImages, config: _demo.DemoConfig) -> FakePipeline:
+        made.append(FakePipeline(source, config))
+        return made[-1]
+
+    monkeypatch.setattr(_demo, "build_pipeline", build)
+    serial_calls = []
+    augment = _demo.augment_one
+
+    def counted(encoded: np.ndarray, seed: int, index: int) -> np.ndarray:
+        serial_calls.append(index)
+        return augment(encoded, seed, index)
+
+    config = _demo.DemoConfig(images=5, size=32, batch_size=2, workers=2, epochs=1, progress=False)
+    monkeypatch.setattr(_demo, "augment_one", counted)
+    result = _demo.run_demo(config)
+    assert made[0].epochs == [4, 5]  # the warm-up (2 workers x 2), then the timed epoch
+    assert result.pipeline.warmup_images == 4
+    assert result.pipeline.timing.images == 5
+    assert serial_calls == [0, 1, 2, 3, 0, 1, 2, 3, 4]  # the warm-up's 4, then the set
+    assert result.serial.images == 5
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_the_digest_is_made_with_each_sample() -> None:
+    # Each sample's SHA-1 is made where the sample is (a worker; in the loop, the
+    # loop), not by the main process: it reads 20 bytes a sample, not 600 KB.
+    source = _demo.EncodedImages(_demo.make_image_set(3, seed=0, size=32))
+    config = _demo.DemoConfig(images=3, batch_size=2, workers=1, seed=5, progress=False)
+    with _demo.build_pipeline(source, config) as pipe:
+        outs, digests = [], []
+        for batch, shas in pipe:
+            outs += [np.array(x) for x in batch]
+            digests += [np.array(d) for d in shas]
+    assert [d.tobytes() for d in digests] == [
+        hashlib.sha1(x.tobytes(), usedforsecurity=False).digest() for x in outs
+    ]
+    whole = hashlib.sha1(b"".join(d.tobytes() for d in digests), usedforsecurity=False)
+    assert _demo.run_pipeline(source, config).digest == whole.hexdigest()
 
 
 def test_demo_rejects_a_wrong_output() -> None:

@@ -3,14 +3,24 @@
 A :class:`WorkerFactory` knows how to start worker ``i`` of a pool (start
 method, seed, ``worker_init``, sizes) and nothing of the pool itself: the
 executor uses it to start the workers, the manager to replace a lost one.
+
+Under ``fork`` a child inherits every fd of the pool's process, and with them
+the main-side ends of every worker started before it (14 fds each on Python
+3.11: eight doorbells, four ring mappings, the process's two pipes): worker
+``k`` held ``14 k`` fds, O(W^2) in all (30,000 at 64 workers). So the factory
+notes the fds each worker's start opened here, and a fork child closes those
+of the other live workers first thing (:attr:`WorkerBoot.inherited`); what
+the user opened before the pool stays inherited, as ``fork`` promises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import shm
@@ -51,11 +61,19 @@ class WorkerFactory:
         self.inline_max = inline_max
         self.start_timeout = start_timeout
         self.warm_memory = warm_memory  # malloc's bound in each worker (_host.keep_memory_warm)
+        # Under fork: index -> (its slot, the fds its start opened here), see the module doc.
+        self.opened: dict[int, tuple[Slot, frozenset[int]]] | None = (
+            {} if getattr(ctx, "method", None) == "fork" and _FD_DIR.is_dir() else None
+        )
 
     def start(self, indices: Iterable[int], generation: int, wait_all: bool = True) -> None:
         """Start workers in parallel, then wait for each to say hello (``wait_all``)
         or for the first only: the manager reads the others' as replacements'."""
-        started = [self.launch(index, generation) for index in indices]
+        # The fork server forks each worker while the next one is prepared here.
+        with _launch.pipelined_starts():
+            started = [self.launch(index, generation) for index in indices]
+        for slot in started:
+            slot.pid = slot.process.pid  # before any wait on its sentinel
         deadline = time.monotonic() + self.start_timeout
         if wait_all or len(started) < 2:
             for slot in started:
@@ -76,8 +94,10 @@ class WorkerFactory:
         """Start worker ``index`` (it is ready once its hello is read)."""
         arena = self.state.arena
         assert arena is not None
+        before = _open_fds() if self.opened is not None else frozenset()
         slot = Slot(index, generation)
         slot.arg_releases = arena.link()
+        inherited = self.others_fds(index, _opened_since(before)) if self.opened is not None else ()
         boot = _worker.WorkerBoot(
             index=index,
             generation=generation,
@@ -96,6 +116,7 @@ class WorkerFactory:
             inline_max=self.inline_max,
             full_traceback=full_tracebacks(),
             warm_memory=self.warm_memory,
+            inherited=inherited,
         )
         slot.process = self.ctx.Process(
             target=_worker.main, args=(boot,), name=f"mpexec-worker-{index}", daemon=True
@@ -106,15 +127,33 @@ class WorkerFactory:
             slot.close_rings()
             arena.reclaim(slot.arg_releases)
             raise
-        slot.pid = slot.process.pid
         for ring in (slot.tasks, slot.done, slot.result_releases, slot.arg_releases):
             ring.handed_over()  # the worker has its fds: ours would only count
+        if self.opened is not None:
+            # Noted after those closed: a later child must never close a number
+            # that was free when it started (its own pipe may have taken it).
+            self.opened[index] = (slot, _opened_since(before))
         self.state.install(slot)
         return slot
+
+    def others_fds(self, index: int, own: frozenset[int]) -> tuple[int, ...]:
+        """The fds a fork child ``index`` inherits of the other live workers' starts.
+
+        Only a worker still running counts: a dead one's fds may be closed and
+        their numbers taken by other files. ``own`` (what this start opened so
+        far) never goes, whatever number a dead worker once had.
+        """
+        assert self.opened is not None
+        fds: set[int] = set()
+        for i, (slot, opened) in self.opened.items():
+            if i != index and _running(slot.process):
+                fds |= opened
+        return tuple(sorted(fds - own))
 
     def relaunch(self, slot: Slot) -> Slot:
         """A replacement for ``slot``'s lost worker; the manager reads its hello."""
         new = self.launch(slot.index, slot.generation + 1)
+        new.pid = new.process.pid
         new.start_deadline = time.monotonic() + self.start_timeout
         return new
 
@@ -136,6 +175,47 @@ class WorkerFactory:
             err = died_starting(slot)
             raise err from err.__cause__
         hello(slot, rec)
+
+
+def _running(process: Any) -> bool:
+    try:
+        return process is not None and process.exitcode is None
+    except ValueError:  # closed by the pool: it has exited
+        return False
+
+
+_FD_DIR = Path("/proc/self/fd")
+#: What a worker's start opens here: doorbells (eventfds), ring mappings
+#: (memfds, duplicated by ``mmap`` before Python 3.13), the process's pipes.
+_SLOT_KINDS = ("anon_inode:[eventfd]", "/memfd:mpx-", "pipe:")
+
+
+def _open_fds() -> frozenset[int]:
+    """The numbers of this process's open fds (Linux)."""
+    # The listing's own fd, and the duplicate listdir makes of it, take the
+    # lowest free numbers: found first, left out.
+    probe = os.open(_FD_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dup = os.dup(probe)
+        os.close(dup)
+        names = os.listdir(probe)
+    finally:
+        os.close(probe)
+    return frozenset(int(n) for n in names) - {probe, dup}
+
+
+def _opened_since(before: frozenset[int]) -> frozenset[int]:
+    """The fds of a worker's kinds opened since ``before`` (a listing of :func:`_open_fds`).
+
+    Only those kinds: a file another thread opened meanwhile is the user's,
+    and stays inherited.
+    """
+    fds = set()
+    for fd in _open_fds() - before:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"{_FD_DIR}/{fd}").startswith(_SLOT_KINDS):
+                fds.add(fd)
+    return frozenset(fds)
 
 
 def hello(slot: Slot, rec: bytes) -> None:

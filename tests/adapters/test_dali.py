@@ -9,6 +9,7 @@ environment) and checks mpexec's DALI names against the real package.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,45 @@ def test_python_function_chunks_follow_maps_chunk_policy(monkeypatch: pytest.Mon
     assert (bounds[0][0], bounds[-1][1]) == (0, 64)
     monkeypatch.setattr(mapping, "BALANCE_CHUNK_SECONDS", 0.064)  # 32 samples a chunk
     assert len(_chunks(64, 4, 0.002)) == 4
+
+
+class _RecordingPool:
+    """A pool that runs each call at once, and notes what the first input held then."""
+
+    num_workers = 2
+
+    def __init__(self) -> None:
+        self.seen: list[np.ndarray[Any, Any]] = []
+        self.first: np.ndarray[Any, Any] | None = None
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
+        block = np.zeros(shape, dtype)
+        if self.first is None:
+            self.first = block
+        return block
+
+    def submit(self, fn: Any, *args: Any, out: tuple[Any, ...] = ()) -> Future[Any]:
+        assert self.first is not None
+        self.seen.append(self.first.copy())
+        done: Future[Any] = Future()
+        done.set_result(fn(*args, out=tuple(None if o is None else o.array for o in out)))
+        return done
+
+
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_python_function_copies_each_chunk_in_as_it_goes(adjacent: bool) -> None:
+    # The first chunk goes to a worker once its own rows are in shared memory,
+    # not the whole batch's (the copy of the rest overlaps the first chunks' work).
+    batch = np.arange(1, 9, dtype=np.float32).repeat(3).reshape(8, 3)
+    samples = list(batch) if adjacent else [np.array(x) for x in batch]
+    pool = _RecordingPool()
+    spread = mpexec.dali.python_function(_work, pool=pool)  # type: ignore[arg-type]
+    got = spread(samples)
+    assert np.array_equal(np.stack(got), _work(batch))
+    first = pool.seen[0]
+    assert np.array_equal(first[:4], batch[:4])  # 2 chunks: the first one's rows, only
+    assert not first[4:].any()
+    assert np.array_equal(pool.seen[1], batch)
 
 
 def test_source_gives_dense_blocks_and_ends_epochs() -> None:

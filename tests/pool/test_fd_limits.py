@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mpexec import WorkerPool
+from mpexec import WorkerCrashedError, WorkerPool
 from mpexec._host import FDS_PER_WORKER
+from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,3 +96,49 @@ def test_a_worker_costs_the_caller_at_most_its_budget_of_open_files() -> None:
         with_five = open_now()
     per_worker = (with_five - with_one) / 4
     assert per_worker <= FDS_PER_WORKER, per_worker
+
+
+def _fd_is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts fds through /proc")
+def test_fork_workers_hold_no_fds_of_the_workers_started_before_them() -> None:
+    # Under fork a child inherits every fd of the pool's process: the main-side
+    # ends of each worker started before it (14 each), O(W^2) fds in all. Each
+    # worker now holds the same few, whatever its index; what the user opened
+    # before the pool is still inherited, as fork promises.
+    psutil = pytest.importorskip("psutil")
+    user_r, user_w = os.pipe()
+    try:
+        with WorkerPool(6, start_method="fork") as pool:
+            counts = [psutil.Process(pid).num_fds() for pid in pool.pids]
+            assert max(counts) - min(counts) <= 1, counts
+            assert all(pool.map(_fd_is_open, [user_r] * 12, chunksize=1))
+    finally:
+        os.close(user_r)
+        os.close(user_w)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts fds through /proc")
+def test_a_fork_worker_started_again_keeps_its_own_fds() -> None:
+    # A replacement closes the other live workers' fds, never its own, even
+    # where a dead worker's numbers were taken by the new worker's rings.
+    psutil = pytest.importorskip("psutil")
+    with WorkerPool(3, start_method="fork", restart=True) as pool:
+        for index in (1, 2):  # the second replacement starts beside the first's
+            victim = pool.pids[index]
+            with pytest.raises(WorkerCrashedError):
+                pool.submit_call(os._exit, (3,), worker=index).result(30)
+            wait_until(
+                lambda v=victim: v not in pool.pids and len(pool.pids) == 3, 30, "a replacement"
+            )
+        assert list(pool.map(abs, range(-12, 0), chunksize=1)) == list(range(12, 0, -1))
+        counts = [psutil.Process(pid).num_fds() for pid in pool.pids]
+        # The replacement, started by the manager thread, may hold that thread's
+        # few fds too; not another worker's 14.
+        assert max(counts) - min(counts) < 8, counts

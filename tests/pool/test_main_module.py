@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import mpexec
@@ -488,5 +490,54 @@ def test_threads_polling_a_fork_server_child_all_read_its_exit_code() -> None:
             t.join(90)
         proc.join(30)
         assert codes == [0] * 4, codes
+        assert proc.exitcode == 0
+        proc.close()
+
+
+@pytest.mark.skipif("forkserver" not in mp.get_all_start_methods(), reason="needs forkserver")
+def test_pipelined_fork_server_starts_do_not_wait_for_the_fork() -> None:
+    """In ``pipelined_starts()`` a fork-server start returns without waiting for the
+    server to fork (a pool prepares its next worker meanwhile): with the server
+    stopped, starts still return. The pid is read on first use, and until then
+    neither ``is_alive()`` nor ``join()`` takes the pid's bytes on the sentinel
+    for an exit."""
+    from mpexec import _launch
+
+    server = _launch.context("forkserver")
+    first = server.Process(target=int)
+    first.start()  # the fork server is up
+    first.join(30)
+    first.close()
+    # The server's pid has no public face: it is stopped for a moment, then resumed.
+    server_pid = _launch._fork_server()._forkserver_pid
+    ctx = mp.get_context("forkserver")
+    go = ctx.Event()
+    procs = [server.Process(target=go.wait, args=(60,)) for _ in range(3)]
+
+    def start_all() -> None:
+        with _launch.pipelined_starts():
+            for proc in procs:
+                proc.start()
+
+    starter = threading.Thread(target=start_all)
+    os.kill(server_pid, signal.SIGSTOP)
+    try:
+        starter.start()
+        starter.join(30)
+        returned = not starter.is_alive()
+    finally:
+        os.kill(server_pid, signal.SIGCONT)
+    starter.join(60)
+    assert returned, "a pipelined start waited for the stopped fork server"
+    assert procs[0].is_alive()  # reads the pid first, then looks for the exit
+    procs[1].join(0.05)  # the same: not ended by the pid's bytes
+    assert procs[1].exitcode is None
+    me = os.getpid()
+    children = {c.pid for c in psutil.Process(me).children(recursive=True)}
+    for proc in procs:
+        assert proc.pid in children  # the server's child, by its real pid
+    go.set()
+    for proc in procs:
+        proc.join(30)
         assert proc.exitcode == 0
         proc.close()
