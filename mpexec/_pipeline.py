@@ -415,6 +415,12 @@ class Pipeline:
             self._exhausted = True  # until reset(): see __iter__
             raise
         except Exception as exc:
+            pool = self._pool
+            if isinstance(pool, WorkerPool):
+                # The caller is to hold the last reference to this error, whose traceback
+                # will hold its frames (and this pipeline): a pipeline it then drops is
+                # stopped at once, in its thread (DALI's tests check for workers then).
+                pool.handed_out()
             # The op's exception, its traceback where it was raised (not the scheduler's).
             raise for_caller(exc)  # noqa: B904
         self._iterations += 1

@@ -333,6 +333,19 @@ class WorkerPool(CallExecutor):
         if self._finalizer is not None:
             self._finalizer.detach()
 
+    def handed_out(self, timeout: float = 2.0) -> None:
+        """Wait (up to ``timeout`` s) until the pool's thread has left the callbacks of
+        the futures it completed, and holds nothing it handed out.
+
+        A future's callbacks run on that thread, which can wake the caller before it
+        has let go of the result. For a caller that must hold the last reference to an
+        error it raises: the error's traceback holds the caller's frames, and an object
+        they hold (a pipeline) is then freed in the caller's thread, at once.
+        """
+        manager = self._manager
+        if manager is not None:
+            manager.handed_out(timeout)
+
     def __repr__(self) -> str:
         state = self._state
         status = (
