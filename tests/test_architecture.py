@@ -121,6 +121,7 @@ LAYERS: dict[str, int] = {
     "mpexec._launch": 1,
     "mpexec._worker": 1,
     "mpexec._mapping": 1,
+    "mpexec._calls": 1,  # submit_call's first checks, shared by WorkerPool and RayPool
     # 2: the pool
     "mpexec._pool": 2,
     # 3: what a unit of work runs: op runners, the GPU stage, batches

@@ -20,6 +20,7 @@ import numpy.typing as npt
 import shm
 
 from .. import _codec
+from .._calls import call_arguments
 from .._errors import PoolClosedError
 from .._host import ensure_open_files, minor_faults, usable_cpus
 from .._mapping import CallExecutor
@@ -178,10 +179,7 @@ class WorkerPool(CallExecutor):
         memory, uncopied (valid for as long as they are held), not as arrays
         of the caller's own. Raises as :meth:`submit` does.
         """
-        if not callable(fn):
-            raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
-        if kwargs is None:
-            kwargs = {}
+        kwargs = call_arguments(fn, kwargs)
         state = self._state
         state.check_not_forked()
         if self._inline:
