@@ -162,7 +162,11 @@ def test_a_pipeline_dropped_after_an_op_error_stops_its_workers_at_once(tmp_path
     pool's thread, when that chunk came back)."""
     marker = tmp_path / "release"
     source = functools.partial(_first_fails_others_wait, marker=str(marker))
-    pipe = mpexec.Pipeline(batch_size=8, num_workers=2, prefetch_depth=1, seed=1)
+    # spawn, as DALI's tests: the workers are this process's children, reaped by its join
+    # (a fork server's would be reaped by the server, a moment after they exit).
+    pipe = mpexec.Pipeline(
+        batch_size=8, num_workers=2, prefetch_depth=1, seed=1, start_method="spawn"
+    )
     with pipe:
         pipe.set_outputs(fn.external_source(source, parallel=True, batch=False))
     pipe.build()
