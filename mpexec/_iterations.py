@@ -133,6 +133,20 @@ class Iteration:
     def computing(self) -> bool:
         return self.seq >= 0
 
+    def take_error(self) -> BaseException | None:
+        """The error run() is to raise, which this iteration lets go of (None: none).
+
+        Its chunks still running hold the iteration (their callbacks) until they come
+        back, and the error's traceback will hold the caller's frames: kept here, it
+        would keep them (and a pipeline they hold) alive. ``dropped`` is set first: a
+        late chunk's callback (under the scheduler's lock, not held here) then ignores it.
+        """
+        error = self.error
+        if error is not None:
+            self.dropped = True
+            self.error = None
+        return error
+
 
 def declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | None]:
     """Per output: (shape, dtype) where ``output_shapes``/``output_dtypes`` fix both."""

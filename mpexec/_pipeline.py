@@ -30,7 +30,7 @@ from ._batch import Batch
 from ._conditionals import Conditions
 from ._errors import MpexecError, PoolClosedError, SerializationError, forked_error
 from ._executors import CallPool, pool_executor
-from ._graph import DataNode, Graph, Plan, defining
+from ._graph import DataNode, Graph, Plan, defining, epoch_iterations
 from ._host import usable_cpus
 from ._iterations import PipelineStats
 from ._modes import Device, LastBatch
@@ -415,6 +415,9 @@ class Pipeline:
             self._exhausted = True  # until reset(): see __iter__
             raise
         except Exception as exc:
+            if isinstance(pool := self._pool, WorkerPool):
+                # The caller must hold the error's last reference (its frames hold us).
+                pool.handed_out()
             # The op's exception, its traceback where it was raised (not the scheduler's).
             raise for_caller(exc)  # noqa: B904
         self._iterations += 1
@@ -470,6 +473,23 @@ class Pipeline:
                 f"(ops: {', '.join(known)}; with a known size: {', '.join(sizes) or 'none'})"
             )
         return sizes[name]
+
+    def epoch_length(self) -> int | None:
+        """Iterations in one epoch where every source that can end it has a ``len()``
+        (samples, or batches), else None; a short last batch counts unless dropped."""
+        return epoch_iterations(self._defined(), self.batch_size, self.last_batch == "drop")
+
+    def declared_outputs(
+        self,
+    ) -> tuple[tuple[np.dtype[Any] | None, tuple[int | None, ...] | None], ...]:
+        """Per output: the dtype and sample shape its op declares (``output_dtypes``,
+        ``output_shapes``), each None where undeclared; ``mpexec.tf``'s ``element_spec``."""
+        declared = []
+        for node in self._defined().outputs:
+            dtypes, shapes = node.op.output_dtypes, node.op.output_shapes
+            dtype = None if dtypes is None else dtypes[node.index]
+            declared.append((dtype, None if shapes is None else shapes[node.index]))
+        return tuple(declared)
 
     @property
     def num_outputs(self) -> int:

@@ -490,30 +490,30 @@ def _shape_str(shape: tuple[int | None, ...]) -> str:
 
 
 def _assert_structure(types: Any, ret: Any, path: str, name: str) -> None:
+    """``ret`` nests as ``output_types`` does: dicts with its keys, sequences of its lengths."""
+    kind: Any
+    shown: Callable[[Any], Any]  # what a message shows of a container
+    key: Callable[[Any], Any]  # what must be equal
+    items: Iterable[tuple[Any, Any]]
     if isinstance(types, Mapping):
-        if not isinstance(ret, Mapping):
-            raise TypeError(
-                f"{name}: {path} should be a dict with keys {list(types)}, as in "
-                f"output_types, but the function returned a {type(ret).__name__}"
-            )
-        if set(ret) != set(types):
-            raise ValueError(
-                f"{name}: {path} has keys {list(ret)}, but output_types has {list(types)}"
-            )
-        for k, t in types.items():
-            _assert_structure(t, ret[k], f"{path}[{k!r}]", name)
+        kind, noun, unit, shown, key = Mapping, "a dict with", "keys {}", list, set
+        items = types.items()
     elif isinstance(types, (list, tuple)):
-        if not isinstance(ret, (list, tuple)):
-            raise TypeError(
-                f"{name}: {path} should be a sequence of {len(types)} values, as in "
-                f"output_types, but the function returned a {type(ret).__name__}"
-            )
-        if len(ret) != len(types):
-            raise ValueError(
-                f"{name}: {path} has {len(ret)} values, but output_types has {len(types)}"
-            )
-        for i, (t, r) in enumerate(zip(types, ret, strict=True)):
-            _assert_structure(t, r, f"{path}[{i}]", name)
+        kind, noun, unit, shown, key = (list, tuple), "a sequence of", "{} values", len, len
+        items = enumerate(types)
+    else:
+        return
+    if not isinstance(ret, kind):
+        raise TypeError(
+            f"{name}: {path} should be {noun} {unit.format(shown(types))}, as in "
+            f"output_types, but the function returned a {type(ret).__name__}"
+        )
+    if key(ret) != key(types):
+        raise ValueError(
+            f"{name}: {path} has {unit.format(shown(ret))}, but output_types has {shown(types)}"
+        )
+    for k, t in items:
+        _assert_structure(t, ret[k], f"{path}[{k!r}]", name)
 
 
 def _flatten_as(types: Any, ret: Any, out: list[Any]) -> None:

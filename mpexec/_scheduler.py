@@ -319,8 +319,8 @@ class Scheduler:
             raise StopIteration
         with self._lock:
             self._delivered += 1  # a failed iteration counts: the next run() is the next one
-        if it.error is not None:
-            reraise(it.error)  # a stored error: run() shows where it was raised
+        if (error := it.take_error()) is not None:
+            reraise(error)  # a stored error: run() shows where it was raised
         assert it.result is not None
         return it.result
 

@@ -19,7 +19,6 @@ except ImportError as _exc:  # pragma: no cover - exercised without TensorFlow i
 import numpy as np
 
 from ._batch import Batch
-from ._graph import Graph, epoch_iterations
 from ._pipeline import Pipeline
 
 __all__ = ["dataset", "element_spec", "epoch_length"]
@@ -133,17 +132,8 @@ def epoch_length(pipe: Pipeline) -> int | None:
     iterable (samples, or batches with ``batch=True``). With
     ``last_batch="drop"`` a short last batch does not count.
     """
-    return epoch_iterations(_built_graph(pipe), pipe.batch_size, pipe.last_batch == "drop")
-
-
-def _built_graph(pipe: Pipeline) -> Graph:
     pipe.build()
-    # Why the private reach: the outputs' declared dtypes/shapes and the sources' lengths live in
-    # the pipeline's graph, which Pipeline does not expose; a public face for it belongs
-    # to _pipeline.py (its owner's call), and this is the one place that reads it.
-    graph = pipe._graph  # noqa: SLF001 - no public face for the pipeline's graph (above)
-    assert graph is not None
-    return graph
+    return pipe.epoch_length()
 
 
 def element_spec(pipe: Pipeline) -> tuple[Any, ...] | None:
@@ -157,11 +147,8 @@ def element_spec(pipe: Pipeline) -> tuple[Any, ...] | None:
 
 def _declared_spec(pipe: Pipeline) -> tuple[Any, ...] | None:
     specs = []
-    for node in _built_graph(pipe).outputs:
-        op = node.op
-        if op.output_dtypes is None or op.output_shapes is None:
-            return None
-        dtype, shape = op.output_dtypes[node.index], op.output_shapes[node.index]
+    pipe.build()
+    for dtype, shape in pipe.declared_outputs():
         if dtype is None or shape is None:
             return None
         dims = [None if d is None or d < 0 else int(d) for d in shape]

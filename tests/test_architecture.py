@@ -67,9 +67,10 @@ PACKAGES = ("mpexec", "shm")
 
 #: The recorded counts (see the module docstring): lower them as seams are
 #: removed; never raise them. A new reach needs a public seam instead.
-MAX_INTERNAL = 1  # 20 before the pool became a package with a public seam; 4 before
+MAX_INTERNAL = 0  # 20 before the pool became a package with a public seam; 4 before
 # Arena.open_own (-2) and before a stdlib Future's _state was classed foreign (-1: rule 1,
-# the variable is annotated ``Future``)
+# the variable is annotated ``Future``); 1 before Pipeline.epoch_length/declared_outputs
+# (tf.py read pipe._graph)
 MAX_FOREIGN = 24  # 22 with that one internal (the torch adapter's 21 are in torch/_compat);
 # +1: pipeline_def marks the function it returns with DALI's `_is_pipeline_def`, which
 # DALI's code reads (a name DALI gives our own object, not a reach into a library)
@@ -120,6 +121,7 @@ LAYERS: dict[str, int] = {
     "mpexec._launch": 1,
     "mpexec._worker": 1,
     "mpexec._mapping": 1,
+    "mpexec._calls": 1,  # submit_call's first checks, shared by WorkerPool and RayPool
     # 2: the pool
     "mpexec._pool": 2,
     # 3: what a unit of work runs: op runners, the GPU stage, batches

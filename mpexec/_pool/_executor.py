@@ -20,6 +20,7 @@ import numpy.typing as npt
 import shm
 
 from .. import _codec
+from .._calls import call_arguments
 from .._errors import PoolClosedError
 from .._host import ensure_open_files, minor_faults, usable_cpus
 from .._mapping import CallExecutor
@@ -181,10 +182,7 @@ class WorkerPool(CallExecutor):
         memory, uncopied (valid for as long as they are held), not as arrays
         of the caller's own. Raises as :meth:`submit` does.
         """
-        if not callable(fn):
-            raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
-        if kwargs is None:
-            kwargs = {}
+        kwargs = call_arguments(fn, kwargs)
         state = self._state
         state.check_not_forked()
         if self._inline:
@@ -335,6 +333,19 @@ class WorkerPool(CallExecutor):
         _stop.shutdown(state, self._lifeline, self._manager, wait, cancel_futures, grace)
         if self._finalizer is not None:
             self._finalizer.detach()
+
+    def handed_out(self, timeout: float = 2.0) -> None:
+        """Wait (up to ``timeout`` s) until the pool's thread has left the callbacks of
+        the futures it completed, and holds nothing it handed out.
+
+        A future's callbacks run on that thread, which can wake the caller before it
+        has let go of the result. For a caller that must hold the last reference to an
+        error it raises: the error's traceback holds the caller's frames, and an object
+        they hold (a pipeline) is then freed in the caller's thread, at once.
+        """
+        manager = self._manager
+        if manager is not None:
+            manager.handed_out(timeout)
 
     def __repr__(self) -> str:
         state = self._state

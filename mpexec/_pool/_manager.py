@@ -54,6 +54,8 @@ class Manager(threading.Thread):
         self.timeout = timeout  # seconds a call may run, or None
         # The pool, weakly: only to ask whether it still lives and restarts workers.
         self.pool_ref = pool_ref
+        # Held while it runs, except while it waits: see handed_out.
+        self.handing_out = threading.Lock()
 
     def run(self) -> None:
         state = self.state
@@ -61,9 +63,11 @@ class Manager(threading.Thread):
         # Local, as every slot it polls: the rings go with the pool's stop, not with
         # this thread object (which the pool keeps).
         watcher = Watcher(state)
+        self.handing_out.acquire()
         try:
             self.loop(watcher)
         finally:
+            self.handing_out.release()
             watcher.close()
             # The pool was collected without shutdown(): nobody else stops the workers.
             _stop.drained(state)
@@ -97,7 +101,11 @@ class Manager(threading.Thread):
                 # Shut down: its rings may be closed under us, which an epoll set
                 # drops without a word (poll said POLLNVAL): look again soon.
                 timeout = _CLOSING_WAIT
-        ready = watcher.wait(timeout)
+        self.handing_out.release()  # waiting, it holds nothing it handed out
+        try:
+            ready = watcher.wait(timeout)
+        finally:
+            self.handing_out.acquire()
         died: list[Slot] = []
         for slot, what in ready:
             if slot is None:
@@ -116,6 +124,18 @@ class Manager(threading.Thread):
         if state.pending:
             self.dispatch_pending()
         return True
+
+    def handed_out(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` s) until this thread holds nothing it handed out.
+
+        A caller woken by a result (a future's callbacks run here) can go on
+        before this thread has left them and dropped its references. An
+        error's traceback holds the caller's frames: the caller's last
+        reference to an object in them (a pipeline) would not be the last one,
+        and its finalizer would run late, on this thread.
+        """
+        if threading.current_thread() is not self and self.handing_out.acquire(timeout=timeout):
+            self.handing_out.release()
 
     # ------------------------------------------------------------ the steps
     def deliver(self, slot: Slot) -> None:

@@ -455,7 +455,9 @@ class PoolState:
             tasks = [*(tasks or ()), *self._take_queued()]
             self.failed += len(tasks)
         for task in tasks:
-            task.fail(error)
+            # Each a copy, whose __cause__ is the error (as RayPool's): a caller's raise adds
+            # its frames to its own copy, never to what the pool keeps (see raised_again).
+            task.fail(raised_again(error))
         for slot in self.slots:
             if slot.process is not None and slot.process.exitcode is None:
                 slot.process.kill()

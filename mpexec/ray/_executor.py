@@ -21,6 +21,7 @@ import numpy as np
 import ray
 
 from .. import _codec
+from .._calls import call_arguments
 from .._errors import BrokenPoolError, SerializationError
 from .._mapping import CallExecutor
 from .._pool import PoolStatus
@@ -210,10 +211,7 @@ class RayPool(CallExecutor):
         ``view``: result arrays come back as Ray's read-only arrays, uncopied
         (what a pipeline takes), not as the caller's own.
         """
-        if kwargs is None:
-            kwargs = {}
-        if not callable(fn):
-            raise TypeError(f"submit() needs a callable, not {type(fn).__name__}")
+        kwargs = call_arguments(fn, kwargs)
         try:
             # Buffers are skipped: this checks picklability without copying arrays.
             cloudpickle.dumps((args, kwargs), protocol=5, buffer_callback=lambda _: False)

@@ -47,28 +47,24 @@ def start_pool(config: _fetch.WorkerConfig, start_method: str) -> WorkerPool:
     the dataset works, as in torch), with functions and classes by value.
     """
     _preload_torch(start_method)
-    if start_method == "fork":
-        with _fetch.registered(config) as key:
-            return WorkerPool(
-                config.num_workers,
-                start_method=start_method,
-                worker_init=_fetch.start_worker,
-                worker_init_args=(key,),
-                arena_size=_ARGS_ARENA,
-                worker_arena_size=_WORKER_ARENA,
-                # The first batch goes to the first worker up, as torch's does, not
-                # once the last has started (each fork of a process with torch in
-                # it takes ~5 ms). Every worker has forked when this returns.
-                ready="first",
-            )
-    with _launch.sending(config, "the DataLoader's dataset and worker setup") as token:
+    fork = start_method == "fork"
+    handoff: contextlib.AbstractContextManager[Any] = (
+        _fetch.registered(config)
+        if fork
+        else _launch.sending(config, "the DataLoader's dataset and worker setup")
+    )
+    with handoff as key:
         return WorkerPool(
             config.num_workers,
             start_method=start_method,
             worker_init=_fetch.start_worker,
-            worker_init_args=(token,),
+            worker_init_args=(key,),
             arena_size=_ARGS_ARENA,
             worker_arena_size=_WORKER_ARENA,
+            # Forked, the first batch goes to the first worker up, as torch's does, not
+            # once the last has started (each fork of a process with torch in it takes
+            # ~5 ms). Every worker has forked when this returns.
+            ready="first" if fork else "all",
         )
 
 

@@ -399,6 +399,35 @@ def test_epoch_size_of_sized_sources() -> None:
     pipe.close()
 
 
+def test_epoch_length_and_declared_outputs() -> None:
+    """What mpexec.tf sizes a dataset by and builds its element_spec from, public."""
+    samples = [np.zeros(2)] * 10
+    for last_batch, want in (("partial", 3), ("drop", 2)):
+        pipe = mpexec.Pipeline(batch_size=4, num_workers=0, last_batch=last_batch)
+        with pipe:
+            x = fn.external_source(source=samples, batch=False)
+            y = fn.python_function(
+                x,
+                function=lambda a: (a, a),
+                num_outputs=2,
+                output_dtypes=(np.float32, None),
+                output_shapes=((2, None), (2,)),
+            )
+            pipe.set_outputs(*y, x)
+        assert pipe.epoch_length() == want
+        assert pipe.declared_outputs() == (
+            (np.dtype(np.float32), (2, None)),
+            (None, (2,)),
+            (None, None),
+        )
+        pipe.close()
+    pipe = mpexec.Pipeline(batch_size=4, num_workers=0)
+    with pipe:
+        pipe.set_outputs(fn.external_source(source=_ramp, batch=False))  # no len(): unknown
+    assert pipe.epoch_length() is None
+    pipe.close()
+
+
 def test_dali_names_import_neither_dali_nor_pillow() -> None:
     # The optional packages are imported only where used: DALI by
     # mpexec.dali.external_source, Pillow by the decoder when it decodes.

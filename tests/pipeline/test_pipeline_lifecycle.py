@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 import mpexec
@@ -137,3 +138,67 @@ def test_iterating_an_ended_epoch_again_without_reset_warns_once(workers: int) -
             assert len(list(pipe)) == 2  # the next epoch: no warning
             pipe.reset()
             assert len(list(pipe)) == 2
+
+
+class _Failing(Exception):
+    pass
+
+
+def _first_fails_others_wait(info: Any, marker: str = "") -> np.ndarray[Any, Any]:
+    if info.idx_in_epoch == 0:
+        raise _Failing("sample 0")
+    deadline = time.monotonic() + 60
+    while not Path(marker).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # still running when the caller drops the pipeline
+    return np.zeros(3)
+
+
+def test_a_pipeline_dropped_after_an_op_error_stops_its_workers_at_once(tmp_path: Path) -> None:
+    """DALI's leak check, as its parallel external_source tests run it: the caller catches
+    an op's error, drops the pipeline unclosed, and finds no worker left the moment it
+    goes on. A chunk of the failed iteration still running holds the iteration (its
+    callback) until it returns: the iteration must not keep the error, whose traceback
+    holds the caller's frames and so the pipeline (its finalizer would run late, on the
+    pool's thread, when that chunk came back)."""
+    marker = tmp_path / "release"
+    source = functools.partial(_first_fails_others_wait, marker=str(marker))
+    # spawn, as DALI's tests: the workers are this process's children, reaped by its join
+    # (a fork server's would be reaped by the server, a moment after they exit).
+    pipe = mpexec.Pipeline(
+        batch_size=8, num_workers=2, prefetch_depth=1, seed=1, start_method="spawn"
+    )
+    with pipe:
+        pipe.set_outputs(fn.external_source(source, parallel=True, batch=False))
+    pipe.build()
+    pids = set(pipe._py_pool.pids())
+    try:
+        with pytest.raises(_Failing):
+            pipe.run()
+        del pipe
+        left = {pid for pid in pids if psutil.pid_exists(pid)}  # a zombie counts: unreaped
+        assert not left, "the dropped pipeline's workers outlived it"
+    finally:
+        marker.touch()
+
+
+def test_handed_out_waits_until_the_manager_left_the_callbacks() -> None:
+    """The barrier run() takes before raising an op's error: it returns only once the
+    pool's thread has left the callbacks it runs (and dropped what they held)."""
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(_: Any) -> None:  # a done-callback: it runs on the pool's manager thread
+        entered.set()
+        go.wait(30)
+
+    with mpexec.WorkerPool(1) as pool:
+        future = pool.submit(int, 1)
+        future.add_done_callback(hold)
+        assert entered.wait(30)
+        waiter = threading.Thread(target=pool.handed_out, args=(30.0,))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive(), "handed_out returned while the manager ran a callback"
+        go.set()
+        waiter.join(30)
+        assert not waiter.is_alive()
+        pool.handed_out(30.0)  # nothing held: at once

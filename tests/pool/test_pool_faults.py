@@ -59,7 +59,7 @@ def test_a_broken_pool_raises_a_new_error_per_call_and_keeps_no_caller_alive() -
             assert str(exc) == str(crash)
             assert exc.pid == crash.pid
             assert exc.exitcode == crash.exitcode
-            assert exc.__cause__ is crash
+            assert exc.__cause__ is crash.__cause__  # the error the pool keeps
             return len(traceback.extract_tb(exc.__traceback__)), weakref.ref(payload)
 
         depths = set()
@@ -72,6 +72,23 @@ def test_a_broken_pool_raises_a_new_error_per_call_and_keeps_no_caller_alive() -
             depths.add(depth)
         assert len(depths) == 1, "the traceback grows with every failed call"
         assert pool.status.state == "broken"
+
+
+def test_the_calls_a_crash_fails_get_an_error_each() -> None:
+    """As RayPool's: each failed call gets a copy of the error that broke the pool (its
+    ``__cause__``), so that one caller's raise never adds its frames to another's error."""
+    with WorkerPool(1, restart=False) as pool:
+        running, queued = pool.submit(_exit3), pool.submit(_identity, 1)
+        errors = [running.exception(T), queued.exception(T)]
+    first, second = errors
+    assert isinstance(first, mpexec.WorkerCrashedError)
+    assert first is not second
+    assert type(first) is type(second)
+    assert str(first) == str(second)
+    assert (first.pid, first.exitcode) == (second.pid, second.exitcode)  # type: ignore[union-attr]
+    stored = first.__cause__
+    assert isinstance(stored, mpexec.WorkerCrashedError)
+    assert second.__cause__ is stored
 
 
 # ================================================================ a dropped pool
