@@ -806,6 +806,17 @@ class Arena:
             self._owed[id(ring)] = {}
         return ring
 
+    def prepare_links(self) -> None:
+        """Make now what the rings :meth:`link` makes share (the page of their flags).
+
+        Else the first ``link()`` makes it. A process that forks a child after
+        each link (a pool under ``fork``) calls this first, so that the fds a
+        link opens are that link's alone.
+        """
+        with self._lock:
+            self._check_open()
+            self._hints.prepare()
+
     def reclaim(self, ring: Ring) -> int:
         """Take back every reference shared with the peer behind ``ring``.
 

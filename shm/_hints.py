@@ -39,11 +39,16 @@ class Hints:
         self.free: list[int] = []  # indices of removed rings, for the next ones
         self.quiet = 0  # collections since every ring was looked at
 
-    def add(self, ring: Ring) -> bool:
-        """Give ``ring`` a flag (before it goes to its producer); False: none left."""
+    def prepare(self) -> Segment:
+        """The flag page, made now if it is not yet."""
         if self.page is None:
             self.page = Segment.create(CAPACITY, self.backend, tag="mpx-hints")
             self.page.unlink()  # handed over by fd, with each ring: no name needed
+        return self.page
+
+    def add(self, ring: Ring) -> bool:
+        """Give ``ring`` a flag (before it goes to its producer); False: none left."""
+        self.page = self.prepare()
         if self.free:
             index = self.free.pop()
         elif len(self.rings) < CAPACITY:

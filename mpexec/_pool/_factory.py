@@ -94,6 +94,8 @@ class WorkerFactory:
         """Start worker ``index`` (it is ready once its hello is read)."""
         arena = self.state.arena
         assert arena is not None
+        if self.opened is not None:
+            arena.prepare_links()  # the links' shared flag page: no one start's fds
         before = _open_fds() if self.opened is not None else frozenset()
         slot = Slot(index, generation)
         slot.arg_releases = arena.link()

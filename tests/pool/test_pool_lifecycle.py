@@ -51,8 +51,12 @@ def test_a_failing_manager_thread_breaks_the_pool(monkeypatch: pytest.MonkeyPatc
         for fut in queued:
             with pytest.raises(mpexec.BrokenPoolError, match="manager thread failed") as info:
                 fut.result(T)
-            cause = info.value.__cause__
-            assert isinstance(cause, RuntimeError)
+            # Each call gets its own copy of the error the pool keeps (raised_again),
+            # whose cause is where the manager failed.
+            stored = info.value.__cause__
+            assert isinstance(stored, mpexec.BrokenPoolError) and stored is not info.value
+            cause = stored.__cause__
+            assert type(cause) is RuntimeError
             assert "injected manager failure" in str(cause)
             tb = "".join(traceback.format_tb(cause.__traceback__))
             assert "failing_deliver" in tb

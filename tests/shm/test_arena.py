@@ -805,3 +805,23 @@ def test_link_rings_reuse_a_freed_flag_and_adopted_rings_have_none() -> None:
         assert hints.index[id(b)] == 1
         adopted = arena.link(shm.Ring(16, shm.RELEASE_RECORD_SIZE))
         assert id(adopted) not in hints.index  # made elsewhere: looked at every time
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts fds through /proc")
+def test_prepare_links_leaves_each_link_only_its_own_fds() -> None:
+    # A pool under fork tells each worker's fds by what its link() opened: the
+    # flag page all links share must not count as the first one's.
+    def opened() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with shm.Arena(1 * MiB) as arena:
+        arena.prepare_links()
+        n0 = opened()
+        first = arena.link()
+        n1 = opened()
+        second = arena.link()
+        n2 = opened()
+        assert n1 - n0 == n2 - n1 > 0
+        for ring in (first, second):
+            arena.reclaim(ring)
+            ring.close()
