@@ -54,7 +54,8 @@ def test_a_failing_manager_thread_breaks_the_pool(monkeypatch: pytest.MonkeyPatc
             # Each call gets its own copy of the error the pool keeps (raised_again),
             # whose cause is where the manager failed.
             stored = info.value.__cause__
-            assert isinstance(stored, mpexec.BrokenPoolError) and stored is not info.value
+            assert isinstance(stored, mpexec.BrokenPoolError)
+            assert stored is not info.value
             cause = stored.__cause__
             assert type(cause) is RuntimeError
             assert "injected manager failure" in str(cause)
