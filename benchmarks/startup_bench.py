@@ -373,14 +373,12 @@ def _ratio_rows(res: dict[str, dict[str, dict[str, float]]]) -> list[list[str]]:
     return rows
 
 
-def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
-    rounds = 2 if quick else 5
-    probes = _probes(quick)
+def _rounds(
+    probes: dict[str, Any], rounds: int, errors: list[str], done: str
+) -> dict[str, dict[str, list[float]]]:
+    """Each probe once a round, the order rotated each round; what each measured, in lists."""
     names = list(probes)
     samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
-    errors: list[str] = []
-    load_before = os.getloadavg()
-    t_start = time.perf_counter()
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
@@ -391,25 +389,21 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
                 errors.append(f"{name}: {exc}")
                 log(f"[startup] {name}: {exc}")
                 continue
-            for what, seconds in got.items():
-                samples[name].setdefault(what, []).append(seconds)
-        log(f"[startup] round {r + 1}/{rounds} done")
-    scale = _scale_probes(quick)
-    scale_samples: dict[str, dict[str, list[float]]] = {n: {} for n in scale}
-    scale_names = list(scale)
-    for r in range(2 if quick else 3):
-        order = scale_names[r % len(scale_names) :] + scale_names[: r % len(scale_names)]
-        for name in order:
-            code, bound = scale[name]
-            try:
-                got = _probe(code, **bound)
-            except (RuntimeError, subprocess.SubprocessError) as exc:
-                errors.append(f"{name}: {exc}")
-                log(f"[startup] {name}: {exc}")
-                continue
             for what, value in got.items():
-                scale_samples[name].setdefault(what, []).append(value)
-        log(f"[startup] at scale: round {r + 1} done")
+                samples[name].setdefault(what, []).append(value)
+        log(f"[startup] {done.format(r=r + 1)}")
+    return samples
+
+
+def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
+    rounds = 2 if quick else 5
+    probes = _probes(quick)
+    errors: list[str] = []
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    samples = _rounds(probes, rounds, errors, "round {r}/" + f"{rounds} done")
+    scale = _scale_probes(quick)
+    scale_samples = _rounds(scale, 2 if quick else 3, errors, "at scale: round {r} done")
     res = {n: {w: _summary(v) for w, v in figs.items()} for n, figs in samples.items()}
     scale_res = {n: {w: _summary(v) for w, v in figs.items()} for n, figs in scale_samples.items()}
     result: dict[str, Any] = stamp(quick)
