@@ -53,10 +53,9 @@ waits for its turn.
 Scaling to many workers: a chunk costs the main process about the same CPU
 whatever it carries, so a batch cut into a chunk per worker would cost it more a
 sample the more workers there are. Once an op's calls have shown how long a
-sample takes, its chunks carry up to _AMORTISE_SAMPLES samples (a whole batch of
-up to that many; fewer where that would take over the CPU time of the one chunk
-policy, _mapping.calls_in_chunk), and the
-window holds enough iterations for every worker to have prefetch_depth units of
+sample takes, its chunks are whole batches (fewer samples only where a batch
+would take over the CPU time of the one chunk policy, _mapping.calls_in_chunk),
+and the window holds enough iterations for every worker to have prefetch_depth units of
 work (a stateless batch op's call is one unit: a whole batch), as many as
 _WINDOW_BYTES of their outputs allow; where it allows fewer, batches are cut
 smaller again. Results come back a chunk, so a batch, at a time.
@@ -92,10 +91,7 @@ from ._source_runners import (
 from ._tracebacks import reraise
 
 # How an op's batch is cut into chunks, and how many iterations are in flight
-# (see _chunk_count and the window property). A chunk costs the main process ~100-200 µs
-# of CPU however many samples it carries (its encoding, ring push, result and
-# assembly): carrying _AMORTISE_SAMPLES keeps that to a few µs a sample.
-_AMORTISE_SAMPLES = 64
+# (see _chunk_count and the window property).
 _MAX_CHUNKS_PER_WORKER = 4  # chunks of one op's batch, per worker, at most
 _WINDOW_BYTES = 1 << 30  # what the iterations in flight may hold (their outputs)
 _WAIT_SECONDS = 1.0  # how often a waiting run() looks whether the pipeline closed
@@ -761,22 +757,25 @@ class Scheduler:
     def _chunk_count(self, s: OpState, size: int) -> int:
         """How many chunks op ``s``'s batch of ``size`` samples is cut into.
 
-        Until its calls' CPU time is known, one per worker. Then each chunk
-        carries ``_AMORTISE_SAMPLES`` (a whole batch of up to that many), so
-        that its dispatch costs the main process a few µs a sample however
-        many workers there are: the window (:attr:`window`) then keeps more
-        iterations in flight to give every worker its share. Where that many
-        samples take more of a worker's CPU than the one chunk policy gives a
-        chunk (:func:`~mpexec._mapping.calls_in_chunk`: CPU, so that a loaded
-        host does not cut batches smaller), chunks carry fewer (a long chunk
-        delays the first batch, idles workers at an epoch's end). Where the
+        Until its calls' CPU time is known, one per worker. Then one: a chunk
+        costs the main process ~100-200 µs of CPU however many samples it
+        carries (its encoding, ring push, result and assembly), so a whole
+        batch a chunk costs it the least a sample however many workers there
+        are, and the window (:attr:`window`) keeps more iterations in flight to
+        give every worker its share. (Chunks of 64 samples cost a pipeline of
+        light samples in batches of 256 on 2 workers 2.3x the main process's
+        CPU a sample, and 1.6x the time.) Where a batch takes more of a
+        worker's CPU than the one chunk policy gives a chunk
+        (:func:`~mpexec._mapping.calls_in_chunk`: CPU, so that a loaded host
+        does not cut batches smaller), chunks carry fewer (a long chunk delays
+        the first batch, idles workers at an epoch's end). Where the
         memory budget caps the window, the batch is cut into enough chunks for
         every worker to hold ``prefetch_depth``; ``_MAX_CHUNKS_PER_WORKER`` at most.
         """
         workers = self._workers
         if not s.cpu_samples:
             return max(1, min(size, workers))
-        carry = calls_in_chunk(s.cpu_s / s.cpu_samples, _AMORTISE_SAMPLES)
+        carry = calls_in_chunk(s.cpu_s / s.cpu_samples, size)
         # (Rounded: a chunk a little longer than the policy's beats twice the chunks.)
         chunks = max(round(size / carry), -(-self.prefetch_depth * workers // self._window_cap()))
         return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))

@@ -278,17 +278,20 @@ class _ManyWorkers:
         self._threads.shutdown(wait, cancel_futures=cancel_futures)
 
 
-def _per_sample_graph(nbytes: int) -> Callable[[], Any]:
+def _per_sample_graph(nbytes: int, samples: int = 40 * 16) -> Callable[[], Any]:
     def graph() -> Any:
-        src = fn.external_source(source=_Indices(), batch=False, name="src")
+        src = fn.external_source(source=_Indices(samples), batch=False, name="src")
         return fn.python_function(src, function=_Filler(nbytes), name="fill")
 
     return graph
 
 
 class _Indices:
+    def __init__(self, samples: int = 40 * 16) -> None:
+        self.samples = samples  # an epoch's
+
     def __call__(self, info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
-        if info.idx_in_epoch >= 40 * 16:
+        if info.idx_in_epoch >= self.samples:
             raise StopIteration
         return np.array([info.idx_in_epoch])
 
@@ -316,31 +319,36 @@ def _scheduler_over(executor: Any, graph: Callable[[], Any], batch: int) -> Sche
     )
 
 
-def test_chunks_carry_whole_batches_and_the_window_follows_the_workers() -> None:
-    """Many workers, quick samples: one dispatch a batch, not one per worker (issue 37).
+@pytest.mark.parametrize(("workers", "batch"), [(16, 16), (2, 256)])
+def test_chunks_carry_whole_batches_and_the_window_follows_the_workers(
+    workers: int, batch: int
+) -> None:
+    """Quick samples: one dispatch a batch, not one per worker (issue 37), however large.
 
     Cut into a chunk per worker, a batch of 16 over 16 workers is 16 dispatches
     of one sample each: the main process's CPU a sample grows with the workers.
     Once the first calls say how long a sample takes, a chunk carries the whole
-    batch, and the window keeps prefetch_depth batches in flight per worker.
+    batch, and the window keeps prefetch_depth batches in flight per worker. A
+    batch of 256 too: cut into chunks of 64, it cost the main process 2.3x
+    its CPU a sample (light samples, 2 workers).
     """
-    executor = _ManyWorkers(16)
-    scheduler = _scheduler_over(executor, _per_sample_graph(16), batch=16)
+    executor = _ManyWorkers(workers)
+    scheduler = _scheduler_over(executor, _per_sample_graph(16, 40 * batch), batch=batch)
     try:
         assert scheduler.window == 2  # nothing learned yet
         got = [scheduler.next_result() for _ in range(20)]
-        assert scheduler.window == 2 * 16
+        assert scheduler.window == 2 * workers
     finally:
         scheduler.close()
         executor.shutdown()
     first = [u for u in executor.units if u.chunk.iteration == 0]
-    assert len(first) == 16  # the first batch: a chunk per worker, to learn the timing
+    assert len(first) == workers  # the first batch: a chunk per worker, to learn the timing
     later = [u for u in executor.units if u.chunk.iteration >= 4]
     assert later
-    assert all(u.chunk.count == 16 for u in later)
+    assert all(u.chunk.count == batch for u in later), {u.chunk.count for u in later}
     # The same samples, however they were cut.
     values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
-    assert values.tolist() == [i % 251 for i in range(20 * 16)]
+    assert values.tolist() == [i % 251 for i in range(20 * batch)]
 
 
 class _Waits:
