@@ -11,13 +11,20 @@ the main-side ends of every worker started before it (14 fds each on Python
 notes the fds each worker's start opened here, and a fork child closes those
 of the other live workers first thing (:attr:`WorkerBoot.inherited`); what
 the user opened before the pool stays inherited, as ``fork`` promises.
+
+Finding a start's fds costs O(what it opens), not O(every open fd): the kernel
+gives each new fd the lowest free number, so a start's fds can only take the
+numbers that were the lowest free ones before it (:class:`_FreeFds`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import pickle
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -65,6 +72,9 @@ class WorkerFactory:
         self.opened: dict[int, tuple[Slot, frozenset[int]]] | None = (
             {} if getattr(ctx, "method", None) == "fork" and _FD_DIR.is_dir() else None
         )
+        self.live_fds: set[int] = set()  # the union of ``opened``'s fds: kept, not rebuilt
+        self.fds_lock = threading.Lock()  # the manager relaunches while the first start runs
+        self.free_fds = _FreeFds()
 
     def start(self, indices: Iterable[int], generation: int, wait_all: bool = True) -> None:
         """Start workers in parallel, then wait for each to say hello (``wait_all``)
@@ -94,12 +104,13 @@ class WorkerFactory:
         """Start worker ``index`` (it is ready once its hello is read)."""
         arena = self.state.arena
         assert arena is not None
+        free: tuple[int, ...] = ()
         if self.opened is not None:
             arena.prepare_links()  # the links' shared flag page: no one start's fds
-        before = _open_fds() if self.opened is not None else frozenset()
+            free = self.free_fds.lowest()
         slot = Slot(index, generation)
         slot.arg_releases = arena.link()
-        inherited = self.others_fds(index, _opened_since(before)) if self.opened is not None else ()
+        inherited = self.others_fds(free) if self.opened is not None else ()
         boot = _worker.WorkerBoot(
             index=index,
             generation=generation,
@@ -134,23 +145,32 @@ class WorkerFactory:
         if self.opened is not None:
             # Noted after those closed: a later child must never close a number
             # that was free when it started (its own pipe may have taken it).
-            self.opened[index] = (slot, _opened_since(before))
+            opened = self.free_fds.taken(free)
+            with self.fds_lock:
+                self.forget(index)
+                self.opened[index] = (slot, opened)
+                self.live_fds |= opened
         self.state.install(slot)
         return slot
 
-    def others_fds(self, index: int, own: frozenset[int]) -> tuple[int, ...]:
-        """The fds a fork child ``index`` inherits of the other live workers' starts.
+    def others_fds(self, free: tuple[int, ...]) -> tuple[int, ...]:
+        """The fds a fork child inherits of the other live workers' starts.
 
-        Only a worker still running counts: a dead one's fds may be closed and
-        their numbers taken by other files. ``own`` (what this start opened so
-        far) never goes, whatever number a dead worker once had.
+        Only a worker not yet retired counts: a retired one's fds are closed and
+        their numbers may be taken by other files. ``free`` (the numbers free
+        before this start) never goes: a number free then is no other worker's
+        fd, whatever worker once had it, and this start's own may take it.
         """
+        with self.fds_lock:
+            fds = self.live_fds - set(free)
+        return tuple(sorted(fds))
+
+    def forget(self, index: int) -> None:
+        """Drop worker ``index``'s noted fds (its pool closes them next); under ``fds_lock``."""
         assert self.opened is not None
-        fds: set[int] = set()
-        for i, (slot, opened) in self.opened.items():
-            if i != index and _running(slot.process):
-                fds |= opened
-        return tuple(sorted(fds - own))
+        gone = self.opened.pop(index, None)
+        if gone is not None:
+            self.live_fds -= gone[1]
 
     def relaunch(self, slot: Slot) -> Slot:
         """A replacement for ``slot``'s lost worker; the manager reads its hello."""
@@ -161,6 +181,10 @@ class WorkerFactory:
 
     def retire(self, slot: Slot) -> None:
         """``slot``'s worker is gone: the arena takes back what it had not released."""
+        if self.opened is not None:
+            with self.fds_lock:
+                if self.opened.get(slot.index, (None,))[0] is slot:
+                    self.forget(slot.index)
         arena = self.state.arena
         if arena is not None and slot.arg_releases is not None:
             arena.reclaim(slot.arg_releases)
@@ -179,45 +203,61 @@ class WorkerFactory:
         hello(slot, rec)
 
 
-def _running(process: Any) -> bool:
-    try:
-        return process is not None and process.exitcode is None
-    except ValueError:  # closed by the pool: it has exited
-        return False
-
-
 _FD_DIR = Path("/proc/self/fd")
 #: What a worker's start opens here: doorbells (eventfds), ring mappings
 #: (memfds, duplicated by ``mmap`` before Python 3.13), the process's pipes.
 _SLOT_KINDS = ("anon_inode:[eventfd]", "/memfd:mpx-", "pipe:")
 
 
-def _open_fds() -> frozenset[int]:
-    """The numbers of this process's open fds (Linux)."""
-    # The listing's own fd, and the duplicate listdir makes of it, take the
-    # lowest free numbers: found first, left out.
-    probe = os.open(_FD_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        dup = os.dup(probe)
-        os.close(dup)
-        names = os.listdir(probe)
-    finally:
-        os.close(probe)
-    return frozenset(int(n) for n in names) - {probe, dup}
+class _FreeFds:
+    """The fds a start opens, found among the numbers that were free before it.
 
-
-def _opened_since(before: frozenset[int]) -> frozenset[int]:
-    """The fds of a worker's kinds opened since ``before`` (a listing of :func:`_open_fds`).
-
-    Only those kinds: a file another thread opened meanwhile is the user's,
-    and stays inherited.
+    The kernel gives each new fd the lowest free number, so whatever a start
+    opens takes some of the ``spare`` lowest free numbers, as long as it never
+    holds more than ``spare`` new fds at once: so only those are read after it,
+    never the whole fd table (O(W) at W workers). ``spare`` doubles once a
+    start used over half of them, to keep that margin.
     """
-    fds = set()
-    for fd in _open_fds() - before:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"{_FD_DIR}/{fd}").startswith(_SLOT_KINDS):
-                fds.add(fd)
-    return frozenset(fds)
+
+    def __init__(self, spare: int = 64) -> None:
+        self.spare = spare
+
+    def lowest(self) -> tuple[int, ...]:
+        """The ``spare`` lowest free fd numbers (fewer at the open-file limit).
+
+        Taken by duplicates of one fd, then closed: the next fds opened get them.
+        """
+        held: list[int] = []
+        try:
+            held.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            while len(held) < self.spare:
+                held.append(os.dup(held[0]))
+        except OSError as exc:
+            # At the limit every free number below it is held: none is missed.
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        finally:
+            for fd in held:
+                os.close(fd)
+        return tuple(held)
+
+    def taken(self, free: tuple[int, ...]) -> frozenset[int]:
+        """Those of ``free`` now open on a worker's kind of file.
+
+        Only those kinds: a file another thread opened meanwhile is the user's,
+        and stays inherited.
+        """
+        fds = set()
+        used = 0
+        for i, fd in enumerate(free):
+            with contextlib.suppress(OSError):  # closed again, or never opened
+                fcntl.fcntl(fd, fcntl.F_GETFD)  # a closed fd fails here, 4x cheaper
+                used = i + 1
+                if os.readlink(f"{_FD_DIR}/{fd}").startswith(_SLOT_KINDS):
+                    fds.add(fd)
+        if 2 * used > self.spare:
+            self.spare *= 2
+        return frozenset(fds)
 
 
 def hello(slot: Slot, rec: bytes) -> None:

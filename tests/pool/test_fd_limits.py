@@ -142,3 +142,51 @@ def test_a_fork_worker_started_again_keeps_its_own_fds() -> None:
         # The replacement, started by the manager thread, may hold that thread's
         # few fds too; not another worker's 14.
         assert max(counts) - min(counts) < 8, counts
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts fds through /proc")
+def test_a_fork_start_reads_only_the_fds_it_may_have_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Telling a fork worker's fds apart must cost O(what its start opens), not
+    # O(every fd open here): a listing of /proc/self/fd per start made W starts
+    # O(W^2), each start reading the fds of all the workers before it.
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 4096:
+        pytest.skip("needs room for 2,000 open files")
+    read = {"entries": 0}
+    listdir, scandir, readlink = os.listdir, os.scandir, os.readlink
+
+    def counted_listdir(path: object = ".") -> list[str]:
+        names = listdir(path)  # type: ignore[arg-type]
+        read["entries"] += len(names)
+        return names
+
+    def counted_scandir(path: object = ".") -> object:
+        entries = list(scandir(path))  # type: ignore[arg-type]
+        read["entries"] += len(entries)
+        return iter(entries)
+
+    def counted_readlink(path: object, *args: object, **kwargs: object) -> object:
+        read["entries"] += 1
+        return readlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    def reads_to_start(workers: int) -> int:
+        read["entries"] = 0
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "listdir", counted_listdir)
+            patched.setattr(os, "scandir", counted_scandir)
+            patched.setattr(os, "readlink", counted_readlink)
+            pool = WorkerPool(workers, start_method="fork")
+        with pool:
+            assert list(pool.map(abs, range(-8, 0), chunksize=1)) == list(range(8, 0, -1))
+        return read["entries"]
+
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(2000)]
+    try:
+        # Told apart from what a pool reads once (its open-file check, a listing).
+        per_start = (reads_to_start(6) - reads_to_start(2)) / 4
+    finally:
+        for fd in spare:
+            os.close(fd)
+    # A start reads at most its few dozen new numbers; a listing reads 2,000.
+    assert per_start < 100, per_start
