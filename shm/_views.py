@@ -492,10 +492,11 @@ class _Importer:
             seg = latest
         else:
             key = (handle.owner_pid, handle.inode, readonly)
-            seg = self.mappings.get(key)
-            if seg is None:
-                seg = Segment.attach(handle, readonly=readonly)
-                self.mappings[key] = seg
+            found = self.mappings.get(key)
+            if found is None:
+                found = Segment.attach(handle, readonly=readonly)
+                self.mappings[key] = found
+            seg = found
             if handle.owner_pid not in self.retired:
                 self.latest[handle.owner_pid, readonly] = seg
         # Keep the last few mapped after their views die, and each live peer's
@@ -630,8 +631,8 @@ def set_release_route(arena_id: int, ring: Ring | None) -> None:
         imp.retired |= owners
         for seg in [s for s in imp.recent if s.handle.owner_pid in owners]:
             imp.recent.remove(seg)
-        for key in [k for k in imp.latest if k[0] in owners]:
-            del imp.latest[key]
+        for gone in [k for k in imp.latest if k[0] in owners]:
+            del imp.latest[gone]
         for key in [k for k in imp.windows if k[0] in owners]:
             del imp.windows[key]
     else:

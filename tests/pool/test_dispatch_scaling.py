@@ -205,11 +205,12 @@ def test_results_from_many_workers_in_turn_map_each_segment_once(
             assert pool.submit_call(_big, (w,), worker=w).result(30)[0] == w
         attached: list[Any] = []
         real = _segment.Segment.attach
-        monkeypatch.setattr(
-            _segment.Segment,
-            "attach",
-            classmethod(lambda cls, *a, **k: attached.append(a) or real(*a, **k)),
-        )
+
+        def attach(cls: type, *args: Any, **kwargs: Any) -> Any:
+            attached.append(args)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_segment.Segment, "attach", classmethod(attach))
         for _ in range(3):
             for w in range(workers):
                 assert pool.submit_call(_big, (w,), worker=w).result(30)[0] == w
