@@ -450,5 +450,9 @@ def options(args: Any) -> dict[str, Any]:
     if args.sleeps_ms:
         out["sleeps"] = [float(x) / 1e3 for x in args.sleeps_ms.split(",")]
     if args.kinds:
-        out["kinds"] = args.kinds.split(",")
+        kinds = list(SHAPES) if args.kinds == "both" else args.kinds.split(",")
+        unknown = [k for k in kinds if k not in SHAPES]
+        if unknown:
+            raise SystemExit(f"mainload: unknown kinds {unknown}; known: {', '.join(SHAPES)}, both")
+        out["kinds"] = kinds
     return out

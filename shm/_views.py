@@ -57,7 +57,8 @@ from ._segment import Segment, SegmentHandle, reachable
 RELEASE = struct.Struct("<QQI")
 #: Record size for rings made to carry releases (``Arena.link``).
 RELEASE_RECORD_SIZE = RELEASE.size
-#: How many segments of other processes stay mapped here after their last view died.
+#: How many segments of other processes stay mapped here after their last view died
+#: (besides each live peer's last one: see ``_Importer.segment``).
 KEEP_MAPPED = 4
 #: How many idle windows (writable mappings of other processes' segments) stay mapped.
 KEEP_WINDOWS = 8
@@ -462,6 +463,8 @@ class _Importer:
             weakref.WeakValueDictionary()
         )
         self.recent: collections.deque[Segment] = collections.deque(maxlen=KEEP_MAPPED)
+        # (owner pid, readonly) -> the segment of that owner's last view opened
+        self.latest: dict[tuple[int, bool], Segment] = {}
         # arena id -> pids owning the segments opened through it (more than the
         # arena's owner when it forwarded views of other processes' memory)
         self.owners: dict[int, set[int]] = {}
@@ -484,14 +487,25 @@ class _Importer:
             last = recent[-1]
             if last.handle is handle and last.readonly == readonly:
                 return last
-        key = (handle.owner_pid, handle.inode, readonly)
-        seg = self.mappings.get(key)
-        if seg is None:
-            seg = Segment.attach(handle, readonly=readonly)
-            self.mappings[key] = seg
-        # Keep the last few mapped after their views die: mapping a segment
-        # costs an open and an mmap, far more than the rest of open_array. The
-        # bound limits the memory a peer can keep alive after its owner freed it.
+        latest = self.latest.get((handle.owner_pid, readonly))
+        if latest is not None and latest.handle.inode == handle.inode:
+            seg = latest
+        else:
+            key = (handle.owner_pid, handle.inode, readonly)
+            found = self.mappings.get(key)
+            if found is None:
+                found = Segment.attach(handle, readonly=readonly)
+                self.mappings[key] = found
+            seg = found
+            if handle.owner_pid not in self.retired:
+                self.latest[handle.owner_pid, readonly] = seg
+        # Keep the last few mapped after their views die, and each live peer's
+        # last one: mapping a segment costs an open, an fstat and an mmap (and
+        # its munmap), far more than the rest of open_array, and results come
+        # from W workers in turn (a DataLoader's batches): with only the last
+        # few kept, every batch past 4 workers mapped its segment anew. The
+        # bounds limit the memory a peer can keep alive after its owner freed
+        # it: one segment per live peer (dropped with its route), a few more.
         if recent and recent[-1] is not seg:
             with contextlib.suppress(ValueError):
                 recent.remove(seg)
@@ -617,6 +631,8 @@ def set_release_route(arena_id: int, ring: Ring | None) -> None:
         imp.retired |= owners
         for seg in [s for s in imp.recent if s.handle.owner_pid in owners]:
             imp.recent.remove(seg)
+        for gone in [k for k in imp.latest if k[0] in owners]:
+            del imp.latest[gone]
         for key in [k for k in imp.windows if k[0] in owners]:
             del imp.windows[key]
     else:

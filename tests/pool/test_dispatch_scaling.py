@@ -182,3 +182,36 @@ def test_the_roster_lets_go_of_the_workers_with_the_pool(no_rings: None) -> None
     state.release()
     assert not state.roster.starting
     assert not state.roster.by_load
+
+
+def _big(n: int) -> Any:
+    import numpy as np
+
+    return np.full(4096, n, np.float64)  # past the inline bound: it comes back shared
+
+
+def test_results_from_many_workers_in_turn_map_each_segment_once(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    # A DataLoader's batches come from W workers in turn. Past the few segments
+    # kept mapped for reuse (4), each result mapped its worker's segment anew (an
+    # open, an fstat, an mmap and a munmap a batch): each live peer's last one stays.
+    import mpexec
+    from shm import _segment
+
+    workers = 6
+    with mpexec.WorkerPool(workers) as pool:
+        for w in range(workers):  # every worker's segment is mapped once here
+            assert pool.submit_call(_big, (w,), worker=w).result(30)[0] == w
+        attached: list[Any] = []
+        real = _segment.Segment.attach
+
+        def attach(cls: type, *args: Any, **kwargs: Any) -> Any:
+            attached.append(args)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_segment.Segment, "attach", classmethod(attach))
+        for _ in range(3):
+            for w in range(workers):
+                assert pool.submit_call(_big, (w,), worker=w).result(30)[0] == w
+        assert attached == []
