@@ -13,7 +13,7 @@ hands the arrays to a worker and waits::
       pool.submit_call(call, arrays)  ------->  PyFuncCall: the user's function,
         inputs copied once into shared memory     TF's checks on what it returns
       future.result()  (the GIL released)  <---   outputs in the worker's arena
-    return read-only views of them   (TF aliases a 64-byte aligned array, else copies)
+    return read-only views of them   (TF copies each into a new tensor, as for any array)
 
 A blocking wait releases the GIL, so N TF threads (``num_parallel_calls=N``,
 inter-op threads) keep N workers busy at once; under the GIL each call costs
