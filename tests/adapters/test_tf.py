@@ -883,3 +883,7 @@ def test_tf_benchmark_times_a_pass_apart_from_its_iterators_release() -> None:
             return Iterator()
 
     assert read_epoch(Dataset(), clock=lambda: now[0]) == (3, 1.5, 2.0)
+
+
+def test_tf_op_body_sleeps_while_its_call_runs() -> None:
+    run_tf_check("check_op_body_sleeps_while_its_call_runs")
