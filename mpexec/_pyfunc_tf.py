@@ -13,7 +13,7 @@ hands the arrays to a worker and waits::
       pool.submit_call(call, arrays)  ------->  PyFuncCall: the user's function,
         inputs copied once into shared memory     TF's checks on what it returns
       future.result()  (the GIL released)  <---   outputs in the worker's arena
-    return read-only views of them   (TF aliases a 64-byte aligned array, else copies)
+    return read-only views of them   (TF copies each into a new tensor, as for any array)
 
 A blocking wait releases the GIL, so N TF threads (``num_parallel_calls=N``,
 inter-op threads) keep N workers busy at once; under the GIL each call costs
@@ -30,6 +30,7 @@ import threading
 import traceback
 import types
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -150,7 +151,13 @@ class _Body:
             self.busy += 1
         try:
             future = self.pool().submit_call(self.call, arrays, worker=worker, view=True)
-            return future.result()  # waits with the GIL released
+            # Sleep until it is done, the GIL released; the pool's future would poll
+            # for a quick result first, which suits one waiting caller. Here N TF
+            # threads wait at once (num_parallel_calls=N), and N pollers would take
+            # the GIL and the CPUs from the manager thread that delivers their results
+            # and from the workers (measured: slower, more of the main process's CPU).
+            Future.exception(future)
+            return future.result()  # done: no wait left, its error raised as the pool does
         except BaseException as exc:
             if getattr(_failed, "watching", False):  # an eager call of this thread: see _run
                 _failed.error = (exc, exc.__cause__)

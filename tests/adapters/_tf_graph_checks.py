@@ -323,3 +323,40 @@ def check_keras_fit_same_loss() -> None:
         got, our_warnings = _fit(mpexec.numpy_function)
     assert len(got) == 2 and got == want, (got, want)
     assert our_warnings == tf_warnings, (our_warnings, tf_warnings)
+
+
+def check_op_body_sleeps_while_its_call_runs() -> None:
+    """The op's body sleeps until its worker's result comes, polling never.
+
+    N TF threads wait at once in a ``tf.data`` map with ``num_parallel_calls=N``;
+    each polling (yielding the CPU in a loop, the GIL taken each time) would take
+    the CPUs and the GIL from the workers and the manager thread that delivers.
+    """
+    yields = 0
+    real_yield = os.sched_yield
+
+    def counted() -> None:
+        nonlocal yields
+        yields += 1
+        real_yield()
+
+    with pool():
+        x = tf.constant(np.arange(4, dtype=np.float32))
+        for _ in range(5):  # warm: the function shipped, the pool's latency known
+            mpexec.numpy_function(_double, [x], tf.float32)
+        os.sched_yield = counted
+        try:
+            ds = tf.data.Dataset.range(64).map(
+                lambda i: mpexec.numpy_function(_double, [i], tf.int64), num_parallel_calls=2
+            )
+            assert [int(v) for v in ds] == [2 * i for i in range(64)]
+            for _ in range(20):
+                assert mpexec.numpy_function(_double, [x], tf.float32).numpy().tolist() == [
+                    0,
+                    2,
+                    4,
+                    6,
+                ]
+        finally:
+            os.sched_yield = real_yield
+    assert yields == 0, f"the op's body polled: {yields} sched_yield calls"

@@ -852,3 +852,38 @@ def test_compat_runner_swaps_tfs_three_names() -> None:
     assert "b = mpexec.py_function(f, [x], t)" in out
     assert "c = mpexec.numpy_function(f, [x], t)" in out
     assert "script_ops._py_funcs.size()" in out  # TF's internals stay TF's
+
+
+def test_tf_benchmark_times_a_pass_apart_from_its_iterators_release() -> None:
+    """``python -m benchmarks tf``: releasing a tf.data iterator can wait out the
+    autotuning thread's sleep (seconds, whatever the op); it is timed apart."""
+    from benchmarks.tf_bench import read_epoch
+
+    now = [0.0]
+
+    class Iterator:
+        def __init__(self) -> None:
+            self.left = 3
+
+        def __iter__(self) -> Iterator:
+            return self
+
+        def __next__(self) -> int:
+            if not self.left:
+                raise StopIteration
+            self.left -= 1
+            now[0] += 0.5  # each element: half a second
+            return self.left
+
+        def __del__(self) -> None:
+            now[0] += 2.0  # the release waits two seconds
+
+    class Dataset:
+        def __iter__(self) -> Iterator:
+            return Iterator()
+
+    assert read_epoch(Dataset(), clock=lambda: now[0]) == (3, 1.5, 2.0)
+
+
+def test_tf_op_body_sleeps_while_its_call_runs() -> None:
+    run_tf_check("check_op_body_sleeps_while_its_call_runs")
