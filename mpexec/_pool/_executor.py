@@ -178,9 +178,12 @@ class WorkerPool(CallExecutor):
         the calls submitted to that index earlier, in submission order; a
         worker that is replaced keeps its index, so state kept in a worker's
         globals stays with its index for as long as the worker lives.
-        ``view``: the result's arrays come back as read-only views of shared
-        memory, uncopied (valid for as long as they are held), not as arrays
-        of the caller's own. Raises as :meth:`submit` does.
+        ``view``: a result's array that views shared memory other arrays may
+        view too (a slice of an input) comes back as a read-only view,
+        uncopied (valid for as long as it is held), not copied into an array
+        of the caller's own. An array the function made is the caller's
+        either way: a writable view of the worker's memory, uncopied. Raises
+        as :meth:`submit` does.
         """
         kwargs = call_arguments(fn, kwargs)
         state = self._state
