@@ -1,7 +1,8 @@
 """Turning call arguments and results into ring records, arrays by reference.
 
 Values are pickled (protocol 5), but every ndarray is pulled out of the stream
-by ``persistent_id`` and replaced by a reference:
+by ``reducer_override`` and replaced by a reference (a call of ``_ref`` on it,
+which :func:`decode` resolves):
 
 - arrays already in the sender's arena (but for views of 1 KiB or less), and
   any larger than ``inline_max``, by an :class:`shm.ArrayDescriptor` (the
@@ -41,9 +42,7 @@ INLINE_MAX = 16 << 10
 #: small: sending, opening and releasing a descriptor costs ~4x a copy of 1 KiB.
 VIEW_INLINE_MAX = 1 << 10
 
-# An array's reference is one bytes object, its kind in the last byte: pickle
-# offers every object it writes to ``persistent_id``, the parts of a reference
-# included, so a tuple of four parts would cost five more calls per array.
+# An array's reference is one bytes object, its kind in the last byte.
 _SHARED, _INLINE, _WRITABLE, _CLASS = 0, 1, 2, 3
 _SHARED_TAG, _WRITABLE_TAG, _CLASS_TAG = bytes([_SHARED]), bytes([_WRITABLE]), bytes([_CLASS])
 #: Workers never import the caller's ``__main__`` (see ``_launch``), so what it
@@ -58,8 +57,6 @@ _SHARED_TAG, _WRITABLE_TAG, _CLASS_TAG = bytes([_SHARED]), bytes([_WRITABLE]), b
 _MAIN = "__main__"
 _SPAWNED_MAIN = "__mp_main__"
 _MAINS = frozenset({_MAIN, _SPAWNED_MAIN})
-#: Types pickle handles itself, which persistent_id passes over at once.
-_PLAIN = frozenset({int, float, bool, str, bytes, tuple, list, dict, type(None), complex})
 _MAIN_BYTES = _MAIN.encode()
 _SPAWNED_MAIN_BYTES = _SPAWNED_MAIN.encode()
 _class_refs: weakref.WeakKeyDictionary[type, tuple[bytes, int]] = weakref.WeakKeyDictionary()
@@ -141,10 +138,11 @@ def writable(array: np.ndarray[Any, Any]) -> Writable:
 class _Refs(pickle.Pickler):
     """Pickles a value with its arrays by reference; what it shared, to give back.
 
-    The pickler and the references are one object so that pickle's call to
-    ``persistent_id``, made for every object it writes, is one Python call.
-    (Binding a function to a plain pickler's ``persistent_id`` is refused from
-    Python 3.13 on.)
+    ``reducer_override``, not ``persistent_id``: pickle offers every object it
+    writes to ``persistent_id`` (a chunk of 64 calls ``(i,)``: 130 Python calls,
+    21 of its 29 µs), but only those it cannot write itself to
+    ``reducer_override`` (ints, floats, strings, bytes, tuples, lists and
+    dicts never reach it).
     """
 
     def __init__(
@@ -167,11 +165,16 @@ class _Refs(pickle.Pickler):
         self.classes: set[type] = set()  # classes of __main__ sent by reference
         self.main_in_refs = 0  # how often their refs mention __main__
 
-    def persistent_id(self, obj: Any) -> Any:
-        # Called for every object pickled: the plain ones (most of a small
-        # value's, e.g. a chunk's numbers and tuples) leave at the first test.
-        if type(obj) in _PLAIN:
-            return None
+    def reducer_override(self, obj: Any) -> Any:
+        # Called only for objects pickle does not write itself (not for ints,
+        # strings, tuples, lists, dicts: a chunk's numbers and tuples cost no
+        # Python call). An array (or a class of __main__) is written as a call
+        # of _ref on its reference, which decode() resolves (see _Unpickler).
+        ref = self.reference(obj)
+        return NotImplemented if ref is None else (_ref, (ref,))
+
+    def reference(self, obj: Any) -> bytes | None:
+        """``obj``'s reference (an array, writable(), a class of __main__), or None."""
         if type(obj) is Writable:
             return self._writable(obj.array)
         if type(obj) is not np.ndarray or obj.dtype.hasobject:
@@ -202,7 +205,7 @@ class _Refs(pickle.Pickler):
             return desc.pack() + _SHARED_TAG
         return _inline_ref(obj)
 
-    def _writable(self, array: np.ndarray[Any, Any]) -> Any:
+    def _writable(self, array: np.ndarray[Any, Any]) -> bytes:
         if self.owner is not None and not self.owner.owns(array):
             raise SerializationError(
                 "writable() needs an array in the pool's shared memory (from pool.empty() "
@@ -231,8 +234,11 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
         super().__init__(file, protocol=5)
         self._refs = refs
 
-    def persistent_id(self, obj: Any) -> Any:
-        return self._refs.persistent_id(obj)
+    def reducer_override(self, obj: Any) -> Any:
+        ref = self._refs.reference(obj)
+        if ref is None:
+            return super().reducer_override(obj)
+        return (_ref, (ref,))
 
 
 def _mentions_main(data: bytes) -> int:
@@ -318,10 +324,20 @@ def _broadcast(desc: shm.ArrayDescriptor) -> bool:
     return any(st == 0 and n > 1 for n, st in zip(desc.shape, desc.strides, strict=False))
 
 
+def _ref(ref: bytes) -> Any:
+    """What an encoded value calls on each reference; :func:`decode` puts ``_load_ref`` there."""
+    raise SerializationError("an mpexec array reference can only be read by mpexec's decode()")
+
+
 def _unpickler(writable: bool, shared_ok: bool) -> type[pickle.Unpickler]:
-    # A class attribute, not an instance's: Python 3.13 makes the latter read-only.
+    load = functools.partial(_load_ref, writable, shared_ok)
+
     class Unpickler(pickle.Unpickler):
-        persistent_load = staticmethod(functools.partial(_load_ref, writable, shared_ok))
+        def find_class(self, module: str, name: str) -> Any:
+            # Once a value (pickle memoizes the name), not once a reference.
+            if name == "_ref" and module == __name__:
+                return load
+            return super().find_class(module, name)
 
     return Unpickler
 

@@ -79,6 +79,8 @@ executor is picked once, by its device; a chain never spans two executors.
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import os
 import queue
 import threading
@@ -227,11 +229,8 @@ class PoolExecutor:
         self.workers = pool.num_workers
 
     def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
-        kwargs: dict[str, Any] = {}
-        if unit.out:
-            kwargs["out"] = tuple(None if o is None else _codec.writable(o) for o in unit.out)
         return self.pool.submit_call(
-            unit.runner, (unit.chunk, *unit.inputs), kwargs, worker=unit.worker, view=True
+            unit.runner, (unit.chunk, *unit.inputs), _out(unit), worker=unit.worker, view=True
         )
 
     def runner(self, op: Op, entropy: int, *, debug: bool) -> OpRunner | WorkerBatchSource:
@@ -265,8 +264,56 @@ class LocalPoolExecutor(PoolExecutor):
 
     pool: WorkerPool
 
+    def __init__(self, pool: WorkerPool) -> None:
+        super().__init__(pool)
+        self._lock = threading.Lock()  # the GPU thread takes blocks too (handoff)
+        # (shape, dtype) -> [a slab of blocks of that size, how many it gave out]
+        self._slabs: dict[tuple[tuple[int, ...], np.dtype[Any]], list[Any]] = {}
+
+    def submit_hooked(self, unit: WorkUnit, hook: Callable[[Any], object]) -> None:
+        """``submit_unit`` without a Future: ``hook(outcome)`` once the unit settles.
+
+        ``outcome`` answers ``cancelled()``, ``exception()`` and ``result()``
+        as a done Future's (:meth:`WorkerPool.submit_hooked`).
+        """
+        if not self.workers:  # run here, at once: its Future is done already
+            self.submit_unit(unit).add_done_callback(hook)
+            return
+        args = (unit.chunk, *unit.inputs)
+        self.pool.submit_hooked(unit.runner, args, _out(unit), unit.worker, hook)
+
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
-        return self.pool.empty(shape, dtype)
+        """A block on pages of its own: a small one from a slab of them (see :data:`SLAB_BYTES`)."""
+        dt = np.dtype(dtype)
+        span = -(-math.prod(shape) * dt.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
+        if not span or span * _SLAB_BLOCKS_MIN > SLAB_BYTES or dt.hasobject:
+            return self.pool.empty(shape, dt)
+        key = (shape, dt)
+        with self._lock:
+            slab = self._slabs.get(key)
+            if slab is None or slab[1] == len(slab[0]):
+                slab = self._slabs[key] = [self.pool.empty((SLAB_BYTES // span, span), np.uint8), 0]
+            rows, taken = slab
+            slab[1] = taken + 1
+        return np.ndarray(shape, dt, rows[taken])
+
+
+#: A batch's dense block of at most 1/_SLAB_BLOCKS_MIN of this is cut from a slab
+#: of such blocks, one arena allocation for many batches: each block still starts
+#: on a page and has its pages to itself (a worker given its rows writable
+#: reaches no other batch's), but a batch costs a slice, not an allocation
+#: (``Arena.empty`` took 40-75 µs of the main process's CPU a batch, cold, in
+#: ``python -m benchmarks mainload``). A slab's memory goes back when the last of
+#: its blocks does: a block kept holds at most SLAB_BYTES.
+SLAB_BYTES = 1 << 20
+_SLAB_BLOCKS_MIN = 8
+
+
+def _out(unit: WorkUnit) -> dict[str, Any]:
+    """A unit's keyword arguments: its rows of the batch's blocks, writable."""
+    if not unit.out:
+        return {}
+    return {"out": tuple(None if o is None else _codec.writable(o) for o in unit.out)}
 
 
 def pool_executor(pool: CallPool) -> PoolExecutor:

@@ -688,6 +688,9 @@ class Scheduler:
             self._fail(it, annotate(exc, op, it, None))
             return
         it.blocks[s.pos] = blocks
+        # Where the executor offers it, a unit's outcome comes back to a hook,
+        # with no Future between (no condition, no guarded callback a unit).
+        hooked = getattr(s.executor, "submit_hooked", None)
         submit = s.executor.submit_unit
         names = tuple(m.op.name for m in s.members)
         runner = s.runner
@@ -698,12 +701,16 @@ class Scheduler:
             rows = tuple(col[a:b] for col in inputs)
             unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
             t0 = time.perf_counter()
+            hook = functools.partial(self._on_chunk, it, s, ci, t0)
             try:
+                if hooked is not None:
+                    hooked(unit, hook)
+                    continue
                 future = submit(unit)
             except Exception as exc:
                 self._fail(it, annotate(exc, op, it, None))
                 return
-            future.add_done_callback(functools.partial(self._on_chunk, it, s, ci, t0))
+            future.add_done_callback(hook)
 
     def _handed_off(self, it: Iteration, s: OpState) -> bool:
         """Whether ``s``'s inputs from other executors are readable by its own.
@@ -780,8 +787,12 @@ class Scheduler:
         chunks = max(round(size / carry), -(-self.prefetch_depth * workers // self._window_cap()))
         return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))
 
-    def _on_chunk(self, it: Iteration, s: OpState, ci: int, t0: float, future: Future[Any]) -> None:
-        """A chunk came back (in the executor's thread, or inline)."""
+    def _on_chunk(self, it: Iteration, s: OpState, ci: int, t0: float, future: Any) -> None:
+        """A chunk came back (in the executor's thread, or inline).
+
+        ``future``: its done Future, or what an executor's ``submit_hooked``
+        hands its hook (the same ``cancelled()``, ``exception()``, ``result()``).
+        """
         elapsed = time.perf_counter() - t0
         with self._lock:
             try:
@@ -789,9 +800,7 @@ class Scheduler:
             except Exception as exc:  # a bug here must not hang run()
                 self._fail(it, exc)
 
-    def _chunk_in(
-        self, it: Iteration, s: OpState, ci: int, elapsed: float, future: Future[Any]
-    ) -> None:
+    def _chunk_in(self, it: Iteration, s: OpState, ci: int, elapsed: float, future: Any) -> None:
         if future.cancelled():
             self._fail(it, PoolClosedError("the pipeline was closed"))
             return

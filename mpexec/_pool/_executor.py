@@ -27,6 +27,7 @@ from .._mapping import CallExecutor
 from .._tracebacks import for_caller
 from . import _stop
 from ._factory import WorkerFactory, context
+from ._future import Task, UnitFuture
 from ._manager import Manager
 from ._sender import CallSender
 from ._state import PoolState, PoolStats, PoolStatus
@@ -186,13 +187,49 @@ class WorkerPool(CallExecutor):
         as :meth:`submit` does.
         """
         kwargs = call_arguments(fn, kwargs)
+        if self._inline:
+            self._state.check_not_forked()
+            return self._run_inline(fn, args, kwargs)
+        future = self._submit(fn, args, kwargs, worker, view, None).future
+        assert isinstance(future, Future)
+        return future
+
+    def submit_hooked(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        worker: int | None,
+        hook: Callable[[UnitFuture], object],
+    ) -> None:
+        """``submit_call(view=True)`` for code built on the pool, with no ``Future``.
+
+        ``hook(outcome)`` runs once the call settles, in the thread that
+        settles it (the manager's, with the result; a thread that cancels or
+        fails it); ``outcome`` answers ``cancelled()``, ``exception()`` and
+        ``result()`` as a done ``Future``'s. A pipeline's units come back this
+        way: no condition, no waiters, no guarded callback a call. Not for an
+        inline pool (``num_workers=0``), whose calls run in the caller: use
+        :meth:`submit_call`. Raises as :meth:`submit` does.
+        """
+        if self._inline:
+            raise ValueError("an inline pool runs calls in the caller: use submit_call")
+        self._submit(fn, args, call_arguments(fn, kwargs), worker, True, hook)
+
+    def _submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        worker: int | None,
+        view: bool,
+        hook: Callable[[UnitFuture], object] | None,
+    ) -> Task:
         state = self._state
         state.check_not_forked()
-        if self._inline:
-            return self._run_inline(fn, args, kwargs)
         with state.lock:
             state.check_usable()
-            task = state.new_task(fn, args, kwargs, worker, view)
+            task = state.new_task(fn, args, kwargs, worker, view, hook)
             slot = state.pick_slot(task)
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
@@ -204,7 +241,7 @@ class WorkerPool(CallExecutor):
             else:
                 self._sender.send(task, slot)
             state.count_submitted()
-        return task.future
+        return task
 
     def _run_inline(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
         future: Future[T] = Future()

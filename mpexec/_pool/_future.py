@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import shm
@@ -71,6 +71,7 @@ class Task:
         kwargs: Any,
         worker: int | None = None,
         view: bool = False,
+        hook: Callable[[UnitFuture], object] | None = None,
     ) -> None:
         self.task_id = task_id
         self.view = view  # deliver the result's arrays as read-only views, uncopied
@@ -79,10 +80,15 @@ class Task:
         self.kwargs = kwargs
         self.worker = worker  # the worker index it must run on, or None for any
         self.link = link = CallLink(state)
-        # Future's own constructor, then the link: a constructor of PoolFuture's
-        # would cost a call more on every submit (the two classes are one unit).
-        self.future: PoolFuture[Any] = PoolFuture()
-        self.future._mp_link = link  # noqa: SLF001 - see above
+        self.future: PoolFuture[Any] | UnitFuture
+        if hook is not None:
+            self.future = UnitFuture(hook)
+        else:
+            # Future's own constructor, then the link: a constructor of PoolFuture's
+            # would cost a call more on every submit (the two classes are one unit).
+            future: PoolFuture[Any] = PoolFuture()
+            future._mp_link = link  # noqa: SLF001 - see above
+            self.future = future
         self.started = 0.0  # when it reached the head of its worker's queue
         self.sent = 0.0  # when it was pushed to its worker (perf_counter)
 
@@ -101,10 +107,18 @@ class Task:
         self.link.slot = None
         self.link.state = None  # settled: it needs the pool no more
 
+    def settle(self, result: Any = None, exc: BaseException | None = None) -> None:
+        """Complete its future with ``result`` or ``exc``, unless it is done already."""
+        future = self.future
+        if type(future) is UnitFuture:
+            future._settle(result, exc, False)  # noqa: SLF001 - one unit with UnitFuture
+        else:
+            settle(future, result, exc)  # type: ignore[arg-type]
+
     def fail(self, exc: BaseException) -> None:
         """Release it and fail its future with ``exc`` (unless already done)."""
         self.release()
-        settle(self.future, exc=exc)
+        self.settle(exc=exc)
 
 
 class PoolFuture(Future[T]):
@@ -115,7 +129,9 @@ class PoolFuture(Future[T]):
     most of a small call's round trip); so ``result()`` first polls
     ``done()`` for a moment, yielding the CPU (and the GIL, which the manager
     needs) between polls, and sleeps only if the result is slow to come. It
-    polls only while recent calls on the pool came back within that moment.
+    polls only while recent calls on the pool came back within that moment,
+    and only one waiting thread of the pool at a time: the others sleep on
+    their future's condition (so N threads may wait in ``result()`` at once).
     The waiter never touches the pool's state: a Ctrl-C in ``result()`` can
     interrupt nothing but its own wait.
     """
@@ -185,13 +201,84 @@ class PoolFuture(Future[T]):
             or state.manager_ident == threading.get_ident()
         ):
             return timeout
-        start = time.perf_counter()
-        end = start + (_POLL_SECONDS if timeout is None else min(timeout, _POLL_SECONDS))
-        while not self.done() and time.perf_counter() < end:
-            os.sched_yield()
+        # One waiter of the pool's polls at a time: N threads polling at once (a
+        # TF map's N calls) would take the CPU and the GIL from the manager
+        # thread that completes their futures. The others sleep on the condition.
+        polling = state.polling
+        if not polling.acquire(blocking=False):
+            return timeout
+        try:
+            start = time.perf_counter()
+            end = start + (_POLL_SECONDS if timeout is None else min(timeout, _POLL_SECONDS))
+            while not self.done() and time.perf_counter() < end:
+                os.sched_yield()
+        finally:
+            polling.release()
         if timeout is None:
             return None
         return max(0.0, timeout - (time.perf_counter() - start))
+
+
+class UnitFuture:
+    """The outcome of a call made with a completion hook (code built on the pool).
+
+    What a pipeline's units need and no more: no condition, no waiters, no
+    callbacks list. The thread that settles it (the manager, with the result;
+    or whoever cancels or fails it) calls ``hook(self)`` once, and ``hook`` reads
+    ``cancelled()``, ``exception()`` and ``result()`` as a done ``Future``'s.
+    Nobody waits on it: ``result()`` of one not done raises. The first of
+    settling threads wins (``list.pop`` is atomic), as ``Future``'s condition
+    makes it for a ``Future``.
+    """
+
+    __slots__ = ("_cancelled", "_exception", "_hook", "_result")
+
+    def __init__(self, hook: Callable[[UnitFuture], object]) -> None:
+        self._hook = [hook]
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._cancelled = False
+
+    def done(self) -> bool:
+        return not self._hook
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def running(self) -> bool:
+        return False
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._hook:
+            raise RuntimeError("a UnitFuture is read by its hook, once settled")
+        if self._cancelled:
+            raise CancelledError()
+        return self._exception
+
+    def result(self, timeout: float | None = None) -> Any:
+        exc = self.exception()
+        if exc is not None:
+            raise exc
+        return self._result
+
+    def set_result(self, result: Any) -> None:
+        self._settle(result, None, False)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._settle(None, exc, False)
+
+    def cancel(self) -> bool:
+        """Cancel it if not settled yet (the pool decides when; see :func:`cancel_now`)."""
+        return self._settle(None, None, True)
+
+    def _settle(self, result: Any, exc: BaseException | None, cancelled: bool) -> bool:
+        try:
+            hook = self._hook.pop()
+        except IndexError:
+            return False  # settled already
+        self._result, self._exception, self._cancelled = result, exc, cancelled
+        hook(self)
+        return True
 
 
 class _GuardedCallback:
@@ -223,8 +310,14 @@ class _GuardedCallback:
         )
 
 
-def cancel_now(future: Future[Any]) -> bool:
+def cancel_now(future: Future[Any] | UnitFuture) -> bool:
     """Cancel a call no worker will run, and tell its waiters (``wait()``) at once."""
+    if type(future) is UnitFuture:
+        return future.cancel()  # no waiters: its hook is told
+    return _cancel_future(future)  # type: ignore[arg-type]
+
+
+def _cancel_future(future: Future[Any]) -> bool:
     # Future.cancel() leaves waiters asleep until set_running_or_notify_cancel(),
     # which only the standard executors call: the future's own condition is the
     # one lock that makes the two steps one.
@@ -236,7 +329,7 @@ def cancel_now(future: Future[Any]) -> bool:
         return True
 
 
-def cancel_pushed(slot: Slot, seq: int, future: Future[Any]) -> bool:
+def cancel_pushed(slot: Slot, seq: int, future: Future[Any] | UnitFuture) -> bool:
     """Cancel call ``seq`` pushed to ``slot``'s worker unless it started (state lock held).
 
     The handshake of ``_protocol``'s cancellation: CANCEL, read the worker's

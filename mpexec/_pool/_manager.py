@@ -26,7 +26,6 @@ from .._errors import (
     SerializationError,
     TaskTimeoutError,
 )
-from .._mapping import settle
 from .._protocol import HEADER, OK, SKIPPED, body_of
 from .._tracebacks import unpack_error
 from . import _crash, _stop
@@ -169,9 +168,9 @@ class Manager(threading.Thread):
             if skipped:
                 cancel_now(task.future)  # cancelled already: cancel() said so
             elif ok:
-                settle(task.future, result=outcome)
+                task.settle(result=outcome)
             else:
-                settle(task.future, exc=outcome)
+                task.settle(exc=outcome)
 
     def started(self, slot: Slot, died: bool) -> None:
         """A replacement worker said hello (it is ready now), failed, or died starting."""

@@ -23,7 +23,7 @@ import shm
 
 from .. import _protocol
 from .._errors import PoolClosedError, forked_error, raised_again
-from ._future import Task, cancel_now, cancel_pushed
+from ._future import Task, UnitFuture, cancel_now, cancel_pushed
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
 # A task takes up to five records (forget, function, call; cancel and verdict):
@@ -271,6 +271,8 @@ class PoolState:
         # Seconds from dispatch to delivery of the latest call: waiters poll
         # for their result only while calls come back within the poll budget.
         self.latency = 0.0
+        # Held by the one waiter that polls for its result (PoolFuture._poll).
+        self.polling = threading.Lock()
 
     def adopt_arena(self, arena: shm.Arena) -> None:
         """The pool's main arena: its workers' arguments go through it."""
@@ -319,9 +321,10 @@ class PoolState:
         kwargs: Any,
         worker: int | None,
         view: bool,
+        hook: Callable[[UnitFuture], object] | None = None,
     ) -> Task:
         """A task for a submitted call (the lock is held)."""
-        return Task(self, next(self.next_task_id), fn, args, kwargs, worker, view)
+        return Task(self, next(self.next_task_id), fn, args, kwargs, worker, view, hook)
 
     def pick_slot(self, task: Task) -> Slot | None:
         """The worker ``task`` goes to now: its pinned one, or the least busy; None if full."""
