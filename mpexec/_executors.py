@@ -286,7 +286,7 @@ class LocalPoolExecutor(PoolExecutor):
         """A block on pages of its own: a small one from a slab of them (see :data:`SLAB_BYTES`)."""
         dt = np.dtype(dtype)
         span = -(-math.prod(shape) * dt.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
-        if not span or span * _SLAB_BLOCKS_MIN > SLAB_BYTES or dt.hasobject:
+        if span <= 0 or span * _SLAB_BLOCKS_MIN > SLAB_BYTES or dt.hasobject:
             return self.pool.empty(shape, dt)
         key = (shape, dt)
         with self._lock:
