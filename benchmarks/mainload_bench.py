@@ -41,6 +41,7 @@ pick a subset, as ``--mainload-systems pipeline,torch --workers 16,64``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -288,7 +289,8 @@ def _bare(workers: int, n: int, sample: Sleepy) -> Epoch:
 
     def close() -> None:
         for conn in conns:
-            conn.send(0)
+            with contextlib.suppress(OSError):
+                conn.send(0)
         for proc in procs:
             proc.join(10)
         for conn in conns:
@@ -348,10 +350,18 @@ def _calibrate(sample: Sleepy, count: int = 200) -> float:
     return statistics.median(took)
 
 
+def epoch_batches(kind: str, workers: int, samples: float, quick: bool) -> int:
+    """An epoch's batches: ``samples`` (the epoch's length at the ideal rate) in batches,
+    at least ``ROUNDS`` (``QUICK_ROUNDS``) a worker and 8, at most ``MAX_BATCHES``."""
+    rounds = workers * (QUICK_ROUNDS if quick else ROUNDS)
+    return min(MAX_BATCHES[kind], max(8, rounds, round(samples / BATCH)))
+
+
 def steady_rate(marks: Sequence[float]) -> float | None:
-    """Batches a second over the middle half of an epoch's batches (times in ``marks``)."""
+    """Batches a second over the middle half of an epoch's batches (times in ``marks``);
+    None under 8 batches."""
     a, b = len(marks) // 4, 3 * len(marks) // 4
-    if b - a < 2 or marks[b] <= marks[a]:
+    if len(marks) < 8 or marks[b] <= marks[a]:
         return None
     return (b - a) / (marks[b] - marks[a])
 
@@ -422,9 +432,7 @@ def run(
             took = _calibrate(sample)
             for w in workers_list:
                 ideal = w / took
-                rounds_min = w * (QUICK_ROUNDS if quick else ROUNDS)
-                batches = max(8, rounds_min, round(ideal * epoch_s / BATCH))
-                batches = min(MAX_BATCHES[kind], batches)
+                batches = epoch_batches(kind, w, ideal * epoch_s, quick)
                 n = BATCH * batches
                 got: dict[str, list[dict[str, float | None]]] = {k: [] for k in keys}
                 loads = []
