@@ -12,6 +12,7 @@ and in the workers.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import copy
 import mmap
 import os
@@ -145,10 +146,25 @@ _segment_fds_lock = threading.Lock()
 
 
 def _forget_fd(key: int, fd: int) -> None:
+    """The segment went: close its fd (unless a fork's child already let go of it)."""
     with _segment_fds_lock:
-        if _segment_fds.get(key) == fd:
-            del _segment_fds[key]
+        if _segment_fds.get(key) != fd:
+            return
+        del _segment_fds[key]
     os.close(fd)
+
+
+def _segment_fds_in_child() -> None:
+    """A forked child keeps none of its parent's segment fds (which would keep the
+    segments of workers that have since gone alive for as long as it lives)."""
+    global _segment_fds, _segment_fds_lock
+    for fd in _segment_fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _segment_fds, _segment_fds_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_segment_fds_in_child)
 
 
 def _segment_fd(array: np.ndarray[Any, Any]) -> tuple[int, int] | None:

@@ -415,6 +415,14 @@ def test_batches_are_collated_into_shared_memory_and_outlive_the_loader() -> Non
         assert_same(g, w)
 
 
+def _fd_closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
 def test_a_workers_segment_is_opened_once_for_all_its_batches(monkeypatch: Any) -> None:
     # Each batch tensor maps its worker's segment by fd; the fd came from opening
     # /proc/<pid>/fd/<n> again for every batch (50-70 µs a batch at 16 workers).
@@ -437,6 +445,14 @@ def test_a_workers_segment_is_opened_once_for_all_its_batches(monkeypatch: Any) 
     want = list(TorchLoader(data, batch_size=16))
     for g, w in zip(got, want, strict=True):
         assert_same(g, w)
+    # A forked child keeps none of those fds (nor the segments they would keep alive).
+    fds = list(_tensors._segment_fds.values())
+    assert fds
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        closed = not _tensors._segment_fds and all(_fd_closed(fd) for fd in fds)
+        os._exit(0 if closed else 1)
+    assert os.waitpid(pid, 0)[1] == 0
     del got, loader
     gc.collect()
 
