@@ -23,6 +23,17 @@ each), runs a warm-up epoch, then a measured one; rounds rotate the order.
 calibrated in this process (the kernel's timer slack makes a 0.5 ms sleep
 ~0.56 ms).
 
+Beside them, **bare processes** (``bare``): W processes of no library, each
+making its share of the epoch's samples in a plain loop and saying how many.
+They are this host's own ceiling for W sleeping workers (each wake-up costs the
+host tens of µs of CPU, and 2 cores run them all): "of ceiling" divides each
+system's rate by theirs, measured in the same round. "Steady" is the rate over
+the middle half of an epoch's batches (no start-up ramp, no tail of workers
+with nothing left); an epoch is at least ``ROUNDS`` (``QUICK_ROUNDS``) batches
+a worker, so that its middle half spans several. "Workers' CPU" is the CPU
+time of all the main process's descendants a sample, and "host busy" the
+share of all the host's CPUs in use over the epoch (others' processes too).
+
 Run with ``python -m benchmarks mainload`` (``--quick``: fewer rounds and
 sizes; ``--mainload-systems``, ``--workers``, ``--sleeps-ms`` and ``--kinds``
 pick a subset, as ``--mainload-systems pipeline,torch --workers 16,64``).
@@ -30,6 +41,7 @@ pick a subset, as ``--mainload-systems pipeline,torch --workers 16,64``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -49,7 +61,11 @@ SLEEPS = (0.002, 0.0005)  # a worker's "work" per sample, asleep
 WORKERS = (2, 16, 64, 128)
 SHAPES = {"light": (16,), "heavy": (224, 224, 3)}
 EPOCH_S = 1.0  # an epoch's length at the ideal rate (0.25 s with --quick)
-MAX_BATCHES = {"light": 512, "heavy": 48}  # an epoch's cap, in batches
+MAX_BATCHES = {"light": 2048, "heavy": 48}  # an epoch's cap, in batches
+# An epoch's least batches a worker (light samples; heavy ones are capped above):
+# with fewer, its start-up ramp and its tail are most of it (2 a worker at 64
+# workers and 0.25 s: no steady state at all).
+ROUNDS, QUICK_ROUNDS = 8, 4
 
 
 class Sleepy:
@@ -118,7 +134,8 @@ class _Dataset:
         return torch.from_numpy(self.sample(i))
 
 
-Epoch = tuple[Callable[[], int], Callable[[], None]]  # (run an epoch: samples, close)
+# (run an epoch: samples, appending the time of each batch to the list given; close)
+Epoch = tuple[Callable[[list[float]], int], Callable[[], None]]
 Maker = Callable[[int, int, Sleepy], Epoch]
 
 
@@ -136,11 +153,15 @@ def _pipeline(workers: int, n: int, sample: Sleepy, batch_mode: bool) -> Epoch:
     p.build()
     fresh = [True]
 
-    def epoch() -> int:
+    def epoch(marks: list[float]) -> int:
         if not fresh[0]:
             p.reset()
         fresh[0] = False
-        return sum(len(out) for (out,) in p)
+        got = 0
+        for (out,) in p:
+            got += len(out)
+            marks.append(time.perf_counter())
+        return got
 
     return epoch, p.close
 
@@ -150,13 +171,14 @@ def _pool_map(workers: int, n: int, sample: Sleepy, chunksize: int | None) -> Ep
 
     pool = mpexec.WorkerPool(workers)
 
-    def epoch() -> int:
+    def epoch(marks: list[float]) -> int:
         got = 0
         batch: list[Any] = []
         for one in pool.map(sample, range(n), chunksize=chunksize, prefetch=2 * workers):
             batch.append(one)
             if len(batch) == BATCH:
                 got += len(np.stack(batch))
+                marks.append(time.perf_counter())
                 batch = []
         return got + (len(np.stack(batch)) if batch else 0)
 
@@ -172,8 +194,12 @@ def _loader(workers: int, n: int, sample: Sleepy, ours: bool) -> Epoch:
         _Dataset(n, sample), batch_size=BATCH, num_workers=workers, persistent_workers=True
     )
 
-    def epoch() -> int:
-        return sum(len(b) for b in loader)
+    def epoch(marks: list[float]) -> int:
+        got = 0
+        for b in loader:
+            got += len(b)
+            marks.append(time.perf_counter())
+        return got
 
     def close() -> None:
         # Persistent workers end with the loader's iterator, which it keeps.
@@ -199,7 +225,7 @@ def _dali(workers: int, n: int, sample: Sleepy) -> Epoch:
     pipe.build()
     fresh = [True]
 
-    def epoch() -> int:
+    def epoch(marks: list[float]) -> int:
         if not fresh[0]:
             pipe.reset()
         fresh[0] = False
@@ -210,6 +236,7 @@ def _dali(workers: int, n: int, sample: Sleepy) -> Epoch:
             except StopIteration:
                 return got
             got += len(out)
+            marks.append(time.perf_counter())
 
     def close() -> None:
         nonlocal pipe
@@ -218,8 +245,63 @@ def _dali(workers: int, n: int, sample: Sleepy) -> Epoch:
     return epoch, close
 
 
+def _bare_worker(conn: Any, sample: Sleepy) -> None:
+    """Make ``count`` samples for each count received; reply with the count (0: stop)."""
+    while True:
+        count = conn.recv()
+        if not count:
+            return
+        for i in range(count):
+            sample(i)
+        conn.send(count)
+
+
+def _bare(workers: int, n: int, sample: Sleepy) -> Epoch:
+    """W processes of no library, each making its share of the samples in a loop.
+
+    The host's own ceiling for W sleeping workers: no dispatch, no results
+    handed back, the epoch split evenly once (``forkserver``: no fork of a
+    process with threads).
+    """
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    ctx = mp.get_context("forkserver")
+    conns, procs = [], []
+    for _ in range(workers):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_bare_worker, args=(there, sample), daemon=True)
+        proc.start()
+        there.close()
+        conns.append(here)
+        procs.append(proc)
+
+    def epoch(marks: list[float]) -> int:
+        for i, conn in enumerate(conns):
+            conn.send(n * (i + 1) // workers - n * i // workers)
+        got, left = 0, list(conns)
+        while left:
+            ready = wait(left)
+            for conn in [c for c in left if c in ready]:
+                got += conn.recv()
+                left.remove(conn)
+        return got
+
+    def close() -> None:
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send(0)
+        for proc in procs:
+            proc.join(10)
+        for conn in conns:
+            conn.close()
+
+    return epoch, close
+
+
 #: key -> (name in the tables, what it needs, maker)
 SYSTEMS: dict[str, tuple[str, str | None, Maker]] = {
+    "bare": ("bare processes (the host's ceiling)", None, _bare),
     "pipeline": (
         "mpexec pipeline, per sample",
         None,
@@ -268,12 +350,61 @@ def _calibrate(sample: Sleepy, count: int = 200) -> float:
     return statistics.median(took)
 
 
-def _measure(epoch: Callable[[], int]) -> tuple[float, float]:
-    """(samples/s, main-process CPU µs a sample) over one epoch."""
+def epoch_batches(kind: str, workers: int, samples: float, quick: bool) -> int:
+    """An epoch's batches: ``samples`` (the epoch's length at the ideal rate) in batches,
+    at least ``ROUNDS`` (``QUICK_ROUNDS``) a worker and 8, at most ``MAX_BATCHES``."""
+    rounds = workers * (QUICK_ROUNDS if quick else ROUNDS)
+    return min(MAX_BATCHES[kind], max(8, rounds, round(samples / BATCH)))
+
+
+def steady_rate(marks: Sequence[float]) -> float | None:
+    """Batches a second over the middle half of an epoch's batches (times in ``marks``);
+    None under 8 batches."""
+    a, b = len(marks) // 4, 3 * len(marks) // 4
+    if len(marks) < 8 or marks[b] <= marks[a]:
+        return None
+    return (b - a) / (marks[b] - marks[a])
+
+
+def _descendants_cpu() -> float:
+    """CPU seconds of every live descendant of this process (its workers, their servers)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _host_busy() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole host so far (every core, every process)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    return sum(t) - idle, sum(t)
+
+
+def _measure(epoch: Callable[[list[float]], int]) -> dict[str, float | None]:
+    """One epoch: samples/s, steady samples/s, main and workers' CPU µs a sample, host busy."""
+    marks: list[float] = []
+    w0, h0 = _descendants_cpu(), _host_busy()
     c0, t0 = time.process_time(), time.perf_counter()
-    n = epoch()
+    n = epoch(marks)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return n / wall, 1e6 * cpu / n
+    w1, h1 = _descendants_cpu(), _host_busy()
+    steady = steady_rate(marks)
+    return {
+        "rate": n / wall,
+        "steady": None if steady is None else steady * n / len(marks),
+        "main_us": 1e6 * cpu / n,
+        "workers_us": 1e6 * (w1 - w0) / n,
+        "host_busy": (h1[0] - h0[0]) / max(1e-9, h1[1] - h0[1]),
+    }
 
 
 def run(
@@ -301,33 +432,48 @@ def run(
             took = _calibrate(sample)
             for w in workers_list:
                 ideal = w / took
-                batches = max(8, min(MAX_BATCHES[kind], round(ideal * epoch_s / BATCH)))
+                batches = epoch_batches(kind, w, ideal * epoch_s, quick)
                 n = BATCH * batches
-                got: dict[str, list[tuple[float, float]]] = {k: [] for k in keys}
+                got: dict[str, list[dict[str, float | None]]] = {k: [] for k in keys}
                 loads = []
                 for r in range(rounds):
                     for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
                         epoch, close = SYSTEMS[key][2](w, n, sample)
                         try:
-                            epoch()  # warm-up: workers started, shapes and timings learned
+                            epoch([])  # warm-up: workers started, shapes and timings learned
                             got[key].append(_measure(epoch))
                         finally:
                             close()
                     loads.append(os.getloadavg()[0])
+                ceiling = (
+                    statistics.median(float(x["rate"] or 0) for x in got["bare"])
+                    if got.get("bare")
+                    else None
+                )
                 for key, runs in got.items():
-                    rates = [x[0] for x in runs]
-                    cpus = [x[1] for x in runs]
+                    rates = [float(x["rate"] or 0) for x in runs]
+                    cpus = [float(x["main_us"] or 0) for x in runs]
+                    steadies = [float(x["steady"]) for x in runs if x["steady"] is not None]
+                    rate = statistics.median(rates)
                     res.setdefault(kind, {}).setdefault(f"{sleep * 1e3:g} ms", {}).setdefault(
                         key, {}
                     )[str(w)] = {
-                        "samples_per_s": statistics.median(rates),
+                        "samples_per_s": rate,
                         "rate_min": min(rates),
                         "rate_max": max(rates),
                         "ideal_per_s": ideal,
-                        "of_ideal": statistics.median(rates) / ideal,
+                        "of_ideal": rate / ideal,
+                        "of_ceiling": None if not ceiling else rate / ceiling,
+                        "steady_of_ideal": (
+                            statistics.median(steadies) / ideal if steadies else None
+                        ),
                         "main_cpu_us": statistics.median(cpus),
                         "main_cpu_us_min": min(cpus),
                         "main_cpu_us_max": max(cpus),
+                        "workers_cpu_us": statistics.median(
+                            float(x["workers_us"] or 0) for x in runs
+                        ),
+                        "host_busy": statistics.median(float(x["host_busy"] or 0) for x in runs),
                         "epoch_samples": n,
                         "sample_s": took,
                         "loadavg": loads,
@@ -349,11 +495,15 @@ def run(
                             w,
                             f"{f['samples_per_s']:,.0f} / {f['ideal_per_s']:,.0f}",
                             f"{f['of_ideal']:.2f}",
+                            "" if f["of_ceiling"] is None else f"{f['of_ceiling']:.2f}",
+                            ("" if f["steady_of_ideal"] is None else f"{f['steady_of_ideal']:.2f}"),
                             (
                                 f"{f['main_cpu_us']:.1f} ({f['main_cpu_us_min']:.1f}-"
                                 f"{f['main_cpu_us_max']:.1f})"
                             ),
                             f"{1e6 / f['main_cpu_us']:,.0f}",
+                            f"{f['workers_cpu_us']:.0f}",
+                            f"{100 * f['host_busy']:.0f}%",
                             f"{min(f['loadavg']):.1f}-{max(f['loadavg']):.1f}",
                         ]
                     )
@@ -379,7 +529,11 @@ def run(
         f"{'; not installed: ' + ', '.join(skipped) if skipped else ''}.\n"
         "main CPU: µs of the main process's CPU time (all its threads) a sample, median "
         "(min-max) of the rounds; saturates at: 1 / main CPU, the samples/s at which the "
-        "main process fills one core; load: the 1-minute load average after each round.\n\n"
+        "main process fills one core; of ceiling: divided by the bare processes' rate (the "
+        "host's own ceiling for W sleeping processes, same rounds); steady: of ideal over the "
+        "middle half of the epoch's batches; workers' CPU: µs of CPU of all the main process's "
+        "descendants a sample; host busy: of all CPUs, every process; load: the 1-minute load "
+        "average after each round.\n\n"
         + table(
             [
                 "samples",
@@ -388,12 +542,16 @@ def run(
                 "workers",
                 "samples/s / ideal",
                 "of ideal",
+                "of ceiling",
+                "steady",
                 "main CPU µs",
                 "saturates at /s",
+                "workers' CPU µs",
+                "host busy",
                 "load",
             ],
             rows,
-            right={3, 4, 5, 6, 7, 8},
+            right=set(range(3, 13)),
         )
         + f"\n\ntook {result['duration_s']} s\n"
     )

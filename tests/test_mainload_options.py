@@ -25,3 +25,25 @@ def test_kinds_both_is_light_and_heavy() -> None:
 def test_an_unknown_kind_is_refused_with_the_known_ones() -> None:
     with pytest.raises(SystemExit, match="light, heavy"):
         _options("--kinds", "medium")
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("workers", [2, 16, 64, 128])
+def test_an_epoch_gives_every_worker_several_batches(workers: int, quick: bool) -> None:
+    # At 64 workers the quick epoch was 0.25 s at the ideal rate: 119 batches, under
+    # two a worker, so start-up and tail were most of what it measured.
+    samples = workers / 0.002 * (0.25 if quick else 1.0)
+    batches = mainload_bench.epoch_batches("light", workers, samples, quick)
+    least = mainload_bench.QUICK_ROUNDS if quick else mainload_bench.ROUNDS
+    assert batches >= least * workers
+    assert batches >= round(samples / mainload_bench.BATCH)
+
+
+def test_the_steady_rate_leaves_out_an_epochs_start_and_tail() -> None:
+    # 100 batches: a slow start (10 at 0.1 s each), 80 at 10 ms, a slow tail.
+    marks, t = [], 0.0
+    for i in range(100):
+        t += 0.1 if i < 10 or i >= 90 else 0.01
+        marks.append(t)
+    assert mainload_bench.steady_rate(marks) == pytest.approx(100.0)
+    assert mainload_bench.steady_rate(marks[:7]) is None

@@ -12,10 +12,13 @@ and in the workers.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import copy
 import mmap
 import os
 import resource
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -133,19 +136,61 @@ def fds_held() -> int:
     return _fds_held
 
 
-def _segment_fd(array: np.ndarray[Any, Any], writable: bool) -> tuple[int, int] | None:
-    """An fd of the shared-memory segment ``array`` is a view of, and where its data starts.
+#: One writable fd of each mapped segment a batch tensor was made from, by the
+#: segment's ``id``: opened at its first batch, closed when the segment object
+#: goes (with its mapping). A worker's batches come from the same segment, which
+#: stays mapped while the worker lives; opening it again through
+#: ``/proc/<pid>/fd/<n>`` (open, fstat, inode check) cost 50-70 µs a batch.
+_segment_fds: dict[int, int] = {}
+_segment_fds_lock = threading.Lock()
 
-    The caller closes the fd. None if ``array`` is in no segment, or the
-    segment can no longer be opened (its owner has exited).
+
+def _forget_fd(key: int, fd: int) -> None:
+    """The segment went: close its fd (unless a fork's child already let go of it)."""
+    with _segment_fds_lock:
+        if _segment_fds.get(key) != fd:
+            return
+        del _segment_fds[key]
+    os.close(fd)
+
+
+def _segment_fds_in_child() -> None:
+    """A forked child keeps none of its parent's segment fds (which would keep the
+    segments of workers that have since gone alive for as long as it lives)."""
+    global _segment_fds, _segment_fds_lock
+    for fd in _segment_fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _segment_fds, _segment_fds_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_segment_fds_in_child)
+
+
+def _segment_fd(array: np.ndarray[Any, Any]) -> tuple[int, int] | None:
+    """A writable fd of the shared-memory segment ``array`` is a view of, and where its data starts.
+
+    The fd is the segment's own (:data:`_segment_fds`): the caller does not
+    close it. None if ``array`` is in no segment, or the segment can no
+    longer be opened (its owner has exited).
     """
     seg = shm.segment_of(array)
     if seg is None:
         return None
-    try:
-        fd = seg.open_fd(writable)
-    except shm.AttachError:
-        return None
+    key = id(seg)
+    fd = _segment_fds.get(key)
+    if fd is None:
+        try:
+            fd = seg.open_fd(writable=True)
+        except shm.AttachError:
+            return None
+        with _segment_fds_lock:
+            held = _segment_fds.setdefault(key, fd)
+        if held != fd:  # another thread opened it first
+            os.close(fd)
+            fd = held
+        else:
+            weakref.finalize(seg, _forget_fd, key, fd)
     return fd, seg.offset + (array.ctypes.data - seg.address)
 
 
@@ -176,19 +221,16 @@ def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
         _fds_budget = (soft if soft != resource.RLIM_INFINITY else 1 << 16) // 4
     if _fds_held >= _fds_budget:
         return None
-    found = _segment_fd(array, writable=True)
+    found = _segment_fd(array)
     if found is None:
         return None
     fd, start = found
+    if start % size:
+        return None
     try:
-        if start % size:
-            return None
-        end = start + extent(array)
-        storage = _compat.shared_fd_storage(fd, end)
+        storage = _compat.shared_fd_storage(fd, start + extent(array))  # a dup of fd
     except RuntimeError:  # out of fds, or of address space: the plain tensor will do
         return None
-    finally:
-        os.close(fd)
     _fds_held += 1
     # The storage's Python object lives as long as the storage (torch keeps it):
     # so does what it holds, the array (the memory) and the fd's count.
