@@ -48,6 +48,8 @@ _TF_ERRORS: tuple[tuple[type[BaseException], type[Exception]], ...] = (
 )
 
 _homes = itertools.count()
+#: The NumPy scalars TF hands a 0-d numeric tensor over as (strings come as ``bytes``).
+_SCALARS = (np.number, np.bool_)
 #: On a thread running an eager call (``watching``): the exception its body raised.
 _failed = threading.local()
 
@@ -150,14 +152,20 @@ class _Body:
             worker = self.home if self.busy == 0 else None
             self.busy += 1
         try:
+            # TF hands a 0-d tensor over as a NumPy scalar, which pickles through its
+            # reduce (its dtype's too: ~25 objects, each a persistent_id call of ours);
+            # as a 0-d array it goes inline, one object. The worker hands the function
+            # the scalar again (_pyfunc._as_input), as TF does.
+            arrays = tuple([np.asarray(a) if isinstance(a, _SCALARS) else a for a in arrays])
             future = self.pool().submit_call(self.call, arrays, worker=worker, view=True)
             # Sleep until it is done, the GIL released; the pool's future would poll
             # for a quick result first, which suits one waiting caller. Here N TF
             # threads wait at once (num_parallel_calls=N), and N pollers would take
             # the GIL and the CPUs from the manager thread that delivers their results
             # and from the workers (measured: slower, more of the main process's CPU).
-            Future.exception(future)
-            return future.result()  # done: no wait left, its error raised as the pool does
+            if Future.exception(future) is None:
+                return Future.result(future)  # done: no poll, no wait
+            return future.result()  # its error, raised as the pool raises it
         except BaseException as exc:
             if getattr(_failed, "watching", False):  # an eager call of this thread: see _run
                 _failed.error = (exc, exc.__cause__)

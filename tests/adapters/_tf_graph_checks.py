@@ -360,3 +360,39 @@ def check_op_body_sleeps_while_its_call_runs() -> None:
         finally:
             os.sched_yield = real_yield
     assert yields == 0, f"the op's body polled: {yields} sched_yield calls"
+
+
+def _describe_all(*xs: Any) -> Any:
+    return " ".join(f"{type(x).__name__}:{x!r}" for x in xs)
+
+
+def check_scalar_inputs_go_to_the_worker_as_arrays() -> None:
+    """TF hands a 0-d tensor to the body as a NumPy scalar; the body ships it as a 0-d
+    array (inline: one object for the pickler, not a scalar's and its dtype's reduce),
+    and the function still gets the NumPy scalar TF's own op gives it."""
+    with pool() as p:
+        sent: list[tuple[Any, ...]] = []
+        real = p.submit_call
+
+        def recording(fn: Any, args: Any = (), kwargs: Any = None, **kw: Any) -> Any:
+            sent.append(args)
+            return real(fn, args, kwargs, **kw)
+
+        p.submit_call = recording  # type: ignore[method-assign]
+        inputs = (tf.constant(True), tf.constant(2.5, tf.float64), tf.constant([1, 2]))
+        got, want = (
+            [
+                v.numpy().decode()
+                for v in tf.data.Dataset.range(3).map(
+                    lambda i, op=op: op(_describe_all, [i, *inputs], tf.string),
+                    num_parallel_calls=2,
+                )
+            ]
+            for op in (mpexec.numpy_function, tf.numpy_function)
+        )
+        assert got == want, (got, want)
+        assert want[0].startswith("int64:np.int64(0) bool:np.True_ float64:"), want
+        assert len(sent) == 3, sent
+        for args in sent:
+            assert [type(a) for a in args] == [np.ndarray] * 4, args
+            assert [a.ndim for a in args] == [0, 0, 0, 1], args

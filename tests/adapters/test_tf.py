@@ -887,3 +887,7 @@ def test_tf_benchmark_times_a_pass_apart_from_its_iterators_release() -> None:
 
 def test_tf_op_body_sleeps_while_its_call_runs() -> None:
     run_tf_check("check_op_body_sleeps_while_its_call_runs")
+
+
+def test_tf_op_ships_scalar_inputs_as_arrays() -> None:
+    run_tf_check("check_scalar_inputs_go_to_the_worker_as_arrays")
