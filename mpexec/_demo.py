@@ -2,9 +2,9 @@
 
 The demo generates a deterministic set of photograph-like images, encodes them
 (a small header and ``zlib``), and runs the usual training-time augmentation
-over them twice: in an mpexec pipeline, one ``python_function`` op per step,
-and in a plain serial loop in this process calling the same functions. It
-prints both throughputs, the speed-up and the pipeline's per-op statistics.
+over them in rounds, two ways in turn: in an mpexec pipeline (one ``python_function``
+op per step), and in a plain serial loop here calling the same functions. It prints
+the median throughputs and speed-up, CPU time an image, and per-op statistics.
 
 The steps, each a module-level function so that workers import it by
 reference::
