@@ -603,7 +603,7 @@ def test_the_pipeline_warms_up_until_its_workers_stop_faulting(
 def test_the_command_runs_the_serial_loop_with_the_workers_malloc_settings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Without it, the loop here took ~210-320 page faults an image (its heap's free
+    # Without it, the loop here took 210-560 page faults an image (its heap's free
     # top trimmed and grown again every image) where the warm workers took none.
     import inspect
 
