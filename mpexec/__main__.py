@@ -83,6 +83,13 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="passes over the images in the pipeline; the serial loop makes one (default: 2)",
     )
     demo.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=5,
+        metavar="N",
+        help="timed rounds, the serial loop and the pipeline in turn; medians (default: 5)",
+    )
+    demo.add_argument(
         "--seed", type=_non_negative_int, default=0, help="seed of images and pipeline (default: 0)"
     )
     demo.add_argument(
@@ -139,6 +146,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         batch_size=int(args.batch_size),
         workers=usable_cpus() if args.workers is None else int(args.workers),
         epochs=int(args.epochs),
+        rounds=int(args.rounds),
         seed=int(args.seed),
         progress=_demo.Progress.wanted(sys.stderr, disabled=bool(args.no_progress)),
     )

@@ -2,9 +2,9 @@
 
 The demo generates a deterministic set of photograph-like images, encodes them
 (a small header and ``zlib``), and runs the usual training-time augmentation
-over them twice: in an mpexec pipeline, one ``python_function`` op per step,
-and in a plain serial loop in this process calling the same functions. It
-prints both throughputs, the speed-up and the pipeline's per-op statistics.
+over them in rounds, two ways in turn: in an mpexec pipeline (one ``python_function``
+op per step), and in a plain serial loop here calling the same functions. It prints
+the median throughputs and speed-up, CPU time an image, and per-op statistics.
 
 The steps, each a module-level function so that workers import it by
 reference::
@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
+import resource
+import statistics
 import struct
 import sys
 import time
@@ -35,8 +38,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import fn
-from ._cpuload import CpuLoad, CpuMeter
-from ._host import usable_cpus
+from ._cpuload import CpuLoad, CpuMeter, own_cpu_seconds
+from ._host import keep_memory_warm, usable_cpus
 from ._pipeline import Pipeline, pipeline_def
 
 #: Side of the square crop the pipeline produces.
@@ -306,10 +309,7 @@ class Progress:
 
     @staticmethod
     def wanted(stream: TextIO, *, disabled: bool = False) -> bool:
-        """Whether to show progress on ``stream`` at all: unless ``disabled``.
-
-        (A bar on a terminal, lines elsewhere: see the class.)
-        """
+        """Whether to show progress on ``stream`` at all (unless ``disabled``)."""
         del stream
         return not disabled
 
@@ -374,6 +374,8 @@ class DemoConfig:
     epochs: int = 2
     seed: int = 0
     progress: bool = True
+    #: Timed rounds, each a serial pass and a pipeline epoch (in turn); medians are reported.
+    rounds: int = 5
 
 
 @dataclass(frozen=True)
@@ -388,9 +390,70 @@ class Timing:
         return self.images / self.seconds if self.seconds > 0 else math.inf
 
 
-def warmup_images(config: DemoConfig) -> int:
-    """Images of the untimed warm-up, on both sides: a batch for each worker (each
-    one runs every step before the clock starts), at most the image set."""
+@dataclass(frozen=True)
+class CpuUse:
+    """Where a timed phase's CPU time went, and the page faults it took."""
+
+    images: int
+    wall_s: float
+    #: CPU seconds of this process (all its threads).
+    main_s: float
+    #: CPU seconds of the workers (this process's descendants).
+    workers_s: float
+    #: Minor page faults: the serial loop's (this process), or the workers' inside their calls.
+    faults: int
+    workers: int = 0
+
+    def per_image_ms(self, seconds: float) -> float:
+        return 1e3 * seconds / max(1, self.images)
+
+    @property
+    def faults_per_image(self) -> float:
+        return self.faults / max(1, self.images)
+
+    @property
+    def workers_busy(self) -> float:
+        """The workers' CPU time over their wall time (1.0: every worker always on a CPU)."""
+        capacity = self.wall_s * self.workers
+        return self.workers_s / capacity if capacity > 0 else 0.0
+
+    def to_json(self) -> dict[str, float]:
+        return {
+            "main_ms_per_image": self.per_image_ms(self.main_s),
+            "workers_ms_per_image": self.per_image_ms(self.workers_s),
+            "faults_per_image": self.faults_per_image,
+            "workers_busy": self.workers_busy,
+        }
+
+
+class _CpuClock:
+    """A phase's :class:`CpuUse` from creation to :meth:`stop`; the readings that scan the
+    process tree (1-2 ms each on a busy host) stay out of the main process's window."""
+
+    def __init__(self, faults: Callable[[], int]) -> None:
+        self._faults = faults
+        self._workers0, self._faults0 = _descendants_cpu_s(), faults()
+        self._main0, self._t0 = _main_cpu_s(), time.perf_counter()
+
+    def stop(self, images: int, workers: int) -> CpuUse:
+        wall, main = time.perf_counter() - self._t0, _main_cpu_s() - self._main0
+        faults = self._faults() - self._faults0
+        descendants = max(0.0, _descendants_cpu_s() - self._workers0)
+        return CpuUse(images, wall, main, descendants, faults, workers)
+
+
+def _main_cpu_s() -> float:
+    return sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # user + system
+
+
+def _descendants_cpu_s() -> float:
+    """CPU seconds of this process's descendants (its workers), less its own."""
+    return own_cpu_seconds() - _main_cpu_s()
+
+
+def serial_warmup_images(config: DemoConfig) -> int:
+    """Images of the serial loop's untimed warm-up: a batch for each worker, at most the
+    set (its memory is warm after a few images: the report shows its faults a sample)."""
     return min(config.images, config.batch_size * max(1, config.workers))
 
 
@@ -442,66 +505,153 @@ def build_pipeline(source: EncodedImages, config: DemoConfig) -> Pipeline:
     return augment()
 
 
+#: The warm-up ends once the workers take fewer minor page faults a sample than this
+#: (cold: about 100, one per page of a sample's output), or after MAX_WARMUP_EPOCHS.
+WARM_FAULTS_PER_SAMPLE = 10.0
+MAX_WARMUP_EPOCHS = 3
+
+
 @dataclass(frozen=True)
 class PipelineRun:
-    """The pipeline's part of the demo."""
+    """The pipeline's part of the demo: its timed epochs, one a round."""
 
-    timing: Timing
-    #: Building the graph, starting the workers and the warm-up epoch (not timed).
+    timings: tuple[Timing, ...]
+    #: Building the graph and starting the workers (not timed).
     startup_s: float
+    #: Batches of each timed epoch.
     batches: int
+    #: SHA-1 of the per-sample SHA-1s of every timed epoch, in order.
     digest: str
     stats: Any
-    #: Who used the CPUs during the epoch (startup not counted, as in ``timing``).
-    load: CpuLoad | None = None
-    #: Images of the warm-up epoch (in ``startup_s``).
+    #: Who used the CPUs during each timed epoch (startup and warm-up not counted).
+    loads: tuple[CpuLoad, ...] = ()
+    #: Images of the warm-up epochs (each a pass over the set), and how long they took.
     warmup_images: int = 0
+    warmup_epochs: int = 0
+    warmup_s: float = 0.0
+    #: The workers' page faults a sample in the last warm-up epoch (None: not measured).
+    warmup_faults: float | None = None
+    #: CPU time and page faults of each timed epoch.
+    cpu: tuple[CpuUse, ...] = ()
+
+    @property
+    def timing(self) -> Timing:
+        """The timed epochs together."""
+        return Timing(sum(t.images for t in self.timings), sum(t.seconds for t in self.timings))
+
+
+def _worker_faults(pipe: Any) -> tuple[int, int] | None:
+    """(workers' page faults, samples delivered) so far, or None where not measured."""
+    stats = pipe.stats()
+    faults, samples = getattr(stats, "worker_faults", None), getattr(stats, "samples", None)
+    return None if faults is None or samples is None else (int(faults), int(samples))
+
+
+class PipelineSide:
+    """The pipeline, started and warmed once; :meth:`epoch` times one epoch of it.
+
+    The warm-up (untimed) runs epochs (the first a pass over the image set,
+    the next ones as timed) until the workers' memory is warm, as a long
+    training run's is: fewer than
+    :data:`WARM_FAULTS_PER_SAMPLE` minor page faults a sample (a cold worker
+    takes about one per page of each output it writes), at most
+    :data:`MAX_WARMUP_EPOCHS`. It also lets the workers import the functions
+    and the scheduler learn the ops' times. Every timed epoch starts after
+    ``reset()``, with nothing in flight, so that no work of a timed image is
+    done before its clock starts.
+    """
+
+    def __init__(self, source: EncodedImages, config: DemoConfig) -> None:
+        self.source = source
+        self.config = config
+        self.digest = hashlib.sha1(usedforsecurity=False)
+        self.rounds: list[tuple[Timing, CpuLoad, CpuUse, int]] = []
+        start = time.perf_counter()
+        self.pipe = build_pipeline(source, config)
+        self.pipe.__enter__()
+        try:
+            self.pipe.build()
+            self.startup_s = time.perf_counter() - start
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def _warm_up(self) -> None:
+        self.warmup_images = self.warmup_epochs = 0
+        self.warmup_faults: float | None = None
+        start = time.perf_counter()
+        while self.source.warmup and self.warmup_epochs < MAX_WARMUP_EPOCHS:
+            before = _worker_faults(self.pipe)
+            images = sum(len(batch) for batch, _ in self.pipe)
+            self.pipe.reset()
+            self.warmup_images += images
+            self.warmup_epochs += 1
+            after = _worker_faults(self.pipe)
+            if before is None or after is None or after[1] == before[1]:
+                break
+            self.warmup_faults = (after[0] - before[0]) / (after[1] - before[1])
+            if self.warmup_faults < WARM_FAULTS_PER_SAMPLE:
+                break
+        self.warmup_s = time.perf_counter() - start
+
+    def epoch(self, progress: Progress | None = None) -> tuple[Timing, CpuLoad, CpuUse, int]:
+        """One timed epoch: its timing, the host's load, its CPU use, its batches."""
+        before = _worker_faults(self.pipe)
+        meter = CpuMeter()  # while the workers live: their CPU time is ours
+        clock = _CpuClock(lambda: 0)
+        if progress is not None:
+            progress.restart()
+        start = time.perf_counter()
+        images = batches = 0
+        for batch, digests in self.pipe:
+            for sample, sample_sha in zip(batch, digests, strict=True):
+                _check_output(sample)
+                self.digest.update(np.asarray(sample_sha).data)
+            images += len(batch)
+            batches += 1
+            if progress is not None:
+                progress.update(len(batch))
+        seconds = time.perf_counter() - start
+        cpu = clock.stop(images, self.config.workers)  # first: the meter's scan is not in it
+        load = meter.stop()
+        self.pipe.reset()
+        after = _worker_faults(self.pipe)
+        if before is not None and after is not None:
+            cpu = dataclasses.replace(cpu, faults=after[0] - before[0])
+        self.rounds.append((Timing(images, seconds), load, cpu, batches))
+        return self.rounds[-1]
+
+    def result(self) -> PipelineRun:
+        """The :class:`PipelineRun` of the epochs timed so far."""
+        return PipelineRun(
+            timings=tuple(r[0] for r in self.rounds),
+            startup_s=self.startup_s,
+            batches=self.rounds[0][3] if self.rounds else 0,
+            digest=self.digest.hexdigest(),
+            stats=self.pipe.stats(),
+            loads=tuple(r[1] for r in self.rounds),
+            warmup_images=self.warmup_images,
+            warmup_epochs=self.warmup_epochs,
+            warmup_s=self.warmup_s,
+            warmup_faults=self.warmup_faults,
+            cpu=tuple(r[2] for r in self.rounds),
+        )
+
+    def close(self) -> None:
+        self.pipe.__exit__(None, None, None)
 
 
 def run_pipeline(
     source: EncodedImages, config: DemoConfig, progress: Progress | None = None
 ) -> PipelineRun:
-    """Run one epoch of the pipeline (every sample of ``source``), timed.
-
-    Startup (building the graph, starting the workers and, if ``source`` has
-    one, its warm-up epoch) is timed apart from the epoch; the throughput
-    counts only the epoch. The warm-up epoch lets the workers load the
-    functions, fault in their memory and the scheduler learn the ops' times
-    before the clock starts; it starts the timed epoch with an empty pipeline,
-    so that no work of the timed images is done before the clock starts.
-    """
-    digest = hashlib.sha1(usedforsecurity=False)
-    images = batches = warm = 0
-    start = time.perf_counter()
-    with build_pipeline(source, config) as pipe:
-        if source.warmup:
-            for batch, _ in pipe:
-                warm += len(batch)
-            pipe.reset()
-        started = time.perf_counter()
-        meter = CpuMeter()  # while the workers live: their CPU time is ours
-        if progress is not None:
-            progress.restart()
-        for batch, digests in pipe:
-            for sample, sample_sha in zip(batch, digests, strict=True):
-                _check_output(sample)
-                digest.update(np.asarray(sample_sha).data)
-            images += len(batch)
-            batches += 1
-            if progress is not None:
-                progress.update(len(batch))
-        done = time.perf_counter()
-        load = meter.stop()
-        stats = pipe.stats()
-    return PipelineRun(
-        timing=Timing(images, done - started),
-        startup_s=started - start,
-        batches=batches,
-        digest=digest.hexdigest(),
-        stats=stats,
-        load=load,
-        warmup_images=warm,
-    )
+    """Start the pipeline, warm it up, then time one epoch of it."""
+    side = PipelineSide(source, config)
+    try:
+        side.epoch(progress)
+        return side.result()
+    finally:
+        side.close()
 
 
 def _check_output(sample: Any) -> None:
@@ -514,6 +664,34 @@ def _check_output(sample: Any) -> None:
 
 
 @dataclass(frozen=True)
+class SerialRun:
+    """The serial loop's part of the demo: a timed pass over the set a round."""
+
+    timings: tuple[Timing, ...]
+    digest: str
+    loads: tuple[CpuLoad, ...] = ()
+    cpu: tuple[CpuUse, ...] = ()
+    warmup_images: int = 0
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def _total_load(loads: Sequence[CpuLoad]) -> CpuLoad | None:
+    """The loads of several phases as one (their times summed)."""
+    if not loads:
+        return None
+    return CpuLoad(
+        wall_s=sum(x.wall_s for x in loads),
+        cpus=loads[0].cpus,
+        own_cpu_s=sum(x.own_cpu_s for x in loads),
+        other_cpu_s=sum(x.other_cpu_s for x in loads),
+        steal_cpu_s=sum(x.steal_cpu_s for x in loads),
+    )
+
+
+@dataclass(frozen=True)
 class DemoResult:
     """Everything the demo measured."""
 
@@ -521,48 +699,79 @@ class DemoResult:
     usable_cpus: int
     encoded_bytes: int
     generate_s: float
-    serial: Timing
-    serial_digest: str
+    serial: SerialRun
     pipeline: PipelineRun
-    #: Who used the CPUs during the serial loop.
-    serial_load: CpuLoad | None = None
+
+    @property
+    def speedups(self) -> tuple[float, ...]:
+        """Each round's pipeline throughput over the serial loop's in the same round."""
+        return tuple(
+            p.images_per_s / s.images_per_s
+            for s, p in zip(self.serial.timings, self.pipeline.timings, strict=False)
+        )
 
     @property
     def speedup(self) -> float:
-        return self.pipeline.timing.images_per_s / self.serial.images_per_s
+        """The median of the rounds' speed-ups."""
+        return _median(self.speedups)
+
+    @property
+    def serial_load(self) -> CpuLoad | None:
+        return _total_load(self.serial.loads)
+
+    @property
+    def pipeline_load(self) -> CpuLoad | None:
+        return _total_load(self.pipeline.loads)
 
     @property
     def other_share(self) -> float | None:
-        """The larger share of the CPUs other processes used in the two timed runs."""
-        shares = [x.other_share for x in (self.serial_load, self.pipeline.load) if x is not None]
+        """The larger share of the CPUs other processes used in the two sides' timed runs."""
+        shares = [x.other_share for x in (self.serial_load, self.pipeline_load) if x is not None]
         return max(shares) if shares else None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready summary (``--json``)."""
+        s, p = self.serial, self.pipeline
         return {
             "config": dataclasses.asdict(self.config),
             "usable_cpus": self.usable_cpus,
             "encoded_bytes": self.encoded_bytes,
             "generate_s": self.generate_s,
-            "serial": _timing_json(self.serial) | {"digest": self.serial_digest},
-            "pipeline": _timing_json(self.pipeline.timing)
+            "serial": _side_json(s.timings, s.cpu)
+            | {"digest": s.digest, "warmup_images": s.warmup_images},
+            "pipeline": _side_json(p.timings, p.cpu)
             | {
-                "startup_s": self.pipeline.startup_s,
-                "warmup_images": self.pipeline.warmup_images,
-                "batches": self.pipeline.batches,
-                "digest": self.pipeline.digest,
+                "startup_s": p.startup_s,
+                "warmup_images": p.warmup_images,
+                "warmup_epochs": p.warmup_epochs,
+                "warmup_s": p.warmup_s,
+                "warmup_faults_per_image": p.warmup_faults,
+                "batches": p.batches,
+                "digest": p.digest,
             },
             "speedup": self.speedup,
+            "speedups": list(self.speedups),
             "host_load": {
                 name: None if load is None else load.to_json()
-                for name, load in (("serial", self.serial_load), ("pipeline", self.pipeline.load))
+                for name, load in (("serial", self.serial_load), ("pipeline", self.pipeline_load))
             },
-            "stats": _stats_json(self.pipeline.stats),
+            "stats": _stats_json(p.stats),
         }
 
 
-def _timing_json(t: Timing) -> dict[str, Any]:
-    return {"images": t.images, "seconds": t.seconds, "images_per_s": t.images_per_s}
+def _side_json(timings: Sequence[Timing], cpu: Sequence[CpuUse]) -> dict[str, Any]:
+    """A side's medians over its rounds, then each round."""
+    rates = [t.images_per_s for t in timings]
+    return {
+        "images": timings[0].images if timings else 0,
+        "seconds": _median([t.seconds for t in timings]),
+        "images_per_s": _median(rates),
+        "rounds": [
+            {"images": t.images, "seconds": t.seconds, "images_per_s": t.images_per_s}
+            | (c.to_json() if c is not None else {})
+            for t, c in itertools.zip_longest(timings, cpu[: len(timings)])
+        ],
+    }
 
 
 def _stats_json(stats: Any) -> Any:
@@ -572,9 +781,14 @@ def _stats_json(stats: Any) -> Any:
 
 
 def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
-    """Generate the images, run the serial loop and the pipeline; return the measurements.
+    """Generate the images, start and warm the pipeline, then time ``config.rounds``
+    rounds of the serial loop and the pipeline in turn; return the measurements.
 
-    Progress bars, when ``config.progress`` is set, go to ``err`` (default: stderr).
+    The two sides alternate within a round and swap order from round to round
+    (serial first, then pipeline first, ...), so that a change in the host's
+    load or clock meets both alike; each round's speed-up compares the two
+    phases run next to each other. Progress bars, when ``config.progress`` is
+    set, go to ``err`` (default: stderr).
     """
     err = sys.stderr if err is None else err
     bar = Progress("images", config.images, err, enabled=config.progress)
@@ -585,32 +799,54 @@ def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
         bar.close()
     generate_s = time.perf_counter() - start
 
-    warmup = warmup_images(config)
-    warm_up_serial(encoded, config.seed, warmup)
-    bar = Progress("serial", len(encoded), err, enabled=config.progress)
-    try:
-        meter = CpuMeter()
-        serial, serial_digest = run_serial(encoded, config.seed, bar)
-        serial_load = meter.stop()
-    finally:
-        bar.close()
+    serial_warm = serial_warmup_images(config)
+    warm_up_serial(encoded, config.seed, serial_warm)
+    serial: list[tuple[Timing, CpuLoad, CpuUse]] = []
+    serial_digest = ""
 
-    source = EncodedImages(encoded, passes=config.epochs, warmup=warmup)
-    bar = Progress("pipeline", len(source), err, enabled=config.progress)
+    def serial_round() -> None:
+        nonlocal serial_digest
+        bar = Progress("serial", len(encoded), err, enabled=config.progress)
+        try:
+            meter = CpuMeter()
+            clock = _CpuClock(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+            timing, serial_digest = run_serial(encoded, config.seed, bar)
+            use = clock.stop(timing.images, 0)  # first: the meter's scan is not in it
+            serial.append((timing, meter.stop(), use))
+        finally:
+            bar.close()
+
+    source = EncodedImages(encoded, passes=config.epochs, warmup=len(encoded))
+    side = PipelineSide(source, config)
     try:
-        pipeline = run_pipeline(source, config, bar)
+
+        def pipeline_round() -> None:
+            bar = Progress("pipeline", len(source), err, enabled=config.progress)
+            try:
+                side.epoch(bar)
+            finally:
+                bar.close()
+
+        for r in range(config.rounds):
+            for phase in (serial_round, pipeline_round)[:: 1 if r % 2 == 0 else -1]:
+                phase()
+        pipeline = side.result()
     finally:
-        bar.close()
+        side.close()
 
     return DemoResult(
         config=config,
         usable_cpus=usable_cpus(),
         encoded_bytes=sum(int(e.nbytes) for e in encoded),
         generate_s=generate_s,
-        serial=serial,
-        serial_digest=serial_digest,
+        serial=SerialRun(
+            timings=tuple(x[0] for x in serial),
+            digest=serial_digest,
+            loads=tuple(x[1] for x in serial),
+            cpu=tuple(x[2] for x in serial),
+            warmup_images=serial_warm,
+        ),
         pipeline=pipeline,
-        serial_load=serial_load,
     )
 
 
@@ -631,7 +867,7 @@ def host_load_text(result: DemoResult) -> tuple[str, str]:
         return "", ""
     loads = [
         (name, load)
-        for name, load in (("serial loop", result.serial_load), ("pipeline", result.pipeline.load))
+        for name, load in (("serial loop", result.serial_load), ("pipeline", result.pipeline_load))
         if load is not None
     ]
     cpus = _plural(loads[0][1].cpus, "CPU")
@@ -645,6 +881,34 @@ def host_load_text(result: DemoResult) -> tuple[str, str]:
     return "", line + " (a quiet host)"
 
 
+def _spread(values: Sequence[float], fmt: str) -> str:
+    """``[low-high]`` of ``values`` (empty for fewer than two)."""
+    return f"[{min(values):{fmt}}-{max(values):{fmt}}]" if len(values) > 1 else ""
+
+
+def cpu_lines(result: DemoResult) -> list[str]:
+    """CPU time and page faults an image, medians over the rounds."""
+    s, p = result.serial.cpu, result.pipeline.cpu
+    lines = []
+    if s:
+        lines.append(
+            f"  serial    {_median([c.per_image_ms(c.main_s) for c in s]):5.2f} ms in this "
+            f"process, {_median([c.faults_per_image for c in s]):.1f} page faults"
+        )
+    if p:
+        main = _median([c.per_image_ms(c.main_s) for c in p])
+        faults = _median([c.faults_per_image for c in p])
+        if result.config.workers:
+            lines.append(
+                f"  pipeline  {_median([c.per_image_ms(c.workers_s) for c in p]):5.2f} ms in "
+                f"the workers ({_median([c.workers_busy for c in p]):.0%} busy), "
+                f"{main:.2f} ms in this process, {faults:.1f} worker page faults"
+            )
+        else:
+            lines.append(f"  pipeline  {main:5.2f} ms in this process (inline, no workers)")
+    return lines
+
+
 def format_result(result: DemoResult) -> str:
     """The measurements for a person: throughput first, then the per-op statistics."""
     c, s, p = result.config, result.serial, result.pipeline
@@ -654,33 +918,54 @@ def format_result(result: DemoResult) -> str:
         f"{_plural(c.images, 'image')} of about {c.size}x{c.size}, seed {c.seed} "
         f"({mib:.1f} MiB encoded, generated in {result.generate_s:.2f} s)"
     )
+    warm = (
+        f" (until under {WARM_FAULTS_PER_SAMPLE:.0f} worker page faults a sample: "
+        f"{p.warmup_faults:.1f})"
+        if p.warmup_faults is not None
+        else ""
+    )
+    s_rates = [t.images_per_s for t in s.timings]
+    p_rates = [t.images_per_s for t in p.timings]
     serial = (
-        f"{s.images_per_s:8.1f} images/s  "
-        f"({_plural(s.images, 'image')} in {s.seconds:.2f} s, one loop in this process; "
-        f"{_plural(p.warmup_images, 'image')} of warm-up before, not counted)"
+        f"{_median(s_rates):8.1f} images/s {_spread(s_rates, '.0f')}  "
+        f"({_plural(c.images, 'image')} a round, one loop in this process)"
     )
     pipeline = (
-        f"{p.timing.images_per_s:8.1f} images/s  "
-        f"({_plural(p.timing.images, 'image')} in {p.timing.seconds:.2f} s: "
-        f"{_plural(c.epochs, 'epoch')}, "
-        f"{_plural(p.batches, 'batch', 'batches')} of up to {c.batch_size}; "
-        f"startup and a warm-up epoch of {_plural(p.warmup_images, 'image')} "
-        f"{p.startup_s:.2f} s, not counted)"
+        f"{_median(p_rates):8.1f} images/s {_spread(p_rates, '.0f')}  "
+        f"({_plural(c.images * c.epochs, 'image')} a round: {_plural(c.epochs, 'pass', 'passes')}, "
+        f"{_plural(p.batches, 'batch', 'batches')} of up to {c.batch_size})"
     )
     speedup = (
-        f"{result.speedup:8.2f}x          "
+        f"{result.speedup:8.2f}x {_spread(result.speedups, '.2f')}  "
         f"({_plural(c.workers, 'worker')}, {_plural(result.usable_cpus, 'usable CPU')})"
     )
     verdict, load = host_load_text(result)
+    startup = (
+        f"  startup   {p.startup_s:.2f} s: building the graph, starting "
+        f"{_plural(c.workers, 'worker')}"
+    )
+    warmup = (
+        f"  warm-up   {p.warmup_s:.2f} s: the pipeline {_plural(p.warmup_images, 'image')}"
+        f"{warm}, the serial loop {_plural(s.warmup_images, 'image')}"
+    )
+    rounds = (
+        f"throughput: {_plural(len(s.timings), 'round')}, the serial loop and the pipeline "
+        "in turn; medians [lowest-highest]"
+    )
     return "\n".join(
         [
             f"mpexec demo: {images}",
             f"  {steps}: float32 3x{CROP}x{CROP} per image",
-            "throughput",
+            "not timed",
+            startup,
+            warmup,
+            rounds,
             f"  serial    {serial}",
             f"  pipeline  {pipeline}",
             f"  speed-up  {speedup}{verdict}",
             *([f"  host load {load}"] if load else []),
+            "cpu time an image: medians",
+            *cpu_lines(result),
             f"output digest  {p.digest}  (SHA-1 of the SHA-1s of the pipeline's outputs, in order)",
             "per-op stats",
             str(p.stats),
@@ -688,8 +973,19 @@ def format_result(result: DemoResult) -> str:
     )
 
 
+#: Freed memory this process's malloc keeps for the serial loop: the pool's default
+#: ``warm_memory``, so that both sides run with the same malloc settings.
+SERIAL_WARM_MEMORY = 256 << 20
+
+
 def main(config: DemoConfig, *, as_json: bool = False, out: TextIO | None = None) -> int:
-    """Run the demo and print its result; return the exit status (0)."""
+    """Run the demo and print its result; return the exit status (0).
+
+    First sets this process's malloc as the workers' (``warm_memory``, docs/pool.md):
+    else the serial loop may take ~200 page faults an image that the workers do not,
+    flattering the pipeline. Process-wide: hence here, not in :func:`run_demo`.
+    """
+    keep_memory_warm(SERIAL_WARM_MEMORY)
     result = run_demo(config)
     stream = sys.stdout if out is None else out
     if as_json:

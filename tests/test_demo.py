@@ -313,6 +313,9 @@ class FakePipeline:
     def __enter__(self) -> FakePipeline:
         return self
 
+    def build(self) -> None:
+        pass
+
     def __exit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
@@ -350,23 +353,28 @@ def fake_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("fake_pipeline")
 def test_demo_reports_throughput(capsys: pytest.CaptureFixture[str]) -> None:
-    config = _demo.DemoConfig(images=3, size=48, batch_size=2, workers=2, epochs=2, progress=False)
+    config = _demo.DemoConfig(
+        images=3, size=48, batch_size=2, workers=2, epochs=2, rounds=2, progress=False
+    )
     assert _demo.main(config) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    assert "throughput" in out
+    assert "throughput: 2 rounds" in out
     assert "serial" in out
     assert "pipeline" in out
     assert "speed-up" in out
-    assert "6 images in" in out  # 2 epochs of 3
+    assert "6 images a round: 2 passes" in out
     assert "3 batches of up to 2" in out
-    assert "FAKE STATS 9 calls" in out  # and a warm-up of 3
-    assert "a warm-up epoch of 3 images" in out
+    assert "FAKE STATS 15 calls" in out  # a warm-up of 3, then 2 rounds of 6
+    assert "the pipeline 3 images" in out
+    assert "cpu time an image" in out
 
 
 @pytest.mark.usefixtures("fake_pipeline")
 def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
-    config = _demo.DemoConfig(images=2, size=32, batch_size=4, workers=1, epochs=1, progress=False)
+    config = _demo.DemoConfig(
+        images=2, size=32, batch_size=4, workers=1, epochs=1, rounds=3, progress=False
+    )
     assert _demo.main(config, as_json=True) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["config"]["images"] == 2
@@ -374,8 +382,16 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["pipeline"]["images"] == 2
     assert summary["pipeline"]["batches"] == 1
     assert summary["speedup"] > 0
-    assert summary["stats"] == "FAKE STATS 4 calls"  # a warm-up of 2, then 2
+    assert len(summary["speedups"]) == 3
+    assert summary["speedup"] == sorted(summary["speedups"])[1]
+    for side in ("serial", "pipeline"):
+        assert [r["images"] for r in summary[side]["rounds"]] == [2, 2, 2]
+        for r in summary[side]["rounds"]:
+            assert r["main_ms_per_image"] >= 0
+            assert r["faults_per_image"] >= 0
+    assert summary["stats"] == "FAKE STATS 8 calls"  # a warm-up of 2, then 3 rounds of 2
     assert summary["pipeline"]["warmup_images"] == 2
+    assert summary["pipeline"]["warmup_epochs"] == 1
     for phase in ("serial", "pipeline"):
         load = summary["host_load"][phase]
         assert 0.0 <= load["other_share"] <= 1.0
@@ -383,17 +399,42 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert load["own_cpu_s"] >= 0
 
 
-def _result(serial_other: float, pipeline_other: float) -> _demo.DemoResult:
-    """A result whose serial loop and pipeline saw other processes use these shares."""
+def _result(
+    serial_other: float, pipeline_other: float, rates: tuple[tuple[float, float], ...] = ((2, 4),)
+) -> _demo.DemoResult:
+    """A result whose serial loop and pipeline saw other processes use these shares, and
+    made these images a second in each round (serial, pipeline)."""
 
     def load(share: float) -> CpuLoad:
         return CpuLoad(wall_s=10.0, cpus=2, own_cpu_s=5.0, other_cpu_s=20.0 * share, steal_cpu_s=0)
 
-    config = _demo.DemoConfig(images=4, workers=2, progress=False)
-    run = _demo.PipelineRun(_demo.Timing(8, 2.0), 0.5, 1, "ab" * 20, "STATS", load(pipeline_other))
-    return _demo.DemoResult(
-        config, 2, 1000, 0.1, _demo.Timing(4, 2.0), "cd" * 20, run, load(serial_other)
+    def cpu(workers: int) -> _demo.CpuUse:  # the serial loop's: 4 images; the pipeline's: 8
+        if workers:
+            return _demo.CpuUse(8, 2.0, 0.1, 4.0, 40, workers)
+        return _demo.CpuUse(4, 2.0, 0.016, 0.0, 40, 0)
+
+    config = _demo.DemoConfig(images=4, workers=2, rounds=len(rates), progress=False)
+    run = _demo.PipelineRun(
+        tuple(_demo.Timing(8, 8 / p) for _, p in rates),
+        0.5,
+        1,
+        "ab" * 20,
+        "STATS",
+        tuple(load(pipeline_other) for _ in rates),
+        warmup_images=8,
+        warmup_epochs=2,
+        warmup_s=1.0,
+        warmup_faults=3.0,
+        cpu=tuple(cpu(2) for _ in rates),
     )
+    serial = _demo.SerialRun(
+        tuple(_demo.Timing(4, 4 / s) for s, _ in rates),
+        "cd" * 20,
+        tuple(load(serial_other) for _ in rates),
+        tuple(cpu(0) for _ in rates),
+        4,
+    )
+    return _demo.DemoResult(config, 2, 1000, 0.1, serial, run)
 
 
 @pytest.mark.parametrize(
@@ -415,6 +456,25 @@ def test_demo_says_how_busy_the_host_was(serial: float, pipeline: float, verdict
         f"serial loop and {100 * pipeline:.0f}% during the pipeline"
     ), load
     assert load.endswith("(a quiet host)") == (verdict == "")
+
+
+def test_the_speed_up_is_the_median_of_the_rounds_each_against_its_own_serial_loop() -> None:
+    # Round by round, pipeline over the serial loop next to it: 2.0, 1.5, 3.0 -> 2.0
+    # (the ratio of the sides' medians would be 150 / 50 = 3.0).
+    result = _result(0.0, 0.0, ((50, 100), (100, 150), (20, 60)))
+    assert result.speedups == pytest.approx((2.0, 1.5, 3.0))
+    assert result.speedup == pytest.approx(2.0)
+    text = _demo.format_result(result)
+    assert "speed-up      2.00x [1.50-3.00]" in text
+    assert "  serial        50.0 images/s [20-100]  (4 images a round" in text
+    assert "throughput: 3 rounds" in text
+    assert "the pipeline 8 images (until under 10 worker page faults a sample: 3.0)" in text
+    cpu = text.split("cpu time an image: medians\n", 1)[1].splitlines()
+    assert cpu[0] == "  serial     4.00 ms in this process, 10.0 page faults"
+    assert cpu[1] == (
+        "  pipeline  500.00 ms in the workers (100% busy), 12.50 ms in this process, "
+        "5.0 worker page faults"
+    )
 
 
 @pytest.mark.usefixtures("fake_pipeline")
@@ -443,9 +503,9 @@ def test_pipeline_outputs_do_not_depend_on_workers() -> None:
 
 
 def test_the_demo_warms_up_both_sides_before_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Both sides make a batch per worker untimed first: the pipeline as an epoch
-    # of its own (the timed one starts with nothing in flight), the loop as
-    # the same images; the clock counts only the timed images.
+    # The pipeline warms up over a whole pass of the set (an epoch of its own: the
+    # timed one starts with nothing in flight), the loop over a batch per worker;
+    # the clock counts only the timed images.
     made: list[FakePipeline] = []
 
     def build(source: _demo.EncodedImages, config: _demo.DemoConfig) -> FakePipeline:
@@ -460,14 +520,102 @@ def test_the_demo_warms_up_both_sides_before_the_clock(monkeypatch: pytest.Monke
         serial_calls.append(index)
         return augment(encoded, seed, index)
 
-    config = _demo.DemoConfig(images=5, size=32, batch_size=2, workers=2, epochs=1, progress=False)
+    config = _demo.DemoConfig(
+        images=5, size=32, batch_size=2, workers=2, epochs=1, rounds=1, progress=False
+    )
     monkeypatch.setattr(_demo, "augment_one", counted)
     result = _demo.run_demo(config)
-    assert made[0].epochs == [4, 5]  # the warm-up (2 workers x 2), then the timed epoch
-    assert result.pipeline.warmup_images == 4
+    assert made[0].epochs == [5, 5]  # the warm-up (a pass), then the timed epoch
+    assert result.pipeline.warmup_images == 5
     assert result.pipeline.timing.images == 5
     assert serial_calls == [0, 1, 2, 3, 0, 1, 2, 3, 4]  # the warm-up's 4, then the set
-    assert result.serial.images == 5
+    assert result.serial.timings == (result.serial.timings[0],)
+    assert result.serial.timings[0].images == 5
+
+
+def test_the_rounds_alternate_the_sides_and_swap_their_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # serial, pipeline | pipeline, serial | serial, pipeline: a drift in the host's
+    # load meets both sides alike, and each round's ratio compares neighbours.
+    log: list[str] = []
+    monkeypatch.setattr(_demo, "build_pipeline", FakePipeline)
+    serial, epoch = _demo.run_serial, _demo.PipelineSide.epoch
+
+    def run_serial(*args: Any, **kwargs: Any) -> Any:
+        log.append("S")
+        return serial(*args, **kwargs)
+
+    def run_epoch(self: _demo.PipelineSide, *args: Any) -> Any:
+        log.append("P")
+        return epoch(self, *args)
+
+    monkeypatch.setattr(_demo, "run_serial", run_serial)
+    monkeypatch.setattr(_demo.PipelineSide, "epoch", run_epoch)
+    config = _demo.DemoConfig(images=2, size=32, batch_size=2, workers=1, rounds=3, progress=False)
+    result = _demo.run_demo(config)
+    assert log == ["S", "P", "P", "S", "S", "P"]
+    assert len(result.speedups) == 3
+    assert [t.images for t in result.pipeline.timings] == [4, 4, 4]  # 2 passes a round
+
+
+@dataclass
+class _FaultStats:
+    worker_faults: int
+    samples: int
+
+
+class WarmingPipeline(FakePipeline):
+    """A fake whose workers fault less each epoch: 100, 40, 5, 1 a sample."""
+
+    FAULTS = (100, 40, 5, 1)
+
+    def __init__(self, source: _demo.EncodedImages, config: _demo.DemoConfig) -> None:
+        super().__init__(source, config)
+        self.faults = 0
+
+    def reset(self) -> None:
+        self.faults += self.FAULTS[min(self.epoch, 3)] * self.epochs[-1]
+        super().reset()
+
+    def stats(self) -> Any:
+        return _FaultStats(self.faults, sum(self.epochs))
+
+
+def test_the_pipeline_warms_up_until_its_workers_stop_faulting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A cold worker takes about a fault per page of every output it writes, for
+    # more than one pass of the set: the warm-up goes on, a pass at a time, until
+    # the faults a sample fall under WARM_FAULTS_PER_SAMPLE (or MAX_WARMUP_EPOCHS).
+    monkeypatch.setattr(_demo, "build_pipeline", WarmingPipeline)
+    images = _demo.make_image_set(3, seed=0, size=32)
+    source = _demo.EncodedImages(images, passes=1, warmup=3)
+    config = _demo.DemoConfig(images=3, batch_size=2, workers=1, progress=False)
+    run = _demo.run_pipeline(source, config)
+    assert (run.warmup_epochs, run.warmup_images, run.warmup_faults) == (3, 9, 5.0)
+    assert run.cpu[0].faults == 3  # the timed epoch: 1 a sample
+    monkeypatch.setattr(_demo, "MAX_WARMUP_EPOCHS", 2)
+    run = _demo.run_pipeline(source, config)
+    assert (run.warmup_epochs, run.warmup_faults) == (2, 40.0)
+
+
+def test_the_command_runs_the_serial_loop_with_the_workers_malloc_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without it, the loop here took 210-560 page faults an image (its heap's free
+    # top trimmed and grown again every image) where the warm workers took none.
+    import inspect
+
+    from mpexec import WorkerPool
+
+    default = inspect.signature(WorkerPool).parameters["warm_memory"].default
+    assert default == _demo.SERIAL_WARM_MEMORY
+    calls: list[Any] = []
+    monkeypatch.setattr(_demo, "keep_memory_warm", lambda limit: calls.append(("warm", limit)))
+    monkeypatch.setattr(_demo, "run_demo", lambda config: calls.append("run") or _result(0, 0))
+    assert _demo.main(_demo.DemoConfig(progress=False), out=io.StringIO()) == 0
+    assert calls == [("warm", _demo.SERIAL_WARM_MEMORY), "run"]
 
 
 @pytest.mark.usefixtures("no_leaks")
@@ -535,9 +683,10 @@ def test_cli_passes_options_through(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(_demo, "main", fake_main)
     argv = ["demo", "--images", "5", "--batch-size", "3", "--workers", "0", "--size", "64"]
-    assert cli_main([*argv, "--epochs", "4", "--seed", "9", "--no-progress", "--json"]) == 0
+    options = ["--epochs", "4", "--seed", "9", "--rounds", "2", "--no-progress", "--json"]
+    assert cli_main([*argv, *options]) == 0
     assert seen["config"] == _demo.DemoConfig(
-        images=5, size=64, batch_size=3, workers=0, epochs=4, seed=9, progress=False
+        images=5, size=64, batch_size=3, workers=0, epochs=4, seed=9, progress=False, rounds=2
     )
     assert seen["as_json"] is True
 
@@ -547,6 +696,7 @@ def test_cli_passes_options_through(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["config"].workers == usable_cpus()
     assert seen["config"].images == 256
     assert seen["config"].batch_size == 32
+    assert seen["config"].rounds == 5
     assert seen["config"].progress is True  # lines, since stderr is not a terminal here
     assert seen["as_json"] is False
 

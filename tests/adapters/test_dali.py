@@ -9,6 +9,7 @@ environment) and checks mpexec's DALI names against the real package.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,33 @@ class _RecordingPool:
         done: Future[Any] = Future()
         done.set_result(fn(*args, out=tuple(None if o is None else o.array for o in out)))
         return done
+
+
+def _slow_last_row(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if x[0] >= 21:  # the batch's last row (see below): its chunk comes back well after
+        time.sleep(0.3)
+    return x * 2 + 1
+
+
+def test_python_function_wakes_its_caller_once_every_chunk_is_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Once every chunk is out (2 workers: a batch is 2 or 4 chunks, all sent at
+    # once), DALI's thread sleeps until all are back, or one fails: it used to wake
+    # for each chunk that came back, with nothing more to send.
+    waits: list[str] = []
+    real = mpexec.dali.wait
+
+    def counted(fs: Any, timeout: Any = None, return_when: str = "ALL_COMPLETED") -> Any:
+        waits.append(return_when)
+        return real(fs, timeout, return_when)
+
+    monkeypatch.setattr(mpexec.dali, "wait", counted)
+    batch = _back_to_back(8, (3,))
+    with mpexec.dali.python_function(_slow_last_row, num_workers=2) as spread:
+        got = spread(batch)  # nothing timed yet: one chunk a worker
+    assert np.array_equal(np.stack(got), np.stack(batch) * 2 + 1)
+    assert waits == ["FIRST_EXCEPTION"]
 
 
 @pytest.mark.parametrize("adjacent", [True, False])
