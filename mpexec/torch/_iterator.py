@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from typing import Any
 
 from torch.utils.data import IterDataPipe, MapDataPipe
@@ -126,7 +126,7 @@ class WorkersIter(EpochIter):
                 for w in range(self._num_workers)
             ]
             for worker, future in enumerate(resumed):
-                self._wait([future], -1, worker)
+                self._wait_one(future, -1, worker)
                 self._outcome(future, -1, worker, None)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
@@ -168,7 +168,7 @@ class WorkersIter(EpochIter):
                 position = next(iter(self._tasks))
                 worker, future, index = self._tasks[position]
                 # Timed out: the batch stays first in line, for the next call (as torch).
-                self._wait([future], position, worker)
+                self._wait_one(future, position, worker)
             else:
                 position = self._first_done()
                 worker, future, index = self._tasks[position]
@@ -190,6 +190,25 @@ class WorkersIter(EpochIter):
                 data = _compat.pin_memory(data, self._pin_memory_device)
             return data
 
+    def _wait_one(self, future: Future[Any], position: int, worker: int) -> None:
+        """Wait for one batch: on its future's own condition, not ``wait()``'s.
+
+        ``concurrent.futures.wait`` installs a waiter (an ``Event``, its own
+        ``Condition``) on the future and takes the future's lock three times: at
+        2 workers, where the caller sleeps for nearly every batch and wakes with
+        cold caches, that was about 40 Python calls a batch on each side.
+        ``Future``'s own ``exception()`` is the same wait: no polling, as
+        ``wait()`` never polled.
+        """
+        if future.done():
+            return
+        try:
+            Future.exception(future, self._timeout or None)
+        except TimeoutError:
+            raise self._timed_out(position, worker) from None
+        except CancelledError:
+            pass  # done: _outcome raises it, as after wait()
+
     def _wait(self, futures: list[Future[Any]], position: int, worker: int) -> None:
         done, _ = wait(futures, timeout=self._timeout or None, return_when=FIRST_COMPLETED)
         if not done:
@@ -203,7 +222,8 @@ class WorkersIter(EpochIter):
 
     def _outcome(self, future: Future[Any], position: int, worker: int, index: Any) -> Any:
         """A finished task's payload; its error, raised (a dead worker ends the epoch)."""
-        exc = future.exception(timeout=0)
+        # Done: Future's own readers (the pool's would poll for a result first).
+        exc = Future.exception(future, 0)
         if isinstance(exc, BrokenPoolError):
             err = self._crashed(exc, position, worker, index)
             self._shutdown_workers()
@@ -215,7 +235,7 @@ class WorkersIter(EpochIter):
                 self._consumed(position, failed=True)
                 self._try_put_index()
             reraise(exc)  # the worker's error: __next__ raises it where it was raised
-        busy, data, snapshot = future.result(timeout=0)
+        busy, data, snapshot = Future.result(future, 0)
         if snapshot is not None and position >= 0:  # the worker's state after this batch
             self._progress.snapshots[worker] = snapshot
         if busy is not None and data is not _fetch.ENDED and data is not _fetch.SKIPPED:

@@ -476,6 +476,30 @@ def _one_less() -> None:
     CountingDataset.alive -= 1
 
 
+def test_in_order_batches_wait_on_their_own_future(monkeypatch: Any) -> None:
+    # concurrent.futures.wait() installed a waiter (an Event, a Condition) on
+    # every batch's future: ~40 Python calls a batch, run cold at 2 workers.
+    from mpexec.torch import _iterator
+
+    waited: list[Any] = []
+    real = _iterator.wait
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        waited.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_iterator, "wait", counted)
+    data = TensorDataset(torch.arange(96))
+    for timeout in (0, 30):
+        loader = mt.DataLoader(
+            data, batch_size=8, num_workers=2, persistent_workers=True, timeout=timeout
+        )
+        for _ in range(2):  # the second epoch waits for each worker's resume too
+            assert torch.cat([b for (b,) in loader]).tolist() == list(range(96))
+        del loader
+    assert waited == []
+
+
 def test_single_array_samples_are_stacked_as_they_come() -> None:
     # default_collate would hold every sample of a batch, then their stack; a
     # worker copies each into the batch's block at once and drops it.
