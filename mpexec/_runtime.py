@@ -25,6 +25,7 @@ import numpy as np
 
 from ._errors import InputMutatedError, OpOutputError
 from ._modes import CallKind
+from ._rngseeds import RngSeeds
 
 
 class SampleInfo(NamedTuple):
@@ -400,6 +401,7 @@ class OpRunner:
         self.dlpack = dlpack
         self.debug = debug
         self.takes_rng = takes_keyword(function, "rng")
+        self._seeds = RngSeeds(entropy) if self.takes_rng else None
         # Calls with nothing around them but the reseeding, and outputs with no
         # declaration to check, take a short path (most ops of most pipelines).
         self._plain = not (self.takes_rng or self.debug)
@@ -522,9 +524,8 @@ class OpRunner:
                 _mark(exc, sample)
                 raise
         kwargs = {}
-        if self.takes_rng:
-            key = (*self._where, 0 if sample is None else sample + 1)
-            seq = np.random.SeedSequence(self.entropy, spawn_key=key)
+        if self._seeds is not None:  # the function takes ``rng``
+            seq = self._seeds.seq(self._where, 0 if sample is None else sample + 1)
             kwargs["rng"] = np.random.Generator(np.random.PCG64(seq))
         sums = _checksums(args) if self.debug else None
         try:

@@ -127,6 +127,7 @@ LAYERS: dict[str, int] = {
     # 3: what a unit of work runs: op runners, the GPU stage, batches
     "mpexec._runtime": 3,
     "mpexec._source_runners": 3,  # runners that make a whole batch (fused source, worker source)
+    "mpexec._rngseeds": 3,  # an op's per-call rng: SeedSequence's hash on what changes
     "mpexec._batch": 3,
     "mpexec._gpu": 3,
     "mpexec._arith": 3,  # DataNode arithmetic: the expressions the workers run

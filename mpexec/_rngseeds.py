@@ -1,0 +1,156 @@
+"""An op's per-call ``rng``: NumPy's SeedSequence hash, replayed on what changes.
+
+A function with an ``rng`` keyword gets, for call ``k`` of an iteration (the
+sample's index in the batch + 1; 0 for a batch call), the PCG64 generator of
+``SeedSequence(entropy, spawn_key=(epoch, iteration, k))`` (docs/pipeline.md,
+"Randomness"). Building that SeedSequence and letting PCG64 hash it cost ~8 us
+a call, more than a light op; here the op's entropy is mixed into the pool
+once, the epoch and iteration once per chunk, and a call mixes its one word
+and hashes the pool: ~4 us, the same words bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# SeedSequence's constants (numpy/random/bit_generator.pyx).
+_M32 = 0xFFFFFFFF
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
+_POOL = 4  # SeedSequence's default pool_size
+
+
+def _uint32_words(n: int) -> list[int]:
+    """``SeedSequence``'s words of a non-negative int: little-endian 32-bit, [0] for 0."""
+    words = [n & _M32]
+    n >>= 32
+    while n:
+        words.append(n & _M32)
+        n >>= 32
+    return words
+
+
+def _absorb(pool: list[int], hc: int, words: Sequence[int]) -> int:
+    """Mix entropy ``words`` (those past the pool's four) into ``pool``; the new hash constant."""
+    for w in words:
+        for i in range(_POOL):
+            v = w ^ hc
+            hc = (hc * _MULT_A) & _M32
+            v = (v * hc) & _M32
+            v ^= v >> 16
+            r = (_MIX_L * pool[i] - _MIX_R * v) & _M32
+            pool[i] = r ^ (r >> 16)
+    return hc
+
+
+_GENERATE: list[tuple[int, int]] = []  # generate_state's hash constant, before and after each word
+
+
+def _generate_constants(n: int) -> list[tuple[int, int]]:
+    """The hash constant before and after each of ``generate_state``'s first ``n`` words.
+
+    They do not depend on the pool: computed once.
+    """
+    while len(_GENERATE) < n:
+        before = _GENERATE[-1][1] if _GENERATE else _INIT_B
+        _GENERATE.append((before, (before * _MULT_B) & _M32))
+    return _GENERATE[:n]
+
+
+class RngSeeds:
+    """An op's ``SeedSequence(entropy, spawn_key=(epoch, iteration, k))``, cheaply.
+
+    Building the SeedSequence and letting ``PCG64`` hash it cost ~8 us a call;
+    the entropy's part of the pool is mixed once per op, the epoch's and the
+    iteration's once per chunk, so a call mixes one word (``k``) and hashes
+    the pool: the same words, bit for bit (tests compare every step).
+    """
+
+    def __init__(self, entropy: int) -> None:
+        run = _uint32_words(entropy)
+        run += [0] * (_POOL - len(run))  # a spawn key is never empty: padded
+        pool = [0] * _POOL
+        hc = _INIT_A
+        for i in range(_POOL):
+            v = run[i] ^ hc
+            hc = (hc * _MULT_A) & _M32
+            v = (v * hc) & _M32
+            pool[i] = v ^ (v >> 16)
+        for src in range(_POOL):
+            for dst in range(_POOL):
+                if src != dst:
+                    v = pool[src] ^ hc
+                    hc = (hc * _MULT_A) & _M32
+                    v = (v * hc) & _M32
+                    v ^= v >> 16
+                    r = (_MIX_L * pool[dst] - _MIX_R * v) & _M32
+                    pool[dst] = r ^ (r >> 16)
+        self.entropy = entropy
+        self.hc = _absorb(pool, hc, run[_POOL:])
+        self.pool = pool
+        self.where: tuple[int, int] | None = None
+        self.where_pool = pool
+        self.where_hc = self.hc
+
+    def seq(self, where: tuple[int, int], k: int) -> SeedState:
+        """The seed sequence of spawn key ``(*where, k)``."""
+        if where != self.where:
+            pool = list(self.pool)
+            hc = _absorb(pool, self.hc, _uint32_words(where[0]) + _uint32_words(where[1]))
+            self.where, self.where_pool, self.where_hc = where, pool, hc
+        if k > _M32:
+            pool = list(self.where_pool)
+            _absorb(pool, self.where_hc, _uint32_words(k))
+            return SeedState(self.entropy, (*where, k), pool)
+        # _absorb of the one word k, unrolled: its hash constants follow the chunk's.
+        pool = []
+        hc = self.where_hc
+        for p in self.where_pool:
+            v = k ^ hc
+            hc = (hc * _MULT_A) & _M32
+            v = (v * hc) & _M32
+            r = (_MIX_L * p - _MIX_R * (v ^ (v >> 16))) & _M32
+            pool.append(r ^ (r >> 16))
+        return SeedState(self.entropy, (*where, k), pool)
+
+
+class SeedState:
+    """A mixed pool standing for ``SeedSequence(entropy, spawn_key=key)``.
+
+    ``generate_state`` is SeedSequence's own; anything else (``spawn``,
+    ``pool``, ...) is answered by the real SeedSequence, made on first use.
+    """
+
+    def __init__(self, entropy: int, key: tuple[int, ...], pool: list[int]) -> None:
+        self._entropy, self._key, self._pool = entropy, key, pool
+        self._real: Any = None
+
+    def generate_state(self, n_words: int, dtype: Any = np.uint32) -> np.ndarray[Any, Any]:
+        """SeedSequence.generate_state: ``n_words`` of ``dtype`` (uint32 or uint64)."""
+        wide = dtype is np.uint64 or np.dtype(dtype) == np.uint64
+        if not wide and np.dtype(dtype) != np.uint32:
+            raise ValueError("only support uint32 or uint64")
+        pool, words = self._pool, []
+        for i, (before, after) in enumerate(_generate_constants(2 * n_words if wide else n_words)):
+            v = ((pool[i & 3] ^ before) * after) & _M32
+            words.append(v ^ (v >> 16))
+        if wide:
+            words = [lo | hi << 32 for lo, hi in zip(words[::2], words[1::2], strict=True)]
+        return np.array(words, dtype=np.uint64 if wide else np.uint32)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_real", "_entropy", "_key", "_pool"):
+            raise AttributeError(name)
+        if self._real is None:
+            self._real = np.random.SeedSequence(self._entropy, spawn_key=self._key)
+        return getattr(self._real, name)
+
+    def spawn(self, n_children: int) -> list[np.random.SeedSequence]:
+        """SeedSequence.spawn (of the real one: its children count is kept)."""
+        return self.__getattr__("spawn")(n_children)  # type: ignore[no-any-return]
+
+
+np.random.bit_generator.ISpawnableSeedSequence.register(SeedState)
