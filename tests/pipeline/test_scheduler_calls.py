@@ -154,3 +154,26 @@ def test_a_pipelines_run_checks_for_a_fork_once_a_process() -> None:
         finally:
             sys.setprofile(None)
     assert calls / 10 <= 1, calls / 10  # the pid compared, in _check_not_forked
+
+
+def test_an_iterations_done_flag_wakes_every_waiter_once_set() -> None:
+    """Done (one lock, not an Event): set once or twice, any number of waiters wake."""
+    import threading
+
+    from mpexec._iterations import Done
+
+    done = Done()
+    assert not done.is_set()
+    assert not done.wait(0.01)  # not set: the timeout passes
+    woke: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woke.append(done.wait(30))) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    done.set()
+    done.set()  # a second set changes nothing
+    for t in waiters:
+        t.join(30)
+    assert woke == [True] * 4
+    assert done.is_set()
+    assert done.wait(0)
+    assert done.wait()
