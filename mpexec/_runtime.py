@@ -289,11 +289,17 @@ def each_sample(
     stop = None
     iteration, epoch, first, start = chunk.iteration, chunk.epoch, chunk.epoch_start, chunk.start
     where = chunk.rows  # a branch's samples: their indices in the batch
+    single = inputs[0] if len(inputs) == 1 and not source else None  # no list a sample
     try:
         for j in range(chunk.count):
             b = start + j if where is None else where[j]
             info = _current = _new_tuple(SampleInfo, (first + b, b, iteration, epoch))
-            args = (info,) if source else tuple([x[j] for x in inputs])
+            if source:
+                args = (info,)
+            elif single is not None:
+                args = (single[j],)
+            else:
+                args = tuple([x[j] for x in inputs])
             try:
                 rows.append(call(args, j, b))
             except StopIteration:

@@ -85,3 +85,19 @@ def test_a_chain_counts_each_ops_bytes_in_and_out() -> None:
     result = _chain()(Chunk(0, 0, 0, n, 0), out=(np.empty((n, 4), np.float32),))
     (_, src_in, src_out), (_, dbl_in, dbl_out) = result.per_op
     assert (src_in, src_out, dbl_in, dbl_out) == (0, 16 * n, 16 * n, 16 * n)
+
+
+def test_a_chain_fed_one_input_column_takes_each_sample_without_a_list() -> None:
+    """A chain whose head takes one input column: a sample's arguments are one index."""
+    n = 32
+    chain = ChainRunner(
+        [OpRunner("dbl", _double, "sample", 1, 1), OpRunner("dbl2", _double, "sample", 1, 2)],
+        [(0,), (0,)],
+    )
+    column = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+    column.setflags(write=False)
+    block = np.empty((n, 4), np.float32)
+    chain(Chunk(0, 0, 0, n, 0), column, out=(block,))
+    calls = _python_calls(lambda: chain(Chunk(0, 1, 0, n, n), column, out=(block,)))
+    np.testing.assert_array_equal(block, 4 * column)
+    assert calls["<listcomp>"] < n, calls  # was one a sample
