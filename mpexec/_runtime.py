@@ -10,11 +10,9 @@ the randomness are identical whichever process runs a call.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import inspect
 import math
 import os
-import random
 import resource
 import time
 import zlib
@@ -25,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._errors import InputMutatedError, OpOutputError
+from ._globalrandom import GlobalRandom
 from ._modes import CallKind
 from ._rngseeds import RngSeeds
 
@@ -53,121 +52,7 @@ _current: SampleInfo | BatchInfo | None = None
 # SampleInfo(...) without its Python-level __new__: half the cost, once per sample.
 _new_tuple: Any = tuple.__new__
 
-# The global generators each call reseeds, bound once: ``np.random.seed`` is the
-# legacy RandomState's method; ``random.seed`` is reached without its Python
-# wrapper (which, for an int, only forwards it and clears ``gauss_next``).
-_np_seed = np.random.seed
-# NumPy's own RandomState behind np.random.* (no public name): reseeded and watched in place.
-_np_inst: Any = np.random.mtrand._rand  # noqa: SLF001 - see above
-_py_inst: Any = random.seed.__self__  # type: ignore[attr-defined]
-_py_seed: Any = type(_py_inst).__mro__[1].seed  # type: ignore[attr-defined]
-
-_N = 624  # words of Mersenne Twister state, in both generators
-
-
-def _np_words(state: Any) -> Any:
-    """A RandomState's MT19937 ``key[623]`` and ``pos`` as one 64-bit word, read in place.
-
-    ``BitGenerator.ctypes.state_address`` is public; the struct's layout
-    (``uint32_t key[624]; int pos``, numpy/random/src/mt19937) is checked on
-    a private generator first. None where it cannot be.
-    """
-    with contextlib.suppress(Exception):
-        bg = state._bit_generator  # noqa: SLF001 - RandomState's generator (no public name)
-        if type(bg) is np.random.MT19937:
-            probe = np.random.RandomState(np.random.MT19937())
-            gen = probe._bit_generator  # noqa: SLF001 - as above
-            w = ctypes.c_uint64.from_address(gen.ctypes.state_address + 4 * 623)
-            probe.seed(5)
-            seeded = w.value
-            probe.random_sample()  # two words: pos 2, key regenerated
-            if seeded >> 32 == _N and w.value >> 32 == 2 and w.value != seeded:
-                return ctypes.c_uint64.from_address(bg.ctypes.state_address + 4 * 623)
-    return None
-
-
-def _py_words(inst: Any) -> Any:
-    """A ``random.Random``'s ``index`` and ``state[0]`` as one 64-bit word, read in place.
-
-    CPython's ``RandomObject`` is the object header, then ``int index`` and
-    ``uint32_t state[624]``; checked on a private instance first.
-    """
-    with contextlib.suppress(Exception):
-        base = type(inst).__mro__[1]
-        header = object.__basicsize__
-        if base.__basicsize__ >= header + 4 * (_N + 1):
-            probe = random.Random()
-            w = ctypes.c_uint64.from_address(id(probe) + header)
-            probe.seed(5)
-            seeded = w.value
-            probe.getrandbits(32)  # index 1, state regenerated
-            if (
-                seeded & 0xFFFFFFFF == _N
-                and w.value & 0xFFFFFFFF == 1
-                and w.value >> 32 != seeded >> 32
-            ):
-                return ctypes.c_uint64.from_address(id(inst) + header)
-    return None
-
-
-class _GlobalRandom:
-    """``np.random``'s and ``random``'s global state, reseeded only where a call reads it.
-
-    Reseeding both costs ~5 us, more than a light op. A call that draws from
-    neither cannot tell whether they were reseeded, so a runner may call its
-    function on the state left by an earlier reseeding (while it is untouched)
-    and check afterwards, in a few word reads, that the call drew nothing. If it
-    did, the call is run again on freshly reseeded state and that runner
-    reseeds before every call from then on: outputs are those of reseeding
-    before every call. Where the state cannot be read in place (another
-    Python, another bit generator), every call reseeds.
-
-    Running a call again is bounded (:meth:`OpRunner._call`): a runner starts
-    by reseeding before every call and speculates only after
-    :data:`_CHEAP_STREAK` calls in a row drew nothing and each took under
-    :data:`_CHEAP_SECONDS` (where reseeding costs as much as the call); a
-    chunk of speculative calls that took longer on average sends it back to
-    reseeding. So a call
-    runs twice at most once per runner and process, and only a function
-    whose calls were all cheap and draw-free until then; runners that may
-    not repeat (``repeatable=False``) always reseed.
-    """
-
-    def __init__(self) -> None:
-        self.np = _np_words(_np_inst)
-        self.py = _py_words(_py_inst)
-        self.bit_generator = getattr(_np_inst, "_bit_generator", None)
-        self.watch = self.np is not None and self.py is not None
-        self.np_key = self.py_key = -1  # both words right after the last reseeding
-        # fresh() was True after the last call and nothing of the caller's ran
-        # since (a runner clears it at each chunk): the next check is skipped.
-        self.known = False
-
-    def reseed(self, np_seed: int, py_seed: int) -> None:
-        self.known = False  # the call about to run may draw
-        _np_seed(np_seed)
-        _py_seed(_py_inst, py_seed)
-        _py_inst.gauss_next = None
-        if self.watch:
-            if _np_inst._bit_generator is not self.bit_generator:  # noqa: SLF001 - as above
-                self.watch = False  # np.random.set_bit_generator: not the state watched
-            self.np_key, self.py_key = self.np.value, self.py.value
-
-    def fresh(self) -> bool:
-        """Nothing has drawn from either generator since the last :meth:`reseed`.
-
-        A draw moves the position (``pos``, ``index``); drawing a multiple of
-        624 words brings it back but regenerates the state words compared too.
-        """
-        return (
-            self.np.value == self.np_key
-            and self.py.value == self.py_key
-            and _py_inst.gauss_next is None
-            and _np_inst._bit_generator is self.bit_generator  # noqa: SLF001 - as above
-        )
-
-
-_globals = _GlobalRandom()
+_globals = GlobalRandom()
 
 #: A call this fast costs about what reseeding does: only such calls may be speculative.
 _CHEAP_SECONDS = 50e-6
@@ -237,7 +122,7 @@ _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 def write_columns(
-    rows: list[tuple[Any, ...]], n: int, out: tuple[Any, ...]
+    rows: list[tuple[Any, ...]], n: int, out: tuple[Any, ...], early: bool = True
 ) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
     """The chunk's per-sample outputs as ``n`` columns, written into ``out`` where they fit.
 
@@ -245,7 +130,8 @@ def write_columns(
     of the whole batch: where every sample of the chunk has its shape and
     dtype, the rows are stacked into it in one copy and the column is None;
     otherwise (a sample departs from the learned shape) the column is the
-    arrays, and the scheduler falls back to them.
+    arrays, and the scheduler falls back to them. ``early``: :func:`row_writer`
+    may have written rows already (False: no row is None, none is looked for).
     """
     columns: list[Any] = []
     written: list[bool] = []
@@ -253,7 +139,7 @@ def write_columns(
     for i in range(n):
         column = [r[i] for r in rows]
         block = out[i] if out else None
-        if block is not None and count and any(v is None for v in column):
+        if early and block is not None and count and any(v is None for v in column):
             # Rows :func:`row_writer` wrote as they were made (None): the rest join them.
             if _write_rest(column, block):
                 columns.append(None)
@@ -403,11 +289,17 @@ def each_sample(
     stop = None
     iteration, epoch, first, start = chunk.iteration, chunk.epoch, chunk.epoch_start, chunk.start
     where = chunk.rows  # a branch's samples: their indices in the batch
+    single = inputs[0] if len(inputs) == 1 and not source else None  # no list a sample
     try:
         for j in range(chunk.count):
             b = start + j if where is None else where[j]
             info = _current = _new_tuple(SampleInfo, (first + b, b, iteration, epoch))
-            args = (info,) if source else tuple([x[j] for x in inputs])
+            if source:
+                args = (info,)
+            elif single is not None:
+                args = (single[j],)
+            else:
+                args = tuple([x[j] for x in inputs])
             try:
                 rows.append(call(args, j, b))
             except StopIteration:
@@ -469,9 +361,10 @@ class OpRunner:
         # declaration to check, take a short path (most ops of most pipelines).
         self._plain = not (self.takes_rng or self.debug)
         self._unchecked = self.output_dtypes is None and self.output_shapes is None
+        self._one_unchecked = self._unchecked and num_outputs == 1
         # Reseed before every call, for good: a call that may not run twice (stateful
         # ops, ops kept for their side effects, reseed="always", under a timeout)
-        # cannot be speculative, nor one whose function drew (_GlobalRandom).
+        # cannot be speculative, nor one whose function drew (_globalrandom.GlobalRandom).
         self._always = not repeatable
         self._streak = 0  # cheap, draw-free reseeded calls in a row
         self._speculate = False  # after _CHEAP_STREAK of them: call on the state as it is
@@ -503,16 +396,22 @@ class OpRunner:
             call, outputs_of = self._call, self._sample_outputs
             put = row_writer(out)
 
+            plain = self._one_unchecked
+
             def one(args: tuple[Any, ...], j: int, b: int) -> tuple[Any, ...]:
-                if put is None:
-                    return outputs_of(call(args, b, np_seeds[j], py_seeds[j]), b)
-                return put(outputs_of(call(args, b, np_seeds[j], py_seeds[j]), b), j)
+                got = call(args, b, np_seeds[j], py_seeds[j])
+                # _sample_outputs' common case, without a call of its own.
+                if plain and type(got) is np.ndarray and not got.dtype.hasobject:
+                    values = (got,)
+                else:
+                    values = outputs_of(got, b)
+                return values if put is None else put(values, j)
 
             t = _perf()
             rows, stop = each_sample(chunk, inputs, self.kind is CallKind.SOURCE, one)
             self._pace(_perf() - t, len(rows))
             count = len(rows)
-            columns, written = write_columns(rows, self.num_outputs, out)
+            columns, written = write_columns(rows, self.num_outputs, out, put is not None)
         seconds = time.perf_counter() - t0
         faults = thread_faults() - faults
         return ChunkResult(
@@ -530,7 +429,7 @@ class OpRunner:
     def _call(self, args: tuple[Any, ...], sample: int | None, np_seed: int, py_seed: int) -> Any:
         """One call, as if global random state were reseeded from :func:`call_seeds` first.
 
-        See :class:`_GlobalRandom`. A runner reseeds before each call and
+        See ``_globalrandom.GlobalRandom``. A runner reseeds before each call and
         times it; after :data:`_CHEAP_STREAK` cheap calls in a row that drew
         nothing it speculates: while nothing has drawn from the global
         generators since they were last reseeded, a call runs on that state,
@@ -559,7 +458,14 @@ class OpRunner:
         if self._always or not g.watch:
             return self._invoke(args, sample)
         t = _perf()
-        result = self._invoke(args, sample)
+        if self._plain:  # _invoke's plain call, without a call of its own
+            try:
+                result = self.function(*args)
+            except Exception as exc:
+                _mark(exc, sample)
+                raise
+        else:
+            result = self._invoke(args, sample)
         if not g.fresh():  # it draws: speculating would run its calls twice
             self._always = True
         elif _perf() - t < _CHEAP_SECONDS:
@@ -650,16 +556,15 @@ class OpRunner:
         return tuple(out)
 
     def _sample_outputs(self, out: Any, sample: int) -> tuple[Any, ...]:
-        if self._unchecked:  # the common case, checked in a few attribute reads
-            if self.num_outputs == 1:
-                if type(out) is np.ndarray and not out.dtype.hasobject:
-                    return (out,)
-            elif type(out) is tuple and len(out) == self.num_outputs:
-                for v in out:
-                    if type(v) is not np.ndarray or v.dtype.hasobject:
-                        break
-                else:
-                    return out
+        if self._one_unchecked:  # the common case, checked in a few attribute reads
+            if type(out) is np.ndarray and not out.dtype.hasobject:
+                return (out,)
+        elif self._unchecked and type(out) is tuple and len(out) == self.num_outputs != 1:
+            for v in out:
+                if type(v) is not np.ndarray or v.dtype.hasobject:
+                    break
+            else:
+                return out
         return tuple(
             self._checked(self._array(v, i, sample), i, sample)
             for i, v in enumerate(self._split(out))
@@ -779,63 +684,93 @@ class ChainRunner:
             r._where = (chunk.epoch, chunk.iteration)  # noqa: SLF001 - a chain runs its runners' steps
             seeds.append(sample_seeds(r.entropy, chunk))
         _globals.known = False  # anything may have drawn since the last chunk (the caller)
-        # Per op: (index, runner, its seeds, its stats, which outputs of the op before
-        # it takes (None: all, in order), whether its outputs feed another op).
+        # Per op: (index, its runner's call and output check, its seeds, its stats,
+        # which outputs of the op before it takes (None: all, in order), whether its
+        # outputs feed another op, whether it has one output, and one undeclared).
         last = len(self.runners) - 1
         steps = [
             (
                 k,
-                r,
-                seeds[k],
+                r._call,  # noqa: SLF001 - a chain runs its runners' steps (same module)
+                r._sample_outputs,  # noqa: SLF001 - as above
+                *seeds[k],
                 spent[k],
                 None if not k or p == tuple(range(self.runners[k - 1].num_outputs)) else p,
                 k != last,
+                r.num_outputs == 1,
+                r._one_unchecked,  # noqa: SLF001 - as above
             )
             for k, (r, p) in enumerate(zip(self.runners, self.picks, strict=True))
         ]
         perf = time.perf_counter
-        head = self.runners[0]
         put = row_writer(out)
+        # An op's input bytes are the bytes of the op before it's outputs, where it
+        # takes them all (filled in once the chunk is done): counted for the head,
+        # and where an op picks, only.
+        counted_in = source
 
         def one(values: tuple[Any, ...], j: int, b: int) -> tuple[Any, ...]:
-            runner = head
+            k = 0
             try:
-                nbytes = 0
-                if not source:
+                if not counted_in:
+                    nbytes = 0
                     for v in values:
                         nbytes += v.nbytes
+                    spent[0][1] += nbytes
                 t = perf()
-                for k, runner, (np_seeds, py_seeds), counts, pick, feeds in steps:
+                for (
+                    k,
+                    call,
+                    outputs_of,
+                    np_seeds,
+                    py_seeds,
+                    counts,
+                    pick,
+                    feeds,
+                    single,
+                    plain,
+                ) in steps:
                     if pick is not None:
                         values = tuple([values[i] for i in pick])
                         nbytes = 0
                         for v in values:
                             nbytes += v.nbytes
-                    counts[1] += nbytes
+                        counts[1] += nbytes
                     try:
-                        # The chain runs its op runners' steps itself (same module).
-                        called = runner._call(values, b, np_seeds[j], py_seeds[j])  # noqa: SLF001
-                        values = runner._sample_outputs(called, b)  # noqa: SLF001
+                        got = call(values, b, np_seeds[j], py_seeds[j])
                     except StopIteration as exc:
                         if k:  # not the source's end: the loop must not take it for one
                             with contextlib.suppress(AttributeError):
-                                exc.mpexec_op = runner.name  # type: ignore[attr-defined]
+                                exc.mpexec_op = self.runners[k].name  # type: ignore[attr-defined]
                             raise _Passed(exc) from None
                         raise
-                    if feeds:  # the next op gets them as inputs: read-only views
-                        values = tuple([v.view() for v in values])
-                        for v in values:
+                    # _sample_outputs' common case, without a call of its own.
+                    if plain and type(got) is np.ndarray and not got.dtype.hasobject:
+                        values = (got,)
+                    else:
+                        values = outputs_of(got, b)
+                    if single:
+                        v = values[0]
+                        if feeds:  # the next op gets it as its input: a read-only view
+                            v = v.view()
                             v.setflags(False)  # (write=False, positionally: half the cost)
+                            values = (v,)
+                        nbytes = v.nbytes
+                    else:
+                        if feeds:
+                            values = tuple([v.view() for v in values])
+                            for v in values:
+                                v.setflags(False)
+                        nbytes = 0
+                        for v in values:
+                            nbytes += v.nbytes
                     now = perf()
                     counts[0] += now - t
                     t = now
-                    nbytes = 0
-                    for v in values:
-                        nbytes += v.nbytes
                     counts[2] += nbytes
             except BaseException as exc:
                 with contextlib.suppress(AttributeError):
-                    exc.mpexec_op = runner.name  # type: ignore[attr-defined]
+                    exc.mpexec_op = self.runners[k].name  # type: ignore[attr-defined]
                 raise
             return values if put is None else put(values, j)
 
@@ -843,11 +778,14 @@ class ChainRunner:
             rows, stop = each_sample(chunk, inputs, source, one)
         except _Passed as passed:
             raise passed.args[0] from None
+        for k in range(1, len(steps)):
+            if steps[k][6] is None:
+                spent[k][1] = spent[k - 1][2]
         per_op = tuple((float(c[0]), int(c[1]), int(c[2])) for c in spent)
         for r, c in zip(self.runners, spent, strict=True):
             r._pace(c[0], len(rows))  # noqa: SLF001 - as above
         count = len(rows)
-        columns, written = write_columns(rows, self.runners[-1].num_outputs, out)
+        columns, written = write_columns(rows, self.runners[-1].num_outputs, out, put is not None)
         seconds = time.perf_counter() - t0
         faults = thread_faults() - faults
         cpu = time.thread_time() - c0

@@ -128,6 +128,7 @@ LAYERS: dict[str, int] = {
     "mpexec._runtime": 3,
     "mpexec._source_runners": 3,  # runners that make a whole batch (fused source, worker source)
     "mpexec._rngseeds": 3,  # an op's per-call rng: SeedSequence's hash on what changes
+    "mpexec._globalrandom": 3,  # np.random and random reseeded, and watched for draws
     "mpexec._batch": 3,
     "mpexec._gpu": 3,
     "mpexec._arith": 3,  # DataNode arithmetic: the expressions the workers run

@@ -2,7 +2,7 @@
 
 Reseeding ``np.random`` and ``random`` costs about 5 us, so a runner whose calls
 prove cheap and draw-free speculates, and the one call that then draws runs
-again (``_runtime._GlobalRandom``). That is bounded: a function whose calls take
+again (``_globalrandom.GlobalRandom``). That is bounded: a function whose calls take
 longer, one that draws from the start, ``reseed="always"`` and every op under a
 ``timeout`` are called exactly once per sample. Calls are counted in a file
 each call appends its sample's index to (the workers are other processes).

@@ -1,4 +1,4 @@
-"""Global random state is reseeded only where a call reads it (``_runtime._GlobalRandom``).
+"""Global random state is reseeded only where a call reads it (``_globalrandom.GlobalRandom``).
 
 A call that draws from ``np.random`` or ``random`` must see exactly the state
 reseeding before every call gives (docs/design.md, "Determinism"), whatever earlier calls, the
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mpexec
-from mpexec import _runtime, fn
+from mpexec import _globalrandom, _runtime, fn
 from mpexec._runtime import Chunk, OpRunner
 
 N = 64
@@ -309,7 +309,7 @@ def test_an_error_from_a_speculative_call_that_drew_is_the_reseeded_calls() -> N
 
 def test_another_bit_generator_turns_the_watch_off() -> None:
     """After ``np.random.set_bit_generator`` the words watched are not the state used."""
-    g = _runtime._GlobalRandom()
+    g = _globalrandom.GlobalRandom()
     assert g.watch
     g.reseed(1, 2)
     assert g.fresh()
