@@ -11,8 +11,11 @@ They take any ``concurrent.futures.Future`` (an inline pool's is a plain one).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import CancelledError, Future
 from typing import Any
+
+from ._delivery import read_direct
 
 __all__ = ["read_settled", "wait_settled"]
 
@@ -21,11 +24,19 @@ def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
     """Wait until ``future`` settles, never taking the pool's poll role; False on timeout.
 
     Settled means done: a result, an exception, or cancelled (read it with
-    :func:`read_settled`). It sleeps on the future's own condition, as
+    :func:`read_settled`). A caller whose call is the only one queued on its
+    worker reads that worker's done record itself (``_delivery``: one thread
+    wake-up instead of two); any other sleeps on the future's own condition, as
     ``concurrent.futures``' ``exception()`` does.
     """
     if future.done():
         return True
+    start = time.monotonic()
+    settled = read_direct(future, timeout)
+    if settled is not None:
+        return settled
+    if timeout is not None:
+        timeout = max(0.0, timeout - (time.monotonic() - start))
     try:
         Future.exception(future, timeout)
     except CancelledError:
