@@ -32,7 +32,9 @@ on its future as any other, and the manager settles it as always.
 
 from __future__ import annotations
 
+import os
 import select
+import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -96,8 +98,10 @@ def read_direct(future: Future[Any], timeout: float | None) -> bool | None:
         return None
     link = future.link
     state, slot = link.state, link.slot
-    if state is None or slot is None:
-        return None
+    if state is None or slot is None or state.pid != os.getpid():
+        return None  # settled, unsent, or a forked child's copy (the parent's call)
+    if state.manager_ident == threading.get_ident():
+        return None  # the manager itself (a done-callback waiting): it delivers
     watcher = state.watcher
     if watcher is None:
         return None
