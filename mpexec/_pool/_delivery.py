@@ -1,8 +1,9 @@
 """Delivering a worker's done records: by the manager thread, or by the one caller waiting.
 
 The manager thread delivers every result (``drain``), except while a caller
-reads its own worker's done ring: a thread blocked on a call that is the only
-one queued on its worker takes the done record itself (:func:`read_direct`).
+reads its own worker's done ring: a thread (not the main one) blocked on a call
+that is the only one queued on its worker takes the done record itself
+(:func:`read_direct`).
 That takes two thread wake-ups out of the chain between two calls on one
 worker (the manager's, then the caller's on its future's condition), and the
 manager's GIL hand-off with them: the worker's push wakes the caller, which
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
     from ._state import PoolState, Slot
 
 
+_MAIN = threading.main_thread().ident  # where a KeyboardInterrupt is raised
+
+
 def drain(state: PoolState, slot: Slot) -> None:
     """Complete the futures of every record waiting in ``slot``'s done ring (``reading`` held)."""
     done = slot.done
@@ -91,8 +95,8 @@ def read_direct(future: Future[Any], timeout: float | None) -> bool | None:
 
     True once settled, False on timeout; None when the direct path does not
     apply (not a pool future, not the only call queued on its worker, another
-    caller reads that ring, no epoll) or ended unsettled (its worker died, the
-    pool stops): the caller then waits on the future's condition.
+    caller reads that ring, the main thread, no epoll) or ended unsettled (its
+    worker died, the pool stops): the caller then waits on the future's condition.
     """
     if type(future) is not PoolFuture:
         return None
@@ -100,8 +104,12 @@ def read_direct(future: Future[Any], timeout: float | None) -> bool | None:
     state, slot = link.state, link.slot
     if state is None or slot is None or state.pid != os.getpid():
         return None  # settled, unsent, or a forked child's copy (the parent's call)
-    if state.manager_ident == threading.get_ident():
-        return None  # the manager itself (a done-callback waiting): it delivers
+    me = threading.get_ident()
+    if me in (_MAIN, state.manager_ident):
+        # The main thread: a Ctrl-C between popping a record and settling its call
+        # would lose that call's outcome (a waiter never touches the pool's state
+        # where a KeyboardInterrupt can reach it). The manager: it delivers.
+        return None
     watcher = state.watcher
     if watcher is None:
         return None
@@ -145,7 +153,7 @@ def _read(state: PoolState, slot: Slot, future: Future[Any], timeout: float | No
     while True:
         try:
             drain(state, slot)
-        except BaseException as exc:  # a bug, as in the manager: nothing else would settle
+        except Exception as exc:  # a bug, as in the manager: nothing else would settle
             if state.broken is None and not state.closed:
                 err = BrokenPoolError(
                     f"delivering a result failed ({type(exc).__name__}: {exc}); the pool "

@@ -24,10 +24,10 @@ def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
     """Wait until ``future`` settles, never taking the pool's poll role; False on timeout.
 
     Settled means done: a result, an exception, or cancelled (read it with
-    :func:`read_settled`). A caller whose call is the only one queued on its
-    worker reads that worker's done record itself (``_delivery``: one thread
-    wake-up instead of two); any other sleeps on the future's own condition, as
-    ``concurrent.futures``' ``exception()`` does.
+    :func:`read_settled`). A caller (not the main thread) whose call is the only
+    one queued on its worker reads that worker's done record itself
+    (``_delivery``: one thread wake-up instead of two); any other sleeps on the
+    future's own condition, as ``concurrent.futures``' ``exception()`` does.
     """
     if future.done():
         return True

@@ -50,15 +50,37 @@ def _until(check: Any, seconds: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+def _in_thread(fn: Any) -> tuple[Any, int]:
+    """``fn()`` run in a thread of its own (not the main one): its result and the thread."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append((fn(), threading.get_ident())))
+    thread.start()
+    thread.join(60)
+    assert out, "the waiting thread hung"
+    return out[0]  # type: ignore[no-any-return]
+
+
 def test_a_lone_waiting_caller_settles_its_call_itself(pool: mpexec.WorkerPool) -> None:
     future = pool.submit_call(_sleep_then, (0.3, 7), worker=0)
     settled_by = _settler(future)
-    assert wait_settled(future, 30)
+    settled, waiter = _in_thread(lambda: wait_settled(future, 30))
+    assert settled
     assert read_settled(future) == (7, None)
     # The waiting thread took the done record, not the manager thread.
-    assert settled_by == [threading.get_ident()]
+    assert settled_by == [waiter]
     assert pool._state.slots[0].direct is False  # let go of
     assert pool.submit(int, 3).result(30) == 3  # the manager delivers again
+
+
+def test_the_main_thread_never_reads_directly(pool: mpexec.WorkerPool) -> None:
+    # A Ctrl-C between taking a record and settling its call would lose the call's
+    # outcome: the main thread waits on the future, and the manager delivers.
+    future = pool.submit_call(_sleep_then, (0.3, 8), worker=0)
+    settled_by = _settler(future)
+    assert wait_settled(future, 30)
+    assert read_settled(future) == (8, None)
+    assert settled_by
+    assert settled_by != [threading.get_ident()]
 
 
 def test_a_worker_killed_while_its_caller_reads_directly_is_a_clear_error(
@@ -124,7 +146,19 @@ def test_a_shutdown_while_a_caller_reads_directly_settles_its_call(
 def test_a_direct_reads_timeout_leaves_the_call_to_the_manager(pool: mpexec.WorkerPool) -> None:
     future = pool.submit_call(_sleep_then, (0.3, 4), worker=1)
     settled_by = _settler(future)
-    assert wait_settled(future, 0.01) is False
+    slot = pool._state.slots[1]
+    claimed: list[bool] = []
+    real_poll = slot.done.fileno  # the direct read asks for the doorbell's fd once claimed
+
+    def fileno() -> int:
+        claimed.append(slot.direct)
+        return real_poll()
+
+    slot.done.fileno = fileno  # type: ignore[method-assign]
+    settled, _ = _in_thread(lambda: wait_settled(future, 0.01))
+    del slot.done.fileno
+    assert settled is False
+    assert any(claimed), "the wait did not read directly"
     assert not future.done()
     # Nobody waits now: the manager must have taken the ring back to deliver it.
     _until(future.done)
