@@ -34,6 +34,11 @@ a worker, so that its middle half spans several. "Workers' CPU" is the CPU
 time of all the main process's descendants a sample, and "host busy" the
 share of all the host's CPUs in use over the epoch (others' processes too).
 
+And **the floor** (``floor``): W processes of no library, sent a batch's first
+index and answering with the batch's bytes over a pipe, 2 batches in flight a
+worker. Its main CPU is what a batch, and the wake-ups it brings, cost this
+host with none of mpexec's code: the least any loader of whole batches pays.
+
 Run with ``python -m benchmarks mainload`` (``--quick``: fewer rounds and
 sizes; ``--mainload-systems``, ``--workers``, ``--sleeps-ms`` and ``--kinds``
 pick a subset, as ``--mainload-systems pipeline,torch --workers 16,64``).
@@ -299,9 +304,78 @@ def _bare(workers: int, n: int, sample: Sleepy) -> Epoch:
     return epoch, close
 
 
+def _floor_worker(conn: Any, sample: Sleepy) -> None:
+    """For each index received (8 bytes), its batch made; the index sent back (-1: stop)."""
+    fd = conn.fileno()
+    while True:
+        data = os.read(fd, 8)
+        if len(data) < 8 or (first := int.from_bytes(data, "little", signed=True)) < 0:
+            return
+        for i in range(BATCH):
+            sample(first + i)
+        os.write(fd, data)
+
+
+def _floor(workers: int, n: int, sample: Sleepy) -> Epoch:
+    """The least main-process work a batch through W processes: 8 bytes there and back.
+
+    No library: each worker is sent a batch's first index over a socket pair and
+    answers with it once the batch is made; the caller keeps 2 batches in flight
+    a worker (``select`` and ``os.read``/``os.write``: no Python of a library's)
+    and wraps a slot of a buffer as the batch, as a loader handing out views of
+    shared memory does. Its main CPU is what a batch and the wake-ups it brings
+    cost this host with none of mpexec's code (docs/scaling.md, "The floor at 2
+    workers").
+    """
+    import multiprocessing as mp
+    import select
+
+    ctx = mp.get_context("forkserver")
+    conns, procs = [], []
+    for _ in range(workers):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_floor_worker, args=(there, sample), daemon=True)
+        proc.start()
+        there.close()
+        conns.append(here)
+        procs.append(proc)
+    fds = [c.fileno() for c in conns]
+    slots = np.zeros((2 * workers, BATCH, *sample.shape), np.float32)
+
+    def epoch(marks: list[float]) -> int:
+        batches, sent, done, got = -(-n // BATCH), 0, 0, 0
+        for _ in range(2):
+            for fd in fds:
+                if sent < batches:
+                    os.write(fd, sent.to_bytes(8, "little"))
+                    sent += 1
+        while done < batches:
+            for fd in select.select(fds, [], [])[0]:
+                first = int.from_bytes(os.read(fd, 8), "little")
+                got += len(slots[first // BATCH % len(slots)])  # the batch: a view
+                done += 1
+                marks.append(time.perf_counter())
+                if sent < batches:
+                    os.write(fd, sent.to_bytes(8, "little"))
+                    sent += 1
+        return got
+
+    def close() -> None:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.write(fd, (-1).to_bytes(8, "little", signed=True))
+        for proc in procs:
+            proc.join(10)
+        for conn in conns:
+            conn.close()
+
+    return epoch, close
+
+
 #: key -> (name in the tables, what it needs, maker)
 SYSTEMS: dict[str, tuple[str, str | None, Maker]] = {
     "bare": ("bare processes (the host's ceiling)", None, _bare),
+    "floor": ("the floor: 8 bytes a batch, no library", None, _floor),
     "pipeline": (
         "mpexec pipeline, per sample",
         None,

@@ -52,7 +52,8 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         description=(
             "Generate synthetic encoded images, augment them (decode, random crop, flip, "
             "color jitter, normalize) in an mpexec pipeline and in a serial loop in this "
-            "process, and print both throughputs, the speed-up and per-op statistics."
+            "process (and, for the host's own ceiling, in as many plain processes as "
+            "workers), and print the throughputs, the speed-up and per-op statistics."
         ),
     )
     demo.add_argument(
@@ -96,6 +97,11 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--no-progress",
         action="store_true",
         help="no progress on stderr (a bar on a terminal, else a line every 2 s)",
+    )
+    demo.add_argument(
+        "--no-control",
+        action="store_true",
+        help="do not time the host's ceiling (as many plain processes as workers) each round",
     )
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
@@ -148,6 +154,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         epochs=int(args.epochs),
         rounds=int(args.rounds),
         seed=int(args.seed),
+        control=not args.no_control,
         progress=_demo.Progress.wanted(sys.stderr, disabled=bool(args.no_progress)),
     )
     try:

@@ -232,3 +232,22 @@ class TensorCPU:
 
     def __repr__(self) -> str:
         return f"TensorCPU(shape={tuple(self._array.shape)}, dtype={self.dtype})"
+
+
+def check_outputs(result: tuple[Batch, ...], checks: tuple[Any, Any]) -> None:
+    """A pipeline's outputs against its ``output_dtype``/``output_ndim`` (DALI's)."""
+    dtypes, ndims = checks
+    for i, batch in enumerate(result):
+        if not len(batch):
+            continue
+        want = dtypes[i if len(dtypes) > 1 else 0] if dtypes else None
+        if want is not None and batch.dtype != want:
+            raise TypeError(
+                f"pipeline output {i} is {batch.dtype}, but the pipeline's output_dtype is {want}"
+            )
+        rank = ndims[i if len(ndims) > 1 else 0] if ndims else None
+        if rank is not None and batch.ndim != rank:
+            raise ValueError(
+                f"pipeline output {i} has {batch.ndim} dimensions, but the pipeline's "
+                f"output_ndim is {rank}"
+            )

@@ -170,6 +170,14 @@ class _Refs(pickle.Pickler):
         # strings, tuples, lists, dicts: a chunk's numbers and tuples cost no
         # Python call). An array (or a class of __main__) is written as a call
         # of _ref on its reference, which decode() resolves (see _Unpickler).
+        # What has no reference (a record, its class, _ref itself: 3 of a
+        # pipeline unit's 4 objects here) is told apart without reference().
+        t = type(obj)
+        if t is not np.ndarray and t is not Writable:
+            if not (t is types.FunctionType or isinstance(obj, type)):
+                return NotImplemented
+            if obj.__module__ not in _MAINS:
+                return NotImplemented
         ref = self.reference(obj)
         return NotImplemented if ref is None else (_ref, (ref,))
 

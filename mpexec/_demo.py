@@ -2,19 +2,13 @@
 
 The demo generates a deterministic set of photograph-like images, encodes them
 (a small header and ``zlib``), and runs the usual training-time augmentation
-over them in rounds, two ways in turn: in an mpexec pipeline (one ``python_function``
-op per step), and in a plain serial loop here calling the same functions. It prints
-the median throughputs and speed-up, CPU time an image, and per-op statistics.
-
-The steps, each a module-level function so that workers import it by
-reference::
-
-    decode -> random_crop -> flip -> color_jitter -> normalize
-    bytes     224x224x3      224x224x3  224x224x3    float32 3x224x224
-
-``color_jitter`` ends with a deliberately Python-heavy step (a per-row loop
-that builds a gamma table in pure Python), the kind of code that holds the GIL
-and gains nothing from threads: only processes run it in parallel.
+over them in rounds (:mod:`mpexec._demo_images` has the images and the steps),
+three ways in turn: in an mpexec pipeline (one ``python_function`` op per step),
+in a plain serial loop here calling the same functions, and in as many plain
+processes as the pipeline has workers, each looping over its share of the set:
+the host's own ceiling in that round, which the pipeline's figure is read
+against. It prints the median throughputs and speed-ups, CPU time an image, and
+per-op statistics.
 """
 
 from __future__ import annotations
@@ -26,253 +20,34 @@ import json
 import math
 import resource
 import statistics
-import struct
 import sys
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import numpy as np
-import numpy.typing as npt
 
 from . import fn
 from ._cpuload import CpuLoad, CpuMeter, own_cpu_seconds
+from ._demo_images import (
+    CROP,
+    STEPS,
+    U8,
+    EncodedImages,
+    augment_one,
+    color_jitter,
+    decode,
+    flip,
+    make_image_set,
+    normalize,
+    random_crop,
+    sample_digest,
+    warm_up_serial,
+)
+from ._demo_plain import PlainProcesses
 from ._host import keep_memory_warm, usable_cpus
 from ._pipeline import Pipeline, pipeline_def
-
-#: Side of the square crop the pipeline produces.
-CROP = 224
-#: ImageNet channel statistics (RGB), on the 0-255 scale.
-MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32) * 255
-STD = np.array([0.229, 0.224, 0.225], dtype=np.float32) * 255
-
-U8 = npt.NDArray[np.uint8]
-F32 = npt.NDArray[np.float32]
-
-# ------------------------------------------------------------------------ the image set
-
-#: Encoded image: this header (magic, height, width, channels), then zlib-compressed pixels.
-_HEADER = struct.Struct("<4sIII")
-_MAGIC = b"MPXI"
-_ZLIB_LEVEL = 6
-
-
-def encode(img: U8) -> U8:
-    """``img`` (uint8, HxWxC) as a 1-D uint8 array: a 16-byte header, then zlib (level 6)."""
-    if img.dtype != np.uint8 or img.ndim != 3:
-        raise ValueError(f"encode wants a uint8 HxWxC array, not {img.dtype} {img.shape}")
-    h, w, c = img.shape
-    payload = zlib.compress(np.ascontiguousarray(img).tobytes(), _ZLIB_LEVEL)
-    return np.frombuffer(_HEADER.pack(_MAGIC, h, w, c) + payload, dtype=np.uint8)
-
-
-def decode(encoded: U8) -> U8:
-    """The image that :func:`encode` encoded: uint8, HxWxC (read-only)."""
-    data = np.ascontiguousarray(encoded, dtype=np.uint8).reshape(-1)
-    if data.size < _HEADER.size:
-        raise ValueError(f"not an encoded image: {data.size} bytes, shorter than its header")
-    magic, h, w, c = _HEADER.unpack(data[: _HEADER.size].tobytes())
-    if magic != _MAGIC:
-        raise ValueError(f"not an encoded image: magic {magic!r}, expected {_MAGIC!r}")
-    raw = zlib.decompress(data[_HEADER.size :].data)
-    if len(raw) != h * w * c:
-        raise ValueError(f"corrupt image: {len(raw)} bytes of pixels for shape {(h, w, c)}")
-    return np.frombuffer(raw, dtype=np.uint8).reshape(h, w, c)
-
-
-def image_shape(index: int, seed: int, size: int) -> tuple[int, int, int]:
-    """The shape of image ``index``: each side drawn from 7/8 to 5/4 of ``size``."""
-    rng = np.random.default_rng((seed, index, 0))
-    lo, hi = max(1, size * 7 // 8), max(1, size * 5 // 4)
-    h, w = (int(v) for v in rng.integers(lo, hi + 1, size=2))
-    return h, w, 3
-
-
-def synthetic_image(index: int, seed: int, size: int) -> U8:
-    """A deterministic photograph-like image: a gradient sky, soft shapes, texture, noise.
-
-    Image ``index`` depends only on ``(index, seed, size)``, so a smaller set is
-    a prefix of a larger one. Vectorised float32: a few milliseconds at 256x256.
-    """
-    h, w, _ = image_shape(index, seed, size)
-    rng = np.random.default_rng((seed, index, 1))
-    y = np.linspace(0.0, 1.0, h, dtype=np.float32)[:, None]
-    x = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :]
-    # A linear gradient between two colours, in a random direction.
-    angle = float(rng.uniform(0, 2 * math.pi))
-    t = x * np.float32(math.cos(angle)) + y * np.float32(math.sin(angle))
-    t -= t.min()
-    t /= np.float32(max(float(t.max()), 1e-6))
-    c0, c1 = rng.uniform(20, 235, size=(2, 3)).astype(np.float32)
-    img = c0 + t[..., None] * (c1 - c0)
-    # Soft-edged ellipses and rectangles blended over it, each within its bounding box.
-    for _ in range(int(rng.integers(3, 7))):
-        cy, cx, ry, rx = (float(v) for v in rng.uniform((0, 0, 0.06, 0.06), (1, 1, 0.3, 0.3)))
-        colour = rng.uniform(0, 255, size=3).astype(np.float32)
-        round_shape = bool(rng.random() < 0.6)
-        opacity = np.float32(rng.uniform(0.5, 0.95))
-        y0, y1 = max(0, int((cy - ry) * h)), min(h, int((cy + ry) * h) + 2)
-        x0, x1 = max(0, int((cx - rx) * w)), min(w, int((cx + rx) * w) + 2)
-        if y0 >= y1 or x0 >= x1:
-            continue
-        dy = (y[y0:y1] - np.float32(cy)) / np.float32(ry)
-        dx = (x[:, x0:x1] - np.float32(cx)) / np.float32(rx)
-        d = np.sqrt(dy * dy + dx * dx) if round_shape else np.maximum(np.abs(dy), np.abs(dx))
-        alpha = np.clip((1 - d) * np.float32(8), 0, 1) * opacity
-        patch = img[y0:y1, x0:x1]
-        patch += alpha[..., None] * (colour - patch)
-    # A low-frequency texture and sensor noise (luma only).
-    fy, fx = (np.float32(v) for v in rng.uniform(2, 12, size=2))
-    texture = np.float32(6) * np.sin(np.float32(2 * math.pi) * (fy * y + fx * x))
-    texture += rng.standard_normal(size=(h, w), dtype=np.float32) * np.float32(2.5)
-    img += texture[..., None]
-    out: U8 = np.clip(img + np.float32(0.5), 0, 255).astype(np.uint8)
-    return out
-
-
-def make_image_set(count: int, seed: int, size: int, progress: Progress | None = None) -> list[U8]:
-    """``count`` encoded synthetic images (see :func:`synthetic_image`)."""
-    images = []
-    for i in range(count):
-        images.append(encode(synthetic_image(i, seed, size)))
-        if progress is not None:
-            progress.update(1)
-    return images
-
-
-class EncodedImages:
-    """The pipeline's source: ``callable(SampleInfo)`` over encoded images, picklable.
-
-    Returns sample ``info.idx_in_epoch``, cycling through the images ``passes``
-    times, then raises ``StopIteration``, which ends the epoch. With ``warmup``,
-    epoch 0 is a warm-up of the first ``warmup`` images only, and the passes
-    come from epoch 1 on (``len()`` counts those).
-    """
-
-    def __init__(self, data: Sequence[U8], passes: int = 1, warmup: int = 0) -> None:
-        if not data:
-            raise ValueError("EncodedImages needs at least one image")
-        if passes < 1:
-            raise ValueError(f"passes must be at least 1, not {passes}")
-        if warmup < 0:
-            raise ValueError(f"warmup must be at least 0, not {warmup}")
-        self.data = list(data)
-        self.passes = passes
-        self.warmup = warmup
-
-    def __len__(self) -> int:
-        return len(self.data) * self.passes
-
-    def __call__(self, info: Any) -> U8:
-        idx = int(info.idx_in_epoch)
-        warming = self.warmup and int(getattr(info, "epoch_idx", 0)) == 0
-        if idx >= (self.warmup if warming else len(self)):
-            raise StopIteration
-        return self.data[idx % len(self.data)]
-
-
-# ------------------------------------------------------------------------ the ops
-
-
-def random_crop(img: U8, *, rng: np.random.Generator) -> U8:
-    """A random 224x224 window of ``img``; a smaller side is first padded by its edge."""
-    h, w = img.shape[:2]
-    if h < CROP or w < CROP:
-        pad_h, pad_w = max(0, CROP - h), max(0, CROP - w)
-        pads = ((pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0))
-        img = np.pad(img, pads, mode="edge")
-        h, w = img.shape[:2]
-    top = int(rng.integers(0, h - CROP + 1))
-    left = int(rng.integers(0, w - CROP + 1))
-    out: U8 = img[top : top + CROP, left : left + CROP].copy()
-    return out
-
-
-def flip(img: U8, *, rng: np.random.Generator) -> U8:
-    """``img`` mirrored left to right with probability 1/2 (always a new array)."""
-    out: U8 = np.ascontiguousarray(img[:, ::-1]) if rng.random() < 0.5 else img.copy()
-    return out
-
-
-#: Rows that share one gamma table in :func:`color_jitter`.
-_GAMMA_BAND = 4
-#: Luma weights (ITU-R BT.601), for saturation.
-_LUMA = tuple(np.float32(v) for v in (0.299, 0.587, 0.114))
-
-
-def color_jitter(img: U8, *, rng: np.random.Generator) -> U8:
-    """Random brightness, contrast and saturation (float32), then a graduated gamma.
-
-    The gamma part is Python on purpose: a loop over the rows maps each row
-    through a 256-entry lookup table, rebuilt in pure Python for every band of
-    four rows (the gamma drifts from top to bottom, like a graduated filter).
-    That holds the GIL for most of the op's time, as much real augmentation
-    code does.
-    """
-    brightness, contrast, saturation = rng.uniform(0.75, 1.25, size=3)
-    gamma_top, gamma_bottom = (float(g) for g in rng.uniform(0.7, 1.4, size=2))
-    x = img.astype(np.float32)
-    x *= np.float32(brightness)
-    gray = x[..., 0] * _LUMA[0] + x[..., 1] * _LUMA[1] + x[..., 2] * _LUMA[2]  # no BLAS
-    mean = np.float32(gray.mean())
-    x = (x - mean) * np.float32(contrast) + mean
-    gray = (gray - mean) * np.float32(contrast) + mean
-    x = (x - gray[..., None]) * np.float32(saturation) + gray[..., None]
-    out: U8 = np.clip(np.rint(x), 0, 255).astype(np.uint8)
-    rows = out.shape[0]
-    table = np.empty(256, dtype=np.uint8)
-    for r in range(rows):
-        if r % _GAMMA_BAND == 0:  # a new band: a new table, built in pure Python
-            f = r / max(1, rows - 1)
-            gamma = gamma_top + (gamma_bottom - gamma_top) * f
-            table[:] = [round(255.0 * (i / 255.0) ** gamma) for i in range(256)]
-        out[r] = table[out[r]]
-    return out
-
-
-def normalize(img: U8) -> F32:
-    """``img`` (uint8 HWC) as float32 CHW, less the ImageNet mean, over its std."""
-    x = (img.astype(np.float32) - MEAN) / STD
-    return np.ascontiguousarray(x.transpose(2, 0, 1))
-
-
-def sample_digest(img: Any) -> U8:
-    """The SHA-1 of a sample's bytes (20 uint8): the demo's check of every output.
-
-    Made where the sample is made (in a worker; in the serial loop, in the loop),
-    so that hashing 600 KB a sample is the same work on both sides and not the
-    main process's: a training loop hands its batches on, it does not read them.
-    """
-    h = hashlib.sha1(np.ascontiguousarray(img).data, usedforsecurity=False)
-    return np.frombuffer(h.digest(), dtype=np.uint8)
-
-
-#: The augmentation, in order: (name, function, takes an ``rng`` keyword).
-STEPS: tuple[tuple[str, Callable[..., Any], bool], ...] = (
-    ("decode", decode, False),
-    ("random_crop", random_crop, True),
-    ("flip", flip, True),
-    ("color_jitter", color_jitter, True),
-    ("normalize", normalize, False),
-)
-
-
-def augment_one(encoded: U8, seed: int, index: int) -> F32:
-    """All of :data:`STEPS` on one sample, in this process.
-
-    The ``rng`` of step ``k`` for sample ``index`` is seeded with
-    ``(seed, k, index)``: deterministic, but not the pipeline's streams, so
-    serial and pipeline outputs have the same distribution, not the same values.
-    """
-    x: Any = encoded
-    for k, (_, function, wants_rng) in enumerate(STEPS):
-        kwargs = {"rng": np.random.default_rng((seed, k, index))} if wants_rng else {}
-        x = function(x, **kwargs)
-    out: F32 = x
-    return out
-
 
 # ------------------------------------------------------------------------ running it
 
@@ -376,6 +151,8 @@ class DemoConfig:
     progress: bool = True
     #: Timed rounds, each a serial pass and a pipeline epoch (in turn); medians are reported.
     rounds: int = 5
+    #: Time the host's ceiling too in each round: ``workers`` plain processes over the set.
+    control: bool = True
 
 
 @dataclass(frozen=True)
@@ -455,12 +232,6 @@ def serial_warmup_images(config: DemoConfig) -> int:
     """Images of the serial loop's untimed warm-up: a batch for each worker, at most the
     set (its memory is warm after a few images: the report shows its faults a sample)."""
     return min(config.images, config.batch_size * max(1, config.workers))
-
-
-def warm_up_serial(encoded: Sequence[U8], seed: int, count: int) -> None:
-    """The serial loop's warm-up: its first ``count`` images, as the timed loop makes them."""
-    for index in range(min(count, len(encoded))):
-        sample_digest(augment_one(encoded[index], seed, index))
 
 
 def run_serial(
@@ -674,6 +445,19 @@ class SerialRun:
     warmup_images: int = 0
 
 
+@dataclass(frozen=True)
+class PlainRun:
+    """The ceiling's part of the demo: a timed pass over the set a round, split among
+    as many plain processes as the pipeline has workers."""
+
+    timings: tuple[Timing, ...]
+    digest: str
+    loads: tuple[CpuLoad, ...] = ()
+    cpu: tuple[CpuUse, ...] = ()
+    #: Starting the processes and their warm-up (not timed).
+    startup_s: float = 0.0
+
+
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
@@ -701,14 +485,24 @@ class DemoResult:
     generate_s: float
     serial: SerialRun
     pipeline: PipelineRun
+    #: The host's ceiling, round by round (None: not measured).
+    plain: PlainRun | None = None
 
     @property
     def speedups(self) -> tuple[float, ...]:
         """Each round's pipeline throughput over the serial loop's in the same round."""
-        return tuple(
-            p.images_per_s / s.images_per_s
-            for s, p in zip(self.serial.timings, self.pipeline.timings, strict=False)
-        )
+        return _ratios(self.pipeline.timings, self.serial.timings)
+
+    @property
+    def ceilings(self) -> tuple[float, ...]:
+        """Each round's plain processes' throughput over the serial loop's: the most
+        this host gave that many processes of this work in that round."""
+        return () if self.plain is None else _ratios(self.plain.timings, self.serial.timings)
+
+    @property
+    def of_ceiling(self) -> tuple[float, ...]:
+        """Each round's pipeline throughput over the plain processes'."""
+        return () if self.plain is None else _ratios(self.pipeline.timings, self.plain.timings)
 
     @property
     def speedup(self) -> float:
@@ -724,9 +518,14 @@ class DemoResult:
         return _total_load(self.pipeline.loads)
 
     @property
+    def plain_load(self) -> CpuLoad | None:
+        return None if self.plain is None else _total_load(self.plain.loads)
+
+    @property
     def other_share(self) -> float | None:
-        """The larger share of the CPUs other processes used in the two sides' timed runs."""
-        shares = [x.other_share for x in (self.serial_load, self.pipeline_load) if x is not None]
+        """The largest share of the CPUs other processes used in a side's timed runs."""
+        loads = (self.serial_load, self.pipeline_load, self.plain_load)
+        shares = [x.other_share for x in loads if x is not None]
         return max(shares) if shares else None
 
     def to_json(self) -> dict[str, Any]:
@@ -749,14 +548,30 @@ class DemoResult:
                 "batches": p.batches,
                 "digest": p.digest,
             },
+            "plain": None
+            if self.plain is None
+            else _side_json(self.plain.timings, self.plain.cpu)
+            | {"digest": self.plain.digest, "startup_s": self.plain.startup_s},
             "speedup": self.speedup,
             "speedups": list(self.speedups),
+            "ceiling": _median(self.ceilings) if self.ceilings else None,
+            "ceilings": list(self.ceilings),
+            "of_ceiling": _median(self.of_ceiling) if self.of_ceiling else None,
             "host_load": {
                 name: None if load is None else load.to_json()
-                for name, load in (("serial", self.serial_load), ("pipeline", self.pipeline_load))
+                for name, load in (
+                    ("serial", self.serial_load),
+                    ("pipeline", self.pipeline_load),
+                    ("plain", self.plain_load),
+                )
             },
             "stats": _stats_json(p.stats),
         }
+
+
+def _ratios(num: Sequence[Timing], den: Sequence[Timing]) -> tuple[float, ...]:
+    """Round by round, the throughput of ``num`` over that of ``den``."""
+    return tuple(a.images_per_s / b.images_per_s for a, b in zip(num, den, strict=False))
 
 
 def _side_json(timings: Sequence[Timing], cpu: Sequence[CpuUse]) -> dict[str, Any]:
@@ -781,14 +596,15 @@ def _stats_json(stats: Any) -> Any:
 
 
 def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
-    """Generate the images, start and warm the pipeline, then time ``config.rounds``
-    rounds of the serial loop and the pipeline in turn; return the measurements.
+    """Generate the images, start and warm the pipeline (and the plain processes of the
+    ceiling), then time ``config.rounds`` rounds of the sides in turn; return the
+    measurements.
 
-    The two sides alternate within a round and swap order from round to round
-    (serial first, then pipeline first, ...), so that a change in the host's
-    load or clock meets both alike; each round's speed-up compares the two
-    phases run next to each other. Progress bars, when ``config.progress`` is
-    set, go to ``err`` (default: stderr).
+    The sides alternate within a round and their order rotates from round to
+    round (serial first, then pipeline first, ...), so that a change in the
+    host's load or clock meets all alike; each round's ratios compare phases
+    run next to each other. Progress bars, when ``config.progress`` is set, go
+    to ``err`` (default: stderr).
     """
     err = sys.stderr if err is None else err
     bar = Progress("images", config.images, err, enabled=config.progress)
@@ -816,23 +632,49 @@ def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
         finally:
             bar.close()
 
-    source = EncodedImages(encoded, passes=config.epochs, warmup=len(encoded))
-    side = PipelineSide(source, config)
+    plain_runs: list[tuple[Timing, CpuLoad, CpuUse]] = []
+    # First, with no pipeline thread or worker yet: only the plain loops in them.
+    plain = (
+        PlainProcesses(encoded, config.seed, config.workers, serial_warm, SERIAL_WARM_MEMORY)
+        if config.control and config.workers > 0
+        else None
+    )
+    side: PipelineSide | None = None
     try:
+        source = EncodedImages(encoded, passes=config.epochs, warmup=len(encoded))
+        side = PipelineSide(source, config)
 
         def pipeline_round() -> None:
+            assert side is not None
             bar = Progress("pipeline", len(source), err, enabled=config.progress)
             try:
                 side.epoch(bar)
             finally:
                 bar.close()
 
+        def plain_round() -> None:
+            assert plain is not None
+            meter = CpuMeter()
+            wall, cpu, faults = plain.round()
+            load = meter.stop()
+            use = CpuUse(len(encoded), wall, 0.0, cpu, faults, config.workers)
+            plain_runs.append((Timing(len(encoded), wall), load, use))
+
+        phases = [serial_round, pipeline_round] + ([plain_round] if plain else [])
         for r in range(config.rounds):
-            for phase in (serial_round, pipeline_round)[:: 1 if r % 2 == 0 else -1]:
+            for phase in phases[r % len(phases) :] + phases[: r % len(phases)]:
                 phase()
         pipeline = side.result()
     finally:
-        side.close()
+        if side is not None:
+            side.close()
+        if plain is not None:
+            plain.close()
+    if plain is not None and plain.digest != serial_digest:
+        raise RuntimeError(
+            "the demo's plain processes made other outputs than its serial loop "
+            f"(digests {plain.digest} and {serial_digest})"
+        )
 
     return DemoResult(
         config=config,
@@ -847,6 +689,15 @@ def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
             warmup_images=serial_warm,
         ),
         pipeline=pipeline,
+        plain=None
+        if plain is None
+        else PlainRun(
+            timings=tuple(x[0] for x in plain_runs),
+            digest=plain.digest,
+            loads=tuple(x[1] for x in plain_runs),
+            cpu=tuple(x[2] for x in plain_runs),
+            startup_s=plain.startup_s,
+        ),
     )
 
 
@@ -865,15 +716,20 @@ def host_load_text(result: DemoResult) -> tuple[str, str]:
     share = result.other_share
     if share is None:
         return "", ""
-    loads = [
-        (name, load)
-        for name, load in (("serial loop", result.serial_load), ("pipeline", result.pipeline_load))
-        if load is not None
-    ]
+    sides = (
+        ("serial loop", result.serial_load),
+        ("pipeline", result.pipeline_load),
+        ("plain processes", result.plain_load),
+    )
+    loads = [(name, load) for name, load in sides if load is not None]
     cpus = _plural(loads[0][1].cpus, "CPU")
     parts = [f"{100 * load.other_share:.0f}% during the {name}" for name, load in loads]
     parts[0] = parts[0].replace(" during", f" of the {cpus} during", 1)
-    line = f"other processes used {' and '.join(parts)}"
+    line = (
+        f"other processes used {', '.join(parts[:-1])} and {parts[-1]}"
+        if len(parts) > 1
+        else (f"other processes used {parts[0]}")
+    )
     if share >= BUSY_SHARE:
         return ": not meaningful, the host was busy", line
     if share >= NOT_QUIET_SHARE:
@@ -906,6 +762,13 @@ def cpu_lines(result: DemoResult) -> list[str]:
             )
         else:
             lines.append(f"  pipeline  {main:5.2f} ms in this process (inline, no workers)")
+    if result.plain is not None and result.plain.cpu:
+        c = result.plain.cpu
+        lines.append(
+            f"  plain     {_median([u.per_image_ms(u.workers_s) for u in c]):5.2f} ms in the "
+            f"processes ({_median([u.workers_busy for u in c]):.0%} busy), "
+            f"{_median([u.faults_per_image for u in c]):.1f} page faults"
+        )
     return lines
 
 
@@ -940,17 +803,40 @@ def format_result(result: DemoResult) -> str:
         f"({_plural(c.workers, 'worker')}, {_plural(result.usable_cpus, 'usable CPU')})"
     )
     verdict, load = host_load_text(result)
+    plain_lines = []
+    if result.plain is not None:
+        rates = [t.images_per_s for t in result.plain.timings]
+        procs = _plural(c.workers, "plain process", "plain processes")
+        plain = (
+            f"  plain     {_median(rates):8.1f} images/s {_spread(rates, '.0f')}  "
+            f"({_plural(c.images, 'image')} a round: {procs}, each a loop over its share)"
+        )
+        plain_lines = [plain]
+        ceiling = (
+            f"  ceiling   {_median(result.ceilings):8.2f}x {_spread(result.ceilings, '.2f')}  "
+            f"(the plain processes over the serial loop: this host's own limit); the "
+            f"pipeline {_median(result.of_ceiling):.2f} of it {_spread(result.of_ceiling, '.2f')}"
+        )
     startup = (
         f"  startup   {p.startup_s:.2f} s: building the graph, starting "
         f"{_plural(c.workers, 'worker')}"
+        + (
+            ""
+            if result.plain is None
+            else f"; {result.plain.startup_s:.2f} s: the plain processes, warmed up"
+        )
     )
     warmup = (
         f"  warm-up   {p.warmup_s:.2f} s: the pipeline {_plural(p.warmup_images, 'image')}"
         f"{warm}, the serial loop {_plural(s.warmup_images, 'image')}"
     )
+    sides = (
+        "the serial loop, the pipeline and the plain processes"
+        if plain_lines
+        else ("the serial loop and the pipeline")
+    )
     rounds = (
-        f"throughput: {_plural(len(s.timings), 'round')}, the serial loop and the pipeline "
-        "in turn; medians [lowest-highest]"
+        f"throughput: {_plural(len(s.timings), 'round')}, {sides} in turn; medians [lowest-highest]"
     )
     return "\n".join(
         [
@@ -962,7 +848,9 @@ def format_result(result: DemoResult) -> str:
             rounds,
             f"  serial    {serial}",
             f"  pipeline  {pipeline}",
+            *plain_lines,
             f"  speed-up  {speedup}{verdict}",
+            *([ceiling] if plain_lines else []),
             *([f"  host load {load}"] if load else []),
             "cpu time an image: medians",
             *cpu_lines(result),

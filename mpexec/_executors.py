@@ -313,7 +313,8 @@ def _out(unit: WorkUnit) -> dict[str, Any]:
     """A unit's keyword arguments: its rows of the batch's blocks, writable."""
     if not unit.out:
         return {}
-    return {"out": tuple(None if o is None else _codec.writable(o) for o in unit.out)}
+    # (Writable, not writable(): a block's rows are a writable array, never of objects.)
+    return {"out": tuple([None if o is None else _codec.Writable(o) for o in unit.out])}
 
 
 def pool_executor(pool: CallPool) -> PoolExecutor:

@@ -53,6 +53,7 @@ import shm
 from ._batch import Batch
 from ._errors import GpuError, GpuUnavailableError, OpOutputError
 from ._extras import INSTALL_DOC, install_command
+from ._rngseeds import RngSeeds
 from ._runtime import BatchInfo, Chunk, takes_keyword
 
 #: Every CuPy name this module uses (attribute paths from the ``cupy`` module).
@@ -648,6 +649,8 @@ class GpuOpRunner:
         self.entropy = entropy
         self.dlpack = dlpack
         self.takes_rng = takes_keyword(function, "rng")
+        # As the CPU runner's: the SeedSequence's hash replayed on what changes.
+        self._seeds = RngSeeds(entropy) if self.takes_rng else None
 
     def __call__(
         self, xp: Any, stream: Any, chunk: Chunk, inputs: Sequence[Sequence[Any]]
@@ -704,8 +707,8 @@ class GpuOpRunner:
         # always: work queued on a stream is not repeated.
         _runtime.reseed(np_seed, py_seed)
         kwargs = {}
-        if self.takes_rng:
-            seq = np.random.SeedSequence(self.entropy, spawn_key=key)
+        if self._seeds is not None:
+            seq = self._seeds.seq(key[:2], key[2])
             kwargs["rng"] = np.random.Generator(np.random.PCG64(seq))
         try:
             return self.function(*args, **kwargs)

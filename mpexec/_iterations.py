@@ -22,7 +22,7 @@ from ._batch import Batch
 from ._executors import UnitExecutor
 from ._graph import Op
 from ._modes import OpKind
-from ._runtime import ChunkResult
+from ._runtime import ChunkResult, check_consistent
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class OpState:
         # A split or merge of DALI's conditional execution: computed here, by selecting rows.
         self.selects = op.kind in (OpKind.SPLIT, OpKind.MERGE)
         self.members = [self]  # the chain this op ends (itself alone if none)
+        # This op, or the head of the chain it ends, is a source (set again where
+        # the scheduler chains ops: an attribute, read several times an iteration).
+        self.source = op.is_source
         self.absorbed = False  # runs inside a later op's chain
         self.worker = worker  # pinned worker index (stateful ops)
         self.executor = executor  # where its units run
@@ -67,6 +70,12 @@ class OpState:
         self.handoff = getattr(executor, "handoff", None)
         self.columns = getattr(executor, "columns", None)
         self.batch = getattr(executor, "batch", None)
+        self.submit_hooked = getattr(executor, "submit_hooked", None)
+        self.empty = getattr(executor, "empty", None)
+        # Set by the scheduler once ops are chained: (producer, output index) per
+        # input, and the names of the ops a unit runs (head first).
+        self.producers: list[tuple[OpState, int]] = []
+        self.names: tuple[str, ...] = (op.name,)
         # Per output: (sample shape, dtype) of the batch's dense block, or None.
         self.declared = declared_blocks(op)
         self.blocks: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = list(self.declared)
@@ -80,11 +89,6 @@ class OpState:
         self.cpu_s = 0.0
         self.cpu_samples = 0
         self.bytes_in = self.bytes_out = self.bytes_copied = 0
-
-    @property
-    def source(self) -> bool:
-        """This op, or the head of the chain it ends, is a source."""
-        return self.members[0].op.is_source
 
     def stats(self) -> OpStats:
         return OpStats(
@@ -127,7 +131,7 @@ class Iteration:
         self.error: BaseException | None = None
         self.dropped = False
         self.result: tuple[Batch, ...] | None = None
-        self.done = threading.Event()
+        self.done = Done()
 
     @property
     def computing(self) -> bool:
@@ -146,6 +150,52 @@ class Iteration:
             self.dropped = True
             self.error = None
         return error
+
+
+class Done:
+    """Set once, when an iteration is done: ``threading.Event``'s ``set``, ``is_set``
+    and ``wait``, on one lock.
+
+    An iteration makes one and sets it once, every batch: an Event's condition
+    costs ~20 Python calls a batch between them (its lock, waiter list and
+    notify), which the main process runs cold at 2 workers (docs/scaling.md).
+    The lock is held until ``set`` releases it; a waiter takes it and hands it
+    on at once, so any number of waiters wake.
+    """
+
+    __slots__ = ("_flag", "_lock")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._lock = _allocate_lock()
+        self._lock.acquire()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        if self._flag:
+            return
+        self._flag = True
+        try:  # noqa: SIM105 - not contextlib.suppress: 3 Python calls a batch
+            self._lock.release()
+        except RuntimeError:  # set twice at once: released already
+            pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once set; False if ``timeout`` seconds passed first."""
+        if self._flag:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            try:  # noqa: SIM105 - (see set)
+                self._lock.release()  # the next waiter's turn
+            except RuntimeError:  # (see set)
+                pass
+            return True
+        return self._flag
+
+
+_allocate_lock = threading.Lock
 
 
 def declared_blocks(op: Op) -> list[tuple[tuple[int, ...], np.dtype[Any]] | None]:
@@ -234,3 +284,73 @@ def annotate(exc: BaseException, op: Op, it: Iteration, sample: int | None) -> B
         with contextlib.suppress(AttributeError):  # exceptions with __slots__
             setattr(exc, attr, value)
     return exc
+
+
+# ---------------------------------------------------------------- assembly
+
+
+def assemble(
+    s: OpState,
+    parts: list[ChunkResult],
+    bounds: list[tuple[int, int]],
+    blocks: list[Any],
+    here: bool,
+) -> tuple[Any, ...]:
+    """Op ``s``'s chunks' outputs as one column per output: a dense block, or a list.
+
+    ``here``: the units ran in this process (``num_workers=0``), so their
+    arrays are the function's own, copied here as it may keep and reuse them.
+    """
+    if s.op.batch_processing:  # one call (short where a source it ends ended)
+        parts, bounds = parts[:1], bounds[:1]
+        counts = [parts[0].count]
+    else:
+        counts = []
+        for p in parts:
+            counts.append(p.count)
+            if p.stop is not None:
+                break  # samples past a source's end are not in the epoch
+        parts, bounds = parts[: len(counts)], bounds[: len(counts)]
+    if s.columns is not None:  # not host arrays: its executor knows them
+        return s.columns(parts, s.op.num_outputs, s.op.describe())  # type: ignore[no-any-return]
+    total = sum(counts)
+    columns: list[Any] = []
+    for i in range(s.op.num_outputs):
+        block = blocks[i] if blocks else None
+        written = [bool(p.written) and p.written[i] for p in parts]
+        if block is not None and all(written):
+            col: Any = block[:total]
+            col.flags.writeable = False
+        else:
+            col = []
+            for p, (a, _), count, w in zip(parts, bounds, counts, written, strict=True):
+                if w:  # rows of the batch's block: ours, not the function's
+                    assert block is not None
+                    col.extend(block[a : a + count])
+                    continue
+                got = p.outputs[i]
+                if here:
+                    got = [np.array(x, copy=True) for x in got]
+                col.extend(got)
+            for a in col:
+                a.setflags(False)
+            check_consistent(s.op.describe(), i, col)
+            _learn(s, i, col)
+        columns.append(col)
+    return tuple(columns)
+
+
+def _learn(s: OpState, i: int, col: list[Any]) -> None:
+    """Output ``i`` of ``s`` came back as arrays: a block for the next batches?
+
+    A batch whose samples share a shape and dtype sets the block of the
+    next ones (a learned shape that changed is learned anew); a ragged
+    batch leaves it as it was: one odd sample costs only its own batch.
+    """
+    if s.declared[i] is not None or not col:
+        return  # declared: a departing sample only makes this batch fall back
+    first = col[0]
+    shape, dtype = first.shape, first.dtype
+    if dtype.hasobject or not all(a.shape == shape and a.dtype == dtype for a in col):
+        return
+    s.blocks[i] = (tuple(shape), dtype)

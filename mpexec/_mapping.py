@@ -124,11 +124,14 @@ class CallExecutor(Executor):
         a task as take about 0.1 s of a worker's CPU (and run at most 0.2 s:
         a call of 0.2 s or more goes alone), at most 256, with at most 4 MiB
         of arrays in and out (counted at any depth: a dict of arrays counts
-        them); the last calls of an iterable of known length in equal chunks,
-        two a worker. The worker ends a chunk early, with the results it has,
-        once its calls run 50 ms behind twice the rate it was sized at, or
-        made 4 MiB of arrays (calls that turned slow or large), or when
-        ``timeout`` has passed; the calls it did not start are sent again,
+        them); an iterable of known length in whole rounds, chunks of one size
+        and as many for every worker, so that the workers end together (a
+        chunk of the plan may run an eighth over those times while the rate
+        of the calls wavers: the plan is not moved for less). The
+        worker ends a chunk early, with the results it has, once its calls
+        run 50 ms behind twice the rate it was sized at, or made 4 MiB of
+        arrays (calls that turned slow or large), or when ``timeout`` has
+        passed; the calls it did not start are sent again,
         spread over the workers. So a result waits in its chunk for at most
         twice the chunk's planned time, 50 ms and one call, and a call not
         started when the map times out does not run. Closing the map cancels
@@ -215,7 +218,8 @@ def map_calls(
         if learned is not None:
             with contextlib.suppress(TypeError):  # not weakly referable, or unhashable
                 start = learned.get(fn)
-        sizer = ChunkSizer(workers, known_length(iterables), start)
+        # At most ``limit`` chunks are in flight: so many workers run them at once.
+        sizer = ChunkSizer(min(workers, limit), known_length(iterables), start)
         return map_auto(pool, fn, calls, sizer, limit, deadline, ordered, check_fn, learned)
     if chunksize == 1:
         return map_results(pool, fn, calls, limit, deadline, ordered, calls)
@@ -415,10 +419,19 @@ class ChunkSizer:
     :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed, at once (but
     by wall time, by half at most unless its worker ended it: calls that
     turn slow after it are the worker's to stop, :func:`run_measured`).
-    With a known length, the last calls are shared evenly: once what is left
-    fits in the chunks of a window (two a worker), it goes in chunks of equal
-    size, so that every worker ends at about the same time at the cost of no
-    more chunks than a window holds (not one a call at the end).
+    With a known length, the calls are planned in whole rounds: the fewest
+    chunks of one size (within one call) at most that target whose count is a
+    multiple of ``workers`` (the chunks in flight at most), so that each
+    worker gets as many and all end together. With chunks sized only by the
+    target, the last round was part full: 8,192 calls of 2 ms on 16 workers
+    went in 88 chunks, 5.5 a worker, and half the workers stood idle for the
+    last chunk's 0.2 s, 8% of the map. The plan holds while its chunks stay
+    within an eighth over the target and the target within a quarter over
+    them (a rate that wavers must not move it by a round and back: workers
+    would end a chunk apart), whatever a chunk far smaller than the target
+    says (its rate says little); the small chunks sent first, to learn the
+    rate, are not in its rounds. At most ``workers`` - 1 chunks more than
+    the target alone needs.
     """
 
     def __init__(
@@ -426,9 +439,12 @@ class ChunkSizer:
     ) -> None:
         self.size, self.per_call = learned or (1, 0.0)
         self.workers = max(1, workers)
-        self.share = 2 * self.workers  # the last calls go in this many chunks
         self.left = length
-        self.tail: int | None = None  # the size of the last chunks, once set
+        self.taken = 0  # chunks taken
+        self.base = 0  # chunks taken before the plan's first (small ones, sent to learn the rate)
+        self.plan: int | None = None  # chunks planned for the calls left (known length)
+        self.planned_at = 0  # the target it was made for
+        self.sure = True  # the last chunk learned from was not small beside the target
 
     @property
     def learned(self) -> tuple[int, float]:
@@ -437,19 +453,42 @@ class ChunkSizer:
 
     def next_size(self, handed_back: int = 0) -> int:
         """The next chunk's size, ``handed_back`` calls (that a worker did not run) pending."""
-        size = self.size
-        if self.left is not None:
-            left = self.left + handed_back
-            if self.tail is None and left <= self.share * size:
-                self.tail = -(-left // self.share)
-            if self.tail is not None:
-                size = min(size, self.tail)
-        return max(1, size)
+        size = max(1, self.size)
+        if self.left is None:
+            return size
+        left = self.left + handed_back
+        if left <= 0:
+            return size
+        plan = self.plan
+        if plan is None or plan < 1 or 2 * self.planned_at <= size:
+            # The first plan, or one for a target far smaller than this (the first chunks,
+            # sent to learn the rate): the chunks so far do not count in the rounds.
+            self.base, plan = self.taken, None
+        else:
+            planned = -(-left // plan)
+            if self.sure and (
+                8 * planned > 9 * size  # the calls turned slower: more chunks
+                or 4 * -(-left // self._chunks_for(left, size)) >= 5 * planned  # faster: fewer
+            ):
+                plan = None
+        if plan is None:
+            plan, self.planned_at = self._chunks_for(left, size), size
+        self.plan = plan
+        return -(-left // plan)
+
+    def _chunks_for(self, left: int, size: int) -> int:
+        """How many chunks ``left`` calls take, at most ``size`` each, so that the plan's
+        chunks (those taken since it began, and these) are whole rounds: as many a worker."""
+        need = -(-left // size)
+        return need + (-(self.taken - self.base + need)) % self.workers
 
     def take(self, calls: Iterator[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
         chunk = tuple(itertools.islice(calls, self.next_size()))
         if self.left is not None:
             self.left = max(0, self.left - len(chunk))
+            if self.plan is not None:
+                self.plan -= 1
+        self.taken += 1
         return chunk
 
     def learn(self, ran: int, seconds: float, cpu: float, nbytes: int, ended: bool = False) -> None:
@@ -467,6 +506,9 @@ class ChunkSizer:
             best = min(best, max(int(AUTO_CHUNK_WALL_SIZE * ran / seconds), floor))
         if nbytes > 0:
             best = min(best, AUTO_CHUNK_BYTES * ran // nbytes)
+        # A chunk far smaller than the target (one of the first, sent to learn the rate)
+        # says too little to move the plan of a known length by itself.
+        self.sure = ended or 4 * ran >= self.size
         self.size = max(1, best)
         self.per_call = seconds / ran
 

@@ -26,7 +26,7 @@ import cloudpickle
 import numpy as np
 
 from . import _autograph, _codec
-from ._batch import Batch
+from ._batch import Batch, check_outputs
 from ._conditionals import Conditions
 from ._errors import MpexecError, PoolClosedError, SerializationError, forked_error
 from ._executors import CallPool, pool_executor
@@ -219,6 +219,7 @@ class Pipeline:
         self._given_pool = pool
         self._pool: CallPool | None = None
         self._scheduler: Scheduler | None = None
+        self._unforked_pid = 0  # found unforked here once built: run() checks no more
         self._gpu: Any = None  # the GPU stage (_executors.GpuExecutor), when the graph has GPU ops
         self._resume_at: tuple[int, int] | None = None  # load_state_dict() before build()
         self._lock = threading.RLock()
@@ -407,7 +408,8 @@ class Pipeline:
         """
         __tracebackhide__ = True  # an op's error is raised from here, for the caller
         self._check_not_forked()
-        self.build()
+        if self._scheduler is None or self._closed:
+            self.build()  # (which raises once closed)
         assert self._scheduler is not None
         try:
             result = self._scheduler.next_result()
@@ -424,7 +426,7 @@ class Pipeline:
         if result:
             self._samples += len(result[0])
         if self._output_checks:
-            _check_outputs(result, self._output_checks)
+            check_outputs(result, self._output_checks)
         return result
 
     def __iter__(self) -> Iterator[tuple[Batch, ...]]:
@@ -671,9 +673,13 @@ class Pipeline:
 
     def _check_not_forked(self) -> None:
         # Before any lock: another thread of the parent may have held one at the fork.
+        if (pid := os.getpid()) == self._unforked_pid:
+            return  # (its pool and GPU stage are fixed once built: ~7 calls a batch)
         owner = self._forked_from()
         if owner is not None:
             raise forked_error(owner, "this pipeline")
+        if self._scheduler is not None:
+            self._unforked_pid = pid
 
     def stats(self) -> PipelineStats:
         """Per op: calls, time in the function and waiting, bytes; per worker: busy."""
@@ -783,24 +789,6 @@ def _output_checks(dtype: Any, ndim: Any) -> tuple[Any, Any] | None:
     if ndim is not None:
         ndim = list(ndim) if isinstance(ndim, (list, tuple)) else [ndim]
     return dtype, ndim
-
-
-def _check_outputs(result: tuple[Batch, ...], checks: tuple[Any, Any]) -> None:
-    dtypes, ndims = checks
-    for i, batch in enumerate(result):
-        if not len(batch):
-            continue
-        want = dtypes[i if len(dtypes) > 1 else 0] if dtypes else None
-        if want is not None and batch.dtype != want:
-            raise TypeError(
-                f"pipeline output {i} is {batch.dtype}, but the pipeline's output_dtype is {want}"
-            )
-        rank = ndims[i if len(ndims) > 1 else 0] if ndims else None
-        if rank is not None and batch.ndim != rank:
-            raise ValueError(
-                f"pipeline output {i} has {batch.ndim} dimensions, but the pipeline's "
-                f"output_ndim is {rank}"
-            )
 
 
 def _epoch_size(op: Any) -> int | None:

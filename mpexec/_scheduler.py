@@ -77,10 +77,10 @@ from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Op, Plan, Scope
-from ._iterations import Iteration, OpState, OpStats, annotate
+from ._iterations import Iteration, OpState, OpStats, annotate, assemble
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
-from ._runtime import ChainRunner, Chunk, ChunkResult, check_consistent, derive_seed, nbytes
+from ._runtime import ChainRunner, Chunk, ChunkResult, derive_seed, nbytes
 from ._source_runners import (
     SourceBatchRunner,
     batch_rows,
@@ -176,6 +176,17 @@ class Scheduler:
         # see: there the window stays prefetch_depth (but for a batch op's).
         self._other_executor = any(s.executor is not executor for s in self.ops)
         self._iteration_bytes = 0
+        # The window and its cap, kept until what sizes them changes (0: work it out).
+        self._window_size = self._cap = 0
+        # What every iteration walks, worked out once: the plan does not change.
+        self._sources = [s for s in self.ops if s.source and not s.absorbed]
+        self._here = [s for s in self._sources if s.runner is None]
+        self._fed = [s for s in self.ops if s.op.source_mode == SourceMode.FEED]
+        self._computed = sum(1 for s in self.ops if not (s.source or s.absorbed))
+        self._outputs = [(self.ops[self._pos[id(n.op)]], n) for n in plan.outputs]
+        for s in self.ops:  # (producer, output index) of each input; the ops a unit runs
+            s.producers = [(self.ops[self._pos[id(n.op)]], n.index) for n in s.inputs]
+            s.names = tuple(m.op.name for m in s.members)
 
     @property
     def epoch(self) -> int:
@@ -192,11 +203,18 @@ class Scheduler:
         what ``_WINDOW_BYTES`` holds of them (:meth:`_window_cap`). Until the
         first iterations have said how their ops are cut, it is ``prefetch_depth``.
         """
+        if self._window_size:
+            return self._window_size
         depth, workers = self.prefetch_depth, self._workers
         units = min(self._units.values(), default=0)
         if workers <= 1 or not units:
-            return depth
-        return max(depth, min(-(-depth * workers // units), self._window_cap()))
+            size = depth
+        else:
+            size = max(depth, min(-(-depth * workers // units), self._window_cap()))
+        # Kept until a batch is cut into another count of units, or an iteration
+        # grows (_dispatch, _finish): 15-20 Python calls a batch otherwise.
+        self._window_size = size
+        return size
 
     def _window_cap(self) -> int:
         """Iterations in flight that ``_WINDOW_BYTES`` holds.
@@ -205,11 +223,16 @@ class Scheduler:
         ``prefetch_depth``, or ``prefetch_depth`` batches per worker where a
         stateless batch op runs in the workers (its call is a whole batch).
         """
+        if self._cap:
+            return self._cap
         depth, workers = self.prefetch_depth, self._workers
         if not self._iteration_bytes or self._other_executor:
-            return depth * workers if self._batch_op else depth
-        floor = max(depth, workers) if self._batch_op else depth  # fewer: workers idle
-        return max(floor, _WINDOW_BYTES // self._iteration_bytes)
+            cap = depth * workers if self._batch_op else depth
+        else:
+            floor = max(depth, workers) if self._batch_op else depth  # fewer: workers idle
+            cap = max(floor, _WINDOW_BYTES // self._iteration_bytes)
+        self._cap = cap  # (kept as the window is)
+        return cap
 
     def _chain(self, plan: Plan) -> None:
         """Run per-sample ops that only feed the next one inside its call."""
@@ -262,6 +285,7 @@ class Scheduler:
                 and not (p.op.is_source and len(s.op.inputs) != p.op.num_outputs)
             ):
                 s.members = [*p.members, s]
+                s.source = p.source
                 s.inputs = p.inputs
                 s.waits = p.waits
                 for m in p.members:
@@ -315,7 +339,7 @@ class Scheduler:
             raise StopIteration
         with self._lock:
             self._delivered += 1  # a failed iteration counts: the next run() is the next one
-        if (error := it.take_error()) is not None:
+        if it.error is not None and (error := it.take_error()) is not None:
             reraise(error)  # a stored error: run() shows where it was raised
         assert it.result is not None
         return it.result
@@ -408,22 +432,26 @@ class Scheduler:
     # ------------------------------------------------------------ scheduling
     def _fill(self) -> None:
         end = self._end
-        while len(self._window) < self.window and not self._ending and not self._closed:
+        # (The window's kept size read first: the property's call is ~3 a batch.)
+        while (
+            len(self._window) < (self._window_size or self.window)
+            and not self._ending
+            and not self._closed
+        ):
             if (end is not None and self._next_index > end) or not self._launch():
                 return
 
     def _launch(self) -> bool:
         """Start the next iteration: run the sources here, dispatch those in workers."""
-        if any(s.op.source_mode == SourceMode.FEED and not s.fed for s in self.ops):
+        if self._fed and any(not s.fed for s in self._fed):
             return False
         it = Iteration(self._epoch, self._next_index, self.batch_size, len(self.ops))
         self._next_index += 1
         self._window.append(it)
         self._waiting.append(it)
-        sources = [s for s in self.ops if s.source and not s.absorbed]
+        sources = self._sources
         it.sources_left = len(sources)
-        here = [s for s in sources if s.runner is None]
-        for s in here:
+        for s in self._here:
             try:
                 samples = self._pull(s, it)
                 # Fed batches were copied when fed: the caller may reuse its arrays.
@@ -513,7 +541,7 @@ class Scheduler:
         waiting = self._waiting
         while waiting:
             it = waiting[0]
-            if it.computing or it.dropped:
+            if it.seq >= 0 or it.dropped:  # computing already (it.computing), or dropped
                 waiting.popleft()
                 continue
             if it.sources_left > 0 and it.error is None:
@@ -536,12 +564,12 @@ class Scheduler:
             it.size = size
             it.seq = self._next_seq
             self._next_seq += 1
-            for s in self.ops:
-                if s.source and not s.absorbed:
-                    vals = it.values[s.pos]
-                    assert vals is not None
+            for s in self._sources:
+                vals = it.values[s.pos]
+                assert vals is not None
+                if vals and max(map(len, vals)) > size:  # (else: as they are)
                     it.values[s.pos] = tuple(v[:size] for v in vals)
-            it.ops_left = sum(1 for s in self.ops if not (s.source or s.absorbed))
+            it.ops_left = self._computed
             if it.ops_left == 0:
                 self._finish(it)
             else:
@@ -657,13 +685,12 @@ class Scheduler:
         op = s.op
         assert s.runner is not None
         inputs = []
-        for n in s.inputs:
-            p = self.ops[self._pos[id(n.op)]]
+        for p, index in s.producers:
             vals = it.values[p.pos]
             assert vals is not None
-            column = vals[n.index]
+            column = vals[index]
             if p.handoff is not None and p.executor is not s.executor:
-                column = it.host[(p.pos, n.index)].result()  # done: see _handed_off
+                column = it.host[(p.pos, index)].result()  # done: see _handed_off
             inputs.append(column)
         chained = len(s.members) > 1  # the chain counts its ops' bytes itself
         for column in inputs:
@@ -676,10 +703,14 @@ class Scheduler:
             bounds = [(0, size)]
         else:
             k = self._chunk_count(s, size)
-            edges = [size * j // k for j in range(k + 1)]
-            bounds = [(edges[j], edges[j + 1]) for j in range(k)]
-            if s.executor is self.executor and s.worker is None:
+            if k == 1:
+                bounds = [(0, size)]
+            else:
+                edges = [size * j // k for j in range(k + 1)]
+                bounds = [(edges[j], edges[j + 1]) for j in range(k)]
+            if s.executor is self.executor and s.worker is None and self._units.get(s.pos) != k:
                 self._units[s.pos] = k  # sizes the window
+                self._window_size = self._cap = 0
         it.parts[s.pos] = [None] * len(bounds)
         it.bounds[s.pos] = bounds
         try:
@@ -690,15 +721,15 @@ class Scheduler:
         it.blocks[s.pos] = blocks
         # Where the executor offers it, a unit's outcome comes back to a hook,
         # with no Future between (no condition, no guarded callback a unit).
-        hooked = getattr(s.executor, "submit_hooked", None)
+        hooked = s.submit_hooked
         submit = s.executor.submit_unit
-        names = tuple(m.op.name for m in s.members)
+        names = s.names
         runner = s.runner
         for ci, (a, b) in enumerate(bounds):
             where = None if samples is None else tuple(int(r) for r in samples[a:b])
             chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start, where)
-            out = tuple(None if k is None else k[a:b] for k in blocks) if blocks else ()
-            rows = tuple(col[a:b] for col in inputs)
+            out = tuple([None if k is None else k[a:b] for k in blocks]) if blocks else ()
+            rows = tuple([col[a:b] for col in inputs]) if inputs else ()
             unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
             t0 = time.perf_counter()
             hook = functools.partial(self._on_chunk, it, s, ci, t0)
@@ -756,8 +787,8 @@ class Scheduler:
 
     def _blocks(self, s: OpState, size: int) -> list[Any]:
         """Per output of ``s``: a dense block for the batch, or None; [] if none."""
-        empty = getattr(s.executor, "empty", None)
-        if empty is None or not size or not any(b is not None for b in s.blocks):
+        empty = s.empty
+        if empty is None or not size or s.blocks.count(None) == len(s.blocks):
             return []
         return [None if b is None else empty((size, *b[0]), b[1]) for b in s.blocks]
 
@@ -784,7 +815,8 @@ class Scheduler:
             return max(1, min(size, workers))
         carry = calls_in_chunk(s.cpu_s / s.cpu_samples, size)
         # (Rounded: a chunk a little longer than the policy's beats twice the chunks.)
-        chunks = max(round(size / carry), -(-self.prefetch_depth * workers // self._window_cap()))
+        cap = self._cap or self._window_cap()
+        chunks = max(round(size / carry), -(-self.prefetch_depth * workers // cap))
         return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))
 
     def _on_chunk(self, it: Iteration, s: OpState, ci: int, t0: float, future: Any) -> None:
@@ -831,23 +863,26 @@ class Scheduler:
             return
         parts = it.parts[s.pos]
         parts[ci] = res
-        if any(p is None for p in parts):
-            return
+        for p in parts:  # (a loop, not any(): no generator a batch)
+            if p is None:
+                return
         del it.parts[s.pos]
         bounds = it.bounds.pop(s.pos)
         blocks = it.blocks.pop(s.pos)
-        columns = self._assemble(s, parts, bounds, blocks)  # type: ignore[arg-type]
+        columns = assemble(s, parts, bounds, blocks, self._workers == 0)  # type: ignore[arg-type]
         if len(s.members) == 1 or s.executor is self.executor:
-            size = sum(nbytes(col) for col in columns)
+            size = 0
+            for col in columns:
+                size += nbytes(col)
             if len(s.members) == 1:
                 s.bytes_out += size
             if s.executor is self.executor:
                 it.nbytes += size
         it.values[s.pos] = columns
         if s.source:
-            stops = [p.stop for p in parts if p is not None and p.stop is not None]
-            if stops:
-                it.stop = min(stops) if it.stop is None else min(it.stop, *stops)
+            for p in parts:
+                if p is not None and p.stop is not None:
+                    it.stop = p.stop if it.stop is None else min(it.stop, p.stop)
             it.size = min(it.size, len(columns[0]))
             it.sources_left -= 1
             if it.sources_left == 0:
@@ -859,74 +894,11 @@ class Scheduler:
         else:
             self._dispatch_ready(it)
 
-    def _assemble(
-        self,
-        s: OpState,
-        parts: list[ChunkResult],
-        bounds: list[tuple[int, int]],
-        blocks: list[Any],
-    ) -> tuple[Any, ...]:
-        """The chunks' outputs as one column per output: a dense block, or a list."""
-        if s.op.batch_processing:  # one call (short where a source it ends ended)
-            parts, bounds = parts[:1], bounds[:1]
-            counts = [parts[0].count]
-        else:
-            counts = []
-            for p in parts:
-                counts.append(p.count)
-                if p.stop is not None:
-                    break  # samples past a source's end are not in the epoch
-            parts, bounds = parts[: len(counts)], bounds[: len(counts)]
-        if s.columns is not None:  # not host arrays: its executor knows them
-            return s.columns(parts, s.op.num_outputs, s.op.describe())  # type: ignore[no-any-return]
-        total = sum(counts)
-        columns: list[Any] = []
-        for i in range(s.op.num_outputs):
-            block = blocks[i] if blocks else None
-            written = [bool(p.written) and p.written[i] for p in parts]
-            if block is not None and all(written):
-                col: Any = block[:total]
-                col.flags.writeable = False
-            else:
-                col = []
-                for p, (a, _), count, w in zip(parts, bounds, counts, written, strict=True):
-                    if w:  # rows of the batch's block: ours, not the function's
-                        assert block is not None
-                        col.extend(block[a : a + count])
-                        continue
-                    got = p.outputs[i]
-                    if self._workers == 0:
-                        # Here the function's own arrays: it may keep and reuse them.
-                        got = [np.array(x, copy=True) for x in got]
-                    col.extend(got)
-                for a in col:
-                    a.setflags(False)
-                check_consistent(s.op.describe(), i, col)
-                self._learn(s, i, col)
-            columns.append(col)
-        return tuple(columns)
-
-    def _learn(self, s: OpState, i: int, col: list[Any]) -> None:
-        """Output ``i`` of ``s`` came back as arrays: a block for the next batches?
-
-        A batch whose samples share a shape and dtype sets the block of the
-        next ones (a learned shape that changed is learned anew); a ragged
-        batch leaves it as it was: one odd sample costs only its own batch.
-        """
-        if s.declared[i] is not None or not col:
-            return  # declared: a departing sample only makes this batch fall back
-        first = col[0]
-        shape, dtype = first.shape, first.dtype
-        if dtype.hasobject or not all(a.shape == shape and a.dtype == dtype for a in col):
-            return
-        s.blocks[i] = (tuple(shape), dtype)
-
     def _finish(self, it: Iteration) -> None:
         plan = self._plan
         assert plan is not None
         out = []
-        for n in plan.outputs:
-            p = self.ops[self._pos[id(n.op)]]
+        for p, n in self._outputs:
             vals = it.values[p.pos]
             assert vals is not None
             layout = n.op.output_layouts[n.index]
@@ -935,7 +907,9 @@ class Scheduler:
             else:
                 out.append(p.batch(vals[n.index], layout, n.op.name))
         it.result = tuple(out)
-        self._iteration_bytes = max(self._iteration_bytes, it.nbytes)  # sizes the window
+        if it.nbytes > self._iteration_bytes:  # sizes the window
+            self._iteration_bytes = it.nbytes
+            self._window_size = self._cap = 0
         it.values = []
         it.host = {}
         it.done.set()

@@ -158,6 +158,8 @@ LAYERS: dict[str, int] = {
     "mpexec.__main__": 8,
     "mpexec._doctor": 8,
     "mpexec._demo": 8,
+    "mpexec._demo_images": 8,  # the demo's images, codec and augmentation steps
+    "mpexec._demo_plain": 8,  # the demo's control: plain processes, the host's ceiling
 }
 ADAPTERS = 7
 

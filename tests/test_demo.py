@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
+import os
 import pickle
 import re
+import signal
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,10 +23,11 @@ import numpy as np
 import pytest
 
 from mpexec import _demo
+from mpexec import _demo_images as demo_images
 from mpexec.__main__ import main as cli_main
 from mpexec._cpuload import CpuLoad
 
-CROP = _demo.CROP
+CROP = demo_images.CROP
 
 
 def rng(seed: int = 0) -> np.random.Generator:
@@ -42,67 +47,67 @@ def read_only(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("shape", [(1, 1, 3), (7, 5, 3), (300, 257, 3), (10, 10, 1)])
 def test_decode_inverts_encode(shape: tuple[int, int, int]) -> None:
     img = rng().integers(0, 256, size=shape, dtype=np.uint8)
-    encoded = _demo.encode(img)
+    encoded = demo_images.encode(img)
     assert encoded.dtype == np.uint8
     assert encoded.ndim == 1
-    decoded = _demo.decode(read_only(encoded))
+    decoded = demo_images.decode(read_only(encoded))
     assert decoded.dtype == np.uint8
     assert decoded.shape == shape
     np.testing.assert_array_equal(decoded, img)
 
 
 def test_encode_compresses_smooth_images() -> None:
-    img = _demo.synthetic_image(0, seed=0, size=128)
-    assert _demo.encode(img).nbytes < img.nbytes
+    img = demo_images.synthetic_image(0, seed=0, size=128)
+    assert demo_images.encode(img).nbytes < img.nbytes
 
 
 def test_encode_rejects_non_images() -> None:
     with pytest.raises(ValueError, match="uint8 HxWxC"):
-        _demo.encode(np.zeros((4, 4), np.uint8))
+        demo_images.encode(np.zeros((4, 4), np.uint8))
     with pytest.raises(ValueError, match="uint8 HxWxC"):
-        _demo.encode(np.zeros((4, 4, 3), np.float32))
+        demo_images.encode(np.zeros((4, 4, 3), np.float32))
 
 
 def test_decode_rejects_garbage() -> None:
-    encoded = _demo.encode(np.zeros((4, 4, 3), np.uint8))
+    encoded = demo_images.encode(np.zeros((4, 4, 3), np.uint8))
     with pytest.raises(ValueError, match="shorter than its header"):
-        _demo.decode(encoded[:5])
+        demo_images.decode(encoded[:5])
     bad = encoded.copy()
     bad[0] ^= 0xFF
     with pytest.raises(ValueError, match="magic"):
-        _demo.decode(bad)
-    other = _demo.encode(np.zeros((4, 5, 3), np.uint8))
+        demo_images.decode(bad)
+    other = demo_images.encode(np.zeros((4, 5, 3), np.uint8))
     spliced = np.concatenate([encoded[:16], other[16:]])
     with pytest.raises(ValueError, match="corrupt"):
-        _demo.decode(spliced)
+        demo_images.decode(spliced)
 
 
 def test_synthetic_images_are_deterministic_and_sized() -> None:
-    a = _demo.synthetic_image(3, seed=7, size=64)
-    b = _demo.synthetic_image(3, seed=7, size=64)
+    a = demo_images.synthetic_image(3, seed=7, size=64)
+    b = demo_images.synthetic_image(3, seed=7, size=64)
     np.testing.assert_array_equal(a, b)
     assert a.dtype == np.uint8
-    assert a.shape == _demo.image_shape(3, seed=7, size=64)
+    assert a.shape == demo_images.image_shape(3, seed=7, size=64)
     h, w, c = a.shape
     assert c == 3
     assert 56 <= h <= 80
     assert 56 <= w <= 80
-    assert not np.array_equal(a[: min(h, 56), :56], _demo.synthetic_image(3, 8, 64)[:56, :56])
+    assert not np.array_equal(a[: min(h, 56), :56], demo_images.synthetic_image(3, 8, 64)[:56, :56])
     assert a.std() > 5  # not a flat field
 
 
 def test_image_set_is_a_prefix_of_a_larger_one() -> None:
-    small = _demo.make_image_set(2, seed=1, size=48)
-    large = _demo.make_image_set(3, seed=1, size=48)
+    small = demo_images.make_image_set(2, seed=1, size=48)
+    large = demo_images.make_image_set(3, seed=1, size=48)
     for x, y in zip(small, large, strict=False):
         np.testing.assert_array_equal(x, y)
-    shapes = {_demo.decode(e).shape for e in large}
+    shapes = {demo_images.decode(e).shape for e in large}
     assert len(shapes) > 1  # sizes vary
 
 
 def test_encoded_images_source() -> None:
-    data = _demo.make_image_set(3, seed=0, size=16)
-    source = _demo.EncodedImages(data, passes=2)
+    data = demo_images.make_image_set(3, seed=0, size=16)
+    source = demo_images.EncodedImages(data, passes=2)
     assert len(source) == 6
 
     @dataclass
@@ -113,21 +118,21 @@ def test_encoded_images_source() -> None:
     assert source(Info(4)) is data[1]
     with pytest.raises(StopIteration):
         source(Info(6))
-    one_pass = _demo.EncodedImages(data)
+    one_pass = demo_images.EncodedImages(data)
     with pytest.raises(StopIteration):
         one_pass(Info(3))
     clone = pickle.loads(pickle.dumps(source))
     np.testing.assert_array_equal(clone(Info(2)), data[2])
     with pytest.raises(ValueError, match="at least one image"):
-        _demo.EncodedImages([])
+        demo_images.EncodedImages([])
     with pytest.raises(ValueError, match="passes"):
-        _demo.EncodedImages(data, passes=0)
+        demo_images.EncodedImages(data, passes=0)
 
 
 def test_encoded_images_warm_up_in_epoch_0() -> None:
     # The demo's warm-up: epoch 0 makes the first images only, the passes follow.
-    data = _demo.make_image_set(3, seed=0, size=16)
-    source = _demo.EncodedImages(data, passes=2, warmup=2)
+    data = demo_images.make_image_set(3, seed=0, size=16)
+    source = demo_images.EncodedImages(data, passes=2, warmup=2)
     assert len(source) == 6  # the timed epochs'
     assert source(_Info(1, 0)) is data[1]
     with pytest.raises(StopIteration):
@@ -136,7 +141,7 @@ def test_encoded_images_warm_up_in_epoch_0() -> None:
     with pytest.raises(StopIteration):
         source(_Info(6, 1))
     with pytest.raises(ValueError, match="warmup"):
-        _demo.EncodedImages(data, warmup=-1)
+        demo_images.EncodedImages(data, warmup=-1)
 
 
 @dataclass
@@ -149,8 +154,8 @@ class _Info:
 
 
 def test_ops_pickle_by_reference() -> None:
-    for _, function, _ in _demo.STEPS:
-        assert function.__module__ == "mpexec._demo"
+    for _, function, _ in demo_images.STEPS:
+        assert function.__module__ == "mpexec._demo_images"
         blob = pickle.dumps(function)
         assert len(blob) < 100
         assert pickle.loads(blob) is function
@@ -160,11 +165,11 @@ def test_ops_pickle_by_reference() -> None:
 def test_random_crop_stays_in_bounds(shape: tuple[int, int, int]) -> None:
     img = rng(1).integers(0, 256, size=shape, dtype=np.uint8)
     for seed in range(5):
-        out = _demo.random_crop(read_only(img), rng=rng(seed))
+        out = demo_images.random_crop(read_only(img), rng=rng(seed))
         assert out.shape == (CROP, CROP, 3)
         assert out.dtype == np.uint8
         assert out.flags.writeable
-        np.testing.assert_array_equal(out, _demo.random_crop(img, rng=rng(seed)))
+        np.testing.assert_array_equal(out, demo_images.random_crop(img, rng=rng(seed)))
         if shape[0] >= CROP and shape[1] >= CROP:  # a window of the image itself
             replay = rng(seed)
             top = int(replay.integers(0, shape[0] - CROP + 1))
@@ -176,7 +181,7 @@ def test_random_crop_stays_in_bounds(shape: tuple[int, int, int]) -> None:
 
 def test_random_crop_varies_with_the_rng() -> None:
     img = rng(1).integers(0, 256, size=(256, 256, 3), dtype=np.uint8)
-    crops = {_demo.random_crop(img, rng=rng(s)).tobytes() for s in range(6)}
+    crops = {demo_images.random_crop(img, rng=rng(s)).tobytes() for s in range(6)}
     assert len(crops) > 1
 
 
@@ -184,11 +189,11 @@ def test_flip_mirrors_or_copies() -> None:
     img = rng(2).integers(0, 256, size=(CROP, CROP, 3), dtype=np.uint8)
     seen = set()
     for seed in range(16):
-        out = _demo.flip(read_only(img), rng=rng(seed))
+        out = demo_images.flip(read_only(img), rng=rng(seed))
         assert out.shape == img.shape
         assert out.dtype == np.uint8
         assert not np.shares_memory(out, img)
-        np.testing.assert_array_equal(out, _demo.flip(img, rng=rng(seed)))
+        np.testing.assert_array_equal(out, demo_images.flip(img, rng=rng(seed)))
         if np.array_equal(out, img):
             seen.add("same")
         else:
@@ -198,11 +203,11 @@ def test_flip_mirrors_or_copies() -> None:
 
 
 def test_color_jitter_is_deterministic_per_rng() -> None:
-    img = _demo.random_crop(_demo.synthetic_image(0, 0, 256), rng=rng())
+    img = demo_images.random_crop(demo_images.synthetic_image(0, 0, 256), rng=rng())
     before = img.copy()
-    a = _demo.color_jitter(read_only(img), rng=rng(5))
-    b = _demo.color_jitter(read_only(img), rng=rng(5))
-    c = _demo.color_jitter(read_only(img), rng=rng(6))
+    a = demo_images.color_jitter(read_only(img), rng=rng(5))
+    b = demo_images.color_jitter(read_only(img), rng=rng(5))
+    c = demo_images.color_jitter(read_only(img), rng=rng(6))
     np.testing.assert_array_equal(img, before)  # input untouched
     assert a.shape == img.shape
     assert a.dtype == np.uint8
@@ -213,11 +218,11 @@ def test_color_jitter_is_deterministic_per_rng() -> None:
 
 def test_normalize_gives_float32_chw() -> None:
     img = rng(3).integers(0, 256, size=(CROP, CROP, 3), dtype=np.uint8)
-    out = _demo.normalize(read_only(img))
+    out = demo_images.normalize(read_only(img))
     assert out.shape == (3, CROP, CROP)
     assert out.dtype == np.float32
     assert out.flags.c_contiguous
-    expected = (img.astype(np.float64) - _demo.MEAN) / _demo.STD
+    expected = (img.astype(np.float64) - demo_images.MEAN) / demo_images.STD
     np.testing.assert_allclose(out, expected.transpose(2, 0, 1), rtol=1e-5, atol=1e-5)
 
 
@@ -225,14 +230,14 @@ def test_normalize_gives_float32_chw() -> None:
 
 
 def test_serial_baseline_is_deterministic() -> None:
-    encoded = _demo.make_image_set(3, seed=0, size=64)
+    encoded = demo_images.make_image_set(3, seed=0, size=64)
     timing, digest = _demo.run_serial(encoded, seed=0)
     assert timing.images == 3
     assert timing.seconds > 0
     assert timing.images_per_s > 0
     assert _demo.run_serial(encoded, seed=0)[1] == digest
     assert _demo.run_serial(encoded, seed=1)[1] != digest
-    out = _demo.augment_one(encoded[0], seed=0, index=0)
+    out = demo_images.augment_one(encoded[0], seed=0, index=0)
     assert out.shape == (3, CROP, CROP)
     assert out.dtype == np.float32
     assert np.isfinite(out).all()
@@ -297,13 +302,13 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(
 
 
 #: The fake's own reference: a test may count the serial loop's calls of the module's.
-_AUGMENT = _demo.augment_one
+_AUGMENT = demo_images.augment_one
 
 
 class FakePipeline:
     """The pipeline's contract, serially, for testing the demo without it."""
 
-    def __init__(self, source: _demo.EncodedImages, config: _demo.DemoConfig) -> None:
+    def __init__(self, source: demo_images.EncodedImages, config: _demo.DemoConfig) -> None:
         self.source = source
         self.config = config
         self.calls = 0
@@ -337,7 +342,7 @@ class FakePipeline:
             self.epochs[-1] += len(batch)
             if not batch:
                 return
-            yield batch, [_demo.sample_digest(x) for x in batch]
+            yield batch, [demo_images.sample_digest(x) for x in batch]
 
     def reset(self) -> None:
         self.epoch += 1
@@ -489,7 +494,7 @@ def test_demo_draws_progress_on_a_terminal(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.usefixtures("no_leaks")
 def test_pipeline_outputs_do_not_depend_on_workers() -> None:
-    source = _demo.EncodedImages(_demo.make_image_set(3, seed=0, size=32), passes=2)
+    source = demo_images.EncodedImages(demo_images.make_image_set(3, seed=0, size=32), passes=2)
     runs = [
         _demo.run_pipeline(source, _demo.DemoConfig(images=3, batch_size=4, workers=w, seed=5))
         for w in (0, 2)
@@ -508,13 +513,13 @@ def test_the_demo_warms_up_both_sides_before_the_clock(monkeypatch: pytest.Monke
     # the clock counts only the timed images.
     made: list[FakePipeline] = []
 
-    def build(source: _demo.EncodedImages, config: _demo.DemoConfig) -> FakePipeline:
+    def build(source: demo_images.EncodedImages, config: _demo.DemoConfig) -> FakePipeline:
         made.append(FakePipeline(source, config))
         return made[-1]
 
     monkeypatch.setattr(_demo, "build_pipeline", build)
     serial_calls = []
-    augment = _demo.augment_one
+    augment = demo_images.augment_one
 
     def counted(encoded: np.ndarray, seed: int, index: int) -> np.ndarray:
         serial_calls.append(index)
@@ -524,6 +529,7 @@ def test_the_demo_warms_up_both_sides_before_the_clock(monkeypatch: pytest.Monke
         images=5, size=32, batch_size=2, workers=2, epochs=1, rounds=1, progress=False
     )
     monkeypatch.setattr(_demo, "augment_one", counted)
+    monkeypatch.setattr(demo_images, "augment_one", counted)  # the warm-up's
     result = _demo.run_demo(config)
     assert made[0].epochs == [5, 5]  # the warm-up (a pass), then the timed epoch
     assert result.pipeline.warmup_images == 5
@@ -559,6 +565,107 @@ def test_the_rounds_alternate_the_sides_and_swap_their_order(
     assert [t.images for t in result.pipeline.timings] == [4, 4, 4]  # 2 passes a round
 
 
+# ------------------------------------------------------------------ the host's ceiling
+
+
+def test_the_plain_processes_redo_the_serial_loop_and_give_the_rounds_ceiling() -> None:
+    config = _demo.DemoConfig(
+        images=4, size=32, batch_size=2, workers=2, epochs=1, rounds=2, progress=False
+    )
+    result = _demo.run_demo(config)
+    plain = result.plain
+    assert plain is not None
+    assert [t.images for t in plain.timings] == [4, 4]
+    assert plain.digest == result.serial.digest  # the same images, made alike
+    assert plain.startup_s > 0
+    assert all(c.workers == 2 and c.workers_s > 0 for c in plain.cpu)
+    # Round by round: pipeline / serial = (pipeline / plain) * (plain / serial).
+    for sp, oc, ce in zip(result.speedups, result.of_ceiling, result.ceilings, strict=True):
+        assert sp == pytest.approx(oc * ce)
+    lines = _demo.format_result(result).splitlines()
+    assert sum(line.startswith("  plain ") for line in lines) == 2  # throughput and cpu
+    ceiling = next(line for line in lines if line.startswith("  ceiling"))
+    assert f"the pipeline {statistics.median(result.of_ceiling):.2f} of it" in ceiling
+    summary = result.to_json()
+    assert [r["images"] for r in summary["plain"]["rounds"]] == [4, 4]
+    assert summary["ceilings"] == list(result.ceilings)
+    assert summary["of_ceiling"] == statistics.median(result.of_ceiling)
+    assert summary["host_load"]["plain"]["wall_s"] > 0
+
+
+def test_without_control_or_workers_no_plain_process_runs() -> None:
+    for config in (
+        _demo.DemoConfig(images=2, size=32, batch_size=2, workers=1, rounds=1, control=False),
+        _demo.DemoConfig(images=2, size=32, batch_size=2, workers=0, rounds=1),
+    ):
+        result = _demo.run_demo(dataclasses.replace(config, progress=False))
+        assert result.plain is None
+        assert result.ceilings == () == result.of_ceiling
+        text = _demo.format_result(result)
+        assert "  ceiling" not in text
+        assert "  plain" not in text
+        assert result.to_json()["ceiling"] is None
+
+
+def test_the_rounds_rotate_all_three_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    monkeypatch.setattr(_demo, "build_pipeline", FakePipeline)
+    serial, epoch = _demo.run_serial, _demo.PipelineSide.epoch
+    plain_round = _demo.PlainProcesses.round
+
+    def run_serial(*args: Any, **kwargs: Any) -> Any:
+        log.append("S")
+        return serial(*args, **kwargs)
+
+    def run_epoch(self: _demo.PipelineSide, *args: Any) -> Any:
+        log.append("P")
+        return epoch(self, *args)
+
+    def run_plain(self: Any) -> Any:
+        log.append("C")
+        return plain_round(self)
+
+    monkeypatch.setattr(_demo, "run_serial", run_serial)
+    monkeypatch.setattr(_demo.PipelineSide, "epoch", run_epoch)
+    monkeypatch.setattr(_demo.PlainProcesses, "round", run_plain)
+    config = _demo.DemoConfig(images=2, size=32, batch_size=2, workers=1, rounds=3, progress=False)
+    result = _demo.run_demo(config)
+    assert log == ["S", "P", "C", "P", "C", "S", "C", "S", "P"]
+    assert result.plain is not None
+    assert len(result.plain.timings) == 3
+
+
+def test_plain_processes_that_made_other_outputs_fail_the_demo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    serial = _demo.run_serial
+
+    def other_digest(*args: Any, **kwargs: Any) -> Any:
+        timing, _ = serial(*args, **kwargs)
+        return timing, "0" * 40
+
+    monkeypatch.setattr(_demo, "build_pipeline", FakePipeline)
+    monkeypatch.setattr(_demo, "run_serial", other_digest)
+    config = _demo.DemoConfig(images=2, size=32, batch_size=2, workers=1, rounds=1, progress=False)
+    with pytest.raises(RuntimeError, match="plain processes made other outputs"):
+        _demo.run_demo(config)
+
+
+def test_a_plain_process_that_dies_is_a_clear_error_and_all_are_reaped() -> None:
+    encoded = demo_images.make_image_set(4, seed=0, size=32)
+    plain = _demo.PlainProcesses(encoded, 0, 2, 2, 0)
+    procs = list(plain._procs)  # the test kills one
+    try:
+        assert plain.round()[0] > 0
+        os.kill(procs[1].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="plain process of the demo's ceiling exited"):
+            plain.round()
+    finally:
+        plain.close()
+    assert not any(p.is_alive() for p in procs)
+    assert procs[0].exitcode == 0
+
+
 @dataclass
 class _FaultStats:
     worker_faults: int
@@ -570,7 +677,7 @@ class WarmingPipeline(FakePipeline):
 
     FAULTS = (100, 40, 5, 1)
 
-    def __init__(self, source: _demo.EncodedImages, config: _demo.DemoConfig) -> None:
+    def __init__(self, source: demo_images.EncodedImages, config: _demo.DemoConfig) -> None:
         super().__init__(source, config)
         self.faults = 0
 
@@ -589,8 +696,8 @@ def test_the_pipeline_warms_up_until_its_workers_stop_faulting(
     # more than one pass of the set: the warm-up goes on, a pass at a time, until
     # the faults a sample fall under WARM_FAULTS_PER_SAMPLE (or MAX_WARMUP_EPOCHS).
     monkeypatch.setattr(_demo, "build_pipeline", WarmingPipeline)
-    images = _demo.make_image_set(3, seed=0, size=32)
-    source = _demo.EncodedImages(images, passes=1, warmup=3)
+    images = demo_images.make_image_set(3, seed=0, size=32)
+    source = demo_images.EncodedImages(images, passes=1, warmup=3)
     config = _demo.DemoConfig(images=3, batch_size=2, workers=1, progress=False)
     run = _demo.run_pipeline(source, config)
     assert (run.warmup_epochs, run.warmup_images, run.warmup_faults) == (3, 9, 5.0)
@@ -622,7 +729,7 @@ def test_the_command_runs_the_serial_loop_with_the_workers_malloc_settings(
 def test_the_digest_is_made_with_each_sample() -> None:
     # Each sample's SHA-1 is made where the sample is (a worker; in the loop, the
     # loop), not by the main process: it reads 20 bytes a sample, not 600 KB.
-    source = _demo.EncodedImages(_demo.make_image_set(3, seed=0, size=32))
+    source = demo_images.EncodedImages(demo_images.make_image_set(3, seed=0, size=32))
     config = _demo.DemoConfig(images=3, batch_size=2, workers=1, seed=5, progress=False)
     with _demo.build_pipeline(source, config) as pipe:
         outs, digests = [], []
@@ -689,6 +796,8 @@ def test_cli_passes_options_through(monkeypatch: pytest.MonkeyPatch) -> None:
         images=5, size=64, batch_size=3, workers=0, epochs=4, seed=9, progress=False, rounds=2
     )
     assert seen["as_json"] is True
+    assert cli_main([*argv, "--no-control"]) == 0
+    assert seen["config"].control is False
 
     from mpexec._host import usable_cpus
 

@@ -311,3 +311,40 @@ def test_gpu_ops_reseed_global_random_state_as_cpu_ops_do(sim: SimCuPy) -> None:
             results[device] = [host(pipe.run()[0]) for _ in range(2)]
     for cpu, gpu in zip(results["cpu"], results["gpu"], strict=True):
         np.testing.assert_array_equal(cpu, gpu)
+
+
+def _draws(x: Any, rng: np.random.Generator) -> Any:
+    xp = np if isinstance(x, np.ndarray) else _xp_of(x)
+    return x * 0 + xp.asarray(rng.integers(0, 2**31, x.shape).astype(np.float32))
+
+
+def test_a_gpu_ops_rng_builds_no_seed_sequence_a_call_and_draws_the_cpu_ops_words(
+    sim: SimCuPy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[object] = []
+    real = np.random.SeedSequence
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(kwargs.get("spawn_key"))
+            super().__init__(*args, **kwargs)
+
+    def pipeline(device: str) -> mpexec.Pipeline:
+        @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=5)
+        def pipe() -> Any:
+            a = fn.external_source(source=_source, batch=False)
+            return fn.python_function(a, function=_draws, device=device)
+
+        return pipe()
+
+    results = {}
+    for device in ("cpu", "gpu"):
+        with pipeline(device) as pipe:
+            pipe.run()  # built and warm before counting
+            monkeypatch.setattr(np.random, "SeedSequence", Counted)
+            results[device] = [host(pipe.run()[0]) for _ in range(2)]
+            monkeypatch.undo()
+    assert made == []  # none for the 8 calls of either device's op
+    assert len({float(v) for v in results["gpu"][0].ravel()}) > 100  # real draws
+    for cpu, gpu in zip(results["cpu"], results["gpu"], strict=True):
+        np.testing.assert_array_equal(cpu, gpu)

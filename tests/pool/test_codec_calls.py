@@ -57,3 +57,37 @@ def test_arrays_and_writable_ones_still_travel_by_reference() -> None:
         assert kw["out"].flags.writeable
         del a, b, c, args_back, kw
         _codec.revoke_lent()
+
+
+def test_a_pipeline_units_record_and_its_class_reach_no_reference_lookup() -> None:
+    """A unit's arguments: its Chunk and its rows of the batch's block, writable.
+
+    pickle offers reducer_override the Chunk, its class, the Writable and the
+    ``_ref`` it is written as: only the Writable has a reference. The other three
+    went through ``reference()`` too (3 calls a batch of the W=2 pipeline's ~310).
+    """
+    from mpexec._runtime import Chunk
+
+    with shm.Arena(1 << 20, name="u", sealed=True) as arena:
+        out = arena.empty((64, 16), np.float32, peer_writable=True)
+        args = (Chunk(0, 3, 0, 64, 192, None),)
+        kwargs = {"out": (_codec.Writable(out),)}
+        looked_up = []
+        reference = _codec._Refs.reference
+
+        def spy(self: Any, obj: Any) -> Any:
+            looked_up.append(type(obj).__name__)
+            return reference(self, obj)
+
+        _codec._Refs.reference = spy  # type: ignore[method-assign]
+        try:
+            enc = _codec.encode_call(args, kwargs, arena)
+        finally:
+            _codec._Refs.reference = reference  # type: ignore[method-assign]
+        assert looked_up == ["Writable"]
+        (chunk,), kw = _codec.decode(enc.data)
+        assert chunk == args[0]
+        assert kw["out"][0].shape == (64, 16)
+        assert kw["out"][0].flags.writeable
+        del kw
+        _codec.revoke_lent()

@@ -1,0 +1,179 @@
+"""The scheduler's own Python calls a batch (issue 37: the main process at 2 workers).
+
+At 2 workers the main process runs its code cold after every sleep, once a
+batch or so (docs/scaling.md), so what a batch costs there is about how many
+Python calls it makes. These count the calls made in the scheduler's own
+modules (and ``threading``'s, where an iteration's done flag lived) for a batch
+in steady state, with an executor that runs each unit at once, here: the
+count does not depend on timing. Before the records below were kept instead
+of worked out again each batch (the window and its cap, the sources and ops an
+iteration walks, an op's names and inputs, a ``threading.Event`` a batch), a
+batch made 66 such calls at 2 and 16 workers (20 now); a pipeline's ``run()``
+11 for its checks of a fork (1 now).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpexec
+from mpexec import fn
+from mpexec._executors import WorkUnit
+from mpexec._runtime import ChunkResult
+from mpexec._scheduler import Scheduler
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+BATCH = 64
+
+
+def _calls_in(files: tuple[str, ...], run: Callable[[], Any]) -> int:
+    """Python calls (and generator resumptions) of code in ``files`` while ``run`` runs."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.endswith(files):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+class _Outcome:
+    """What ``submit_hooked`` hands its hook: a done Future's readers."""
+
+    def __init__(self, result: ChunkResult) -> None:
+        self._result = result
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> ChunkResult:
+        return self._result
+
+
+class _Inline:
+    """Says it has ``workers`` workers; runs each unit at once, here.
+
+    As the pipeline's own executor does, it offers blocks (``empty``) and
+    hands each unit's outcome to a hook (``submit_hooked``), with no Future.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
+        raise AssertionError("submit_hooked is offered")
+
+    def submit_hooked(self, unit: WorkUnit, hook: Callable[[Any], object]) -> None:
+        hook(_Outcome(unit.run()))
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        return np.empty(shape, dtype)
+
+    def share(self, array: Any) -> Any:
+        return array
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
+
+
+class _Index:
+    def __call__(self, info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
+        return np.array([info.idx_in_epoch % 251], np.float32)
+
+
+def _plus_one(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return x + 1
+
+
+def _graph() -> Any:
+    index = fn.external_source(source=_Index(), batch=False)
+    return fn.python_function(index, function=_plus_one)
+
+
+@pytest.mark.parametrize("workers", [2, 16])
+def test_a_batch_costs_the_scheduler_few_python_calls(workers: int) -> None:
+    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=1)
+    pipe.define(_graph)
+    assert pipe._graph is not None
+    scheduler = Scheduler(
+        pipe._graph.plan(),
+        _Inline(workers),
+        batch_size=BATCH,
+        prefetch_depth=2,
+        seed=1,
+        last_batch="partial",
+        debug=False,
+    )
+    files = ("_scheduler.py", "_iterations.py", "threading.py")
+    try:
+        for _ in range(4 * workers):  # the chunks learned, the window full
+            scheduler.next_result()
+        batches = 16
+        n = _calls_in(files, lambda: [scheduler.next_result() for _ in range(batches)])
+        (out,) = scheduler.next_result()
+        assert len(out) == BATCH
+    finally:
+        scheduler.close()
+    assert n / batches <= 24, n / batches  # 20 here
+
+
+def test_a_pipelines_run_checks_for_a_fork_once_a_process() -> None:
+    """run() asked its pool whether this process is a fork, twice a batch (11 calls)."""
+    checks = {"build", "_check_not_forked", "_forked_from", "status", "forked"}
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_name in checks:
+            calls += 1
+
+    with mpexec.Pipeline(batch_size=4, num_workers=0, seed=1) as pipe:
+        pipe.define(_graph)
+        for _ in range(3):
+            pipe.run()
+        sys.setprofile(profile)
+        try:
+            for _ in range(10):
+                pipe.run()
+        finally:
+            sys.setprofile(None)
+    assert calls / 10 <= 1, calls / 10  # the pid compared, in _check_not_forked
+
+
+def test_an_iterations_done_flag_wakes_every_waiter_once_set() -> None:
+    """Done (one lock, not an Event): set once or twice, any number of waiters wake."""
+    import threading
+
+    from mpexec._iterations import Done
+
+    done = Done()
+    assert not done.is_set()
+    assert not done.wait(0.01)  # not set: the timeout passes
+    woke: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woke.append(done.wait(30))) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    done.set()
+    done.set()  # a second set changes nothing
+    for t in waiters:
+        t.join(30)
+    assert woke == [True] * 4
+    assert done.is_set()
+    assert done.wait(0)
+    assert done.wait()
