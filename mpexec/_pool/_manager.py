@@ -299,8 +299,8 @@ class Watcher:
     def stand_aside(self, slot: Slot) -> bool:
         """Stop watching ``slot``'s done ring (a caller reads it); False: not watched here."""
         with self.lock:
-            if self.poller is None or slot.done.fileno() not in self.by_fd:
-                return False
+            if self.poller is None or self.by_fd.get(slot.done.fileno(), (None,))[0] is not slot:
+                return False  # not started, or not yet in the poll set (a replacement)
             self.poller.modify(slot.done.fileno(), 0)
             self.aside.add(slot)
             return True
