@@ -18,9 +18,9 @@ hands the arrays to a worker and waits::
 A blocking wait releases the GIL, so N TF threads (``num_parallel_calls=N``,
 inter-op threads) keep N workers busy at once; under the GIL each call costs
 only the submit and the input copy. This module imports TensorFlow; it is
-imported only once TensorFlow has been (by the user), and imports nothing of
-mpexec: :mod:`mpexec._pyfunc` and :mod:`mpexec.contrib` build the call (a
-``PyFuncCall``) and hand it here with the pool to run it on.
+imported only once TensorFlow has been (by the user), and imports of mpexec
+only the pool's waiting seam: :mod:`mpexec._pyfunc` and :mod:`mpexec.contrib`
+build the call (a ``PyFuncCall``) and hand it here with the pool to run it on.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import threading
 import traceback
 import types
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from ._pool import read_settled, wait_settled
 
 __all__ = ["add_op", "is_tensor", "refuse_composites", "shippable", "tf_dtype", "wanted"]
 
@@ -158,13 +159,14 @@ class _Body:
             # the scalar again (_pyfunc._as_input), as TF does.
             arrays = tuple([np.asarray(a) if isinstance(a, _SCALARS) else a for a in arrays])
             future = self.pool().submit_call(self.call, arrays, worker=worker, view=True)
-            # Sleep until it is done, the GIL released; the pool's future would poll
-            # for a quick result first, which suits one waiting caller. Here N TF
-            # threads wait at once (num_parallel_calls=N), and N pollers would take
-            # the GIL and the CPUs from the manager thread that delivers their results
-            # and from the workers (measured: slower, more of the main process's CPU).
-            if Future.exception(future) is None:
-                return Future.result(future)  # done: no poll, no wait
+            # Sleep until it is done, the GIL released, never polling: N TF threads
+            # wait at once (num_parallel_calls=N), and pollers would take the GIL and
+            # the CPUs from the thread that delivers their results and from the
+            # workers (measured: slower, more of the main process's CPU).
+            wait_settled(future)
+            result, exc = read_settled(future)
+            if exc is None:
+                return result
             return future.result()  # its error, raised as the pool raises it
         except BaseException as exc:
             if getattr(_failed, "watching", False):  # an eager call of this thread: see _run

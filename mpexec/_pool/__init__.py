@@ -38,6 +38,8 @@ The rooms of this package:
 - ``_manager``: the manager thread (results, deaths, timeouts, restarts).
 - ``_crash``: what a worker's death says (exit, likely cause, OOM).
 - ``_stop``: shutdown, the escalation to SIGKILL, exit and fork hooks.
+- ``_waiting``: waiting for a future without the poll, reading a settled outcome
+  (for code built on the pool: the TF op's body, the torch drop-in).
 
 The manager thread holds the state, the factory and the sender, not the pool,
 so that a pool that is dropped without ``shutdown`` is collected and shut down
@@ -46,5 +48,6 @@ by its finalizer.
 
 from ._executor import WorkerPool
 from ._state import PoolStats, PoolStatus
+from ._waiting import read_settled, wait_settled
 
-__all__ = ["PoolStats", "PoolStatus", "WorkerPool"]
+__all__ = ["PoolStats", "PoolStatus", "WorkerPool", "read_settled", "wait_settled"]

@@ -138,6 +138,11 @@ class PoolFuture(Future[T]):
 
     _mp_link: CallLink  # set by its Task, at once
 
+    @property
+    def link(self) -> CallLink:
+        """What it knows of the pool, while unsettled (for the pool's own rooms)."""
+        return self._mp_link
+
     def running(self) -> bool:
         """True once a worker has started the call (not merely received it)."""
         slot = self._mp_link.slot

@@ -19,18 +19,10 @@ from typing import Any
 
 import shm
 
-from .. import _codec
-from .._errors import (
-    BrokenPoolError,
-    PoolClosedError,
-    SerializationError,
-    TaskTimeoutError,
-)
-from .._protocol import HEADER, OK, SKIPPED, body_of
-from .._tracebacks import unpack_error
+from .._errors import BrokenPoolError, PoolClosedError, TaskTimeoutError
 from . import _crash, _stop
+from ._delivery import drain
 from ._factory import WorkerFactory, died_starting, hello
-from ._future import cancel_now
 from ._sender import CallSender
 from ._state import PoolState, Slot
 
@@ -138,39 +130,18 @@ class Manager(threading.Thread):
 
     # ------------------------------------------------------------ the steps
     def deliver(self, slot: Slot) -> None:
-        """Complete the futures of every record waiting in ``slot``'s done ring."""
-        state = self.state
-        done = slot.done
-        # Until the ring's hint says nothing more waits, not until a pop finds
-        # nothing: that empty pop costs a system call (it hands the freed slots
-        # back first; a worker never runs short of them, see _DONE_RING). No
-        # credit is left held either way, so the doorbell's fd tells the next wait.
-        while done.may_have_records():
-            try:
-                rec = done.try_pop()
-            except shm.RingClosedError:
-                return
-            if rec is None:
-                return
-            kind, flags, _, task_id = HEADER.unpack_from(rec)
-            skipped = kind == SKIPPED
-            # Only this thread takes tasks off the head of the queue. The sender
-            # pushes a call and then queues its task, both under the state lock: a
-            # quick worker's answer can come in between, so wait for the lock then.
-            head = slot.queue[0] if slot.queue else None
-            if head is None or head.task_id != task_id:
-                with state.lock:
-                    head = slot.queue[0] if slot.queue else None
-            view = state.view_results or (head is not None and head.view)
-            ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, view)
-            task = state.complete(slot, task_id, skipped, ok)
-            task.release()
-            if skipped:
-                cancel_now(task.future)  # cancelled already: cancel() said so
-            elif ok:
-                task.settle(result=outcome)
-            else:
-                task.settle(exc=outcome)
+        """Complete the futures of every record waiting in ``slot``'s done ring.
+
+        Unless a caller reads that ring itself (see ``_delivery``): it holds the
+        ring's ``reading`` lock and delivers them; the ring's doorbell stays
+        readable until someone has, so nothing is missed by stepping aside.
+        """
+        if not slot.reading.acquire(blocking=False):
+            return
+        try:
+            drain(self.state, slot)
+        finally:
+            slot.reading.release()
 
     def started(self, slot: Slot, died: bool) -> None:
         """A replacement worker said hello (it is ready now), failed, or died starting."""
@@ -198,15 +169,17 @@ class Manager(threading.Thread):
         if overran:
             proc.kill()
         proc.join(5)
-        with contextlib.suppress(shm.SharedMemoryError):
-            self.deliver(slot)  # what it finished before dying still counts
-        progress = slot.done.progress()  # how many of its calls it had started
-        tasks = state.lose_worker(slot)
-        shm.set_release_route(slot.arena_id, None)
-        pool = self.pool_ref()
-        if pool is not None:
-            self.factory.retire(slot)
-        slot.close_rings()
+        # A caller reading its done ring directly wakes on the death and lets go.
+        with slot.reading:
+            with contextlib.suppress(shm.SharedMemoryError):
+                drain(state, slot)  # what it finished before dying still counts
+            progress = slot.done.progress()  # how many of its calls it had started
+            tasks = state.lose_worker(slot)
+            shm.set_release_route(slot.arena_id, None)
+            pool = self.pool_ref()
+            if pool is not None:
+                self.factory.retire(slot)
+            slot.close_rings()
         # Calls run in order: only the first undelivered one can have started.
         running = tasks[0] if tasks and (overran or tasks[0].seq <= progress) else None
         error: BaseException
@@ -308,31 +281,62 @@ class Watcher:
         self.key = -1
         self.poller: Any = None
         self.by_fd: dict[int, tuple[Slot | None, str]] = {}
+        # Done rings a caller reads itself (stand_aside): watched for nothing meanwhile.
+        self.aside: set[Slot] = set()
+        self.lock = threading.Lock()  # the poll set's changes: this thread's and callers'
+        if _EPOLL:
+            state.watcher = self  # callers may read a done ring directly (epoll only)
 
     def close(self) -> None:
         """Give the epoll fd back (the manager ends)."""
-        if _EPOLL and self.poller is not None:
-            self.poller.close()
-        self.poller = None
+        with self.lock:
+            if self.state.watcher is self:
+                self.state.watcher = None
+            if _EPOLL and self.poller is not None:
+                self.poller.close()
+            self.poller = None
+
+    def stand_aside(self, slot: Slot) -> bool:
+        """Stop watching ``slot``'s done ring (a caller reads it); False: not watched here."""
+        with self.lock:
+            if self.poller is None or self.by_fd.get(slot.done.fileno(), (None,))[0] is not slot:
+                return False  # not started, or not yet in the poll set (a replacement)
+            self.poller.modify(slot.done.fileno(), 0)
+            self.aside.add(slot)
+            return True
+
+    def resume(self, slot: Slot) -> None:
+        """Watch ``slot``'s done ring again: what came meanwhile wakes the manager."""
+        with self.lock:
+            self.aside.discard(slot)
+            if self.poller is not None and self.by_fd.get(slot.done.fileno(), (None,))[0] is slot:
+                with contextlib.suppress(OSError, ValueError):
+                    self.poller.modify(slot.done.fileno(), select.EPOLLIN)
 
     def wait(self, timeout: float | None) -> list[tuple[Slot | None, str]]:
         state = self.state
         if state.roster.version != self.key:
             with state.lock:
                 key, slots = state.roster.version, list(state.slots)
-            self.close()
-            self.poller = select.epoll() if _EPOLL else select.poll()
             wake = self.state.wake
             if wake is None:
+                self.close()
                 raise ValueError("the pool stopped")  # its rings are closed: the manager ends
-            self.by_fd = {wake.fileno(): (None, "wake")}
-            for slot in slots:
-                if slot.ready or slot.start_deadline is not None:
-                    self.by_fd[slot.done.fileno()] = (slot, "done")
-                    self.by_fd[slot.process.sentinel] = (slot, "died")
-            for fd in self.by_fd:
-                self.poller.register(fd, select.EPOLLIN if _EPOLL else select.POLLIN)
-            self.key = key
+            with self.lock:
+                if self.poller is not None:
+                    self.poller.close()
+                self.poller = select.epoll() if _EPOLL else select.poll()
+                self.by_fd = {wake.fileno(): (None, "wake")}
+                for slot in slots:
+                    if slot.ready or slot.start_deadline is not None:
+                        self.by_fd[slot.done.fileno()] = (slot, "done")
+                        self.by_fd[slot.process.sentinel] = (slot, "died")
+                self.aside &= set(slots)
+                watch = select.EPOLLIN if _EPOLL else select.POLLIN
+                for fd, (owner, what) in self.by_fd.items():
+                    aside = what == "done" and owner in self.aside
+                    self.poller.register(fd, 0 if aside else watch)
+                self.key = key
         # deliver() drains a done ring (try_pop until None), so it never holds
         # credits that its doorbell no longer shows: polling the fds is enough.
         if _EPOLL:  # seconds, rounded up to the next millisecond by epoll itself
@@ -360,22 +364,3 @@ def _timeout_error(timeout: float | None, pid: int) -> TaskTimeoutError:
         f"a call ran longer than the pool's timeout of {timeout} s; its worker "
         f"(pid {pid}) was killed and replaced"
     )
-
-
-def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, Any]:
-    """(True, the result) or (False, the exception) that a done record carries."""
-    try:
-        body = body_of(rec, flags)
-        if kind == OK:
-            return True, _codec.decode(body, True, view_ok)
-        return False, unpack_error(body)
-    except MemoryError as exc:
-        # Out of memory or address space mapping the result (shm.ReservationError is
-        # a MemoryError): not a pickling problem, so not disguised as one.
-        return False, exc
-    except Exception as exc:
-        err = SerializationError(
-            f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
-        )
-        err.__cause__ = exc
-        return False, err

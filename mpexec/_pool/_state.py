@@ -17,13 +17,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import shm
 
 from .. import _protocol
 from .._errors import PoolClosedError, forked_error, raised_again
 from ._future import Task, UnitFuture, cancel_now, cancel_pushed
+
+if TYPE_CHECKING:
+    from ._manager import Watcher
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
 # A task takes up to five records (forget, function, call; cancel and verdict):
@@ -95,6 +98,12 @@ class Slot:
         self.forget: list[int] = []
         self.calls = 0  # CALL records pushed (the worker numbers them the same way)
         self.roster: Roster | None = None  # the pool's, once installed
+        # Held by whoever pops the done ring: the manager delivering, or a caller
+        # reading it directly (``_delivery``); ``direct``: a caller has claimed it.
+        self.reading = threading.Lock()
+        self.direct = False
+        self.direct_poll: Any = None  # that caller's wait: the doorbell and the sentinel
+        self.retired = False  # its rings are closed (set under ``reading``)
         self._ready = False
         # While a replacement starts (the manager reads its hello, never waits for it).
         self._start_deadline: float | None = None
@@ -142,6 +151,9 @@ class Slot:
         return self._ready and len(self.queue) < _IN_FLIGHT
 
     def close_rings(self) -> None:
+        """Close its rings (``reading`` held: nobody pops or waits on them now)."""
+        self.retired = True
+        self.direct_poll = None
         for ring in (self.tasks, self.done, self.result_releases):
             ring.close()
 
@@ -273,6 +285,9 @@ class PoolState:
         self.latency = 0.0
         # Held by the one waiter that polls for its result (PoolFuture._poll).
         self.polling = threading.Lock()
+        # The manager's poll set, while it runs on epoll: callers that read their
+        # worker's done ring directly have it stand aside (``_delivery``).
+        self.watcher: Watcher | None = None
 
     def adopt_arena(self, arena: shm.Arena) -> None:
         """The pool's main arena: its workers' arguments go through it."""

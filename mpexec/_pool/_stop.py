@@ -135,7 +135,13 @@ def stop(
         task.fail(state.broken or error)
     for slot in slots:
         shm.set_release_route(slot.arena_id, None)
-        slot.close_rings()
+        # A caller reading its done ring directly woke on its worker's exit.
+        held = slot.reading.acquire(timeout=_STOP_GRACE)
+        try:
+            slot.close_rings()
+        finally:
+            if held:
+                slot.reading.release()
         if slot.process is not None and slot.process.exitcode is not None:
             slot.process.close()
         if slot.arg_releases is not None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from torch.utils.data import IterDataPipe, MapDataPipe
 
 from .._errors import BrokenPoolError, LoaderTimeoutError, WorkerCrashedError
+from .._pool import read_settled, wait_settled
 from .._tracebacks import reraise
 from . import _compat, _fetch, _processes, _tensors
 from ._epoch import EpochIter
@@ -197,17 +198,11 @@ class WorkersIter(EpochIter):
         ``Condition``) on the future and takes the future's lock three times: at
         2 workers, where the caller sleeps for nearly every batch and wakes with
         cold caches, that was about 40 Python calls a batch on each side.
-        ``Future``'s own ``exception()`` is the same wait: no polling, as
-        ``wait()`` never polled.
+        The pool's ``wait_settled`` is the same wait: no polling, as ``wait()``
+        never polled. A cancelled batch is settled: ``_outcome`` raises it.
         """
-        if future.done():
-            return
-        try:
-            Future.exception(future, self._timeout or None)
-        except TimeoutError:
-            raise self._timed_out(position, worker) from None
-        except CancelledError:
-            pass  # done: _outcome raises it, as after wait()
+        if not wait_settled(future, self._timeout or None):
+            raise self._timed_out(position, worker)
 
     def _wait(self, futures: list[Future[Any]], position: int, worker: int) -> None:
         done, _ = wait(futures, timeout=self._timeout or None, return_when=FIRST_COMPLETED)
@@ -222,8 +217,8 @@ class WorkersIter(EpochIter):
 
     def _outcome(self, future: Future[Any], position: int, worker: int, index: Any) -> Any:
         """A finished task's payload; its error, raised (a dead worker ends the epoch)."""
-        # Done: Future's own readers (the pool's would poll for a result first).
-        exc = Future.exception(future, 0)
+        # Settled: read without the pool future's poll checks.
+        data, exc = read_settled(future)
         if isinstance(exc, BrokenPoolError):
             err = self._crashed(exc, position, worker, index)
             self._shutdown_workers()
@@ -235,7 +230,7 @@ class WorkersIter(EpochIter):
                 self._consumed(position, failed=True)
                 self._try_put_index()
             reraise(exc)  # the worker's error: __next__ raises it where it was raised
-        busy, data, snapshot = Future.result(future, 0)
+        busy, data, snapshot = data
         if snapshot is not None and position >= 0:  # the worker's state after this batch
             self._progress.snapshots[worker] = snapshot
         if busy is not None and data is not _fetch.ENDED and data is not _fetch.SKIPPED:

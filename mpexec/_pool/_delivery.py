@@ -1,0 +1,198 @@
+"""Delivering a worker's done records: by the manager thread, or by the one caller waiting.
+
+The manager thread delivers every result (``drain``), except while a caller
+reads its own worker's done ring: a thread (not the main one) blocked on a call
+that is the only one queued on its worker takes the done record itself
+(:func:`read_direct`).
+That takes two thread wake-ups out of the chain between two calls on one
+worker (the manager's, then the caller's on its future's condition), and the
+manager's GIL hand-off with them: the worker's push wakes the caller, which
+decodes, completes and settles the call and goes on.
+
+The protocol (every step says which lock):
+
+- Claim, under the state lock: the call is the only one queued on a ready
+  worker, nobody else reads that ring directly, the pool is open.
+- The manager's poll set stands aside for that done ring (``Watcher.stand_aside``:
+  epoll watches the fd for nothing), so its records wake only the caller. The
+  manager still watches the worker's sentinel.
+- The caller holds the slot's ``reading`` lock while it drains the ring and
+  sleeps on it (the doorbell and the sentinel). Only the holder pops a done
+  ring: the manager's ``deliver`` skips a ring whose lock is held (its doorbell
+  stays readable until the holder has drained it, so the manager's level-
+  triggered wait cannot miss a record), and the manager's handling of a death
+  and shutdown's closing of the rings wait for it (the holder wakes on the
+  death: the sentinel is in its wait).
+- Done, the caller lets go of ``reading`` before the ring is watched again:
+  a record that came between its last drain and the resume wakes the manager,
+  which takes the free lock and delivers it.
+
+A death, a shutdown or a timeout ends the direct read: the caller then waits
+on its future as any other, and the manager settles it as always.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import shm
+
+from .. import _codec
+from .._errors import BrokenPoolError, SerializationError
+from .._protocol import HEADER, OK, SKIPPED, body_of
+from .._tracebacks import unpack_error
+from ._future import PoolFuture, cancel_now
+
+if TYPE_CHECKING:
+    from ._state import PoolState, Slot
+
+
+_MAIN = threading.main_thread().ident  # where a KeyboardInterrupt is raised
+
+
+def drain(state: PoolState, slot: Slot) -> None:
+    """Complete the futures of every record waiting in ``slot``'s done ring (``reading`` held)."""
+    done = slot.done
+    # Until the ring's hint says nothing more waits, not until a pop finds
+    # nothing: that empty pop costs a system call (it hands the freed slots
+    # back first; a worker never runs short of them, see _DONE_RING). No
+    # credit is left held either way, so the doorbell's fd tells the next wait.
+    while done.may_have_records():
+        try:
+            rec = done.try_pop()
+        except shm.RingClosedError:
+            return
+        if rec is None:
+            return
+        kind, flags, _, task_id = HEADER.unpack_from(rec)
+        skipped = kind == SKIPPED
+        # Only the holder of ``reading`` takes tasks off the head of the queue. The
+        # sender pushes a call and then queues its task, both under the state lock:
+        # a quick worker's answer can come in between, so wait for the lock then.
+        head = slot.queue[0] if slot.queue else None
+        if head is None or head.task_id != task_id:
+            with state.lock:
+                head = slot.queue[0] if slot.queue else None
+        view = state.view_results or (head is not None and head.view)
+        ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, view)
+        task = state.complete(slot, task_id, skipped, ok)
+        task.release()
+        if skipped:
+            cancel_now(task.future)  # cancelled already: cancel() said so
+        elif ok:
+            task.settle(result=outcome)
+        else:
+            task.settle(exc=outcome)
+
+
+def read_direct(future: Future[Any], timeout: float | None) -> bool | None:
+    """Wait for ``future`` reading its worker's done ring; None: not here (wait as usual).
+
+    True once settled, False on timeout; None when the direct path does not
+    apply (not a pool future, not the only call queued on its worker, another
+    caller reads that ring, the main thread, no epoll) or ended unsettled (its
+    worker died, the pool stops): the caller then waits on the future's condition.
+    """
+    if type(future) is not PoolFuture:
+        return None
+    link = future.link
+    state, slot = link.state, link.slot
+    if state is None or slot is None or state.pid != os.getpid():
+        return None  # settled, unsent, or a forked child's copy (the parent's call)
+    me = threading.get_ident()
+    if me in (_MAIN, state.manager_ident):
+        # The main thread: a Ctrl-C between popping a record and settling its call
+        # would lose that call's outcome (a waiter never touches the pool's state
+        # where a KeyboardInterrupt can reach it). The manager: it delivers.
+        return None
+    watcher = state.watcher
+    if watcher is None:
+        return None
+    with state.lock:
+        queue = slot.queue
+        if (
+            slot.direct
+            or not slot.ready
+            or state.closed
+            or len(queue) != 1
+            or queue[0].future is not future
+        ):
+            return None
+        slot.direct = True
+    try:
+        if not watcher.stand_aside(slot):
+            return None
+        try:
+            with slot.reading:
+                if slot.retired:
+                    return None
+                settled = _read(state, slot, future, timeout)
+        finally:
+            watcher.resume(slot)
+    finally:
+        slot.direct = False
+    if state.pending or state.stopping:
+        state.poke()  # its worker has room: the manager dispatches what waits
+    return settled
+
+
+def _read(state: PoolState, slot: Slot, future: Future[Any], timeout: float | None) -> bool | None:
+    """Drain ``slot``'s done ring until ``future`` settles (``reading`` held)."""
+    poller = slot.direct_poll
+    if poller is None:
+        poller = slot.direct_poll = select.poll()
+        poller.register(slot.done.fileno(), select.POLLIN)
+        poller.register(slot.process.sentinel, select.POLLIN)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    died = False
+    while True:
+        try:
+            drain(state, slot)
+        except Exception as exc:  # a bug, as in the manager: nothing else would settle
+            if state.broken is None and not state.closed:
+                err = BrokenPoolError(
+                    f"delivering a result failed ({type(exc).__name__}: {exc}); the pool "
+                    "can run nothing more. This is a bug in mpexec: please report it"
+                )
+                err.__cause__ = exc
+                state.mark_broken(err)
+            return None
+        if future.done():
+            return True
+        if died:
+            # Its worker died (or was killed): what it pushed first counted; the
+            # manager, woken by the same death, settles the rest.
+            return None
+        if deadline is None:
+            ms = None
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ms = max(1, int(left * 1000 + 0.999))
+        done_fd = slot.done.fileno()
+        died = any(fd != done_fd for fd, _ in poller.poll(ms))
+
+
+def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, Any]:
+    """(True, the result) or (False, the exception) that a done record carries."""
+    try:
+        body = body_of(rec, flags)
+        if kind == OK:
+            return True, _codec.decode(body, True, view_ok)
+        return False, unpack_error(body)
+    except MemoryError as exc:
+        # Out of memory or address space mapping the result (shm.ReservationError is
+        # a MemoryError): not a pickling problem, so not disguised as one.
+        return False, exc
+    except Exception as exc:
+        err = SerializationError(
+            f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
+        )
+        err.__cause__ = exc
+        return False, err

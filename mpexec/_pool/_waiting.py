@@ -1,0 +1,60 @@
+"""Waiting for a call's future without the pool's poll, and reading a settled outcome.
+
+Code built on the pool that waits in a thread of its own (a TF op's body, run
+by N TF threads at once; the torch drop-in, which waits for one batch at a
+time) wants neither of ``PoolFuture.result()``'s extras: polling a moment for
+a quick result (one waiting thread of a pool takes that role; N pollers would
+take the GIL and the CPUs from the thread that delivers their results), and
+the checks made before it. These two say what such a caller does instead.
+They take any ``concurrent.futures.Future`` (an inline pool's is a plain one).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import CancelledError, Future
+from typing import Any
+
+from ._delivery import read_direct
+
+__all__ = ["read_settled", "wait_settled"]
+
+
+def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
+    """Wait until ``future`` settles, never taking the pool's poll role; False on timeout.
+
+    Settled means done: a result, an exception, or cancelled (read it with
+    :func:`read_settled`). A caller (not the main thread) whose call is the only
+    one queued on its worker reads that worker's done record itself
+    (``_delivery``: one thread wake-up instead of two); any other sleeps on the
+    future's own condition, as ``concurrent.futures``' ``exception()`` does.
+    """
+    if future.done():
+        return True
+    start = time.monotonic()
+    settled = read_direct(future, timeout)
+    if settled is not None:
+        return settled
+    if timeout is not None:
+        timeout = max(0.0, timeout - (time.monotonic() - start))
+    try:
+        Future.exception(future, timeout)
+    except CancelledError:
+        pass  # settled: read_settled says so
+    except TimeoutError:
+        return False
+    return True
+
+
+def read_settled(future: Future[Any]) -> tuple[Any, BaseException | None]:
+    """``(result, None)`` or ``(None, exception)`` of a settled ``future``, with no poll checks.
+
+    Raises ``CancelledError`` for a cancelled one, and ``RuntimeError`` for one
+    not settled yet (wait with :func:`wait_settled` first): it never waits.
+    """
+    if not future.done():
+        raise RuntimeError("read_settled() of a future that is not settled: wait_settled() first")
+    exc = Future.exception(future, 0)
+    if exc is not None:
+        return None, exc
+    return Future.result(future, 0), None
