@@ -654,9 +654,14 @@ def run_demo(config: DemoConfig, *, err: TextIO | None = None) -> DemoResult:
 
         def plain_round() -> None:
             assert plain is not None
-            meter = CpuMeter()
-            wall, cpu, faults = plain.round()
-            load = meter.stop()
+            bar = Progress("plain", len(encoded), err, enabled=config.progress)
+            try:
+                meter = CpuMeter()
+                wall, cpu, faults = plain.round()
+                load = meter.stop()
+                bar.update(len(encoded))  # one answer a pass: the bar moves at its end
+            finally:
+                bar.close()
             use = CpuUse(len(encoded), wall, 0.0, cpu, faults, config.workers)
             plain_runs.append((Timing(len(encoded), wall), load, use))
 

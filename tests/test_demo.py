@@ -489,6 +489,7 @@ def test_demo_draws_progress_on_a_terminal(capsys: pytest.CaptureFixture[str]) -
     _demo.run_demo(config, err=tty)
     assert "\rserial" in tty.getvalue()
     assert "\rpipeline" in tty.getvalue()
+    assert "\rplain" in tty.getvalue()
     assert capsys.readouterr().err == ""
 
 
@@ -568,6 +569,7 @@ def test_the_rounds_alternate_the_sides_and_swap_their_order(
 # ------------------------------------------------------------------ the host's ceiling
 
 
+@pytest.mark.usefixtures("no_leaks")
 def test_the_plain_processes_redo_the_serial_loop_and_give_the_rounds_ceiling() -> None:
     config = _demo.DemoConfig(
         images=4, size=32, batch_size=2, workers=2, epochs=1, rounds=2, progress=False
@@ -635,6 +637,7 @@ def test_the_rounds_rotate_all_three_sides(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(result.plain.timings) == 3
 
 
+@pytest.mark.usefixtures("no_leaks")
 def test_plain_processes_that_made_other_outputs_fail_the_demo(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -651,6 +654,7 @@ def test_plain_processes_that_made_other_outputs_fail_the_demo(
         _demo.run_demo(config)
 
 
+@pytest.mark.usefixtures("no_leaks")
 def test_a_plain_process_that_dies_is_a_clear_error_and_all_are_reaped() -> None:
     encoded = demo_images.make_image_set(4, seed=0, size=32)
     plain = _demo.PlainProcesses(encoded, 0, 2, 2, 0)
@@ -894,6 +898,6 @@ def test_cli_demo_shows_progress_lines_when_not_on_a_terminal() -> None:
     )
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
-    for label, total in (("images", 8), ("serial", 8), ("pipeline", 16)):
+    for label, total in (("images", 8), ("serial", 8), ("pipeline", 16), ("plain", 8)):
         assert any(line.startswith(f"{label:<9}{total}/{total} images") for line in lines), lines
     assert "\r" not in done.stderr
