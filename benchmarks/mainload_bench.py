@@ -261,6 +261,25 @@ def _bare_worker(conn: Any, sample: Sleepy) -> None:
         conn.send(count)
 
 
+def _plain_processes(
+    workers: int, target: Callable[..., None], sample: Sleepy
+) -> tuple[list[Any], list[Any]]:
+    """W processes running ``target(conn, sample)``, and our ends of their pipes
+    (``forkserver``: no fork of a process with threads)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    conns, procs = [], []
+    for _ in range(workers):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(there, sample), daemon=True)
+        proc.start()
+        there.close()
+        conns.append(here)
+        procs.append(proc)
+    return conns, procs
+
+
 def _bare(workers: int, n: int, sample: Sleepy) -> Epoch:
     """W processes of no library, each making its share of the samples in a loop.
 
@@ -268,18 +287,9 @@ def _bare(workers: int, n: int, sample: Sleepy) -> Epoch:
     handed back, the epoch split evenly once (``forkserver``: no fork of a
     process with threads).
     """
-    import multiprocessing as mp
     from multiprocessing.connection import wait
 
-    ctx = mp.get_context("forkserver")
-    conns, procs = [], []
-    for _ in range(workers):
-        here, there = ctx.Pipe()
-        proc = ctx.Process(target=_bare_worker, args=(there, sample), daemon=True)
-        proc.start()
-        there.close()
-        conns.append(here)
-        procs.append(proc)
+    conns, procs = _plain_processes(workers, _bare_worker, sample)
 
     def epoch(marks: list[float]) -> int:
         for i, conn in enumerate(conns):
@@ -327,18 +337,9 @@ def _floor(workers: int, n: int, sample: Sleepy) -> Epoch:
     cost this host with none of mpexec's code (docs/scaling.md, "The floor at 2
     workers").
     """
-    import multiprocessing as mp
     import select
 
-    ctx = mp.get_context("forkserver")
-    conns, procs = [], []
-    for _ in range(workers):
-        here, there = ctx.Pipe()
-        proc = ctx.Process(target=_floor_worker, args=(there, sample), daemon=True)
-        proc.start()
-        there.close()
-        conns.append(here)
-        procs.append(proc)
+    conns, procs = _plain_processes(workers, _floor_worker, sample)
     fds = [c.fileno() for c in conns]
     slots = np.zeros((2 * workers, BATCH, *sample.shape), np.float32)
 

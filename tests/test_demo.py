@@ -540,14 +540,23 @@ def test_the_demo_warms_up_both_sides_before_the_clock(monkeypatch: pytest.Monke
     assert result.serial.timings[0].images == 5
 
 
-def test_the_rounds_alternate_the_sides_and_swap_their_order(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("control", "order"),
+    [
+        # serial, pipeline | pipeline, serial | serial, pipeline: a drift in the host's
+        # load meets both sides alike, and each round's ratio compares neighbours.
+        (False, "SP PS SP"),
+        # With the plain processes the order rotates: each side goes first once.
+        (True, "SPC PCS CSP"),
+    ],
+)
+def test_the_rounds_rotate_the_sides(
+    monkeypatch: pytest.MonkeyPatch, control: bool, order: str
 ) -> None:
-    # serial, pipeline | pipeline, serial | serial, pipeline: a drift in the host's
-    # load meets both sides alike, and each round's ratio compares neighbours.
     log: list[str] = []
     monkeypatch.setattr(_demo, "build_pipeline", FakePipeline)
     serial, epoch = _demo.run_serial, _demo.PipelineSide.epoch
+    plain_round = _demo.PlainProcesses.round
 
     def run_serial(*args: Any, **kwargs: Any) -> Any:
         log.append("S")
@@ -557,13 +566,21 @@ def test_the_rounds_alternate_the_sides_and_swap_their_order(
         log.append("P")
         return epoch(self, *args)
 
+    def run_plain(self: Any) -> Any:
+        log.append("C")
+        return plain_round(self)
+
     monkeypatch.setattr(_demo, "run_serial", run_serial)
     monkeypatch.setattr(_demo.PipelineSide, "epoch", run_epoch)
-    config = _demo.DemoConfig(images=2, size=32, batch_size=2, workers=1, rounds=3, progress=False)
+    monkeypatch.setattr(_demo.PlainProcesses, "round", run_plain)
+    config = _demo.DemoConfig(
+        images=2, size=32, batch_size=2, workers=1, rounds=3, progress=False, control=control
+    )
     result = _demo.run_demo(config)
-    assert log == ["S", "P", "P", "S", "S", "P"]
+    assert log == list(order.replace(" ", ""))
     assert len(result.speedups) == 3
     assert [t.images for t in result.pipeline.timings] == [4, 4, 4]  # 2 passes a round
+    assert len(result.ceilings) == (3 if control else 0)
 
 
 # ------------------------------------------------------------------ the host's ceiling
@@ -607,34 +624,6 @@ def test_without_control_or_workers_no_plain_process_runs() -> None:
         assert "  ceiling" not in text
         assert "  plain" not in text
         assert result.to_json()["ceiling"] is None
-
-
-def test_the_rounds_rotate_all_three_sides(monkeypatch: pytest.MonkeyPatch) -> None:
-    log: list[str] = []
-    monkeypatch.setattr(_demo, "build_pipeline", FakePipeline)
-    serial, epoch = _demo.run_serial, _demo.PipelineSide.epoch
-    plain_round = _demo.PlainProcesses.round
-
-    def run_serial(*args: Any, **kwargs: Any) -> Any:
-        log.append("S")
-        return serial(*args, **kwargs)
-
-    def run_epoch(self: _demo.PipelineSide, *args: Any) -> Any:
-        log.append("P")
-        return epoch(self, *args)
-
-    def run_plain(self: Any) -> Any:
-        log.append("C")
-        return plain_round(self)
-
-    monkeypatch.setattr(_demo, "run_serial", run_serial)
-    monkeypatch.setattr(_demo.PipelineSide, "epoch", run_epoch)
-    monkeypatch.setattr(_demo.PlainProcesses, "round", run_plain)
-    config = _demo.DemoConfig(images=2, size=32, batch_size=2, workers=1, rounds=3, progress=False)
-    result = _demo.run_demo(config)
-    assert log == ["S", "P", "C", "P", "C", "S", "C", "S", "P"]
-    assert result.plain is not None
-    assert len(result.plain.timings) == 3
 
 
 @pytest.mark.usefixtures("no_leaks")
