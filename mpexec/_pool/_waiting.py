@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 from ._delivery import read_direct
@@ -41,7 +42,7 @@ def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
         Future.exception(future, timeout)
     except CancelledError:
         pass  # settled: read_settled says so
-    except TimeoutError:
+    except FutureTimeoutError:  # the builtin TimeoutError only from Python 3.11 on
         return False
     return True
 

@@ -11,6 +11,7 @@ step in ``write_columns`` looking for rows written early where none can be.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from typing import Any
@@ -31,10 +32,13 @@ def _double(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def _python_calls(fn: Any) -> Counter[str]:
+    """Python calls by name while ``fn`` runs, less NumPy's own (``np.full``, and before
+    NumPy 1.25 the Python dispatchers of C functions such as ``np.copyto``)."""
     calls: Counter[str] = Counter()
+    numpy_dir = os.path.dirname(np.__file__)
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
+        if event == "call" and not frame.f_code.co_filename.startswith(numpy_dir):
             calls[frame.f_code.co_name] += 1
 
     sys.setprofile(profile)
@@ -76,7 +80,7 @@ def test_a_chained_sample_makes_no_python_call_beyond_its_ops_steps(
     assert "_sample_outputs" not in per_sample, per_sample
     assert "<listcomp>" not in per_sample, per_sample
     assert "<genexpr>" not in per_sample, per_sample
-    assert sum(calls.values()) / n < (13 if slow else 11), per_sample  # 18.3 and 14.3 before
+    assert sum(calls.values()) / n < (12 if slow else 10), per_sample  # 17.3 and 13.3 before
 
 
 def test_a_chain_counts_each_ops_bytes_in_and_out() -> None:
