@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import mpexec
-from mpexec import _scheduler, fn
+from mpexec import fn
 from mpexec._executors import UnitExecutor, WorkUnit
 from mpexec._runtime import ChunkResult
 from mpexec._scheduler import Scheduler
@@ -160,9 +160,7 @@ class PickledUnits:
         self._threads.shutdown(wait, cancel_futures=cancel_futures)
 
 
-def test_another_executor_gives_bit_identical_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Batches of 4: cut in two at first, as a first batch of 8 or more would be.
-    monkeypatch.setattr(_scheduler, "_FIRST_CARRY", 2)
+def test_another_executor_gives_bit_identical_outputs() -> None:
     reference = _pipeline_run(0)
     assert reference == _pipeline_run(2)
     executor = PickledUnits()
@@ -344,7 +342,7 @@ def test_chunks_carry_whole_batches_and_the_window_follows_the_workers(
         scheduler.close()
         executor.shutdown()
     first = [u for u in executor.units if u.chunk.iteration == 0]
-    assert len(first) == min(workers, batch // 4)  # the first batch: to learn the timing
+    assert len(first) == workers  # the first batch: a chunk per worker, to learn the timing
     later = [u for u in executor.units if u.chunk.iteration >= 4]
     assert later
     assert all(u.chunk.count == batch for u in later), {u.chunk.count for u in later}
@@ -354,15 +352,15 @@ def test_chunks_carry_whole_batches_and_the_window_follows_the_workers(
 
 
 @pytest.mark.parametrize(
-    ("workers", "batch", "chunks"), [(64, 64, 16), (16, 16, 4), (8, 256, 8), (2, 3, 1)]
+    ("workers", "batch", "chunks"), [(64, 64, 16), (128, 256, 16), (16, 16, 16), (2, 3, 2)]
 )
-def test_the_first_batch_is_cut_a_chunk_per_worker_of_at_least_four_samples(
+def test_the_first_batch_is_cut_a_chunk_per_worker_sixteen_at_most(
     workers: int, batch: int, chunks: int
 ) -> None:
-    """Before a sample's CPU time is known, a batch goes out a chunk per worker, each
-    of at least 4 samples: a batch of 64 over 64 workers was 64 one-sample units
-    (each a dispatch of the main process's, ~150 µs, for maybe a µs of work). The
-    window still gives every worker ``prefetch_depth`` units to begin with."""
+    """Before a sample's CPU time is known, a batch goes out a chunk per worker, 16
+    at most: a batch of 64 over 64 workers was 64 one-sample units (each a dispatch
+    of the main process's, ~150 µs, for maybe a µs of work). The window still gives
+    every worker ``prefetch_depth`` units to begin with."""
     executor = _ManyWorkers(workers)
     scheduler = _scheduler_over(executor, _per_sample_graph(16, 40 * batch), batch=batch)
     try:
