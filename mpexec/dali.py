@@ -57,6 +57,9 @@ from ._pool import WorkerPool
 __all__ = ["DaliFunction", "PipelineSource", "external_source", "python_function", "source"]
 
 _MAX_CHUNKS_PER_WORKER = 4
+#: Chunks a worker holds at once (one running, one queued behind it): a batch's
+#: first ``_IN_FLIGHT_PER_WORKER * workers`` chunks go out together.
+_IN_FLIGHT_PER_WORKER = 2
 
 
 def python_function(
@@ -205,8 +208,8 @@ class DaliFunction:
         chunks); the rest go out as chunks come back, to the least busy worker:
         one slowed down by other load takes fewer of them. Once every chunk is
         out, this thread sleeps until all are back (or one fails): waking it
-        for each chunk would send nothing more (with 2 workers a batch is 2 or
-        4 chunks, all out at once: 1 wake-up a batch instead of 2 to 4)."""
+        for each chunk would send nothing more (a batch of quick samples is
+        one chunk a worker, all out at once: 1 wake-up a batch)."""
         results: list[Any] = [None] * len(bounds)
         todo = list(enumerate(bounds))[::-1]
         running: dict[Future[Any], int] = {}
@@ -221,7 +224,7 @@ class DaliFunction:
                 running[pool.submit(self._runner, *rows, out=out)] = i
 
         try:
-            for _ in range(2 * workers):
+            for _ in range(_IN_FLIGHT_PER_WORKER * workers):
                 submit_next()
             while running:
                 done, _ = wait(running, return_when=FIRST_COMPLETED if todo else FIRST_EXCEPTION)
@@ -325,7 +328,11 @@ def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]
     at most ``AUTO_CHUNK_MAX`` samples: DALI calls the op one batch at a
     time, so a batch is cut finer than a pipeline's), learned from the last
     batch's CPU seconds per sample; a batch is then cut into 1 to
-    ``_MAX_CHUNKS_PER_WORKER`` chunks a worker.
+    ``_MAX_CHUNKS_PER_WORKER`` chunks a worker. A cut that would all go out at
+    once (up to ``_IN_FLIGHT_PER_WORKER`` chunks a worker) is one chunk a
+    worker instead: chunks sent together are placed together, before any
+    worker has shown itself slower, so the finer cut rebalances nothing, and
+    each chunk costs a send, a result and a wake-up of the pool's thread.
     """
     if size == 0:
         return [(0, 0)]
@@ -333,7 +340,9 @@ def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]
     if per_sample:
         carry = calls_in_chunk(per_sample, min(AUTO_CHUNK_MAX, 2 * size), alone=True)
         per_worker = round(size / carry / workers)  # CPU time only, whatever the load
-    k = max(1, min(size, workers * max(1, min(_MAX_CHUNKS_PER_WORKER, per_worker))))
+    if per_worker <= _IN_FLIGHT_PER_WORKER:
+        per_worker = 1
+    k = max(1, min(size, workers * min(_MAX_CHUNKS_PER_WORKER, per_worker)))
     return [(size * i // k, size * (i + 1) // k) for i in range(k)]
 
 

@@ -157,7 +157,7 @@ def test_python_function_runner_loads_no_caller_side_module_in_a_worker() -> Non
 def test_python_function_chunks_follow_maps_chunk_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows per chunk come from the one chunk policy (``calls_in_chunk``), with its
     target for a batch waited for alone: about BALANCE_CHUNK_SECONDS of CPU a
-    chunk, 1 to 4 chunks a worker."""
+    chunk, 3 to 4 chunks a worker, or one where the cut would all go out at once."""
     import mpexec._mapping as mapping
     from mpexec.dali import _chunks
 
@@ -165,11 +165,23 @@ def test_python_function_chunks_follow_maps_chunk_policy(monkeypatch: pytest.Mon
     assert len(_chunks(64, 4, 0.0)) == 4  # nothing measured yet: one a worker
     assert len(_chunks(64, 4, 1e-6)) == 4  # quick samples: one a worker
     assert len(_chunks(64, 4, 0.01)) == 16  # slow samples: a shorter tail, 4 a worker
-    bounds = _chunks(64, 4, 0.002)  # 0.02 s a chunk: 10 samples, 2 chunks a worker
-    assert len(bounds) == 8
+    bounds = _chunks(64, 4, 0.00375)  # 0.02 s a chunk: 5 samples, 3 chunks a worker
+    assert len(bounds) == 12
     assert (bounds[0][0], bounds[-1][1]) == (0, 64)
-    monkeypatch.setattr(mapping, "BALANCE_CHUNK_SECONDS", 0.064)  # 32 samples a chunk
-    assert len(_chunks(64, 4, 0.002)) == 4
+    monkeypatch.setattr(mapping, "BALANCE_CHUNK_SECONDS", 0.0375)  # 10 a chunk: 2 a worker
+    assert len(_chunks(64, 4, 0.00375)) == 4  # ... which would all go at once: 1 a worker
+
+
+def test_python_function_sends_one_chunk_a_worker_where_all_would_go_at_once() -> None:
+    # Two chunks a worker all go out together (the in-flight window), placed before
+    # any worker has shown itself slower: the finer cut rebalances nothing, and each
+    # chunk costs a send, a result and a wake-up (the benchmark's batch of 16 at
+    # ~4 ms a sample, 2 workers: 4 chunks before, 2 now).
+    from mpexec.dali import _chunks
+
+    assert _chunks(64, 4, 0.002) == [(0, 16), (16, 32), (32, 48), (48, 64)]  # 2 a worker
+    assert _chunks(16, 2, 0.004) == [(0, 8), (8, 16)]
+    assert len(_chunks(16, 2, 0.008)) == 8  # 4 a worker: the last 4 go as chunks come back
 
 
 class _RecordingPool:
