@@ -86,6 +86,50 @@ def test_python_function_outputs_fill_a_block_and_fall_back_when_ragged() -> Non
         assert all(np.shares_memory(first[0].base, o) for o in first), "one block's rows"
 
 
+def _half_fails(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if x[0] < 0:
+        raise KeyError("negative")
+    return x * 2 + 1
+
+
+def test_python_function_takes_the_last_batchs_blocks_again_when_nothing_holds_them() -> None:
+    # DALI copies what the function returns and lets it go before its next call: the
+    # next batch of that shape writes the same shared blocks, input and output, instead
+    # of allocating two and freeing two (the arena's collection of the last batch's
+    # fell on the first allocation, before any worker had work).
+    batch = _back_to_back(8, (3,))
+    with mpexec.dali.python_function(_half_fails, num_workers=2) as spread:
+        spread(batch)
+        spread(batch)  # learns the output's shape: from here on, blocks
+        allocated: list[tuple[int, ...]] = []
+        real = spread.pool.empty
+
+        def counted(shape: Any, dtype: Any = np.float64) -> Any:
+            allocated.append(shape)
+            return real(shape, dtype)
+
+        spread.pool.empty = counted  # type: ignore[method-assign]
+        for k in range(3):
+            out = spread([x + k for x in batch])
+            assert np.array_equal(np.stack(out), (np.stack(batch) + k) * 2 + 1)
+            del out
+        assert allocated == []
+        # Rows a caller keeps are never written over: that block is not taken again.
+        kept = spread(batch)
+        again = spread([x + 1 for x in batch])
+        assert np.array_equal(np.stack(kept), np.stack(batch) * 2 + 1)
+        assert np.array_equal(np.stack(again), (np.stack(batch) + 1) * 2 + 1)
+        assert allocated == [(8, 3)]
+        del kept, again
+        # After a failed batch (a chunk may still be running), nothing is offered.
+        allocated.clear()
+        with pytest.raises(KeyError, match="negative"):
+            spread([-x - 1 for x in batch])
+        out = spread(batch)
+        assert np.array_equal(np.stack(out), np.stack(batch) * 2 + 1)
+        assert allocated == [(8, 3), (8, 3)]  # the failed batch took the last ones
+
+
 def test_python_function_errors_keep_their_type() -> None:
     with mpexec.dali.python_function(_fails, num_workers=1) as spread:
         with pytest.raises(KeyError, match="no key for"):
