@@ -122,12 +122,12 @@ def _cpu_time(work: Work, image: np.ndarray[Any, Any]) -> float:
     return time.thread_time() - t0
 
 
-def images(iteration: int) -> list[np.ndarray[Any, Any]]:
-    """The batch of one iteration: images made from their index."""
+def images(iteration: int, rows: range = range(BATCH)) -> list[np.ndarray[Any, Any]]:
+    """The batch of one iteration (or its ``rows``): images made from their index."""
     base = iteration * BATCH
     return [
         np.full(SHAPE, (base + j) % 251, np.uint8) + np.arange(SHAPE[2], dtype=np.uint8)
-        for j in range(BATCH)
+        for j in rows
     ]
 
 
@@ -200,9 +200,13 @@ def _pipeline(function: Callable[..., Any], n_batches: int, default: bool = Fals
 
 
 def _work_on(args: tuple[Work, int, int, int]) -> int:
-    """The control's task, in a plain process: ``work`` on rows ``a:b`` of batch ``i``."""
+    """The control's task, in a plain process: ``work`` on rows ``a:b`` of batch ``i``.
+
+    It makes those rows' images only (~80 us each here): a half made the whole
+    batch's, twice the serial half's share of that work, which lowered the ceiling
+    (by ~2% at ~4 ms a sample)."""
     work, i, a, b = args
-    for x in images(i)[a:b]:
+    for x in images(i, range(a, b)):
         work(x)
     return b - a
 

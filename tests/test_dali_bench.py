@@ -144,3 +144,22 @@ def test_a_default_executors_work_ahead_stays_in_its_own_block(
     for row in out["by_system"].values():
         assert row["identical"]
     assert set(out["default_executor"]) >= {"mpexec_dali_of_ceiling", "mpexec_dali_vs_synchronous"}
+
+
+def test_the_controls_halves_make_only_their_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each of the plain processes makes the images of its half only: making the whole
+    # batch's, each half did twice the serial loop's share of that work a sample.
+    made: list[int] = []
+    real = np.full
+
+    def full(shape: Any, value: Any, dtype: Any = None) -> Any:
+        made.append(int(value))
+        return real(shape, value, dtype)
+
+    monkeypatch.setattr(dali_bench.np, "full", full)
+    work = dali_bench.Work(10)
+    dali_bench._parallel(work, range(3, 4), _InProcess())
+    assert sorted(made) == [(3 * dali_bench.BATCH + j) % 251 for j in range(dali_bench.BATCH)]
+    made.clear()
+    dali_bench._serial(work, range(3, 4))
+    assert len(made) == dali_bench.BATCH
