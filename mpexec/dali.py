@@ -172,7 +172,7 @@ class DaliFunction:
         ]
         timed = self._run_chunks(pool, workers, columns, bounds, blocks)
         # Every chunk is back: the workers are done with the blocks.
-        self._spares = _Spares([*(c.shared for c in columns), *blocks])
+        self._spares = _Spares(spares.taken)
         results = [r for _, r in timed]
         if size:  # CPU seconds per sample in the workers, whatever the load: the next cut
             self._per_sample = sum(t for t, _ in timed) / size
@@ -282,23 +282,29 @@ class _Spares:
     never offered) makes the next batch take a new block.
     """
 
-    def __init__(self, blocks: Sequence[Any] = ()) -> None:
-        self.blocks = [b for b in blocks if isinstance(b, np.ndarray)]
+    def __init__(self, blocks: Sequence[tuple[Any, int]] = ()) -> None:
+        self.blocks = list(blocks)  # (block, its _refs() when it had no view)
+        self.taken: list[tuple[Any, int]] = []  # what this batch took, for the next
 
     def take(self, pool: WorkerPool, shape: tuple[int, ...], dtype: Any) -> Any:
         dt = np.dtype(dtype)
-        for i, block in enumerate(self.blocks):
-            if block.shape == shape and block.dtype == dt and _unshared(block):
-                return self.blocks.pop(i)
-        return pool.empty(shape, dt)
+        for i, (block, alone) in enumerate(self.blocks):
+            if block.shape == shape and block.dtype == dt and _refs(block) <= alone:
+                self.taken.append(self.blocks.pop(i))
+                return block
+        block = pool.empty(shape, dt)
+        refs = _refs(block)  # new: no view of it yet
+        if refs >= 0:
+            self.taken.append((block, refs))
+        return block
 
 
-def _unshared(block: np.ndarray[Any, Any]) -> bool:
-    """Whether ``block`` is a view of shared memory that no other view shares: its
-    views (rows, chunks) all refer to the array that owns its memory, as does
-    ``block`` itself, and the call here is the one more reference."""
-    # No local name for it: that would be one more reference.
-    return block.base is not None and sys.getrefcount(block.base) <= 2
+def _refs(block: np.ndarray[Any, Any]) -> int:
+    """References to the array that owns ``block``'s memory (-1: ``block`` owns it,
+    never offered again). Every view of ``block`` (rows, chunks) holds one, so a
+    count no higher than when it was new says no view is left; the count is taken
+    the same way both times, whatever the interpreter counts of its own."""
+    return -1 if block.base is None else sys.getrefcount(block.base)
 
 
 class _SharedRows:
