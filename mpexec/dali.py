@@ -37,6 +37,7 @@ Nothing here imports DALI except :func:`external_source`.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +58,9 @@ from ._pool import WorkerPool
 __all__ = ["DaliFunction", "PipelineSource", "external_source", "python_function", "source"]
 
 _MAX_CHUNKS_PER_WORKER = 4
+#: Chunks a worker holds at once (one running, one queued behind it): a batch's
+#: first ``_IN_FLIGHT_PER_WORKER * workers`` chunks go out together.
+_IN_FLIGHT_PER_WORKER = 2
 
 
 def python_function(
@@ -131,6 +135,7 @@ class DaliFunction:
         # Per output: (sample shape, dtype) of the last batch, where all its samples
         # shared them: the next batch gets an output block of that.
         self._specs: list[tuple[tuple[int, ...], np.dtype[Any]] | None] = [None] * num_outputs
+        self._spares = _Spares()  # the last batch's blocks, for the next one
         self._finalizer: weakref.finalize[Any, DaliFunction] | None = None
 
     @property
@@ -158,11 +163,16 @@ class DaliFunction:
         size = len(inputs[0])
         if any(len(x) != size for x in inputs):
             raise ValueError("the inputs hold batches of different sizes")
-        columns = [_SharedRows(pool, list(x)) for x in inputs]
+        spares, self._spares = self._spares, _Spares()  # none kept if this batch fails
+        columns = [_SharedRows(pool, list(x), spares) for x in inputs]
         workers = max(1, pool.num_workers)
         bounds = _chunks(size, workers, self._per_sample)
-        blocks = [None if sp is None else pool.empty((size, *sp[0]), sp[1]) for sp in self._specs]
+        blocks = [
+            None if sp is None else spares.take(pool, (size, *sp[0]), sp[1]) for sp in self._specs
+        ]
         timed = self._run_chunks(pool, workers, columns, bounds, blocks)
+        # Every chunk is back: the workers are done with the blocks.
+        self._spares = _Spares(spares.taken)
         results = [r for _, r in timed]
         if size:  # CPU seconds per sample in the workers, whatever the load: the next cut
             self._per_sample = sum(t for t, _ in timed) / size
@@ -205,8 +215,8 @@ class DaliFunction:
         chunks); the rest go out as chunks come back, to the least busy worker:
         one slowed down by other load takes fewer of them. Once every chunk is
         out, this thread sleeps until all are back (or one fails): waking it
-        for each chunk would send nothing more (with 2 workers a batch is 2 or
-        4 chunks, all out at once: 1 wake-up a batch instead of 2 to 4)."""
+        for each chunk would send nothing more (a batch of quick samples is
+        one chunk a worker, all out at once: 1 wake-up a batch)."""
         results: list[Any] = [None] * len(bounds)
         todo = list(enumerate(bounds))[::-1]
         running: dict[Future[Any], int] = {}
@@ -221,7 +231,7 @@ class DaliFunction:
                 running[pool.submit(self._runner, *rows, out=out)] = i
 
         try:
-            for _ in range(2 * workers):
+            for _ in range(_IN_FLIGHT_PER_WORKER * workers):
                 submit_next()
             while running:
                 done, _ = wait(running, return_when=FIRST_COMPLETED if todo else FIRST_EXCEPTION)
@@ -258,6 +268,45 @@ class DaliFunction:
         return f"mpexec.dali.python_function({name}, num_outputs={self.num_outputs})"
 
 
+class _Spares:
+    """A batch's blocks, offered to the next batch: one of the same shape and dtype
+    that nothing else holds is taken again instead of a new one.
+
+    A block is allocated in the pool's shared memory and freed through its
+    arena: at DALI's pace, every batch paid for both, the arena's collection of
+    the last batch's blocks (about 0.1 ms of the calling thread's CPU) falling
+    on the first allocation, before any worker had work. Nothing else holds a
+    block when no view of it is left: the rows handed to DALI are views of the
+    output block, and DALI copies them and lets them go before its next call;
+    a caller that keeps them (or a worker's view of a failed batch's block,
+    never offered) makes the next batch take a new block.
+    """
+
+    def __init__(self, blocks: Sequence[tuple[Any, int]] = ()) -> None:
+        self.blocks = list(blocks)  # (block, its _refs() when it had no view)
+        self.taken: list[tuple[Any, int]] = []  # what this batch took, for the next
+
+    def take(self, pool: WorkerPool, shape: tuple[int, ...], dtype: Any) -> Any:
+        dt = np.dtype(dtype)
+        for i, (block, alone) in enumerate(self.blocks):
+            if block.shape == shape and block.dtype == dt and _refs(block) <= alone:
+                self.taken.append(self.blocks.pop(i))
+                return block
+        block = pool.empty(shape, dt)
+        refs = _refs(block)  # new: no view of it yet
+        if refs >= 0:
+            self.taken.append((block, refs))
+        return block
+
+
+def _refs(block: np.ndarray[Any, Any]) -> int:
+    """References to the array that owns ``block``'s memory (-1: ``block`` owns it,
+    never offered again). Every view of ``block`` (rows, chunks) holds one, so a
+    count no higher than when it was new says no view is left; the count is taken
+    the same way both times, whatever the interpreter counts of its own."""
+    return -1 if block.base is None else sys.getrefcount(block.base)
+
+
 class _SharedRows:
     """One input's samples in the pool's shared memory, copied in a chunk at a time.
 
@@ -268,7 +317,7 @@ class _SharedRows:
     ``memcpy``.
     """
 
-    def __init__(self, pool: WorkerPool, samples: list[Any]) -> None:
+    def __init__(self, pool: WorkerPool, samples: list[Any], spares: _Spares | None = None) -> None:
         self.arrays = [np.asarray(s) for s in samples]
         self.dense: np.ndarray[Any, Any] | None = None  # the samples as one array
         self.shared: Any = []  # the block, or the list of views
@@ -278,7 +327,11 @@ class _SharedRows:
         first = arrays[0]
         if all(a.shape == first.shape and a.dtype == first.dtype for a in arrays):
             self.dense = _adjacent(arrays)
-            self.shared = pool.empty((len(arrays), *first.shape), first.dtype)
+            shape = (len(arrays), *first.shape)
+            taken = (
+                spares.take(pool, shape, first.dtype) if spares else pool.empty(shape, first.dtype)
+            )
+            self.shared = taken
             return
         nbytes = [a.nbytes for a in arrays]
         raw = pool.empty((sum(nbytes),), np.uint8)
@@ -325,7 +378,11 @@ def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]
     at most ``AUTO_CHUNK_MAX`` samples: DALI calls the op one batch at a
     time, so a batch is cut finer than a pipeline's), learned from the last
     batch's CPU seconds per sample; a batch is then cut into 1 to
-    ``_MAX_CHUNKS_PER_WORKER`` chunks a worker.
+    ``_MAX_CHUNKS_PER_WORKER`` chunks a worker. A cut that would all go out at
+    once (up to ``_IN_FLIGHT_PER_WORKER`` chunks a worker) is one chunk a
+    worker instead: chunks sent together are placed together, before any
+    worker has shown itself slower, so the finer cut rebalances nothing, and
+    each chunk costs a send, a result and a wake-up of the pool's thread.
     """
     if size == 0:
         return [(0, 0)]
@@ -333,7 +390,9 @@ def _chunks(size: int, workers: int, per_sample: float) -> list[tuple[int, int]]
     if per_sample:
         carry = calls_in_chunk(per_sample, min(AUTO_CHUNK_MAX, 2 * size), alone=True)
         per_worker = round(size / carry / workers)  # CPU time only, whatever the load
-    k = max(1, min(size, workers * max(1, min(_MAX_CHUNKS_PER_WORKER, per_worker))))
+    if per_worker <= _IN_FLIGHT_PER_WORKER:
+        per_worker = 1
+    k = max(1, min(size, workers * min(_MAX_CHUNKS_PER_WORKER, per_worker)))
     return [(size * i // k, size * (i + 1) // k) for i in range(k)]
 
 

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
+import numpy as np
 import pytest
 
 from benchmarks import dali_bench
@@ -56,3 +61,105 @@ def test_the_target_reads_the_paired_median() -> None:
     row = rows["DALI + mpexec.dali vs the host's 2-process ceiling"]
     assert (row["value"], row["threshold"], row["pass"]) == (0.96, 0.97, False)
     assert "range 0.90 - 1.01" in row["note"]
+
+
+class _FakeDaliPipe:
+    """DALI's pipeline as the benchmark drives it, without DALI: run() k returns batch
+    k % n. ``default``: DALI's default executor, which makes the batch after the one
+    returned in its own thread (here 20 ms late), while the caller goes on."""
+
+    prefetch_queue_depth = 2
+
+    def __init__(self, function: Any, n: int, default: bool = False) -> None:
+        self.function, self.n, self.default = function, n, default
+        self.made = 0  # batches made so far
+        self.runs = 0  # run() calls so far
+        self.ahead: threading.Thread | None = None
+        self.ready: list[Any] = []
+
+    def _make(self, delay: float = 0.0) -> None:
+        time.sleep(delay)
+        out = self.function(dali_bench.images(self.made % self.n))
+        self.made += 1
+        self.ready.append(np.stack(out))
+
+    def run(self) -> list[Any]:
+        self.runs += 1
+        if self.ahead is not None:
+            self.ahead.join()
+        if not self.ready:
+            self._make()
+        out = self.ready.pop(0)
+        if self.default:
+            self.ahead = threading.Thread(target=self._make, args=(0.02,))
+            self.ahead.start()
+        return [_Tensor(out)]
+
+
+class _Tensor:
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def as_tensor(self) -> Any:
+        return self.array
+
+
+class _InProcess:
+    def map(self, fn: Any, items: Any) -> Any:
+        return map(fn, items)
+
+
+def test_a_default_executors_work_ahead_stays_in_its_own_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under DALI's default executor a pipeline makes a batch ahead of the one run()
+    # returns: each of its blocks ends once that batch is made, so no other system's
+    # block (here: the control's) runs beside it.
+    pipes: list[_FakeDaliPipe] = []
+
+    def fake(function: Any, n: int, default: bool = False) -> _FakeDaliPipe:
+        pipes.append(_FakeDaliPipe(function, n, default))
+        return pipes[-1]
+
+    behind: list[int] = []  # at each block of the control: batches ahead not yet made
+    serial = dali_bench._serial
+
+    def watched(work: Any, batches: range) -> None:
+        # The function DALI calls (the benchmark's counter): its returned calls.
+        behind.extend(p.runs + 1 - p.function.done for p in pipes if p.default)
+        serial(work, batches)
+
+    monkeypatch.setattr(dali_bench, "_pipeline", fake)
+    monkeypatch.setattr(dali_bench, "_serial", watched)
+    work = dali_bench.Work(10)
+    functions = {
+        dali_bench.ALONE: dali_bench._Alone(work),
+        dali_bench.OURS: dali_bench._Alone(work),
+    }
+    out = dali_bench.throughput(functions, work, iterations=4, rounds=2, executor=_InProcess())
+    assert len(pipes) == 4
+    assert sum(p.default for p in pipes) == 2
+    assert behind == [0] * len(behind)
+    assert behind
+    for row in out["by_system"].values():
+        assert row["identical"]
+    assert set(out["default_executor"]) >= {"mpexec_dali_of_ceiling", "mpexec_dali_vs_synchronous"}
+
+
+def test_the_controls_halves_make_only_their_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each of the plain processes makes the images of its half only: making the whole
+    # batch's, each half did twice the serial loop's share of that work a sample.
+    made: list[int] = []
+    real = np.full
+
+    def full(shape: Any, value: Any, dtype: Any = None) -> Any:
+        made.append(int(value))
+        return real(shape, value, dtype)
+
+    monkeypatch.setattr(dali_bench.np, "full", full)
+    work = dali_bench.Work(10)
+    dali_bench._parallel(work, range(3, 4), _InProcess())
+    assert sorted(made) == [(3 * dali_bench.BATCH + j) % 251 for j in range(dali_bench.BATCH)]
+    made.clear()
+    dali_bench._serial(work, range(3, 4))
+    assert len(made) == dali_bench.BATCH

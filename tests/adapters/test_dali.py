@@ -86,6 +86,50 @@ def test_python_function_outputs_fill_a_block_and_fall_back_when_ragged() -> Non
         assert all(np.shares_memory(first[0].base, o) for o in first), "one block's rows"
 
 
+def _half_fails(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if x[0] < 0:
+        raise KeyError("negative")
+    return x * 2 + 1
+
+
+def test_python_function_takes_the_last_batchs_blocks_again_when_nothing_holds_them() -> None:
+    # DALI copies what the function returns and lets it go before its next call: the
+    # next batch of that shape writes the same shared blocks, input and output, instead
+    # of allocating two and freeing two (the arena's collection of the last batch's
+    # fell on the first allocation, before any worker had work).
+    batch = _back_to_back(8, (3,))
+    with mpexec.dali.python_function(_half_fails, num_workers=2) as spread:
+        spread(batch)
+        spread(batch)  # learns the output's shape: from here on, blocks
+        allocated: list[tuple[int, ...]] = []
+        real = spread.pool.empty
+
+        def counted(shape: Any, dtype: Any = np.float64) -> Any:
+            allocated.append(shape)
+            return real(shape, dtype)
+
+        spread.pool.empty = counted  # type: ignore[method-assign]
+        for k in range(3):
+            out = spread([x + k for x in batch])
+            assert np.array_equal(np.stack(out), (np.stack(batch) + k) * 2 + 1)
+            del out
+        assert allocated == []
+        # Rows a caller keeps are never written over: that block is not taken again.
+        kept = spread(batch)
+        again = spread([x + 1 for x in batch])
+        assert np.array_equal(np.stack(kept), np.stack(batch) * 2 + 1)
+        assert np.array_equal(np.stack(again), (np.stack(batch) + 1) * 2 + 1)
+        assert allocated == [(8, 3)]
+        del kept, again
+        # After a failed batch (a chunk may still be running), nothing is offered.
+        allocated.clear()
+        with pytest.raises(KeyError, match="negative"):
+            spread([-x - 1 for x in batch])
+        out = spread(batch)
+        assert np.array_equal(np.stack(out), np.stack(batch) * 2 + 1)
+        assert allocated == [(8, 3), (8, 3)]  # the failed batch took the last ones
+
+
 def test_python_function_errors_keep_their_type() -> None:
     with mpexec.dali.python_function(_fails, num_workers=1) as spread:
         with pytest.raises(KeyError, match="no key for"):
@@ -157,7 +201,7 @@ def test_python_function_runner_loads_no_caller_side_module_in_a_worker() -> Non
 def test_python_function_chunks_follow_maps_chunk_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows per chunk come from the one chunk policy (``calls_in_chunk``), with its
     target for a batch waited for alone: about BALANCE_CHUNK_SECONDS of CPU a
-    chunk, 1 to 4 chunks a worker."""
+    chunk, 3 to 4 chunks a worker, or one where the cut would all go out at once."""
     import mpexec._mapping as mapping
     from mpexec.dali import _chunks
 
@@ -165,11 +209,23 @@ def test_python_function_chunks_follow_maps_chunk_policy(monkeypatch: pytest.Mon
     assert len(_chunks(64, 4, 0.0)) == 4  # nothing measured yet: one a worker
     assert len(_chunks(64, 4, 1e-6)) == 4  # quick samples: one a worker
     assert len(_chunks(64, 4, 0.01)) == 16  # slow samples: a shorter tail, 4 a worker
-    bounds = _chunks(64, 4, 0.002)  # 0.02 s a chunk: 10 samples, 2 chunks a worker
-    assert len(bounds) == 8
+    bounds = _chunks(64, 4, 0.00375)  # 0.02 s a chunk: 5 samples, 3 chunks a worker
+    assert len(bounds) == 12
     assert (bounds[0][0], bounds[-1][1]) == (0, 64)
-    monkeypatch.setattr(mapping, "BALANCE_CHUNK_SECONDS", 0.064)  # 32 samples a chunk
-    assert len(_chunks(64, 4, 0.002)) == 4
+    monkeypatch.setattr(mapping, "BALANCE_CHUNK_SECONDS", 0.0375)  # 10 a chunk: 2 a worker
+    assert len(_chunks(64, 4, 0.00375)) == 4  # ... which would all go at once: 1 a worker
+
+
+def test_python_function_sends_one_chunk_a_worker_where_all_would_go_at_once() -> None:
+    # Two chunks a worker all go out together (the in-flight window), placed before
+    # any worker has shown itself slower: the finer cut rebalances nothing, and each
+    # chunk costs a send, a result and a wake-up (the benchmark's batch of 16 at
+    # ~4 ms a sample, 2 workers: 4 chunks before, 2 now).
+    from mpexec.dali import _chunks
+
+    assert _chunks(64, 4, 0.002) == [(0, 16), (16, 32), (32, 48), (48, 64)]  # 2 a worker
+    assert _chunks(16, 2, 0.004) == [(0, 8), (8, 16)]
+    assert len(_chunks(16, 2, 0.008)) == 8  # 4 a worker: the last 4 go as chunks come back
 
 
 class _RecordingPool:
