@@ -106,9 +106,9 @@ class RngSeeds:
         self.where: tuple[int, int] | None = None
         self.where_pool = pool
         self.where_hc = self.hc
-        # What prepare() hashed: per k, its pool and PCG64 words, for ``ready_where``.
-        self.ready_where: tuple[int, int] | None = None
-        self.ready: dict[int, tuple[list[int], np.ndarray[Any, Any]]] = {}
+        # What prepare() hashed last: its (epoch, iteration) and, per k, the pool and PCG64
+        # words (one attribute, replaced whole).
+        self.ready: tuple[tuple[int, int] | None, dict[int, tuple[list[int], Any]]] = (None, {})
 
     def _at(self, where: tuple[int, int]) -> None:
         """Mix the epoch and the iteration of ``where`` into the pool (once per chunk)."""
@@ -120,11 +120,12 @@ class RngSeeds:
     def prepare(self, where: tuple[int, int], ks: Sequence[int]) -> None:
         """Hash the seed sequences of a chunk's calls ``(*where, k)`` at once, for :meth:`seq`.
 
-        A call's own hash, in Python, cost ~4 us of a call's ~5 us ``rng``: over a
-        chunk it is ~20 array operations whatever its length (the demo's 32
-        samples: ~0.6 us a call). Each call's pool and its PCG64 words
-        (``generate_state(4, np.uint64)``) are kept until the next ``prepare``;
-        :meth:`seq` hands them out. Chunks under :data:`PREPARE_MIN` calls, and
+        A call's own hash is ~70 Python integer operations, most of a call's
+        ``rng``; over a chunk it is ~20 array operations whatever its length (32
+        calls with their PCG64s: 74 k -> 28 k instructions a call). Each call's
+        pool and its PCG64 words (``generate_state(4, np.uint64)``) are kept until
+        the next ``prepare``; :meth:`seq` hands them out. Chunks under
+        :data:`PREPARE_MIN` calls (where the arrays cost more than they save), and
         keys past 32 bits, are left to :meth:`seq`'s own hash.
         """
         if len(ks) < PREPARE_MIN:
@@ -148,13 +149,13 @@ class RngSeeds:
         w = ((pool[:, _WORD_POOL] ^ _WORD_BEFORE) * _WORD_AFTER) & _U32
         w ^= w >> _U16
         words = w[:, 0::2] | (w[:, 1::2] << _U32_SHIFT)
-        self.ready_where = where
-        self.ready = dict(zip(ks, zip(pool.tolist(), words, strict=True), strict=True))
+        self.ready = (where, dict(zip(ks, zip(pool.tolist(), words, strict=True), strict=True)))
 
     def seq(self, where: tuple[int, int], k: int) -> SeedState:
         """The seed sequence of spawn key ``(*where, k)``."""
-        if where == self.ready_where:
-            got = self.ready.get(k)
+        ready_where, ready = self.ready
+        if where == ready_where:
+            got = ready.get(k)
             if got is not None:
                 return SeedState(self.entropy, (*where, k), got[0], got[1])
         self._at(where)
