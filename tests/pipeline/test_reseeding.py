@@ -317,3 +317,48 @@ def test_another_bit_generator_turns_the_watch_off() -> None:
     assert not g.fresh()
     g.reseed(1, 2)
     assert not g.watch
+
+
+def _chunks_of_every_kind() -> list[Chunk]:
+    rnd = random.Random(11)
+    chunks = [Chunk(0, 0, 0, 0, 0), Chunk(3, 1 << 70, 5, 40, 0), Chunk(1 << 65, 2, 0, 1, 9)]
+    for _ in range(40):
+        rows = tuple(sorted(rnd.sample(range(300), rnd.randint(1, 20))))
+        chunks.append(Chunk(rnd.getrandbits(40), rnd.getrandbits(20), 0, len(rows), 0, rows))
+        chunks.append(Chunk(rnd.getrandbits(8), rnd.getrandbits(70), rnd.randint(0, 99), 64, 0))
+    return chunks
+
+
+def test_a_chains_seeds_are_each_ops_own() -> None:
+    """``chain_seeds`` (one pass of arrays for a chain's ops) gives each op what
+    ``sample_seeds`` gives it alone, in branches (``rows``) and past 64 bits too."""
+    rnd = random.Random(12)
+    for chunk in _chunks_of_every_kind():
+        entropies = [rnd.getrandbits(rnd.choice([1, 32, 64, 128, 200])) for _ in range(6)]
+        got = _runtime.chain_seeds(entropies, chunk)
+        assert got == [_runtime.sample_seeds(e, chunk) for e in entropies]
+
+
+def test_a_chain_hashes_its_ops_seeds_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain of four ops mixes its chunk's seeds in 2 array passes, not 2 an op (issue 37:
+    ~20 us of array calls a chunk each), and draws what the ops draw apart."""
+    passes = []
+    real = _runtime._mix_array
+
+    def counting(z: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        passes.append(z.shape)
+        return real(z)
+
+    def draws(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return np.array([np.random.randint(1 << 30), random.getrandbits(30)]) + x[:1]
+
+    ops = [OpRunner(f"op{i}", draws, "sample", 1, entropy=100 + i) for i in range(4)]
+    chunk = Chunk(1, 2, 0, 8, 16)
+    column = [np.zeros(2, dtype=np.int64)] * 8
+    alone = column
+    for op in ops:
+        alone = list(op(chunk, alone).outputs[0])
+    monkeypatch.setattr(_runtime, "_mix_array", counting)
+    chained = _runtime.ChainRunner(ops, [(0,)] * 4)(chunk, column)
+    assert len(passes) == 2
+    assert [a.tobytes() for a in chained.outputs[0]] == [a.tobytes() for a in alone]

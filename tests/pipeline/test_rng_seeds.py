@@ -129,3 +129,55 @@ def test_a_call_builds_no_seed_sequence(monkeypatch: pytest.MonkeyPatch) -> None
     got = runner(Chunk(0, 0, 0, 16, 0), [np.zeros(1)] * 16)
     assert got.count == 16
     assert built == []
+
+
+@pytest.mark.parametrize("entropy", ENTROPIES)
+def test_a_chunks_words_hashed_at_once_are_seed_sequences(entropy: int) -> None:
+    """``RngSeeds.prepare`` hashes a chunk's calls in arrays: every word NumPy's own."""
+    seeds = _rngseeds.RngSeeds(entropy)
+    chunks = [
+        ((0, 0), range(1, 33)),
+        ((3, (1 << 40) + 7), [5, 9, 2, 1 << 31, (1 << 32) - 1, 1 << 32, 3 << 40, 17, 4, 8]),
+        ((0, 0), range(40, 48)),  # the same iteration again, other samples
+    ]
+    for where, ks in chunks:
+        seeds.prepare(where, ks)
+        for k in ks:
+            fast = seeds.seq(where, k)
+            real = np.random.SeedSequence(entropy, spawn_key=(*where, k))
+            for n, dtype in [(4, np.uint64), (9, np.uint32), (3, "u8"), (4, np.uint32)]:
+                got, want = fast.generate_state(n, dtype), real.generate_state(n, dtype)
+                assert got.dtype == want.dtype
+                assert got.tobytes() == want.tobytes()
+            assert list(fast.pool) == list(real.pool)
+            ours = np.random.Generator(np.random.PCG64(fast))
+            assert ours.bit_generator.state == _reference(entropy, (*where, k)).bit_generator.state
+        other = np.random.SeedSequence(entropy, spawn_key=(9, 9, 1))  # a key not prepared
+        want = other.generate_state(4, np.uint64).tobytes()
+        assert seeds.seq((9, 9), 1).generate_state(4, np.uint64).tobytes() == want
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_chunks_rngs_are_hashed_at_once(monkeypatch: pytest.MonkeyPatch, chained: bool) -> None:
+    """A chunk of 16 hashes its calls' PCG64 words in one pass, none one by one (issue 37:
+    ~4 of a call's ~5 us ``rng``); the draws stay SeedSequence's."""
+    one_by_one = []
+    real = _rngseeds._generate_constants
+
+    def counting(n: int) -> list[tuple[int, int]]:
+        one_by_one.append(n)
+        return real(n)
+
+    runner = OpRunner("draw", _draw, "sample", 1, entropy=3)
+    chunk = Chunk(0, 2, 0, 16, 0)
+    monkeypatch.setattr(_rngseeds, "_generate_constants", counting)
+    if chained:
+        got = ChainRunner([runner, OpRunner("b", _draw, "sample", 1, 4)], [(0,), (0,)])(
+            chunk, [np.zeros(1)] * 16
+        )
+        want = _expected(4, chunk)
+    else:
+        got = runner(chunk, [np.zeros(1)] * 16)
+        want = _expected(3, chunk)
+    assert [a.tobytes() for a in got.outputs[0]] == want
+    assert one_by_one == []
