@@ -676,6 +676,8 @@ class GpuOpRunner:
                     self._batch_column(xp, v, i, size) for i, v in enumerate(self._split(out))
                 )
             np_seeds, py_seeds = _runtime.sample_seeds(self.entropy, chunk)
+            if self._seeds is not None:  # every call's rng hashed at once, as a CPU op's
+                self._seeds.prepare((chunk.epoch, chunk.iteration), _runtime.sample_keys(chunk))
 
             def one(args: tuple[Any, ...], j: int, b: int) -> list[Any]:
                 args = tuple([self._arg(a, stream) for a in args])

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mpexec
-from mpexec import _gpu, fn
+from mpexec import _gpu, _rngseeds, fn
 from mpexec.testing import SEEDS, SimCuPy, simulated
 
 
@@ -346,5 +346,38 @@ def test_a_gpu_ops_rng_builds_no_seed_sequence_a_call_and_draws_the_cpu_ops_word
             monkeypatch.undo()
     assert made == []  # none for the 8 calls of either device's op
     assert len({float(v) for v in results["gpu"][0].ravel()}) > 100  # real draws
+    for cpu, gpu in zip(results["cpu"], results["gpu"], strict=True):
+        np.testing.assert_array_equal(cpu, gpu)
+
+
+def test_a_gpu_ops_batch_hashes_its_rngs_at_once(
+    sim: SimCuPy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of 16 hashes its calls' PCG64 words in one pass, as a CPU op's chunk does
+    (none one by one), and draws what the CPU op draws."""
+    one_by_one: list[int] = []
+    real = _rngseeds._generate_constants
+
+    def counting(n: int) -> list[tuple[int, int]]:
+        one_by_one.append(n)
+        return real(n)
+
+    def pipeline(device: str) -> mpexec.Pipeline:
+        @mpexec.pipeline_def(batch_size=16, num_workers=0, seed=5)
+        def pipe() -> Any:
+            a = fn.external_source(source=_source, batch=False)
+            return fn.python_function(a, function=_draws, device=device)
+
+        return pipe()
+
+    results = {}
+    for device in ("cpu", "gpu"):
+        with pipeline(device) as pipe:
+            pipe.run()
+            monkeypatch.setattr(_rngseeds, "_generate_constants", counting)
+            # Three: iterations run ahead of run(), so at least one is computed in here.
+            results[device] = [host(pipe.run()[0]) for _ in range(3)]
+            monkeypatch.undo()
+    assert one_by_one == []
     for cpu, gpu in zip(results["cpu"], results["gpu"], strict=True):
         np.testing.assert_array_equal(cpu, gpu)
