@@ -730,17 +730,22 @@ def test_a_release_runs_once_when_its_anchor_goes_and_at_exit_for_those_alive() 
 
 
 class _CountingRing:
-    """Counts the looks an arena takes at its link rings (``may_have_records``)."""
+    """Counts the looks an arena takes at its link rings (``may_have_records``, ``try_pop``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.looks = 0
-        original = shm.Ring.may_have_records
+        may_have_records, try_pop = shm.Ring.may_have_records, shm.Ring.try_pop
 
         def counted(ring: shm.Ring) -> bool:
             self.looks += 1
-            return original(ring)
+            return may_have_records(ring)
+
+        def counted_pop(ring: shm.Ring, **kwargs: Any) -> bytes | None:
+            self.looks += 1
+            return try_pop(ring, **kwargs)
 
         monkeypatch.setattr(shm.Ring, "may_have_records", counted)
+        monkeypatch.setattr(shm.Ring, "try_pop", counted_pop)
 
 
 def test_allocating_looks_only_at_the_link_rings_that_have_releases(
