@@ -348,16 +348,22 @@ class Ring:
 
         ``give_back=False``: finding none, keep the freed slots (no system call
         when the producer's ``head`` shows nothing new) rather than hand them
-        back, as a sleeping consumer must: for a consumer that pops until
-        empty often, whose producer never waits for space (it gets freed
+        back, as a sleeping consumer must, and return None for a ring closed
+        or ended with nothing new: for a consumer that pops many rings until
+        empty often, whose producers never wait for space (they get freed
         slots back every half ring anyway).
         """
         # One Python call when a record waits (the manager pops each result
         # this way): the steps of _acquire_items(0) and _read, inlined.
         if not self._item_credits:
+            quiet = _U64.unpack_from(self._buf, _HEAD)[0] == self._taken
+            if quiet and not give_back:
+                # Nothing new, whatever became of the ring (closed, ended): as
+                # may_have_records() says, for a consumer that looks at many.
+                return None
             if self._closed or self._eof_seen:
                 self._acquire_items(0.0, ())  # raises what is wrong
-            if _U64.unpack_from(self._buf, _HEAD)[0] == self._taken:
+            if quiet:
                 got = 0  # nothing new (see _acquire_items): no system call
             elif self._items_fd is None:
                 got = self._items.take()

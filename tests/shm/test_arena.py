@@ -776,6 +776,30 @@ def test_allocating_looks_only_at_the_link_rings_that_have_releases(
         assert arena._exported == 1
 
 
+def test_collecting_passes_over_link_rings_closed_or_ended() -> None:
+    # A link ring its producer ended (its end marker read once, raised once, as
+    # always) or that this side closed (a pool's shutdown closes its workers'
+    # rings before the arena): later collections pass over them, as they did
+    # when each ring was looked at before it was popped.
+    from shm._views import RELEASE
+
+    with shm.Arena(segment_size=MiB, capacity=8 * MiB, name="ended") as arena:
+        ended, closed, live = arena.link(), arena.link(), arena.link()
+        descs = [arena.share(np.arange(8.0), peer=ring) for ring in (ended, closed, live)]
+        ended.try_push(RELEASE.pack(arena.id, descs[0].alloc_id, 1))
+        ended.close_producer()
+        with pytest.raises(shm.RingClosedError):
+            arena.collect()  # the release, then the end marker
+        closed.close()
+        live.try_push(RELEASE.pack(arena.id, descs[2].alloc_id, 1))
+        assert arena.collect() == 1  # the live ring's release; the others passed over
+        arena.empty(4)  # allocating collects too
+        arena.share(np.asarray(arena.empty(4)))  # and so does sharing
+        assert (
+            arena.stats().exported == 2
+        )  # the closed ring's (nobody returns it), the last share's
+
+
 def test_a_release_whose_flag_was_lost_is_still_collected(monkeypatch: pytest.MonkeyPatch) -> None:
     # Weakly ordered CPUs can hide a flag: collect() and a periodic look at
     # every ring still apply the release.
