@@ -19,8 +19,12 @@ raises :class:`~mpexec.SerializationError` naming where it sits
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import io
+import marshal
+import operator
 import pickle
 import struct
 import sys
@@ -135,6 +139,12 @@ def writable(array: np.ndarray[Any, Any]) -> Writable:
     return Writable(array)
 
 
+_NOT_SHARED = (
+    "writable() needs an array in the pool's shared memory (from pool.empty() "
+    "or pool.put()): a worker cannot write to this process's private memory"
+)
+
+
 class _Refs(pickle.Pickler):
     """Pickles a value with its arrays by reference; what it shared, to give back.
 
@@ -214,15 +224,19 @@ class _Refs(pickle.Pickler):
         return _inline_ref(obj)
 
     def _writable(self, array: np.ndarray[Any, Any]) -> bytes:
-        if self.owner is not None and not self.owner.owns(array):
-            raise SerializationError(
-                "writable() needs an array in the pool's shared memory (from pool.empty() "
-                "or pool.put()): a worker cannot write to this process's private memory"
-            )
         arena = self.arena
-        if arena is None:
+        owner = self.owner
+        if arena is not None and owner is arena:
+            # Checked and shared in one step (a pipeline's unit passes its block so).
+            desc = arena.share_own(array, peer=self.peer)
+        elif owner is not None and not owner.owns(array):
+            desc = None
+        elif arena is None:
             return _WRITABLE_TAG  # checking only
-        desc = arena.share(array, peer=self.peer)
+        else:
+            desc = arena.share(array, peer=self.peer)
+        if desc is None:
+            raise SerializationError(_NOT_SHARED)
         self.shared.append(desc)
         self.bytes_shared += array.nbytes
         return desc.pack() + _WRITABLE_TAG
@@ -377,8 +391,168 @@ def encode_call(
 
     ``owner``: the arena ``writable()`` arrays must be in, when ``arena`` is
     None (checking that a call can be encoded, without sharing anything).
+    A call of one record and its ``out`` blocks (a pipeline's unit) goes in a
+    fixed layout, without pickle (see :func:`_encode_unit`).
     """
+    if (
+        arena is not None
+        and len(args) == 1
+        and (not kwargs or (len(kwargs) == 1 and "out" in kwargs))
+        and (owner is None or owner is arena)
+        and _unit_fields.get(type(args[0]), _UNKNOWN) is not None
+    ):
+        enc = _encode_unit(args[0], kwargs, arena, peer)
+        if enc is not None:
+            return enc
     return encode((args, kwargs), arena, peer, "the arguments", inline_max, _call_parts, owner)
+
+
+# ---------------------------------------------------------------- units: a fixed layout
+#
+# A pipeline sends call after call of one shape: ``(chunk,)`` and ``out=(block
+# rows, writable, ...)``, where a chunk is a frozen dataclass of numbers and
+# tuples of them. Pickling that ran 11 Python calls in the caller (the
+# pickler's set-up, ``reducer_override`` for the record, its class, the
+# writable and ``_ref``, the reference, the scan for ``__main__``); this layout
+# runs none but the share of each block. The body::
+#
+#     0x01 | u8 outs (0xFF: no ``out``) | u16 class-name length | u32 values length
+#     | class name ("module:qualname") | marshal of the fields' values
+#     | per out: u16 descriptor length (0: None) | the packed descriptor
+#
+# A pickle starts with 0x80, so :func:`decode` tells them apart by the first
+# byte. Only fields of exact ints, floats, booleans, strings and None, and
+# tuples of numbers, go this way (marshal would write a NumPy number, a buffer,
+# as bytes): any other record is pickled. Main and workers run the same
+# interpreter, whose marshal format they share.
+
+_UNIT = 1
+_UNIT_HEAD = struct.Struct("<BBHI")
+_NO_OUT = 0xFF
+_DESC_LEN = struct.Struct("<H")
+_UNKNOWN: Any = object()
+#: class -> (its name, a getter of its fields' values, their names), or None:
+#: not such a record. And class name -> the same, on the receiving side.
+_UnitKind = tuple[bytes, Callable[[Any], Any], tuple[str, ...]]
+_unit_fields: dict[type, _UnitKind | None] = {}
+_unit_classes: dict[bytes, tuple[type, tuple[str, ...]]] = {}
+
+
+def _unit_kind(cls: type) -> _UnitKind | None:
+    """What writes ``cls``'s instances in the fixed layout; None: they are pickled.
+
+    A frozen dataclass without slots, importable by name (not of ``__main__``,
+    not local), that pickles as any dataclass does (its fields, nothing of its own).
+    """
+    params = getattr(cls, "__dataclass_params__", None)
+    if (
+        params is None
+        or not params.frozen
+        or "__slots__" in cls.__dict__
+        or cls.__module__ in _MAINS
+        or "<locals>" in cls.__qualname__
+        or any(m in cls.__dict__ for m in ("__reduce__", "__reduce_ex__", "__getstate__"))
+    ):
+        return None
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    if not names:
+        return None
+    getter = operator.attrgetter(*names)
+    get: Callable[[Any], Any] = getter if len(names) > 1 else (lambda obj: (getter(obj),))
+    return f"{cls.__module__}:{cls.__qualname__}".encode(), get, names
+
+
+def _encode_unit(
+    record: Any, kwargs: dict[str, Any], arena: shm.Arena, peer: shm.Ring | None
+) -> Encoded | None:
+    """A unit's call in the fixed layout; None: it does not fit (pickle it)."""
+    cls = type(record)
+    kind = _unit_fields.get(cls, _UNKNOWN)
+    if kind is _UNKNOWN:
+        kind = _unit_kind(cls)
+        if len(_unit_fields) < _CACHE_MAX:  # classes made on the fly are not all kept
+            _unit_fields[cls] = kind
+    if kind is None:
+        return None
+    name, get, _ = kind
+    fields = get(record)
+    for v in fields:  # loops, not a helper: no Python call a unit
+        t = type(v)
+        if t is tuple:
+            for x in v:
+                tx = type(x)
+                if tx is not int and tx is not float and tx is not bool and x is not None:
+                    return None
+        elif t is not int and t is not float and t is not bool and t is not str and v is not None:
+            return None  # marshal would write a NumPy number (a buffer) as bytes
+    values = marshal.dumps(fields)
+    outs = kwargs.get("out", _UNKNOWN)
+    if outs is _UNKNOWN:
+        n = _NO_OUT
+    elif type(outs) is tuple and len(outs) < _NO_OUT:
+        n = len(outs)
+        for o in outs:
+            if o is not None and type(o) is not Writable:
+                return None
+    else:
+        return None
+    refs = _Refs(io.BytesIO(), arena, peer, -1)
+    parts = [_UNIT_HEAD.pack(_UNIT, n, len(name), len(values)), name, values]
+    if n != _NO_OUT:
+        for o in outs:
+            if o is None:
+                parts.append(_DESC_LEN.pack(0))
+                continue
+            desc = arena.share_own(o.array, peer=peer)
+            if desc is None:
+                refs.undo()
+                raise SerializationError(_NOT_SHARED)
+            refs.shared.append(desc)
+            refs.bytes_shared += o.array.nbytes
+            packed = desc.pack()
+            parts.append(_DESC_LEN.pack(len(packed)))
+            parts.append(packed)
+    return Encoded(b"".join(parts), refs)
+
+
+def _decode_unit(data: bytes | memoryview) -> Any:
+    """The call :func:`_encode_unit` wrote: ``((record,), kwargs)``; blocks lent writable."""
+    _, n, name_len, values_len = _UNIT_HEAD.unpack_from(data, 0)
+    pos = _UNIT_HEAD.size
+    name = bytes(data[pos : pos + name_len])
+    pos += name_len
+    kind = _unit_classes.get(name)
+    if kind is None:
+        module, _, qualname = name.decode().partition(":")
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        found = _unit_kind(cls) if isinstance(cls, type) else None
+        if found is None or found[0] != name:
+            raise SerializationError(f"{name.decode()} is not a record a call can carry")
+        kind = (cls, found[2])
+        if len(_unit_classes) < _CACHE_MAX:
+            _unit_classes[name] = kind
+    cls, names = kind
+    record = cls.__new__(cls)
+    record.__dict__.update(zip(names, marshal.loads(data[pos : pos + values_len]), strict=True))
+    pos += values_len
+    if n == _NO_OUT:
+        return (record,), {}
+    outs: list[Any] = []
+    for _ in range(n):
+        (size,) = _DESC_LEN.unpack_from(data, pos)
+        pos += _DESC_LEN.size
+        if not size:
+            outs.append(None)
+            continue
+        desc = shm.ArrayDescriptor.unpack(data[pos : pos + size])
+        pos += size
+        # As _load_ref's writable kind: mapped alone, lent for this call only.
+        view = shm.open_array(desc, writable=True, alone=True)
+        _lent.append(view)
+        outs.append(view)
+    return (record,), {"out": tuple(outs)}
 
 
 def _call_parts(value: tuple[tuple[Any, ...], dict[str, Any]]) -> list[tuple[Any, str]]:
@@ -446,6 +620,13 @@ def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = F
     ``writable`` arrays that arrive as read-only shared views (forwarded) are
     copied, unless ``shared_ok`` says read-only views will do.
     """
+    if data[0] == _UNIT:
+        return _decode_unit(data)
+    # No reference of ours in it (a pipeline unit's result): pickle's own loads,
+    # whose class look-ups run no Python call (the Unpickler's find_class does).
+    raw: object = data if isinstance(data, bytes) else data.obj
+    if type(raw) is bytes and b"_ref" not in raw:
+        return pickle.loads(data)
     return _UNPICKLERS[writable, shared_ok](io.BytesIO(data)).load()
 
 

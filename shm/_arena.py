@@ -362,6 +362,29 @@ class Arena:
             # was replaced): only our mapping still reaches the bytes, so the
             # peer gets a copy of what the view holds now.
             return self._share_copy(arr, tag, peer)
+        return self._share_in_place(arr, anchor, tag, peer)
+
+    def share_own(
+        self, array: np.ndarray[Any, Any], peer: Ring | None = None
+    ) -> ArrayDescriptor | None:
+        """:meth:`share` of a view of this arena's own memory; None (nothing shared) if not one.
+
+        For an argument a peer may write to (it must live here): what
+        ``owns(array)`` and then ``share(array)`` do, with one look for the
+        view's allocation instead of two (a pipeline shares a batch's block
+        this way each time).
+        """
+        anchor = find_anchor(array) if type(array) is np.ndarray else None
+        if anchor is None or anchor.arena_id != self.id or os.getpid() != self._pid:
+            return None
+        if array.nbytes == 0 or array.dtype.hasobject or anchor.alloc_id not in self._allocs:
+            return self.share(array, peer=peer)  # the general path: its checks, its copy
+        return self._share_in_place(array, anchor, "", peer)
+
+    def _share_in_place(
+        self, arr: np.ndarray[Any, Any], anchor: Anchor, tag: str, peer: Ring | None
+    ) -> ArrayDescriptor:
+        """``share`` of a view described in place: ours, or forwarded through a proxy."""
         readonly = anchor.readonly or not arr.flags.writeable
         first = anchor.first
         if first is not None and first() is arr:
@@ -374,12 +397,30 @@ class Arena:
             # nothing, and its peers' releases would pile up (in their rings,
             # then in the peers). Nothing new costs a look at each ring's head.
             self._collect_locked()
-            owed = self._owed_by(peer)
+            owed = None if peer is None else self._owed.get(id(peer))
+            if owed is None and peer is not None:
+                self._owed_by(peer)  # raises: not a ring of ours
             if anchor.arena_id == self.id:
                 alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go
             else:
                 alloc = self._proxy(anchor, tag)
-            desc = self._export(alloc, owed, arr, start, readonly)
+            # _export, inline (a share is made for every call that passes a block).
+            alloc.exported += 1
+            self._exported += 1
+            if owed is not None:
+                owed[alloc.id] = owed.get(alloc.id, 0) + 1
+            desc = new_descriptor(
+                self.id,
+                alloc.id,
+                alloc.handle,
+                alloc.offset,
+                alloc.size,
+                arr.dtype,
+                arr.shape,
+                arr.strides,
+                start,
+                readonly,
+            )
         if self._deferred:
             self._drain_deferred()
         return desc
@@ -432,21 +473,6 @@ class Arena:
                 owed[alloc.id] = owed.get(alloc.id, 0) + 1
             self.bytes_copied += nbytes
         return self._describe(alloc, copy, 0, strides is not None)
-
-    def _export(
-        self,
-        alloc: _Alloc,
-        owed: dict[int, int] | None,
-        view: np.ndarray[Any, Any],
-        start: int,
-        readonly: bool,
-    ) -> ArrayDescriptor:
-        """Count a reference to ``alloc`` going out (lock held); the descriptor of ``view``."""
-        alloc.exported += 1
-        self._exported += 1
-        if owed is not None:
-            owed[alloc.id] = owed.get(alloc.id, 0) + 1
-        return self._describe(alloc, view, start, readonly)
 
     def _describe(
         self, alloc: _Alloc, view: np.ndarray[Any, Any], start: int, readonly: bool
@@ -868,18 +894,16 @@ class Arena:
         or now and then. A ring with nothing new costs no system call.
         """
         hints = self._hints
-        rings = hints.every() if every or hints.due(len(self._links)) else hints.flagged()
+        rings = hints.every() if every else hints.to_collect(len(self._links))
         n = 0
         for ring in (*self._plain, *rings) if self._plain else rings:
-            if not ring.may_have_records():
-                continue
             owed = self._owed[id(ring)]
-            # Popped while the hint says more may wait, not until a pop finds
-            # none: that empty pop costs a system call (it hands the freed
-            # slots back first), and a release ring's producer never waits for
-            # them (it pushes without blocking, and gets them back every half
-            # ring). A record the hint misses is collected the next time.
-            while ring.may_have_records() and (rec := ring.try_pop()) is not None:
+            # Popped until the ring's head shows nothing more, without handing
+            # freed slots back on the way out (no system call when nothing
+            # waits): a release ring's producer never waits for them (it
+            # pushes without blocking, and gets them back every half ring). A
+            # record the head does not show yet is collected the next time.
+            while (rec := ring.try_pop(give_back=False)) is not None:
                 arena_id, alloc_id, count = RELEASE.unpack(rec)
                 alloc = self._allocs.get(alloc_id)
                 n += 1

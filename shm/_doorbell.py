@@ -45,6 +45,10 @@ class Doorbell:
             if initial:
                 os.write(self._wfd, b"\x01" * initial)
         self._fds = sorted({self._rfd, self._wfd})
+        #: The eventfd, for a ring's hot path to read and write itself (one
+        #: Python call less each way); None for a pipe. Stale once closed: the
+        #: ring checks that it is open first.
+        self.event_fd: int | None = self._rfd if self._eventfd else None
         self._finalizer = weakref.finalize(self, close_fds, list(self._fds))
 
     def fileno(self) -> int:
@@ -76,6 +80,7 @@ class Doorbell:
         """
         self._finalizer()
         self._rfd = self._wfd = -1
+        self.event_fd = None
 
     @property
     def closed(self) -> bool:

@@ -106,11 +106,16 @@ class ArrayDescriptor(NamedTuple):
         head = _DESC_HEAD.pack(
             self.arena_id, self.alloc_id, self.offset, self.nbytes, self.start, flags
         )
-        return (
-            head
-            + _segment_code(self.segment)
-            + _geometry_code(self.dtype, self.shape, self.strides)
-        )
+        # The tail whole, cached by segment and geometry: no Python call when it recurs.
+        seg = self.segment
+        key = (id(seg), self.dtype, self.shape, self.strides)
+        hit = _tail_codes.get(key)
+        if hit is None or hit[0] is not seg:
+            tail = _segment_code(seg) + _geometry_code(self.dtype, self.shape, self.strides)
+            if len(_tail_codes) >= _CACHE_MAX:
+                _tail_codes.clear()
+            hit = _tail_codes[key] = (seg, tail)
+        return head + hit[1]
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> ArrayDescriptor:
@@ -175,6 +180,10 @@ _CACHE_MAX = 1024
 # id(handle) -> (handle, code): the handle is kept, so its id is not reused meanwhile.
 _segment_codes: dict[int, tuple[SegmentHandle | None, bytes]] = {}
 _geometry_codes: dict[tuple[np.dtype[Any], tuple[int, ...], tuple[int, ...]], bytes] = {}
+# (id(handle), dtype, shape, strides) -> (handle, the two codes): kept as _segment_codes.
+_tail_codes: dict[
+    tuple[int, np.dtype[Any], tuple[int, ...], tuple[int, ...]], tuple[SegmentHandle | None, bytes]
+] = {}
 _Tail = tuple[SegmentHandle | None, np.dtype[Any], tuple[int, ...], tuple[int, ...]]
 _tails: dict[bytes, _Tail] = {}
 

@@ -47,7 +47,15 @@ class CallSender:
         state = self.state
         arena = state.arena
         assert arena is not None
-        fn_id = self.function_id(task.fn)
+        fn = task.fn
+        try:  # function_id()'s common case, inline: a function sent before
+            fn_id = self.fn_ids.get(fn)
+        except TypeError:
+            fn_id = None
+        if fn_id is None:
+            fn_id = self.function_id(fn)
+        else:
+            self.fn_ids.move_to_end(fn)
         records = []
         if slot.forget:
             forget = slot.take_forgotten()

@@ -207,7 +207,8 @@ class Roster:
 
     def loaded(self, slot: Slot, new_head: bool) -> None:
         """``slot``'s queue changed; ``new_head``: its oldest call is a new one (lock held)."""
-        if slot.ready:
+        # The attribute, not the property (this module's own): this runs twice a call.
+        if slot._ready:  # noqa: SLF001
             self.tick_of[slot.index] = tick = next(self.ticks)
             heapq.heappush(self.by_load, (len(slot.queue), tick, slot.index, slot.generation))
             if len(self.by_load) > 4 * len(self.state.slots) + 64:

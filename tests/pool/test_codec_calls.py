@@ -11,9 +11,11 @@ import sys
 from typing import Any
 
 import numpy as np
+import pytest
 
 import shm
 from mpexec import _codec
+from mpexec._errors import SerializationError
 
 
 def _python_calls(fn: Any) -> int:
@@ -70,7 +72,8 @@ def test_a_pipeline_units_record_and_its_class_reach_no_reference_lookup() -> No
 
     with shm.Arena(1 << 20, name="u", sealed=True) as arena:
         out = arena.empty((64, 16), np.float32, peer_writable=True)
-        args = (Chunk(0, 3, 0, 64, 192, None),)
+        # A NumPy number in a field: pickled (a unit of plain numbers is not, below).
+        args = (Chunk(np.int64(0), 3, 0, 64, 192, None),)
         kwargs = {"out": (_codec.Writable(out),)}
         looked_up = []
         reference = _codec._Refs.reference
@@ -91,3 +94,122 @@ def test_a_pipeline_units_record_and_its_class_reach_no_reference_lookup() -> No
         assert kw["out"][0].flags.writeable
         del kw
         _codec.revoke_lent()
+
+
+def _unit_call(arena: shm.Arena, out: Any, rows: Any = None) -> tuple[Any, dict[str, Any]]:
+    from mpexec._runtime import Chunk
+
+    return (Chunk(1, 3, 0, 64, 192, rows),), {"out": (_codec.Writable(out), None)}
+
+
+def test_a_pipeline_units_call_encodes_without_pickle() -> None:
+    """A unit's record and its blocks go in a fixed layout: no pickler a unit.
+
+    Pickled, they ran 11 Python calls in the codec (the pickler's set-up,
+    reducer_override for the record, its class, the Writable and ``_ref``, the
+    reference, the scan for ``__main__``, ...); now 2 and the block's share.
+    """
+    with shm.Arena(1 << 20, name="fixed", sealed=True) as arena:
+        peer = arena.link()
+        out = arena.empty((64, 16), np.float32, peer_writable=True)
+        args, kwargs = _unit_call(arena, out)
+        _codec.encode_call(args, kwargs, arena, peer).refs.undo()  # warm the caches
+        calls = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_filename == _codec.__file__:
+                calls.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            enc = _codec.encode_call(args, kwargs, arena, peer)
+        finally:
+            sys.setprofile(None)
+        assert len(calls) <= 4, calls  # 11 pickled
+        assert enc.data[0] != 0x80  # not a pickle
+        assert len(enc.refs.shared) == 1
+        assert enc.bytes_shared == out.nbytes
+        (chunk,), kw = _codec.decode(enc.data)
+        assert chunk == args[0]
+        written, none = kw["out"]
+        assert none is None
+        assert written.shape == (64, 16)
+        assert written.flags.writeable
+        written[:] = 5  # the worker's write lands in the caller's block
+        del written, kw
+        _codec.revoke_lent()
+        assert (out == 5).all()
+        assert arena.stats().exported == 0  # opened here: the view took the reference over
+
+
+def test_units_round_trip_whatever_their_fields_and_outputs() -> None:
+    from mpexec._runtime import Chunk
+
+    with shm.Arena(1 << 20, name="fixed2", sealed=True) as arena:
+        peer = arena.link()
+        out = arena.empty((8, 4), np.float64, peer_writable=True)
+        cases: list[tuple[tuple[Any, ...], dict[str, Any], bool]] = [
+            ((Chunk(0, 1, 2, 3, 4, (5, 9, 11)),), {"out": (_codec.Writable(out),)}, True),
+            ((Chunk(0, 1, 2, 3, 4),), {}, True),  # no out at all
+            ((Chunk(0, 1, 2, 3, 4),), {"out": ()}, True),
+            ((Chunk(0, 1, 2, 3, 4),), {"out": (None, None)}, True),
+            # Pickled: a NumPy number (marshal would write it as bytes), an
+            # out that is not a Writable, another keyword, two arguments.
+            ((Chunk(0, 1, 2, 3, 4, (np.int64(5),)),), {}, False),
+            ((Chunk(0, np.int32(1), 2, 3, 4),), {}, False),
+            ((Chunk(0, 1, 2, 3, 4),), {"out": (np.zeros(3),)}, False),
+            ((Chunk(0, 1, 2, 3, 4),), {"other": 1}, False),
+            ((Chunk(0, 1, 2, 3, 4), 7), {}, False),
+        ]
+        for args, kwargs, fixed in cases:
+            enc = _codec.encode_call(args, kwargs, arena, peer)
+            assert (enc.data[0] != 0x80) is fixed, (args, kwargs)
+            args_back, kw = _codec.decode(enc.data)
+            assert args_back == args
+            fields = zip(vars(args[0]).values(), vars(args_back[0]).values(), strict=True)
+            assert all(type(field) is type(value) for field, value in fields)
+            assert kw.keys() == kwargs.keys()
+            if "out" in kwargs:
+                assert len(kw["out"]) == len(kwargs["out"])
+            del kw
+            _codec.revoke_lent()
+        assert arena.stats().exported == 0  # opened here: each view took its reference over
+
+
+def test_a_units_block_outside_the_pools_memory_fails_sharing_nothing() -> None:
+    with shm.Arena(1 << 20, name="fixed3", sealed=True) as arena:
+        peer = arena.link()
+        ours = arena.empty((8, 4), np.float64, peer_writable=True)
+        args, _ = _unit_call(arena, ours)
+        kwargs = {"out": (_codec.Writable(ours), _codec.Writable(np.zeros((8, 4))))}
+        with pytest.raises(SerializationError, match="writable"):
+            _codec.encode_call(args, kwargs, arena, peer)
+        assert arena.stats().exported == 0  # the first block's share was taken back
+
+
+def test_a_unit_is_decoded_where_its_records_module_is_not_loaded_yet() -> None:
+    """The receiver imports the record's class by name (a worker, before any call)."""
+    with shm.Arena(1 << 20, name="fixed4", sealed=True) as arena:
+        out = arena.empty((8, 4), np.float64, peer_writable=True)
+        args, kwargs = _unit_call(arena, out, rows=(2, 3))
+        enc = _codec.encode_call(args, kwargs, arena, arena.link())
+        saved = dict(_codec._unit_classes)
+        _codec._unit_classes.clear()
+        try:
+            (chunk,), kw = _codec.decode(enc.data)
+            assert chunk == args[0]
+            del kw
+            _codec.revoke_lent()
+            with pytest.raises(AttributeError):
+                _codec.decode(_renamed(enc.data, b"mpexec._runtime:Shunk"))
+            with pytest.raises(SerializationError, match="not a record"):
+                _codec.decode(_renamed(enc.data, b"mpexec._errors:SerializationError"))
+        finally:
+            _codec._unit_classes.update(saved)
+
+
+def _renamed(data: bytes, name: bytes) -> bytes:
+    """A unit's encoding with another class name in it."""
+    tag, outs, size, values = _codec._UNIT_HEAD.unpack_from(data, 0)
+    rest = data[_codec._UNIT_HEAD.size + size :]
+    return _codec._UNIT_HEAD.pack(tag, outs, len(name), values) + name + rest

@@ -730,17 +730,22 @@ def test_a_release_runs_once_when_its_anchor_goes_and_at_exit_for_those_alive() 
 
 
 class _CountingRing:
-    """Counts the looks an arena takes at its link rings (``may_have_records``)."""
+    """Counts the looks an arena takes at its link rings (``may_have_records``, ``try_pop``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.looks = 0
-        original = shm.Ring.may_have_records
+        may_have_records, try_pop = shm.Ring.may_have_records, shm.Ring.try_pop
 
         def counted(ring: shm.Ring) -> bool:
             self.looks += 1
-            return original(ring)
+            return may_have_records(ring)
+
+        def counted_pop(ring: shm.Ring, **kwargs: Any) -> bytes | None:
+            self.looks += 1
+            return try_pop(ring, **kwargs)
 
         monkeypatch.setattr(shm.Ring, "may_have_records", counted)
+        monkeypatch.setattr(shm.Ring, "try_pop", counted_pop)
 
 
 def test_allocating_looks_only_at_the_link_rings_that_have_releases(
@@ -769,6 +774,30 @@ def test_allocating_looks_only_at_the_link_rings_that_have_releases(
         rings[3].try_push(RELEASE.pack(arena.id, descs[0].alloc_id, 1))
         arena.share(np.asarray(arena.empty(4)))  # share() collects too
         assert arena._exported == 1
+
+
+def test_collecting_passes_over_link_rings_closed_or_ended() -> None:
+    # A link ring its producer ended (its end marker read once, raised once, as
+    # always) or that this side closed (a pool's shutdown closes its workers'
+    # rings before the arena): later collections pass over them, as they did
+    # when each ring was looked at before it was popped.
+    from shm._views import RELEASE
+
+    with shm.Arena(segment_size=MiB, capacity=8 * MiB, name="ended") as arena:
+        ended, closed, live = arena.link(), arena.link(), arena.link()
+        descs = [arena.share(np.arange(8.0), peer=ring) for ring in (ended, closed, live)]
+        ended.try_push(RELEASE.pack(arena.id, descs[0].alloc_id, 1))
+        ended.close_producer()
+        with pytest.raises(shm.RingClosedError):
+            arena.collect()  # the release, then the end marker
+        closed.close()
+        live.try_push(RELEASE.pack(arena.id, descs[2].alloc_id, 1))
+        assert arena.collect() == 1  # the live ring's release; the others passed over
+        arena.empty(4)  # allocating collects too
+        arena.share(np.asarray(arena.empty(4)))  # and so does sharing
+        assert (
+            arena.stats().exported == 2
+        )  # the closed ring's (nobody returns it), the last share's
 
 
 def test_a_release_whose_flag_was_lost_is_still_collected(monkeypatch: pytest.MonkeyPatch) -> None:

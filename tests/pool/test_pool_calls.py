@@ -1,0 +1,123 @@
+"""The pool's and shared memory's Python calls a call, in the main process (issue 37).
+
+At 2 workers the main process runs its code cold after every sleep, once a
+pipeline batch or so, so a batch costs about as much as the Python calls it
+makes (docs/scaling.md). These count the calls a pipeline-like unit (a small
+record, and its rows of a block passed writable) makes in the pool's sending
+and delivering modules and in ``shm``: the ring's push and pop, sharing the
+block, collecting its release. Before the ring's and the arena's hot paths
+were folded into one call each, a unit's encoding made 27 calls in ``shm`` and
+a round trip through a pool 74-75 in those modules (all threads); 11 and 37 now.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mpexec
+import shm
+from mpexec import _codec
+from shm._views import RELEASE
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+#: The modules counted: shared memory, and the pool's own but for the caller's
+#: side of a call (``_executor``, ``_future``), which another round reworks.
+_MODULES = ("/shm/", "/_pool/_state.py", "/_pool/_sender.py", "/_pool/_manager.py")
+_MODULES += ("/_pool/_delivery.py", "/mpexec/_protocol.py")
+
+
+class _Counter:
+    """Python calls made in ``_MODULES`` while ``on``, in any thread that runs profiled."""
+
+    def __init__(self, modules: tuple[str, ...] = _MODULES) -> None:
+        self.modules = modules
+        self.on = False
+        self.calls = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if self.on and event == "call" and any(m in frame.f_code.co_filename for m in self.modules):
+            self.calls += 1
+
+
+def _fill(chunk: tuple[int, int], out: tuple[np.ndarray[Any, Any]]) -> int:
+    out[0][:] = chunk[0]
+    return chunk[1]
+
+
+def test_a_units_encoding_makes_few_calls_in_shared_memory() -> None:
+    """Sharing a unit's block writable, with its previous block's release to collect."""
+    with shm.Arena(1 << 22, name="units", sealed=True) as arena:
+        peer = arena.link()
+        slab = arena.empty((16, 4096), np.uint8, peer_writable=True)
+        blocks = [np.ndarray((64, 16), np.float32, slab[i]) for i in range(16)]
+        shared = []
+        counter = _Counter(("/shm/",))
+
+        def encode(i: int) -> None:
+            if shared:  # the worker released the previous unit's block (not counted)
+                on, counter.on = counter.on, False
+                peer.try_push(RELEASE.pack(arena.id, shared[-1].alloc_id, 1))
+                counter.on = on
+            enc = _codec.encode_call(((i, 3),), {"out": (_codec.Writable(blocks[i]),)}, arena, peer)
+            shared.extend(enc.refs.shared)
+
+        for i in range(8):  # warm every cache
+            encode(i)
+        counter.on = True
+        sys.setprofile(counter)
+        try:
+            for i in range(8, 16):
+                encode(i)
+        finally:
+            sys.setprofile(None)
+        assert counter.calls / 8 <= 12, counter.calls / 8  # 27 before, 11 now
+        peer.try_push(RELEASE.pack(arena.id, shared[-1].alloc_id, 1))
+        arena.collect()
+        assert arena.stats().exported == 0
+        blocks.clear()
+        del slab
+
+
+def test_a_pool_round_trip_makes_few_calls_in_the_pool_and_shared_memory() -> None:
+    """submit_hooked, the worker's answer, the manager's delivery: counted in every thread."""
+    counter = _Counter()
+    threading.setprofile(counter)  # the manager thread, started by the pool below
+    try:
+        with mpexec.WorkerPool(1) as pool:
+            slab = pool.empty((16, 4096), np.uint8)
+            blocks = [np.ndarray((64, 16), np.float32, slab[i]) for i in range(16)]
+            done = threading.Semaphore(0)
+            results = []
+
+            def hook(outcome: Any) -> None:
+                results.append(outcome.result())
+                done.release()
+
+            def call(i: int) -> None:
+                out = {"out": (_codec.Writable(blocks[i]),)}
+                pool.submit_hooked(_fill, ((i, i + 1),), out, None, hook)
+                assert done.acquire(timeout=30)
+
+            for i in range(8):  # warm: the function is sent, every cache filled
+                call(i)
+            sys.setprofile(counter)
+            counter.on = True
+            try:
+                for i in range(8, 16):
+                    call(i)
+            finally:
+                counter.on = False
+                sys.setprofile(None)
+            assert results == list(range(1, 17))
+            assert all((blocks[i] == i).all() for i in range(16))
+            blocks.clear()
+        del slab
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert counter.calls / 8 <= 42, counter.calls / 8  # 74-75 before, 37 now
