@@ -1444,6 +1444,11 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     if hasattr(ctx, "set_forkserver_preload"):
         ctx.set_forkserver_preload(["numpy", "mpexec", "benchmarks.pool_bench"])
         multiprocessing.forkserver.ensure_running()  # so that it is no section's child
+    # The first pool starts helpers that live as long as this process, each holding a
+    # pipe open: multiprocessing's resource tracker and mpexec's own fork server. One
+    # pool started and shut before the fds are counted keeps them off the leftovers.
+    with mpexec.WorkerPool(1, start_method=START_METHOD) as warm:
+        warm.submit(echo, 0).result(START_S)
     errors: list[str] = []
     problems: list[str] = []  # cleanup trouble: workers that had to be killed, leftovers
     t0 = time.monotonic()

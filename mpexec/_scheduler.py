@@ -93,6 +93,7 @@ from ._tracebacks import reraise
 # How an op's batch is cut into chunks, and how many iterations are in flight
 # (see _chunk_count and the window property).
 _MAX_CHUNKS_PER_WORKER = 4  # chunks of one op's batch, per worker, at most
+_FIRST_CHUNKS = 16  # chunks of one op's batch at most, until a sample's CPU time is known
 _WINDOW_BYTES = 1 << 30  # what the iterations in flight may hold (their outputs)
 _WAIT_SECONDS = 1.0  # how often a waiting run() looks whether the pipeline closed
 
@@ -795,7 +796,11 @@ class Scheduler:
     def _chunk_count(self, s: OpState, size: int) -> int:
         """How many chunks op ``s``'s batch of ``size`` samples is cut into.
 
-        Until its calls' CPU time is known, one per worker. Then one: a chunk
+        Until its calls' CPU time is known, one per worker, ``_FIRST_CHUNKS``
+        at most (a batch of 64 over 64 workers went out as 64 one-sample
+        units, ~10 ms of the main process's CPU for what may be 64 µs of work;
+        in 16 units of 4, a heavy first batch takes 4 samples' time, and the
+        window still gives every worker its units). Then one: a chunk
         costs the main process ~100-200 µs of CPU however many samples it
         carries (its encoding, ring push, result and assembly), so a whole
         batch a chunk costs it the least a sample however many workers there
@@ -812,7 +817,7 @@ class Scheduler:
         """
         workers = self._workers
         if not s.cpu_samples:
-            return max(1, min(size, workers))
+            return max(1, min(size, workers, _FIRST_CHUNKS))
         carry = calls_in_chunk(s.cpu_s / s.cpu_samples, size)
         # (Rounded: a chunk a little longer than the policy's beats twice the chunks.)
         cap = self._cap or self._window_cap()

@@ -131,11 +131,31 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _helper_fds() -> set[str]:
+    """The fds this process's helpers hold for as long as it lives, once started.
+
+    multiprocessing's resource tracker and fork server, and mpexec's own fork
+    server: the first test to start a worker starts them, and no test leaks them.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    from mpexec import _launch
+
+    held = [getattr(resource_tracker._resource_tracker, "_fd", None)]
+    servers = (forkserver._forkserver, _launch._server)
+    held += [getattr(server, "_forkserver_alive_fd", None) for server in servers]
+    return {str(fd) for fd in held if fd is not None}
+
+
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
     """Fail the test if it leaves a child process, fd or named segment behind."""
     gc.collect()
-    fds_before = len(os.listdir("/proc/self/fd"))
+    fds_before = len(_open_fds() - _helper_fds())
     names_before = shm_names()
     yield
     gc.collect()
@@ -144,7 +164,7 @@ def no_leaks() -> Iterator[None]:
         p.join(1)
     # The forkserver keeps a socket to us: allow for the one opened on first use.
     wait_until(
-        lambda: len(os.listdir("/proc/self/fd")) <= fds_before + 2,
+        lambda: len(_open_fds() - _helper_fds()) <= fds_before + 2,
         5,
         "fds to be closed",
     )

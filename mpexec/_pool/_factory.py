@@ -68,8 +68,10 @@ class WorkerFactory:
         self.inline_max = inline_max
         self.start_timeout = start_timeout
         self.warm_memory = warm_memory  # malloc's bound in each worker (_host.keep_memory_warm)
-        # Under fork: index -> (its slot, the fds its start opened here), see the module doc.
-        self.opened: dict[int, tuple[Slot, frozenset[int]]] | None = (
+        # Under fork: index -> (its slot's generation, the fds its start opened here), see
+        # the module doc. Not the slot: it holds the rings, whose mappings would then
+        # outlive the pool's shutdown for as long as the pool object does.
+        self.opened: dict[int, tuple[int, frozenset[int]]] | None = (
             {} if getattr(ctx, "method", None) == "fork" and _FD_DIR.is_dir() else None
         )
         self.live_fds: set[int] = set()  # the union of ``opened``'s fds: kept, not rebuilt
@@ -148,7 +150,7 @@ class WorkerFactory:
             opened = self.free_fds.taken(free)
             with self.fds_lock:
                 self.forget(index)
-                self.opened[index] = (slot, opened)
+                self.opened[index] = (slot.generation, opened)
                 self.live_fds |= opened
         self.state.install(slot)
         return slot
@@ -183,7 +185,7 @@ class WorkerFactory:
         """``slot``'s worker is gone: the arena takes back what it had not released."""
         if self.opened is not None:
             with self.fds_lock:
-                if self.opened.get(slot.index, (None,))[0] is slot:
+                if self.opened.get(slot.index, (None,))[0] == slot.generation:
                     self.forget(slot.index)
         arena = self.state.arena
         if arena is not None and slot.arg_releases is not None:

@@ -164,22 +164,28 @@ class Roster:
     So that neither a dispatch nor a wake-up of the manager looks at every
     worker (with 64-128 workers, most of a call's cost in the main process):
 
-    - by load: ``(calls queued, index)`` of the ready workers, in a heap: the
-      least busy one, lowest index first, in O(log W) (:meth:`least_busy`);
+    - by load: ``(calls queued, tick, index)`` of the ready workers, in a heap:
+      the least busy one in O(log W) (:meth:`least_busy`), and among equally
+      busy ones the one whose queue changed longest ago (``tick``: when it was
+      last given or gave back a call). Lowest index first, a pool's first map
+      over workers that started a few ms apart gave the early, low ones a
+      second chunk of the last round while a late one got none;
     - with a call timeout, by deadline: when each worker's oldest call started;
     - the workers starting (with a start deadline), a set;
     - ``version``, bumped whenever which workers are ready or starting changes
       (the manager rebuilds its poll set only then).
 
     A heap entry is pushed at each change and checked against its worker when
-    it reaches the top (one that no longer holds is dropped there), and the
-    heap is rebuilt when stale entries outnumber live ones.
+    it reaches the top (one that is not its worker's latest is dropped there),
+    and the heap is rebuilt when stale entries outnumber live ones.
     """
 
     def __init__(self, state: PoolState, timed: bool) -> None:
         self.state = state
         self.timed = timed  # the pool has a call timeout: keep the deadlines
-        self.by_load: list[tuple[int, int, int]] = []  # (queued, index, generation)
+        self.by_load: list[tuple[int, int, int, int]] = []  # (queued, tick, index, gen)
+        self.ticks = itertools.count(1)
+        self.tick_of: dict[int, int] = {}  # worker index -> its latest entry's tick
         self.by_start: list[tuple[float, int, int, int]] = []  # (started, index, gen, task id)
         self.starting: set[Slot] = set()
         self.version = 0
@@ -202,10 +208,14 @@ class Roster:
     def loaded(self, slot: Slot, new_head: bool) -> None:
         """``slot``'s queue changed; ``new_head``: its oldest call is a new one (lock held)."""
         if slot.ready:
-            heapq.heappush(self.by_load, (len(slot.queue), slot.index, slot.generation))
+            self.tick_of[slot.index] = tick = next(self.ticks)
+            heapq.heappush(self.by_load, (len(slot.queue), tick, slot.index, slot.generation))
             if len(self.by_load) > 4 * len(self.state.slots) + 64:
+                tick_of = self.tick_of
                 self.by_load = [
-                    (len(s.queue), s.index, s.generation) for s in self.state.slots if s.ready
+                    (len(s.queue), tick_of.get(s.index, 0), s.index, s.generation)
+                    for s in self.state.slots
+                    if s.ready
                 ]
                 heapq.heapify(self.by_load)
             if self.timed and new_head and slot.queue:
@@ -218,17 +228,24 @@ class Roster:
         """Forget every worker (the pool let go of them): a worker kept here would keep
         its process object, and what that holds, for as long as the pool's state lives."""
         self.by_load.clear()
+        self.tick_of.clear()
         self.by_start.clear()
         self.starting.clear()
         self.version += 1
 
     def least_busy(self) -> Slot | None:
-        """The ready worker with the fewest calls queued (lowest index first); None: all full."""
+        """The ready worker with the fewest calls queued (of those, the one whose queue
+        changed longest ago); None: all full."""
         heap = self.by_load
         while heap:
-            queued, index, generation = heap[0]
+            queued, tick, index, generation = heap[0]
             slot = self._current(index, generation)
-            if slot is not None and slot.ready and len(slot.queue) == queued:
+            if (
+                slot is not None
+                and slot.ready
+                and self.tick_of.get(index) == tick
+                and len(slot.queue) == queued
+            ):
                 return slot if queued < _IN_FLIGHT else None
             heapq.heappop(heap)
         return None

@@ -351,6 +351,31 @@ def test_chunks_carry_whole_batches_and_the_window_follows_the_workers(
     assert values.tolist() == [i % 251 for i in range(20 * batch)]
 
 
+@pytest.mark.parametrize(
+    ("workers", "batch", "chunks"), [(64, 64, 16), (128, 256, 16), (16, 16, 16), (2, 3, 2)]
+)
+def test_the_first_batch_is_cut_a_chunk_per_worker_sixteen_at_most(
+    workers: int, batch: int, chunks: int
+) -> None:
+    """Before a sample's CPU time is known, a batch goes out a chunk per worker, 16
+    at most: a batch of 64 over 64 workers was 64 one-sample units (each a dispatch
+    of the main process's, ~150 µs, for maybe a µs of work). The window still gives
+    every worker ``prefetch_depth`` units to begin with."""
+    executor = _ManyWorkers(workers)
+    scheduler = _scheduler_over(executor, _per_sample_graph(16, 40 * batch), batch=batch)
+    try:
+        got = [scheduler.next_result() for _ in range(3)]
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    first = [u.chunk for u in executor.units if u.chunk.iteration == 0]
+    assert len(first) == chunks
+    assert sorted(c.count for c in first)[0] == batch // chunks
+    assert sum(c.count for c in first) == batch
+    values = np.concatenate([b.as_array()[:, 0] for (b,) in got])
+    assert values.tolist() == [i % 251 for i in range(3 * batch)]
+
+
 class _Waits:
     """A sample that takes 50 ms of wall time and almost no CPU: a loaded host's view."""
 

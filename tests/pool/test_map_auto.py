@@ -6,6 +6,7 @@ endless iterable, a pool timeout that stays per call, bounded memory a chunk.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import threading
@@ -439,10 +440,12 @@ def test_calls_that_turn_slow_are_spread_over_the_workers() -> None:
             )
         )
     assert [r[0] for r in out] == list(range(fast + slow))
-    late = out[fast:]
-    assert len({r[1] for r in late}) == 2, "the slow calls ran on one worker"
-    span = max(r[3] for r in late) - min(r[2] for r in late)
-    assert span < 0.8 * slow * slow_s, f"{slow} calls of {slow_s} s took {span:.2f} s on 2 workers"
+    # Counted, not timed: a span under 0.8 of the calls run one after another (the old
+    # check) is at most 9 of the 12 on one worker, and a span also counted a loaded host's
+    # scheduling delays (it failed once at load 30).
+    per_worker = collections.Counter(r[1] for r in out[fast:])
+    assert len(per_worker) == 2, "the slow calls ran on one worker"
+    assert max(per_worker.values()) <= 3 * slow // 4, f"the slow calls ran unevenly: {per_worker}"
 
 
 def test_a_result_waits_in_its_chunk_for_one_slow_call_at_most() -> None:

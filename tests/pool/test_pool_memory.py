@@ -708,3 +708,31 @@ def test_fds_a_forked_worker_inherits_cannot_write_the_arguments() -> None:
         outcomes = pool.submit(_inherited_and_write, os.getpid()).result(T)
     assert outcomes
     assert set(outcomes) == {"pwrite: PermissionError", "mmap: PermissionError"}
+
+
+def _ring_fds() -> int:
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:mpx-ring"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.skipif(
+    shm.platform_info().backend != "memfd", reason="ring mappings are counted by their memfds"
+)
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_a_shut_pool_lets_go_of_its_rings_while_it_is_still_referenced(method: str) -> None:
+    # Before Python 3.13 a mapping holds a duplicate of its memfd: one open fd per ring
+    # for as long as the mapping lives. Under fork the worker factory kept each slot,
+    # and with it the rings' mappings, until the pool object itself was collected.
+    before = _ring_fds()
+    pool = WorkerPool(2, start_method=method)
+    assert pool.submit(abs, -1).result(T) == 1
+    pool.shutdown()
+    wait_until(lambda: _ring_fds() == before, 5, "the rings' mappings to go")
+    del pool
