@@ -46,7 +46,7 @@ from .. import _codec
 from .._errors import BrokenPoolError, SerializationError
 from .._protocol import HEADER, OK, SKIPPED, body_of
 from .._tracebacks import unpack_error
-from ._future import PoolFuture, cancel_now
+from ._future import CallLink, PoolFuture, UnitFuture, cancel_now
 
 if TYPE_CHECKING:
     from ._state import PoolState, Slot
@@ -100,7 +100,14 @@ def read_direct(future: Future[Any], timeout: float | None) -> bool | None:
     """
     if type(future) is not PoolFuture:
         return None
-    link = future.link
+    return read_call(future.link, future, timeout)
+
+
+def read_call(
+    link: CallLink, future: PoolFuture[Any] | UnitFuture, timeout: float | None
+) -> bool | None:
+    """:func:`read_direct` for the call of ``link`` whose outcome is ``future`` (a hooked
+    call's too: its hook then runs in this thread)."""
     state, slot = link.state, link.slot
     if state is None or slot is None or state.pid != os.getpid():
         return None  # settled, unsent, or a forked child's copy (the parent's call)
@@ -141,7 +148,9 @@ def read_direct(future: Future[Any], timeout: float | None) -> bool | None:
     return settled
 
 
-def _read(state: PoolState, slot: Slot, future: Future[Any], timeout: float | None) -> bool | None:
+def _read(
+    state: PoolState, slot: Slot, future: PoolFuture[Any] | UnitFuture, timeout: float | None
+) -> bool | None:
     """Drain ``slot``'s done ring until ``future`` settles (``reading`` held)."""
     poller = slot.direct_poll
     if poller is None:
@@ -149,6 +158,7 @@ def _read(state: PoolState, slot: Slot, future: Future[Any], timeout: float | No
         poller.register(slot.done.fileno(), select.POLLIN)
         poller.register(slot.process.sentinel, select.POLLIN)
     deadline = None if timeout is None else time.monotonic() + timeout
+    done_fd = slot.done.fileno()
     died = False
     while True:
         try:
@@ -175,8 +185,9 @@ def _read(state: PoolState, slot: Slot, future: Future[Any], timeout: float | No
             if left <= 0:
                 return False
             ms = max(1, int(left * 1000 + 0.999))
-        done_fd = slot.done.fileno()
-        died = any(fd != done_fd for fd, _ in poller.poll(ms))
+        for fd, _ in poller.poll(ms):
+            if fd != done_fd:
+                died = True  # (a loop, not any() over a generator: two calls less a wait)
 
 
 def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, Any]:

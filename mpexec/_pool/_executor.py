@@ -31,6 +31,7 @@ from ._future import Task, UnitFuture
 from ._manager import Manager
 from ._sender import CallSender
 from ._state import PoolState, PoolStats, PoolStatus
+from ._waiting import Waiter
 
 T = TypeVar("T")
 
@@ -193,6 +194,29 @@ class WorkerPool(CallExecutor):
         future = self._submit(fn, args, kwargs, worker, view, None).future
         assert isinstance(future, Future)
         return future
+
+    def run_call(
+        self, fn: Callable[..., T], args: tuple[Any, ...] = (), *, worker: int | None = None
+    ) -> T:
+        """``submit_call(fn, args, worker=worker, view=True).result()``, with no ``Future``.
+
+        For code built on the pool whose thread only waits for its call (a TF
+        op's body, run by N TF threads at once): the call is a hooked one whose
+        hook lets go of a lock the caller sleeps on (the GIL released, never
+        polling), and a caller other than the main thread whose call is the
+        only one queued on its worker reads that worker's done record itself.
+        Returns the result or raises the call's error, as ``result()`` does;
+        an interrupted wait (Ctrl-C) leaves the call running.
+        """
+        __tracebackhide__ = True  # the caller sees the call's error, not this re-raise
+        if self._inline:
+            return self.submit_call(fn, args, worker=worker, view=True).result()
+        waiter = Waiter()
+        task = self._submit(fn, args, call_arguments(fn, None), worker, True, waiter)
+        try:
+            return waiter.wait(task).result()  # type: ignore[no-any-return]
+        except Exception as exc:
+            raise for_caller(exc)  # noqa: B904 - the same exception, its own cause kept
 
     def submit_hooked(
         self,

@@ -7,18 +7,27 @@ a quick result (one waiting thread of a pool takes that role; N pollers would
 take the GIL and the CPUs from the thread that delivers their results), and
 the checks made before it. These two say what such a caller does instead.
 They take any ``concurrent.futures.Future`` (an inline pool's is a plain one).
+
+A caller that only blocks on its call (``WorkerPool.run_call``: a TF op's body)
+needs no ``Future`` at all: its call is a hooked one (``submit_hooked``) whose
+hook is a :class:`Waiter`, a lock the hook lets go of. No condition is made,
+taken or notified, and no done-callback list is walked, a call.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._delivery import read_direct
+from ._delivery import read_call, read_direct
 
-__all__ = ["read_settled", "wait_settled"]
+if TYPE_CHECKING:
+    from ._future import Task, UnitFuture
+
+__all__ = ["Waiter", "read_settled", "wait_settled"]
 
 
 def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
@@ -59,3 +68,32 @@ def read_settled(future: Future[Any]) -> tuple[Any, BaseException | None]:
     if exc is not None:
         return None, exc
     return Future.result(future, 0), None
+
+
+class Waiter:
+    """The hook of a hooked call whose caller blocks until it settles (``run_call``).
+
+    Made held; the hook keeps the outcome and lets go of the lock, in the thread
+    that settles the call: the caller's own when it reads its worker's done ring
+    (``_delivery.read_call``), else the manager's, waking the caller asleep on
+    the lock (the GIL released). The pool's settling runs a hook once.
+    """
+
+    __slots__ = ("lock", "outcome")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.outcome: UnitFuture | None = None
+
+    def __call__(self, outcome: UnitFuture) -> None:
+        self.outcome = outcome
+        self.lock.release()
+
+    def wait(self, task: Task) -> UnitFuture:
+        """``task``'s outcome (``task`` submitted with this as its hook), once it settles."""
+        if self.outcome is None:
+            read_call(task.link, task.future, None)  # None, False: the manager settles it
+            self.lock.acquire()
+        assert self.outcome is not None
+        return self.outcome

@@ -15,6 +15,7 @@ import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -372,13 +373,13 @@ def check_scalar_inputs_go_to_the_worker_as_arrays() -> None:
     and the function still gets the NumPy scalar TF's own op gives it."""
     with pool() as p:
         sent: list[tuple[Any, ...]] = []
-        real = p.submit_call
+        real = p.run_call
 
-        def recording(fn: Any, args: Any = (), kwargs: Any = None, **kw: Any) -> Any:
+        def recording(fn: Any, args: Any = (), **kw: Any) -> Any:
             sent.append(args)
-            return real(fn, args, kwargs, **kw)
+            return real(fn, args, **kw)
 
-        p.submit_call = recording  # type: ignore[method-assign]
+        p.run_call = recording  # type: ignore[method-assign]
         inputs = (tf.constant(True), tf.constant(2.5, tf.float64), tf.constant([1, 2]))
         got, want = (
             [
@@ -396,3 +397,32 @@ def check_scalar_inputs_go_to_the_worker_as_arrays() -> None:
         for args in sent:
             assert [type(a) for a in args] == [np.ndarray] * 4, args
             assert [a.ndim for a in args] == [0, 0, 0, 1], args
+
+
+def check_the_op_body_makes_no_future() -> None:
+    """The op's body waits through ``WorkerPool.run_call``: a hooked call, no ``Future``
+    (whose condition, RLock, ``set_result`` and ``notify_all`` cost ~40 Python calls
+    a call on TF's thread), in a ``tf.data`` map and eagerly; results as before."""
+    made = 0
+    real_init = Future.__init__
+
+    def counted(self: Any) -> None:
+        nonlocal made
+        made += 1
+        real_init(self)
+
+    with pool():
+        x = tf.constant(np.arange(4, dtype=np.float32))
+        mpexec.numpy_function(_double, [x], tf.float32)  # warm: the function shipped
+        Future.__init__ = counted  # type: ignore[method-assign]
+        try:
+            ds = tf.data.Dataset.range(64).map(
+                lambda i: mpexec.numpy_function(_double, [i], tf.int64), num_parallel_calls=2
+            )
+            assert [int(v) for v in ds] == [2 * i for i in range(64)]
+            for _ in range(8):
+                got = mpexec.numpy_function(_double, [x], tf.float32).numpy().tolist()
+                assert got == [0, 2, 4, 6]
+        finally:
+            Future.__init__ = real_init  # type: ignore[method-assign]
+    assert made == 0, f"the op's body made {made} Futures for 72 calls"

@@ -891,3 +891,7 @@ def test_tf_op_body_sleeps_while_its_call_runs() -> None:
 
 def test_tf_op_ships_scalar_inputs_as_arrays() -> None:
     run_tf_check("check_scalar_inputs_go_to_the_worker_as_arrays")
+
+
+def test_tf_op_body_makes_no_future() -> None:
+    run_tf_check("check_the_op_body_makes_no_future")

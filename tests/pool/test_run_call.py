@@ -1,0 +1,177 @@
+"""``WorkerPool.run_call``: a call its caller only waits for, with no ``Future`` (issue 32).
+
+The TF op's body runs its calls this way: a hooked call whose hook lets go of a
+lock the caller sleeps on, and, off the main thread, the caller reading its
+worker's done record itself (``_delivery.read_call``). These check what it
+returns and raises, that it makes no ``Future``, who settles the call, and the
+ways a wait can end: the worker killed, a shutdown, an inline pool.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+import mpexec
+from mpexec._pool import _waiting
+
+
+def _sleep_then(seconds: float, value: int) -> int:
+    time.sleep(seconds)
+    return value
+
+
+def _fail(text: str) -> None:
+    raise ValueError(text)
+
+
+@pytest.fixture
+def pool(no_leaks: None) -> Iterator[mpexec.WorkerPool]:
+    with mpexec.WorkerPool(2, restart=True) as p:
+        yield p
+
+
+def _until(check: Any, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _running(slot: Any) -> bool:
+    """Its worker has started the call read directly (not merely received it)."""
+    queue = list(slot.queue)
+    return bool(slot.direct and queue and slot.done.progress() >= queue[0].seq)
+
+
+def _in_thread(fn: Any) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def settlers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The threads that ran a Waiter's hook (the one that settled its call)."""
+    threads: list[int] = []
+    real = _waiting.Waiter.__call__
+
+    def hook(self: _waiting.Waiter, outcome: Any) -> None:
+        threads.append(threading.get_ident())
+        real(self, outcome)
+
+    monkeypatch.setattr(_waiting.Waiter, "__call__", hook)
+    return threads
+
+
+def test_run_call_returns_the_result_and_makes_no_future(
+    pool: mpexec.WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert pool.run_call(_sleep_then, (0, 1)) == 1  # the function shipped
+    made: list[object] = []
+    real_init = Future.__init__
+
+    def counted(self: Future[Any]) -> None:
+        made.append(self)
+        real_init(self)
+
+    monkeypatch.setattr(Future, "__init__", counted)
+    assert [pool.run_call(_sleep_then, (0, i), worker=i) for i in range(6)] == list(range(6))
+    assert made == []
+    out = pool.run_call(np_arange, (5,))
+    assert out.tolist() == [0, 1, 2, 3, 4]
+
+
+def np_arange(n: int) -> Any:
+    import numpy as np
+
+    return np.arange(n)
+
+
+def test_run_call_raises_the_calls_error_with_the_worker_traceback(
+    pool: mpexec.WorkerPool,
+) -> None:
+    with pytest.raises(ValueError, match="bad input") as info:
+        pool.run_call(_fail, ("bad input",))
+    assert "_fail" in str(info.value.__cause__)  # the worker's traceback, as result() gives
+    with pytest.raises(TypeError, match="callable"):
+        pool.run_call(3, ())  # type: ignore[arg-type]
+
+
+def test_off_the_main_thread_the_caller_settles_its_call_itself(
+    pool: mpexec.WorkerPool, settlers: list[int]
+) -> None:
+    got: list[Any] = []
+    thread = _in_thread(lambda: got.append((pool.run_call(_sleep_then, (0.3, 7), worker=0),
+                                            threading.get_ident())))  # fmt: skip
+    _until(lambda: pool._state.slots[0].direct)  # it reads the done ring itself
+    thread.join(60)
+    assert got
+    assert got[0][0] == 7
+    assert settlers == [got[0][1]]  # settled in the waiting thread, not the manager's
+    assert pool._state.slots[0].direct is False  # let go of
+    assert pool.submit(int, 3).result(30) == 3  # the manager delivers again
+
+
+def test_on_the_main_thread_the_manager_settles_it(
+    pool: mpexec.WorkerPool, settlers: list[int]
+) -> None:
+    assert pool.run_call(_sleep_then, (0.2, 8), worker=0) == 8
+    assert settlers == [pool._state.manager_ident]
+
+
+def test_a_worker_killed_during_run_call_is_a_clear_error(pool: mpexec.WorkerPool) -> None:
+    got: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            pool.run_call(_sleep_then, (60, 1), worker=0)
+        except BaseException as exc:
+            got.append(exc)
+
+    thread = _in_thread(call)
+    slot = pool._state.slots[0]
+    _until(lambda: _running(slot))
+    os.kill(slot.pid, signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive(), "run_call hung on its dead worker"
+    assert len(got) == 1
+    assert isinstance(got[0], mpexec.WorkerCrashedError), got
+    assert pool.run_call(_sleep_then, (0, 5), worker=0) == 5  # restarted
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_shutdown_during_run_call_ends_the_wait(no_leaks: None, wait: bool) -> None:
+    pool = mpexec.WorkerPool(2)
+    got: list[Any] = []
+
+    def call() -> None:
+        try:
+            got.append(pool.run_call(_sleep_then, (0.5, 9), worker=0))
+        except BaseException as exc:
+            got.append(exc)
+
+    thread = _in_thread(call)
+    _until(lambda: _running(pool._state.slots[0]))
+    pool.shutdown(wait=wait, cancel_futures=True)
+    thread.join(60)
+    assert not thread.is_alive(), "run_call hung through the shutdown"
+    assert len(got) == 1
+    if wait:
+        assert got == [9]  # a running call finishes
+    else:
+        assert got[0] == 9 or isinstance(got[0], mpexec.PoolClosedError), got
+
+
+def test_an_inline_pool_runs_it_in_the_caller(no_leaks: None) -> None:
+    with mpexec.WorkerPool(0) as pool:
+        assert pool.run_call(_sleep_then, (0, 4)) == 4
+        with pytest.raises(ValueError, match="inline"):
+            pool.run_call(_fail, ("inline",))
