@@ -441,15 +441,18 @@ _unit_classes: dict[bytes, tuple[type, tuple[str, ...]]] = {}
 def _unit_kind(cls: type) -> _UnitKind | None:
     """What writes ``cls``'s instances in the fixed layout; None: they are pickled.
 
-    A frozen dataclass without slots, importable by name (not of ``__main__``,
-    not local), that pickles as any dataclass does (its fields, nothing of its own).
+    One of mpexec's own records: a frozen dataclass without slots, importable by
+    name (not local), that pickles as any dataclass does (its fields, nothing of
+    its own). A user's dataclass is always pickled: its ``__post_init__`` may
+    keep attributes that are no field, or a base class may pickle it its own way,
+    and only pickle knows.
     """
     params = getattr(cls, "__dataclass_params__", None)
     if (
         params is None
         or not params.frozen
         or "__slots__" in cls.__dict__
-        or cls.__module__ in _MAINS
+        or not cls.__module__.startswith("mpexec.")
         or "<locals>" in cls.__qualname__
         or any(m in cls.__dict__ for m in ("__reduce__", "__reduce_ex__", "__getstate__"))
     ):
@@ -474,7 +477,9 @@ def _encode_unit(
             _unit_fields[cls] = kind
     if kind is None:
         return None
-    name, get, _ = kind
+    name, get, names = kind
+    if len(record.__dict__) != len(names):
+        return None  # attributes that are no field: pickle keeps them
     fields = get(record)
     for v in fields:  # loops, not a helper: no Python call a unit
         t = type(v)

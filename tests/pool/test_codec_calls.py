@@ -7,6 +7,7 @@ pickle offers every object it writes to ``persistent_id``: a ``map`` chunk of
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -14,8 +15,10 @@ import numpy as np
 import pytest
 
 import shm
-from mpexec import _codec
+from mpexec import WorkerPool, _codec
 from mpexec._errors import SerializationError
+
+T = 60  # seconds: a bound on every wait, never reached
 
 
 def _python_calls(fn: Any) -> int:
@@ -213,3 +216,28 @@ def _renamed(data: bytes, name: bytes) -> bytes:
     tag, outs, size, values = _codec._UNIT_HEAD.unpack_from(data, 0)
     rest = data[_codec._UNIT_HEAD.size + size :]
     return _codec._UNIT_HEAD.pack(tag, outs, len(name), values) + name + rest
+
+
+@dataclasses.dataclass(frozen=True)
+class _UsersRecord:
+    """A user's frozen record whose ``__post_init__`` keeps an attribute that is no field."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "square", self.n * self.n)
+
+
+def _square_of(record: _UsersRecord) -> int:
+    return record.square  # type: ignore[attr-defined, no-any-return]
+
+
+def test_a_users_frozen_record_is_pickled_whole() -> None:
+    """Only mpexec's own records take the fixed layout: pickle keeps what else a user's has."""
+    with shm.Arena(1 << 20, name="fixed5", sealed=True) as arena:
+        enc = _codec.encode_call((_UsersRecord(7),), {}, arena, arena.link())
+        assert enc.data[0] == 0x80  # a pickle
+        (back,), _ = _codec.decode(enc.data)
+        assert back.square == 49
+    with WorkerPool(1) as pool:
+        assert pool.submit(_square_of, _UsersRecord(6)).result(T) == 36
