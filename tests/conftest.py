@@ -100,13 +100,14 @@ def _creator(name: str) -> int:
     return int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else -1
 
 
-def memfd_count(pid: int | None = None) -> int:
-    """How many memfd files ``pid`` (default: this process) holds open."""
+def memfd_count(pid: int | None = None, prefix: str = "/memfd:mpx") -> int:
+    """How many of mpexec's memfd files (``prefix``: of one kind) ``pid`` (default: this
+    process) holds open."""
     n = 0
     base = f"/proc/{pid or os.getpid()}/fd"
     for fd in os.listdir(base):
         try:
-            if os.readlink(f"{base}/{fd}").startswith("/memfd:mpx"):
+            if os.readlink(f"{base}/{fd}").startswith(prefix):
                 n += 1
         except OSError:
             pass

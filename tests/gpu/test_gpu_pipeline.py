@@ -37,6 +37,17 @@ def _source(info: mpexec.SampleInfo) -> np.ndarray[Any, Any]:
     return np.arange(6 * 5, dtype=np.float32).reshape(6, 5) + info.idx_in_epoch
 
 
+def _one_op(function: Any, device: str, batch_size: int, seed: int) -> mpexec.Pipeline:
+    """A per-sample source and one ``function`` op on ``device``: CPU and GPU side by side."""
+
+    @mpexec.pipeline_def(batch_size=batch_size, num_workers=0, seed=seed)
+    def pipe() -> Any:
+        a = fn.external_source(source=_source, batch=False)
+        return fn.python_function(a, function=function, device=device)
+
+    return pipe()
+
+
 def _noisy(x: Any, rng: np.random.Generator) -> Any:
     noise = rng.standard_normal(x.shape).astype(np.float32)
     return x * 2 + (noise if isinstance(x, np.ndarray) else _xp_of(x).asarray(noise))
@@ -297,17 +308,9 @@ def _global_noise(x: Any) -> Any:
 
 
 def test_gpu_ops_reseed_global_random_state_as_cpu_ops_do(sim: SimCuPy) -> None:
-    def pipeline(device: str) -> mpexec.Pipeline:
-        @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=11)
-        def pipe() -> Any:
-            a = fn.external_source(source=_source, batch=False)
-            return fn.python_function(a, function=_global_noise, device=device)
-
-        return pipe()
-
     results = {}
     for device in ("cpu", "gpu"):
-        with pipeline(device) as pipe:
+        with _one_op(_global_noise, device, batch_size=4, seed=11) as pipe:
             results[device] = [host(pipe.run()[0]) for _ in range(2)]
     for cpu, gpu in zip(results["cpu"], results["gpu"], strict=True):
         np.testing.assert_array_equal(cpu, gpu)
@@ -329,17 +332,9 @@ def test_a_gpu_ops_rng_builds_no_seed_sequence_a_call_and_draws_the_cpu_ops_word
             made.append(kwargs.get("spawn_key"))
             super().__init__(*args, **kwargs)
 
-    def pipeline(device: str) -> mpexec.Pipeline:
-        @mpexec.pipeline_def(batch_size=4, num_workers=0, seed=5)
-        def pipe() -> Any:
-            a = fn.external_source(source=_source, batch=False)
-            return fn.python_function(a, function=_draws, device=device)
-
-        return pipe()
-
     results = {}
     for device in ("cpu", "gpu"):
-        with pipeline(device) as pipe:
+        with _one_op(_draws, device, batch_size=4, seed=5) as pipe:
             pipe.run()  # built and warm before counting
             monkeypatch.setattr(np.random, "SeedSequence", Counted)
             results[device] = [host(pipe.run()[0]) for _ in range(2)]
@@ -362,17 +357,9 @@ def test_a_gpu_ops_batch_hashes_its_rngs_at_once(
         one_by_one.append(n)
         return real(n)
 
-    def pipeline(device: str) -> mpexec.Pipeline:
-        @mpexec.pipeline_def(batch_size=16, num_workers=0, seed=5)
-        def pipe() -> Any:
-            a = fn.external_source(source=_source, batch=False)
-            return fn.python_function(a, function=_draws, device=device)
-
-        return pipe()
-
     results = {}
     for device in ("cpu", "gpu"):
-        with pipeline(device) as pipe:
+        with _one_op(_draws, device, batch_size=16, seed=5) as pipe:
             pipe.run()
             monkeypatch.setattr(_rngseeds, "_generate_constants", counting)
             # Three: iterations run ahead of run(), so at least one is computed in here.

@@ -24,6 +24,19 @@ def _reference(entropy: int, key: tuple[int, ...]) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy, spawn_key=key)))
 
 
+def _same_words(
+    fast: Any, entropy: int, key: tuple[int, ...], last: tuple[int, Any]
+) -> np.random.SeedSequence:
+    """Assert ``fast`` gives NumPy's SeedSequence's words and pool for ``key``; that one."""
+    real = np.random.SeedSequence(entropy, spawn_key=key)
+    for n, dtype in [(4, np.uint64), (9, np.uint32), (3, "u8"), last]:
+        got, want = fast.generate_state(n, dtype), real.generate_state(n, dtype)
+        assert got.dtype == want.dtype
+        assert got.tobytes() == want.tobytes()
+    assert list(fast.pool) == list(real.pool)
+    return real
+
+
 def _draw(x: Any, rng: np.random.Generator) -> np.ndarray[Any, Any]:
     return np.concatenate([rng.integers(0, 1 << 62, size=3), rng.standard_normal(2).view(np.int64)])
 
@@ -43,12 +56,7 @@ def test_every_word_is_seed_sequences(entropy: int) -> None:
     for where in wheres:
         for k in [0, 1, 2, 63, (1 << 32) - 1, 1 << 32, rnd.getrandbits(90)]:
             fast = seeds.seq(where, k)
-            real = np.random.SeedSequence(entropy, spawn_key=(*where, k))
-            for n, dtype in [(4, np.uint64), (9, np.uint32), (3, "u8"), (0, np.uint32)]:
-                got, want = fast.generate_state(n, dtype), real.generate_state(n, dtype)
-                assert got.dtype == want.dtype
-                assert got.tobytes() == want.tobytes()
-            assert list(fast.pool) == list(real.pool)
+            real = _same_words(fast, entropy, (*where, k), last=(0, np.uint32))
             assert fast.spawn_key == real.spawn_key
             assert fast.entropy == real.entropy
     with pytest.raises(ValueError, match="uint32 or uint64"):
@@ -144,12 +152,7 @@ def test_a_chunks_words_hashed_at_once_are_seed_sequences(entropy: int) -> None:
         seeds.prepare(where, ks)
         for k in ks:
             fast = seeds.seq(where, k)
-            real = np.random.SeedSequence(entropy, spawn_key=(*where, k))
-            for n, dtype in [(4, np.uint64), (9, np.uint32), (3, "u8"), (4, np.uint32)]:
-                got, want = fast.generate_state(n, dtype), real.generate_state(n, dtype)
-                assert got.dtype == want.dtype
-                assert got.tobytes() == want.tobytes()
-            assert list(fast.pool) == list(real.pool)
+            _same_words(fast, entropy, (*where, k), last=(4, np.uint32))
             ours = np.random.Generator(np.random.PCG64(fast))
             assert ours.bit_generator.state == _reference(entropy, (*where, k)).bit_generator.state
         other = np.random.SeedSequence(entropy, spawn_key=(9, 9, 1))  # a key not prepared

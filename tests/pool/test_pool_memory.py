@@ -15,7 +15,7 @@ import pytest
 import mpexec
 import shm
 from mpexec import WorkerPool, fn
-from tests.conftest import run_python, wait_until
+from tests.conftest import memfd_count, run_python, wait_until
 
 T = 30  # every .result() in this file is bounded by this
 KiB = 1 << 10
@@ -710,17 +710,6 @@ def test_fds_a_forked_worker_inherits_cannot_write_the_arguments() -> None:
     assert set(outcomes) == {"pwrite: PermissionError", "mmap: PermissionError"}
 
 
-def _ring_fds() -> int:
-    n = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:mpx-ring"):
-                n += 1
-        except OSError:
-            pass
-    return n
-
-
 @pytest.mark.skipif(
     shm.platform_info().backend != "memfd", reason="ring mappings are counted by their memfds"
 )
@@ -730,9 +719,10 @@ def test_a_shut_pool_lets_go_of_its_rings_while_it_is_still_referenced(method: s
     # Before Python 3.13 a mapping holds a duplicate of its memfd: one open fd per ring
     # for as long as the mapping lives. Under fork the worker factory kept each slot,
     # and with it the rings' mappings, until the pool object itself was collected.
-    before = _ring_fds()
+    rings = "/memfd:mpx-ring"
+    before = memfd_count(prefix=rings)
     pool = WorkerPool(2, start_method=method)
     assert pool.submit(abs, -1).result(T) == 1
     pool.shutdown()
-    wait_until(lambda: _ring_fds() == before, 5, "the rings' mappings to go")
+    wait_until(lambda: memfd_count(prefix=rings) == before, 5, "the rings' mappings to go")
     del pool
