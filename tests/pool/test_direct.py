@@ -23,6 +23,7 @@ import pytest
 
 import mpexec
 from mpexec._pool import read_settled, wait_settled
+from tests.conftest import wait_until
 
 
 def _sleep_then(seconds: float, value: int) -> int:
@@ -41,13 +42,6 @@ def _settler(future: Future[Any]) -> list[int]:
     threads: list[int] = []
     future.add_done_callback(lambda _: threads.append(threading.get_ident()))
     return threads
-
-
-def _until(check: Any, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def _in_thread(fn: Any) -> tuple[Any, int]:
@@ -83,20 +77,26 @@ def test_the_main_thread_never_reads_directly(pool: mpexec.WorkerPool) -> None:
     assert settled_by != [threading.get_ident()]
 
 
-def test_a_worker_killed_while_its_caller_reads_directly_is_a_clear_error(
-    pool: mpexec.WorkerPool,
-) -> None:
-    future = pool.submit_call(_sleep_then, (60, 1), worker=0)
-    got: list[Any] = []
+def _killed_while_read(pool: mpexec.WorkerPool, worker: int) -> tuple[list[bool], Any]:
+    """SIGKILL ``worker`` while another thread reads its call's outcome directly: what
+    that thread's wait returned, and the call's error."""
+    future = pool.submit_call(_sleep_then, (60, 1), worker=worker)
+    got: list[bool] = []
     waiter = threading.Thread(target=lambda: got.append(wait_settled(future, 60)))
     waiter.start()
-    slot = pool._state.slots[0]
-    _until(lambda: slot.direct and future.running())
+    slot = pool._state.slots[worker]
+    wait_until(lambda: bool(slot.direct and future.running()), 30)
     os.kill(slot.pid, signal.SIGKILL)
     waiter.join(60)
     assert not waiter.is_alive(), "the direct reader hung on its dead worker"
+    return got, read_settled(future)[1]
+
+
+def test_a_worker_killed_while_its_caller_reads_directly_is_a_clear_error(
+    pool: mpexec.WorkerPool,
+) -> None:
+    got, exc = _killed_while_read(pool, 0)
     assert got == [True]
-    _, exc = read_settled(future)
     assert isinstance(exc, mpexec.WorkerCrashedError)
     assert "SIGKILL" in str(exc) or "killed" in str(exc)
     assert pool.submit_call(_sleep_then, (0, 5), worker=0).result(30) == 5  # restarted
@@ -106,16 +106,7 @@ def test_a_worker_killed_without_restart_breaks_the_pool_for_its_direct_reader(
     no_leaks: None,
 ) -> None:
     with mpexec.WorkerPool(2) as pool:
-        future = pool.submit_call(_sleep_then, (60, 1), worker=1)
-        got: list[Any] = []
-        waiter = threading.Thread(target=lambda: got.append(wait_settled(future, 60)))
-        waiter.start()
-        slot = pool._state.slots[1]
-        _until(lambda: slot.direct and future.running())
-        os.kill(slot.pid, signal.SIGKILL)
-        waiter.join(60)
-        assert not waiter.is_alive()
-        _, exc = read_settled(future)
+        _, exc = _killed_while_read(pool, 1)
         assert isinstance(exc, mpexec.BrokenPoolError)
         with pytest.raises(mpexec.BrokenPoolError):
             pool.submit(int)
@@ -131,7 +122,7 @@ def test_a_shutdown_while_a_caller_reads_directly_settles_its_call(
     waiter = threading.Thread(target=lambda: got.append(wait_settled(future, 60)))
     waiter.start()
     slot = pool._state.slots[0]
-    _until(lambda: slot.direct and future.running())
+    wait_until(lambda: bool(slot.direct and future.running()), 30)
     pool.shutdown(wait=wait, cancel_futures=True)
     waiter.join(60)
     assert not waiter.is_alive(), "the direct reader hung through the shutdown"
@@ -161,7 +152,7 @@ def test_a_direct_reads_timeout_leaves_the_call_to_the_manager(pool: mpexec.Work
     assert any(claimed), "the wait did not read directly"
     assert not future.done()
     # Nobody waits now: the manager must have taken the ring back to deliver it.
-    _until(future.done)
+    wait_until(future.done, 30)
     assert read_settled(future) == (4, None)
     assert settled_by != [threading.get_ident()]
 

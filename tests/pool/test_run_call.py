@@ -21,6 +21,7 @@ import pytest
 
 import mpexec
 from mpexec._pool import _waiting
+from tests.conftest import wait_until
 
 
 def _sleep_then(seconds: float, value: int) -> int:
@@ -36,13 +37,6 @@ def _fail(text: str) -> None:
 def pool(no_leaks: None) -> Iterator[mpexec.WorkerPool]:
     with mpexec.WorkerPool(2, restart=True) as p:
         yield p
-
-
-def _until(check: Any, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def _running(slot: Any) -> bool:
@@ -111,7 +105,7 @@ def test_off_the_main_thread_the_caller_settles_its_call_itself(
     got: list[Any] = []
     thread = _in_thread(lambda: got.append((pool.run_call(_sleep_then, (0.3, 7), worker=0),
                                             threading.get_ident())))  # fmt: skip
-    _until(lambda: pool._state.slots[0].direct)  # it reads the done ring itself
+    wait_until(lambda: pool._state.slots[0].direct, 30)  # it reads the done ring itself
     thread.join(60)
     assert got
     assert got[0][0] == 7
@@ -138,7 +132,7 @@ def test_a_worker_killed_during_run_call_is_a_clear_error(pool: mpexec.WorkerPoo
 
     thread = _in_thread(call)
     slot = pool._state.slots[0]
-    _until(lambda: _running(slot))
+    wait_until(lambda: _running(slot), 30)
     os.kill(slot.pid, signal.SIGKILL)
     thread.join(60)
     assert not thread.is_alive(), "run_call hung on its dead worker"
@@ -159,7 +153,7 @@ def test_a_shutdown_during_run_call_ends_the_wait(no_leaks: None, wait: bool) ->
             got.append(exc)
 
     thread = _in_thread(call)
-    _until(lambda: _running(pool._state.slots[0]))
+    wait_until(lambda: _running(pool._state.slots[0]), 30)
     pool.shutdown(wait=wait, cancel_futures=True)
     thread.join(60)
     assert not thread.is_alive(), "run_call hung through the shutdown"
