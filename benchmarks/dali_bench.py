@@ -26,7 +26,8 @@ what handing it out costs for the others, which load does not change); the
 median ratio and its range over the rounds are the figures. A control, two
 more systems in the same blocks, says what this machine allowed at that
 time: the same work on a batch, in this process and then split over 2
-processes of a plain ``multiprocessing`` pool (no DALI, no mpexec). On a
+processes of a plain ``multiprocessing`` pool (no DALI, no mpexec), on
+batches each process made before timing, as DALI's source's are. On a
 host loaded by other work, 2 processes get less than 2 cores, and no system
 can exceed that ratio ("the host's 2-process ceiling", which moved
 1.56-1.80 from run to run here). So mpexec.dali's figure against it is
@@ -199,14 +200,25 @@ def _pipeline(function: Callable[..., Any], n_batches: int, default: bool = Fals
     return pipe
 
 
-def _work_on(args: tuple[Work, int, int, int]) -> int:
-    """The control's task, in a plain process: ``work`` on rows ``a:b`` of batch ``i``.
+#: This process's batches for the control, made before any timing (:func:`premake`),
+#: as DALI's source's are (:class:`_Batches`).
+_PREMADE: list[list[np.ndarray[Any, Any]]] = []
 
-    It makes those rows' images only (~80 us each here): a half made the whole
-    batch's, twice the serial half's share of that work, which lowered the ceiling
-    (by ~2% at ~4 ms a sample)."""
+
+def premake(n: int) -> None:
+    """Make the control's ``n`` batches in this process (the parent, and each plain
+    process as its pool's initializer): the control's timed work a sample is then
+    the function alone, as inside DALI, whose source hands out batches made
+    before timing. Made inside the timed loop (~80 us an image here), they cost the
+    control ~3% of a ~4 ms sample that DALI alone did not pay."""
+    _PREMADE[:] = [images(i) for i in range(n)]
+
+
+def _work_on(args: tuple[Work, int, int, int]) -> int:
+    """The control's task, in a plain process: ``work`` on rows ``a:b`` of batch ``i``
+    (of the batches :func:`premake` made in that process)."""
     work, i, a, b = args
-    for x in images(i, range(a, b)):
+    for x in _PREMADE[i % len(_PREMADE)][a:b]:
         work(x)
     return b - a
 
@@ -282,6 +294,7 @@ def throughput(
     for name, f in counted.items():
         pipes[name] = _pipeline(f, iterations, default=True)
         ahead[name] = pipes[name].prefetch_queue_depth - 1
+    premake(iterations)  # the serial control's batches (the plain processes make their own)
     runs = dict.fromkeys(pipes, 0)  # run() calls so far: run k returns batch k % iterations
     systems = [*pipes, SERIAL, PARALLEL]
     rates: dict[str, list[float]] = {k: [] for k in systems}
@@ -437,7 +450,9 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
         ctx = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
         with (
             mpexec.WorkerPool(WORKERS) as pool,
-            ProcessPoolExecutor(WORKERS, mp_context=ctx) as executor,
+            ProcessPoolExecutor(
+                WORKERS, mp_context=ctx, initializer=premake, initargs=(iterations,)
+            ) as executor,
         ):
             spread = mpexec.dali.python_function(work, num_workers=WORKERS)
             try:

@@ -146,9 +146,23 @@ def test_a_default_executors_work_ahead_stays_in_its_own_block(
     assert set(out["default_executor"]) >= {"mpexec_dali_of_ceiling", "mpexec_dali_vs_synchronous"}
 
 
-def test_the_controls_halves_make_only_their_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each of the plain processes makes the images of its half only: making the whole
-    # batch's, each half did twice the serial loop's share of that work a sample.
+class _Seen(dali_bench.Work):
+    """The benchmark's work, noting the images it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(10)
+        self.seen: list[Any] = []
+
+    def __call__(self, image: Any) -> Any:
+        self.seen.append(image)
+        return super().__call__(image)
+
+
+def test_the_control_works_on_batches_made_before_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Like DALI's source (batches made before timing), the control's timed loop makes no
+    # image: it runs the function alone on each sample, each half on its own rows.
+    dali_bench.premake(4)
+    expected = dali_bench._Batches(4).batches  # what DALI's source hands out
     made: list[int] = []
     real = np.full
 
@@ -157,9 +171,14 @@ def test_the_controls_halves_make_only_their_own_rows(monkeypatch: pytest.Monkey
         return real(shape, value, dtype)
 
     monkeypatch.setattr(dali_bench.np, "full", full)
-    work = dali_bench.Work(10)
+    work = _Seen()
     dali_bench._parallel(work, range(3, 4), _InProcess())
-    assert sorted(made) == [(3 * dali_bench.BATCH + j) % 251 for j in range(dali_bench.BATCH)]
-    made.clear()
-    dali_bench._serial(work, range(3, 4))
-    assert len(made) == dali_bench.BATCH
+    assert len(work.seen) == dali_bench.BATCH
+    for got, want in zip(work.seen, expected[3], strict=True):
+        np.testing.assert_array_equal(got, want)
+    work.seen.clear()
+    dali_bench._serial(work, range(5, 6))  # batch 5 of 4 made: batch 1, as DALI's source
+    assert len(work.seen) == dali_bench.BATCH
+    for got, want in zip(work.seen, expected[1], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert made == []
