@@ -298,7 +298,9 @@ def throughput(
     runs = dict.fromkeys(pipes, 0)  # run() calls so far: run k returns batch k % iterations
     systems = [*pipes, SERIAL, PARALLEL]
     rates: dict[str, list[float]] = {k: [] for k in systems}
-    cpu: dict[str, list[float]] = {k: [] for k in pipes}  # this process's, per sample
+    # This process's CPU a sample: the pipelines', and the serial control's (whose work a
+    # sample should be DALI alone's, less DALI's own: the two baselines' check).
+    cpu: dict[str, list[float]] = {k: [] for k in [*pipes, SERIAL]}
     identical = dict.fromkeys(pipes, True)
     for name, pipe in pipes.items():  # warm up: workers started, functions cached
         pipe.run()
@@ -308,7 +310,7 @@ def throughput(
     _parallel(work, range(1), executor)
     for r in range(rounds):
         spent = dict.fromkeys(systems, 0.0)
-        cpu_spent = dict.fromkeys(pipes, 0.0)
+        cpu_spent = dict.fromkeys(cpu, 0.0)
         for name, batches in schedule(systems, iterations, block, r):
             c0, t0 = time.process_time(), time.perf_counter()
             if name == SERIAL:
@@ -322,15 +324,16 @@ def throughput(
                 if name in counted:  # its batch ahead is this block's work too
                     counted[name].wait_for(runs[name] + len(batches) + ahead[name])
             spent[name] += time.perf_counter() - t0
-            if name in pipes:
+            if name in cpu_spent:
                 cpu_spent[name] += time.process_time() - c0
+            if name in pipes:
                 for k, out in enumerate(outs, start=runs[name]):
                     identical[name] &= bool(np.array_equal(out, reference[k % iterations]))
                 runs[name] += len(batches)
         for name in systems:
             rates[name].append(iterations * BATCH / spent[name])
-        for name in pipes:
-            cpu[name].append(cpu_spent[name] / (iterations * BATCH) * 1e6)
+        for name, per_sample in cpu.items():
+            per_sample.append(cpu_spent[name] / (iterations * BATCH) * 1e6)
     base = rates[ALONE]
     pairs = paired(rates, OURS, ALONE)
     out: dict[str, Any] = {
@@ -340,6 +343,8 @@ def throughput(
         "mpexec_dali_of_ceiling": _spread(pairs["of_ceiling"]),
         "mpexec_dali_vs_plain_2_processes": _spread(pairs["vs_plain_2_processes"]),
         "control_samples_per_s": {SERIAL: rates[SERIAL], PARALLEL: rates[PARALLEL]},
+        "serial_cpu_us_per_sample": statistics.median(cpu[SERIAL]),
+        "serial_vs_alone": _spread([s / a for s, a in zip(rates[SERIAL], base, strict=True)]),
         "by_system": {},
     }
     if OURS + DEFAULT_EXECUTOR in pipes:
@@ -565,6 +570,15 @@ def report(result: dict[str, Any]) -> str:
             f"mpexec.dali over the plain 2 processes directly (no serial baseline): "
             f"{direct['median']:.2f}x ({direct['min']:.2f} - {direct['max']:.2f})"
         )
+        sva = tp.get("serial_vs_alone")
+        if sva:  # the two single-threaded baselines, which should read alike
+            alone_row = tp["by_system"][ALONE]
+            parts[-1] += (
+                f"\nthe baselines: plain 1 process over DALI alone, round by round: "
+                f"{sva['median']:.2f}x ({sva['min']:.2f} - {sva['max']:.2f}); this process's "
+                f"CPU a sample {fmt_time(tp['serial_cpu_us_per_sample'])} against DALI "
+                f"alone's {fmt_time(alone_row['dali_process_cpu_us_per_sample'])}"
+            )
         dyn = tp.get("default_executor")
         if dyn:
             of, direct, sync = (

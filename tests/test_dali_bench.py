@@ -144,6 +144,10 @@ def test_a_default_executors_work_ahead_stays_in_its_own_block(
     for row in out["by_system"].values():
         assert row["identical"]
     assert set(out["default_executor"]) >= {"mpexec_dali_of_ceiling", "mpexec_dali_vs_synchronous"}
+    # The two single-threaded baselines, side by side: the serial control's CPU a sample
+    # too (DALI alone's less DALI's own, if the control does the same work).
+    assert out["serial_cpu_us_per_sample"] > 0
+    assert len(out["serial_vs_alone"]["rounds"]) == 2
 
 
 class _Seen(dali_bench.Work):
