@@ -240,6 +240,16 @@ def _parallel(work: Work, batches: range, executor: Any) -> None:
 SERIAL, PARALLEL = "plain, 1 process", "plain, 2 processes"
 
 
+def _queued() -> float | None:
+    """Seconds this thread has spent ready to run but waiting for a CPU (Linux's
+    schedstat; None elsewhere): wall time a CPU-bound loop lost to other tasks."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def schedule(
     systems: list[str], iterations: int, block: int, round_: int
 ) -> Iterator[tuple[str, range]]:
@@ -301,6 +311,9 @@ def throughput(
     # This process's CPU a sample: the pipelines', and the serial control's (whose work a
     # sample should be DALI alone's, less DALI's own: the two baselines' check).
     cpu: dict[str, list[float]] = {k: [] for k in [*pipes, SERIAL]}
+    # The main thread's wait for a CPU a sample in the baselines' blocks (DALI alone runs
+    # the function on it): where their wall time went that their CPU time does not show.
+    queued: dict[str, list[float]] = {ALONE: [], SERIAL: []}
     identical = dict.fromkeys(pipes, True)
     for name, pipe in pipes.items():  # warm up: workers started, functions cached
         pipe.run()
@@ -312,7 +325,7 @@ def throughput(
         spent = dict.fromkeys(systems, 0.0)
         cpu_spent = dict.fromkeys(cpu, 0.0)
         for name, batches in schedule(systems, iterations, block, r):
-            c0, t0 = time.process_time(), time.perf_counter()
+            q0, c0, t0 = _queued(), time.process_time(), time.perf_counter()
             if name == SERIAL:
                 _serial(work, batches)
             elif name == PARALLEL:
@@ -324,6 +337,9 @@ def throughput(
                 if name in counted:  # its batch ahead is this block's work too
                     counted[name].wait_for(runs[name] + len(batches) + ahead[name])
             spent[name] += time.perf_counter() - t0
+            q1 = _queued()
+            if name in queued and q0 is not None and q1 is not None:
+                queued[name].append((q1 - q0) / (len(batches) * BATCH) * 1e6)
             if name in cpu_spent:
                 cpu_spent[name] += time.process_time() - c0
             if name in pipes:
@@ -345,6 +361,7 @@ def throughput(
         "control_samples_per_s": {SERIAL: rates[SERIAL], PARALLEL: rates[PARALLEL]},
         "serial_cpu_us_per_sample": statistics.median(cpu[SERIAL]),
         "serial_vs_alone": _spread([s / a for s, a in zip(rates[SERIAL], base, strict=True)]),
+        "queued_us_per_sample": {k: statistics.median(v) for k, v in queued.items() if v},
         "by_system": {},
     }
     if OURS + DEFAULT_EXECUTOR in pipes:
@@ -579,6 +596,12 @@ def report(result: dict[str, Any]) -> str:
                 f"CPU a sample {fmt_time(tp['serial_cpu_us_per_sample'])} against DALI "
                 f"alone's {fmt_time(alone_row['dali_process_cpu_us_per_sample'])}"
             )
+            q = tp.get("queued_us_per_sample", {})
+            if len(q) == 2:
+                parts[-1] += (
+                    f"; waiting for a CPU (ready, not running) a sample: "
+                    f"{fmt_time(q[SERIAL])} against {fmt_time(q[ALONE])}"
+                )
         dyn = tp.get("default_executor")
         if dyn:
             of, direct, sync = (
