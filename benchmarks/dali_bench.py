@@ -276,6 +276,22 @@ def paired(rates: dict[str, list[float]], ours: str, alone: str) -> dict[str, li
     }
 
 
+def beyond_work(
+    rates: dict[str, list[float]], work_us: list[float], names: list[str]
+) -> dict[str, float]:
+    """Per system, the median over rounds of a batch's wall time beyond its work: the
+    batch's period less the busiest worker's samples at the serial control's CPU a
+    sample (its work alone) in that round. What the workers waited a batch: DALI's own
+    steps, handing out and joining (issue 37's model of the figure is made of these)."""
+    out = {}
+    for name in names:
+        share = -(-BATCH // (WORKERS if name in (OURS, PARALLEL) else 1))
+        out[name] = statistics.median(
+            (BATCH / r - share * w / 1e6) * 1e3 for r, w in zip(rates[name], work_us, strict=True)
+        )
+    return out
+
+
 def _spread(values: list[float]) -> dict[str, Any]:
     return {
         "median": statistics.median(values),
@@ -362,6 +378,9 @@ def throughput(
         "serial_cpu_us_per_sample": statistics.median(cpu[SERIAL]),
         "serial_vs_alone": _spread([s / a for s, a in zip(rates[SERIAL], base, strict=True)]),
         "queued_us_per_sample": {k: statistics.median(v) for k, v in queued.items() if v},
+        "beyond_work_ms_per_batch": beyond_work(
+            rates, cpu[SERIAL], [ALONE, OURS, SERIAL, PARALLEL]
+        ),
         "by_system": {},
     }
     if OURS + DEFAULT_EXECUTOR in pipes:
@@ -601,6 +620,12 @@ def report(result: dict[str, Any]) -> str:
                 parts[-1] += (
                     f"; waiting for a CPU (ready, not running) a sample: "
                     f"{fmt_time(q[SERIAL])} against {fmt_time(q[ALONE])}"
+                )
+            b = tp.get("beyond_work_ms_per_batch")
+            if b:
+                parts[-1] += (
+                    "\na batch's wall time beyond its work (at the serial CPU a sample): "
+                    + (", ".join(f"{k} {v:.2f} ms" for k, v in b.items()))
                 )
         dyn = tp.get("default_executor")
         if dyn:

@@ -49,6 +49,23 @@ def test_the_figure_against_the_ceiling_is_paired_round_by_round() -> None:
     assert got["vs_plain_2_processes"] == pytest.approx([2.0, 2.5])
 
 
+def test_a_batchs_time_beyond_its_work_counts_the_busiest_workers_samples() -> None:
+    # 16 samples of 2 ms of work: alone a batch of 40 ms is 8 ms beyond it; spread over 2
+    # workers (8 samples each), a batch of 20 ms is 4 ms beyond it.
+    batch = dali_bench.BATCH
+    rates = {
+        dali_bench.ALONE: [batch / 0.040],
+        dali_bench.OURS: [batch / 0.020],
+        SERIAL: [batch / (batch * 0.002)],
+        PARALLEL: [batch / (batch * 0.001)],
+    }
+    got = dali_bench.beyond_work(rates, [2000.0], list(rates))
+    assert got[dali_bench.ALONE] == pytest.approx(40 - 2 * batch)
+    assert got[dali_bench.OURS] == pytest.approx(20 - batch)
+    assert got[SERIAL] == pytest.approx(0.0)
+    assert got[PARALLEL] == pytest.approx(0.0)
+
+
 def test_the_target_reads_the_paired_median() -> None:
     tp = {
         "by_system": {
@@ -148,6 +165,12 @@ def test_a_default_executors_work_ahead_stays_in_its_own_block(
     # too (DALI alone's less DALI's own, if the control does the same work).
     assert out["serial_cpu_us_per_sample"] > 0
     assert len(out["serial_vs_alone"]["rounds"]) == 2
+    assert set(out["beyond_work_ms_per_batch"]) == {
+        dali_bench.ALONE,
+        dali_bench.OURS,
+        SERIAL,
+        PARALLEL,
+    }
     if dali_bench._queued() is not None:  # Linux: each baseline's wait for a CPU too
         assert set(out["queued_us_per_sample"]) == {dali_bench.ALONE, SERIAL}
 
