@@ -26,7 +26,8 @@ what handing it out costs for the others, which load does not change); the
 median ratio and its range over the rounds are the figures. A control, two
 more systems in the same blocks, says what this machine allowed at that
 time: the same work on a batch, in this process and then split over 2
-processes of a plain ``multiprocessing`` pool (no DALI, no mpexec). On a
+processes of a plain ``multiprocessing`` pool (no DALI, no mpexec), on
+batches each process made before timing, as DALI's source's are. On a
 host loaded by other work, 2 processes get less than 2 cores, and no system
 can exceed that ratio ("the host's 2-process ceiling", which moved
 1.56-1.80 from run to run here). So mpexec.dali's figure against it is
@@ -199,14 +200,25 @@ def _pipeline(function: Callable[..., Any], n_batches: int, default: bool = Fals
     return pipe
 
 
-def _work_on(args: tuple[Work, int, int, int]) -> int:
-    """The control's task, in a plain process: ``work`` on rows ``a:b`` of batch ``i``.
+#: This process's batches for the control, made before any timing (:func:`premake`),
+#: as DALI's source's are (:class:`_Batches`).
+_PREMADE: list[list[np.ndarray[Any, Any]]] = []
 
-    It makes those rows' images only (~80 us each here): a half made the whole
-    batch's, twice the serial half's share of that work, which lowered the ceiling
-    (by ~2% at ~4 ms a sample)."""
+
+def premake(n: int) -> None:
+    """Make the control's ``n`` batches in this process (the parent, and each plain
+    process as its pool's initializer): the control's timed work a sample is then
+    the function alone, as inside DALI, whose source hands out batches made
+    before timing. Made inside the timed loop (~0.12 ms of CPU an image here), they
+    cost the control ~3.5% of a ~3.4 ms sample that DALI alone did not pay."""
+    _PREMADE[:] = [images(i) for i in range(n)]
+
+
+def _work_on(args: tuple[Work, int, int, int]) -> int:
+    """The control's task, in a plain process: ``work`` on rows ``a:b`` of batch ``i``
+    (of the batches :func:`premake` made in that process)."""
     work, i, a, b = args
-    for x in images(i, range(a, b)):
+    for x in _PREMADE[i % len(_PREMADE)][a:b]:
         work(x)
     return b - a
 
@@ -226,6 +238,16 @@ def _parallel(work: Work, batches: range, executor: Any) -> None:
 
 #: The control's two halves, measured as two more systems in every block.
 SERIAL, PARALLEL = "plain, 1 process", "plain, 2 processes"
+
+
+def _queued() -> float | None:
+    """Seconds this thread has spent ready to run but waiting for a CPU (Linux's
+    schedstat; None elsewhere): wall time a CPU-bound loop lost to other tasks."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def schedule(
@@ -252,6 +274,22 @@ def paired(rates: dict[str, list[float]], ours: str, alone: str) -> dict[str, li
         "of_ceiling": [r / c for r, c in zip(ratio, ceiling, strict=True)],
         "vs_plain_2_processes": [o / p for o, p in zip(rates[ours], rates[PARALLEL], strict=True)],
     }
+
+
+def beyond_work(
+    rates: dict[str, list[float]], work_us: list[float], names: list[str]
+) -> dict[str, float]:
+    """Per system, the median over rounds of a batch's wall time beyond its work: the
+    batch's period less the busiest worker's samples at the serial control's CPU a
+    sample (its work alone) in that round. What the workers waited a batch: DALI's own
+    steps, handing out and joining (issue 37's model of the figure is made of these)."""
+    out = {}
+    for name in names:
+        share = -(-BATCH // (WORKERS if name in (OURS, PARALLEL) else 1))
+        out[name] = statistics.median(
+            (BATCH / r - share * w / 1e6) * 1e3 for r, w in zip(rates[name], work_us, strict=True)
+        )
+    return out
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -282,10 +320,16 @@ def throughput(
     for name, f in counted.items():
         pipes[name] = _pipeline(f, iterations, default=True)
         ahead[name] = pipes[name].prefetch_queue_depth - 1
+    premake(iterations)  # the serial control's batches (the plain processes make their own)
     runs = dict.fromkeys(pipes, 0)  # run() calls so far: run k returns batch k % iterations
     systems = [*pipes, SERIAL, PARALLEL]
     rates: dict[str, list[float]] = {k: [] for k in systems}
-    cpu: dict[str, list[float]] = {k: [] for k in pipes}  # this process's, per sample
+    # This process's CPU a sample: the pipelines', and the serial control's (whose work a
+    # sample should be DALI alone's, less DALI's own: the two baselines' check).
+    cpu: dict[str, list[float]] = {k: [] for k in [*pipes, SERIAL]}
+    # The main thread's wait for a CPU a sample in the baselines' blocks (DALI alone runs
+    # the function on it): where their wall time went that their CPU time does not show.
+    queued: dict[str, list[float]] = {ALONE: [], SERIAL: []}
     identical = dict.fromkeys(pipes, True)
     for name, pipe in pipes.items():  # warm up: workers started, functions cached
         pipe.run()
@@ -295,9 +339,9 @@ def throughput(
     _parallel(work, range(1), executor)
     for r in range(rounds):
         spent = dict.fromkeys(systems, 0.0)
-        cpu_spent = dict.fromkeys(pipes, 0.0)
+        cpu_spent = dict.fromkeys(cpu, 0.0)
         for name, batches in schedule(systems, iterations, block, r):
-            c0, t0 = time.process_time(), time.perf_counter()
+            q0, c0, t0 = _queued(), time.process_time(), time.perf_counter()
             if name == SERIAL:
                 _serial(work, batches)
             elif name == PARALLEL:
@@ -309,15 +353,19 @@ def throughput(
                 if name in counted:  # its batch ahead is this block's work too
                     counted[name].wait_for(runs[name] + len(batches) + ahead[name])
             spent[name] += time.perf_counter() - t0
-            if name in pipes:
+            q1 = _queued()
+            if name in queued and q0 is not None and q1 is not None:
+                queued[name].append((q1 - q0) / (len(batches) * BATCH) * 1e6)
+            if name in cpu_spent:
                 cpu_spent[name] += time.process_time() - c0
+            if name in pipes:
                 for k, out in enumerate(outs, start=runs[name]):
                     identical[name] &= bool(np.array_equal(out, reference[k % iterations]))
                 runs[name] += len(batches)
         for name in systems:
             rates[name].append(iterations * BATCH / spent[name])
-        for name in pipes:
-            cpu[name].append(cpu_spent[name] / (iterations * BATCH) * 1e6)
+        for name, per_sample in cpu.items():
+            per_sample.append(cpu_spent[name] / (iterations * BATCH) * 1e6)
     base = rates[ALONE]
     pairs = paired(rates, OURS, ALONE)
     out: dict[str, Any] = {
@@ -327,6 +375,12 @@ def throughput(
         "mpexec_dali_of_ceiling": _spread(pairs["of_ceiling"]),
         "mpexec_dali_vs_plain_2_processes": _spread(pairs["vs_plain_2_processes"]),
         "control_samples_per_s": {SERIAL: rates[SERIAL], PARALLEL: rates[PARALLEL]},
+        "serial_cpu_us_per_sample": statistics.median(cpu[SERIAL]),
+        "serial_vs_alone": _spread([s / a for s, a in zip(rates[SERIAL], base, strict=True)]),
+        "queued_us_per_sample": {k: statistics.median(v) for k, v in queued.items() if v},
+        "beyond_work_ms_per_batch": beyond_work(
+            rates, cpu[SERIAL], [ALONE, OURS, SERIAL, PARALLEL]
+        ),
         "by_system": {},
     }
     if OURS + DEFAULT_EXECUTOR in pipes:
@@ -437,7 +491,9 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
         ctx = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
         with (
             mpexec.WorkerPool(WORKERS) as pool,
-            ProcessPoolExecutor(WORKERS, mp_context=ctx) as executor,
+            ProcessPoolExecutor(
+                WORKERS, mp_context=ctx, initializer=premake, initargs=(iterations,)
+            ) as executor,
         ):
             spread = mpexec.dali.python_function(work, num_workers=WORKERS)
             try:
@@ -550,6 +606,27 @@ def report(result: dict[str, Any]) -> str:
             f"mpexec.dali over the plain 2 processes directly (no serial baseline): "
             f"{direct['median']:.2f}x ({direct['min']:.2f} - {direct['max']:.2f})"
         )
+        sva = tp.get("serial_vs_alone")
+        if sva:  # the two single-threaded baselines, which should read alike
+            alone_row = tp["by_system"][ALONE]
+            parts[-1] += (
+                f"\nthe baselines: plain 1 process over DALI alone, round by round: "
+                f"{sva['median']:.2f}x ({sva['min']:.2f} - {sva['max']:.2f}); this process's "
+                f"CPU a sample {fmt_time(tp['serial_cpu_us_per_sample'])} against DALI "
+                f"alone's {fmt_time(alone_row['dali_process_cpu_us_per_sample'])}"
+            )
+            q = tp.get("queued_us_per_sample", {})
+            if len(q) == 2:
+                parts[-1] += (
+                    f"; waiting for a CPU (ready, not running) a sample: "
+                    f"{fmt_time(q[SERIAL])} against {fmt_time(q[ALONE])}"
+                )
+            b = tp.get("beyond_work_ms_per_batch")
+            if b:
+                parts[-1] += (
+                    "\na batch's wall time beyond its work (at the serial CPU a sample): "
+                    + (", ".join(f"{k} {v:.2f} ms" for k, v in b.items()))
+                )
         dyn = tp.get("default_executor")
         if dyn:
             of, direct, sync = (

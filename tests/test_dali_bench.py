@@ -49,6 +49,23 @@ def test_the_figure_against_the_ceiling_is_paired_round_by_round() -> None:
     assert got["vs_plain_2_processes"] == pytest.approx([2.0, 2.5])
 
 
+def test_a_batchs_time_beyond_its_work_counts_the_busiest_workers_samples() -> None:
+    # 16 samples of 2 ms of work: alone a batch of 40 ms is 8 ms beyond it; spread over 2
+    # workers (8 samples each), a batch of 20 ms is 4 ms beyond it.
+    batch = dali_bench.BATCH
+    rates = {
+        dali_bench.ALONE: [batch / 0.040],
+        dali_bench.OURS: [batch / 0.020],
+        SERIAL: [batch / (batch * 0.002)],
+        PARALLEL: [batch / (batch * 0.001)],
+    }
+    got = dali_bench.beyond_work(rates, [2000.0], list(rates))
+    assert got[dali_bench.ALONE] == pytest.approx(40 - 2 * batch)
+    assert got[dali_bench.OURS] == pytest.approx(20 - batch)
+    assert got[SERIAL] == pytest.approx(0.0)
+    assert got[PARALLEL] == pytest.approx(0.0)
+
+
 def test_the_target_reads_the_paired_median() -> None:
     tp = {
         "by_system": {
@@ -144,11 +161,37 @@ def test_a_default_executors_work_ahead_stays_in_its_own_block(
     for row in out["by_system"].values():
         assert row["identical"]
     assert set(out["default_executor"]) >= {"mpexec_dali_of_ceiling", "mpexec_dali_vs_synchronous"}
+    # The two single-threaded baselines, side by side: the serial control's CPU a sample
+    # too (DALI alone's less DALI's own, if the control does the same work).
+    assert out["serial_cpu_us_per_sample"] > 0
+    assert len(out["serial_vs_alone"]["rounds"]) == 2
+    assert set(out["beyond_work_ms_per_batch"]) == {
+        dali_bench.ALONE,
+        dali_bench.OURS,
+        SERIAL,
+        PARALLEL,
+    }
+    if dali_bench._queued() is not None:  # Linux: each baseline's wait for a CPU too
+        assert set(out["queued_us_per_sample"]) == {dali_bench.ALONE, SERIAL}
 
 
-def test_the_controls_halves_make_only_their_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each of the plain processes makes the images of its half only: making the whole
-    # batch's, each half did twice the serial loop's share of that work a sample.
+class _Seen(dali_bench.Work):
+    """The benchmark's work, noting the images it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(10)
+        self.seen: list[Any] = []
+
+    def __call__(self, image: Any) -> Any:
+        self.seen.append(image)
+        return super().__call__(image)
+
+
+def test_the_control_works_on_batches_made_before_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Like DALI's source (batches made before timing), the control's timed loop makes no
+    # image: it runs the function alone on each sample, each half on its own rows.
+    dali_bench.premake(4)
+    expected = dali_bench._Batches(4).batches  # what DALI's source hands out
     made: list[int] = []
     real = np.full
 
@@ -157,9 +200,14 @@ def test_the_controls_halves_make_only_their_own_rows(monkeypatch: pytest.Monkey
         return real(shape, value, dtype)
 
     monkeypatch.setattr(dali_bench.np, "full", full)
-    work = dali_bench.Work(10)
+    work = _Seen()
     dali_bench._parallel(work, range(3, 4), _InProcess())
-    assert sorted(made) == [(3 * dali_bench.BATCH + j) % 251 for j in range(dali_bench.BATCH)]
-    made.clear()
-    dali_bench._serial(work, range(3, 4))
-    assert len(made) == dali_bench.BATCH
+    assert len(work.seen) == dali_bench.BATCH
+    for got, want in zip(work.seen, expected[3], strict=True):
+        np.testing.assert_array_equal(got, want)
+    work.seen.clear()
+    dali_bench._serial(work, range(5, 6))  # batch 5 of 4 made: batch 1, as DALI's source
+    assert len(work.seen) == dali_bench.BATCH
+    for got, want in zip(work.seen, expected[1], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert made == []
