@@ -205,23 +205,10 @@ class _Refs(pickle.Pickler):
             if type(obj) is types.FunctionType and obj.__module__ in _MAINS:
                 self.names_main = True
             return None
-        arena = self.arena
-        if arena is None and obj.nbytes > self.inline_max:
+        if self.arena is None and obj.nbytes > self.inline_max:
             self.bytes_shared += obj.nbytes  # what it would share
             return _SHARED_TAG  # only checking that the rest pickles: no bytes needed
-        if arena is not None and (
-            obj.nbytes > self.inline_max or (obj.nbytes > VIEW_INLINE_MAX and arena.owns(obj))
-        ):
-            # Views of other processes' arenas are forwarded, not copied.
-            copied = arena.bytes_copied
-            desc = arena.share(obj, peer=self.peer)
-            # What share() copied: a broadcast's real bytes; an imported view
-            # whose owner is gone is copied too.
-            self.bytes_copied += arena.bytes_copied - copied
-            self.shared.append(desc)
-            self.bytes_shared += obj.nbytes
-            return desc.pack() + _SHARED_TAG
-        return _inline_ref(obj)
+        return _array_ref(self, obj)
 
     def _writable(self, array: np.ndarray[Any, Any]) -> bytes:
         arena = self.arena
@@ -249,6 +236,24 @@ class _Refs(pickle.Pickler):
         self.bytes_shared = self.bytes_copied = 0
         self.classes.clear()
         self.main_in_refs = 0
+
+
+def _array_ref(refs: _Refs | _Shared, obj: np.ndarray[Any, Any]) -> bytes:
+    """An array's reference: inline bytes, or a descriptor of it in ``refs.arena`` (booked)."""
+    arena = refs.arena
+    if arena is not None and (
+        obj.nbytes > refs.inline_max or (obj.nbytes > VIEW_INLINE_MAX and arena.owns(obj))
+    ):
+        # Views of other processes' arenas are forwarded, not copied.
+        copied = arena.bytes_copied
+        desc = arena.share(obj, peer=refs.peer)
+        # What share() copied: a broadcast's real bytes; an imported view
+        # whose owner is gone is copied too.
+        refs.bytes_copied += arena.bytes_copied - copied
+        refs.shared.append(desc)
+        refs.bytes_shared += obj.nbytes
+        return desc.pack() + _SHARED_TAG
+    return _inline_ref(obj)
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -372,7 +377,7 @@ class Encoded:
 
     __slots__ = ("bytes_copied", "bytes_shared", "data", "refs")
 
-    def __init__(self, data: bytes, refs: _Refs) -> None:
+    def __init__(self, data: bytes, refs: _Refs | _Shared) -> None:
         self.data = data
         self.refs = refs
         self.bytes_shared = refs.bytes_shared
@@ -404,7 +409,121 @@ def encode_call(
         enc = _encode_unit(args[0], kwargs, arena, peer)
         if enc is not None:
             return enc
+    if arena is not None and not kwargs and (owner is None or owner is arena):
+        enc = _encode_plain(args, _ARGS, arena, peer, inline_max)
+        if enc is not None:
+            return enc
     return encode((args, kwargs), arena, peer, "the arguments", inline_max, _call_parts, owner)
+
+
+def encode_result(
+    value: Any, arena: shm.Arena, peer: shm.Ring | None, inline_max: int = INLINE_MAX
+) -> Encoded:
+    """A call's result, as :func:`encode` would, its arrays by reference; an array, or a
+    tuple of arrays, in the plain layout (see :func:`_encode_plain`)."""
+    t = type(value)
+    enc = None
+    if t is np.ndarray:
+        enc = _encode_plain((value,), _ONE, arena, peer, inline_max)
+    elif t is tuple:
+        enc = _encode_plain(value, _TUPLE, arena, peer, inline_max)
+    if enc is not None:
+        return enc
+    return encode(value, arena, peer, "the result", inline_max)
+
+
+# ---------------------------------------------------------------- plain arrays: a fixed layout
+#
+# A call of a known function on arrays only (a TF op's body hands over its
+# inputs so), and a result that is an array or a tuple of arrays, go without
+# pickle: pickling them ran a pickler's set-up, ``reducer_override`` and
+# :func:`_Refs.reference` per array, and a scan of the bytes for ``__main__``;
+# reading them back, an unpickler and its ``find_class``. The body::
+#
+#     0x02 | u8 form (args, one value, a tuple) | u16 arrays
+#     | per array: u32 reference length | its reference (as pickle's, see _load_ref)
+#
+# Only exact ndarrays of a dtype without objects, each met once (pickle would
+# hand the same array back as one object), take it; anything else is pickled.
+
+_PLAIN = 2
+_PLAIN_HEAD = struct.Struct("<BBH")
+_REF_LEN = struct.Struct("<I")
+_ARGS, _ONE, _TUPLE = 0, 1, 2
+
+
+class _Shared:
+    """What a plain encoding shared (as :class:`_Refs` books it), to give back on failure."""
+
+    __slots__ = ("arena", "bytes_copied", "bytes_shared", "inline_max", "peer", "shared")
+
+    def __init__(self, arena: shm.Arena | None, peer: shm.Ring | None, inline_max: int) -> None:
+        self.arena = arena
+        self.peer = peer
+        self.inline_max = inline_max
+        self.shared: list[shm.ArrayDescriptor] = []
+        self.bytes_shared = 0
+        self.bytes_copied = 0
+
+    def undo(self) -> None:
+        if self.arena is not None:
+            for desc in self.shared:
+                self.arena.unshare(desc, self.peer)
+        self.shared.clear()
+        self.bytes_shared = self.bytes_copied = 0
+
+
+#: A plain encoding's bookkeeping when it shared nothing (its arrays went inline).
+_NOTHING_SHARED = _Shared(None, None, 0)
+
+
+def _encode_plain(
+    arrays: tuple[Any, ...], form: int, arena: shm.Arena, peer: shm.Ring | None, inline_max: int
+) -> Encoded | None:
+    """``arrays`` in the plain layout; None: not all plain arrays (pickle them)."""
+    n = len(arrays)
+    if n > 8:
+        return None  # rare; the duplicate check below is quadratic
+    for i, a in enumerate(arrays):  # loops, not helpers: no Python call an array
+        if type(a) is not np.ndarray or a.dtype.hasobject:
+            return None
+        for j in range(i):
+            if arrays[j] is a:
+                return None
+    refs = _NOTHING_SHARED
+    parts = [_PLAIN_HEAD.pack(_PLAIN, form, n)]
+    try:
+        for a in arrays:
+            size = a.nbytes
+            if size > inline_max or (size > VIEW_INLINE_MAX and arena.owns(a)):
+                if refs is _NOTHING_SHARED:
+                    refs = _Shared(arena, peer, inline_max)
+                ref = _array_ref(refs, a)
+            else:
+                ref = _inline_ref(a)  # _array_ref's small case, one call less
+            parts.append(_REF_LEN.pack(len(ref)))
+            parts.append(ref)
+    except BaseException:
+        refs.undo()
+        raise
+    return Encoded(b"".join(parts), refs)
+
+
+def _decode_plain(data: bytes | memoryview, writable: bool, shared_ok: bool) -> Any:
+    """The value :func:`_encode_plain` wrote: ``(args, {})``, an array, or a tuple."""
+    _, form, n = _PLAIN_HEAD.unpack_from(data, 0)
+    pos = _PLAIN_HEAD.size
+    values = []
+    for _ in range(n):
+        (size,) = _REF_LEN.unpack_from(data, pos)
+        pos += _REF_LEN.size
+        values.append(_load_ref(writable, shared_ok, bytes(data[pos : pos + size])))
+        pos += size
+    if form == _ONE:
+        return values[0]
+    if form == _ARGS:
+        return tuple(values), {}
+    return tuple(values)
 
 
 # ---------------------------------------------------------------- units: a fixed layout
@@ -625,7 +744,10 @@ def decode(data: bytes | memoryview, writable: bool = False, shared_ok: bool = F
     ``writable`` arrays that arrive as read-only shared views (forwarded) are
     copied, unless ``shared_ok`` says read-only views will do.
     """
-    if data[0] == _UNIT:
+    tag = data[0]
+    if tag == _PLAIN:
+        return _decode_plain(data, writable, shared_ok)
+    if tag == _UNIT:
         return _decode_unit(data)
     # No reference of ours in it (a pipeline unit's result): pickle's own loads,
     # whose class look-ups run no Python call (the Unpickler's find_class does).

@@ -284,7 +284,7 @@ class _Worker:
         held.append((args, kwargs))
         result = fn(*args, **kwargs)
         del args, kwargs
-        enc = _codec.encode(result, self.arena, self.peer, "the result", self.boot.inline_max)
+        enc = _codec.encode_result(result, self.arena, self.peer, self.boot.inline_max)
         return spill(OK, enc.data, self.arena, self.peer, task_id)
 
 

@@ -238,13 +238,18 @@ class Roster:
         """The ready worker with the fewest calls queued (of those, the one whose queue
         changed longest ago); None: all full."""
         heap = self.by_load
+        slots = self.state.slots
+        tick_of = self.tick_of
         while heap:
             queued, tick, index, generation = heap[0]
-            slot = self._current(index, generation)
+            # _current() and the ready property inline: this runs once a call, and
+            # looks at a stale entry or two each time (the manager pushes entries too).
+            slot = slots[index] if index < len(slots) else None
             if (
                 slot is not None
-                and slot.ready
-                and self.tick_of.get(index) == tick
+                and slot.generation == generation
+                and slot._ready  # noqa: SLF001 - this module's own
+                and tick_of.get(index) == tick
                 and len(slot.queue) == queued
             ):
                 return slot if queued < _IN_FLIGHT else None

@@ -241,3 +241,135 @@ def test_a_users_frozen_record_is_pickled_whole() -> None:
         assert back.square == 49
     with WorkerPool(1) as pool:
         assert pool.submit(_square_of, _UsersRecord(6)).result(T) == 36
+
+
+def _codec_calls(fn: Any) -> tuple[Any, list[str]]:
+    """``fn()`` and the codec's Python functions it ran, by name."""
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename == _codec.__file__:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        value = fn()
+    finally:
+        sys.setprofile(None)
+    return value, calls
+
+
+def test_a_call_of_plain_arrays_goes_without_pickle() -> None:
+    """A TF op's body hands a worker its inputs, arrays only: no pickler, no unpickler.
+
+    Pickled, a call of one 0-d array ran 9 of the codec's Python functions (the
+    pickler's set-up, reducer_override twice, the reference, the scan for
+    ``__main__``, ...); now 4. Its decoding makes no unpickler (no find_class).
+    """
+    with shm.Arena(1 << 20, name="plain", sealed=True) as arena:
+        peer = arena.link()
+        index = np.asarray(np.int64(7))
+        big = np.arange(_codec.INLINE_MAX // 4 + 1, dtype=np.float32)  # by descriptor
+        _codec.encode_call((index,), {}, arena, peer).refs.undo()  # warm the caches
+        enc, calls = _codec_calls(lambda: _codec.encode_call((index,), {}, arena, peer))
+        assert enc.data[0] != 0x80, calls  # not a pickle
+        assert len(calls) <= 4, calls
+        (args, kwargs), calls = _codec_calls(lambda: _codec.decode(enc.data))
+        assert len(calls) <= 4, calls
+        assert "find_class" not in calls, calls
+        assert kwargs == {}
+        assert args[0].shape == ()
+        assert args[0].dtype == np.int64
+        assert args[0] == 7
+        assert not args[0].flags.writeable
+
+        enc = _codec.encode_call((index, big, np.zeros((0, 3))), {}, arena, peer)
+        assert enc.data[0] != 0x80
+        assert len(enc.refs.shared) == 1
+        assert enc.bytes_shared == big.nbytes
+        args, kwargs = _codec.decode(enc.data)
+        assert kwargs == {}
+        assert len(args) == 3
+        np.testing.assert_array_equal(args[1], big)
+        assert not args[1].flags.writeable
+        assert args[2].shape == (0, 3)
+        del args
+        assert _codec.encode_call((), {}, arena, peer).data[0] != 0x80
+        assert _codec.decode(_codec.encode_call((), {}, arena, peer).data) == ((), {})
+        assert arena.stats().exported == 0  # opened here: the view took the reference over
+
+
+def test_results_that_are_arrays_go_without_pickle_and_read_back_as_before() -> None:
+    """A worker's result: an array, or a tuple of them, in the plain layout; read back
+    as the unpickler read it (arrays of the caller's own, or views where allowed)."""
+    with shm.Arena(1 << 20, name="plainr", sealed=True) as arena:
+        peer = arena.link()
+        small = np.arange(6, dtype=np.float32).reshape(2, 3)
+        big = np.ones(_codec.INLINE_MAX // 8 + 1)
+        _codec.encode_result(small, arena, peer)  # warm the caches
+        enc, calls = _codec_calls(lambda: _codec.encode_result(small, arena, peer))
+        assert len(calls) <= 4, calls  # pickled: 8
+        for value in (small, big, (small, big), ()):
+            enc = _codec.encode_result(value, arena, peer)
+            assert enc.data[0] != 0x80, value
+            back = _codec.decode(enc.data, True)
+            if isinstance(value, tuple):
+                assert type(back) is tuple
+                assert len(back) == len(value)
+                for got, want in zip(back, value, strict=True):
+                    np.testing.assert_array_equal(got, want)
+                    assert got.flags.writeable
+            else:
+                assert type(back) is np.ndarray
+                np.testing.assert_array_equal(back, value)
+                assert back.flags.writeable  # the caller's own
+            del back
+        # A view of memory others read (the worker's input) is copied unless views will do.
+        shared = arena.put(np.arange(300, dtype=np.float64))
+        shared.flags.writeable = False
+        enc = _codec.encode_result(shared, arena, peer)
+        assert enc.data[0] != 0x80
+        assert _codec.decode(enc.data, True).flags.writeable  # a copy of the caller's own
+        enc = _codec.encode_result(shared, arena, peer)
+        assert not _codec.decode(enc.data, True, True).flags.writeable  # the view itself
+
+
+def test_what_the_plain_layout_cannot_say_is_pickled() -> None:
+    """The same array twice (pickle gives one object back), object arrays, subclasses,
+    other values, keywords: pickled as before."""
+
+    class Sub(np.ndarray):  # type: ignore[type-arg]
+        pass
+
+    with shm.Arena(1 << 20, name="plainp", sealed=True) as arena:
+        peer = arena.link()
+        a = np.arange(3)
+        cases: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+            ((a, a), {}),
+            ((np.array([1, "x"], dtype=object),), {}),
+            ((np.zeros(3).view(Sub),), {}),
+            ((a, 3), {}),
+            ((a,), {"k": a}),
+        ]
+        for args, kwargs in cases:
+            enc = _codec.encode_call(args, kwargs, arena, peer)
+            assert enc.data[0] == 0x80, args
+        back, _ = _codec.decode(_codec.encode_call((a, a), {}, arena, peer).data)
+        assert back[0] is back[1]
+        for value in ((a, a), [a], {"a": a}, 3, None, np.zeros(2).view(Sub)):
+            assert _codec.encode_result(value, arena, peer).data[0] == 0x80, value
+
+
+def _pair(x: Any) -> tuple[Any, Any]:
+    return x + 1, np.full(5000, 2.0)
+
+
+def test_a_pool_runs_plain_calls_and_results() -> None:
+    with WorkerPool(1) as pool:
+        x = np.arange(4.0)
+        np.testing.assert_array_equal(pool.submit(np.add, x, x).result(T), 2 * x)
+        a, b = pool.run_call(_pair, (x,))
+        np.testing.assert_array_equal(a, x + 1)
+        assert b.shape == (5000,)
+        assert (b == 2).all()
+        assert pool.submit(np.sum, np.ones(10000)).result(T) == 10000
