@@ -225,7 +225,7 @@ class WorkerPool(CallExecutor):
         kwargs: dict[str, Any],
         worker: int | None,
         hook: Callable[[UnitFuture], object],
-    ) -> None:
+    ) -> Task:
         """``submit_call(view=True)`` for code built on the pool, with no ``Future``.
 
         ``hook(outcome)`` runs once the call settles, in the thread that
@@ -234,11 +234,12 @@ class WorkerPool(CallExecutor):
         ``result()`` as a done ``Future``'s. A pipeline's units come back this
         way: no condition, no waiters, no guarded callback a call. Not for an
         inline pool (``num_workers=0``), whose calls run in the caller: use
-        :meth:`submit_call`. Raises as :meth:`submit` does.
+        :meth:`submit_call`. Raises as :meth:`submit` does. Returns the call's
+        task: a thread waiting for it may deliver it itself (``read_unit``).
         """
         if self._inline:
             raise ValueError("an inline pool runs calls in the caller: use submit_call")
-        self._submit(fn, args, call_arguments(fn, kwargs), worker, True, hook)
+        return self._submit(fn, args, call_arguments(fn, kwargs), worker, True, hook)
 
     def _submit(
         self,
