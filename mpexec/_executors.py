@@ -270,18 +270,17 @@ class LocalPoolExecutor(PoolExecutor):
         # (shape, dtype) -> [a slab of blocks of that size, how many it gave out]
         self._slabs: dict[tuple[tuple[int, ...], np.dtype[Any]], list[Any]] = {}
 
-    def submit_hooked(self, unit: WorkUnit, hook: Callable[[Any], object]) -> Any:
+    def submit_hooked(self, unit: WorkUnit, hook: Callable[[Any], object]) -> None:
         """``submit_unit`` without a Future: ``hook(outcome)`` once the unit settles.
 
         ``outcome`` answers ``cancelled()``, ``exception()`` and ``result()``
-        as a done Future's (:meth:`WorkerPool.submit_hooked`). Returns what
-        :func:`mpexec._pool.read_unit` waits on (None: run here, done).
+        as a done Future's (:meth:`WorkerPool.submit_hooked`).
         """
         if not self.workers:  # run here, at once: its Future is done already
             self.submit_unit(unit).add_done_callback(hook)
-            return None
+            return
         args = (unit.chunk, *unit.inputs)
-        return self.pool.submit_hooked(unit.runner, args, _out(unit), unit.worker, hook)
+        self.pool.submit_hooked(unit.runner, args, _out(unit), unit.worker, hook)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         """A block on pages of its own: a small one from a slab of them (see :data:`SLAB_BYTES`)."""

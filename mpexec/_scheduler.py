@@ -80,7 +80,6 @@ from ._graph import DataNode, Op, Plan, Scope
 from ._iterations import Iteration, OpState, OpStats, annotate, assemble
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
-from ._pool import read_unit
 from ._runtime import ChainRunner, Chunk, ChunkResult, derive_seed, nbytes
 from ._source_runners import (
     SourceBatchRunner,
@@ -128,7 +127,6 @@ class Scheduler:
         self._window: collections.deque[Iteration] = collections.deque()
         # The iterations of the window not computing yet, in order (_sources_in).
         self._waiting: collections.deque[Iteration] = collections.deque()
-        self._units_out: dict[Iteration, Any] = {}  # its last unit out, per iteration
         self._handed: tuple[Iteration, int] | None = None  # run()'s last, still in the window
         self._epoch = 0
         self._next_index = 0
@@ -330,18 +328,10 @@ class Scheduler:
                     "iteration: call pipe.feed_input(name, batch) before run()"
                 )
             it = self._window[0]
-        while not it.done.is_set():
-            # Its last unit delivered by this thread where the pool lets it (read_unit):
-            # one thread wakes a batch, not the manager's and then this one.
-            unit = self._units_out.get(it)
-            if (unit is None or read_unit(unit, _WAIT_SECONDS) is None) and it.done.wait(
-                _WAIT_SECONDS
-            ):
-                break
+        while not it.done.wait(_WAIT_SECONDS):
             if self._closed:
                 raise PoolClosedError("the pipeline was closed while waiting for an iteration")
         with self._lock:
-            self._units_out.pop(it, None)
             self._fill(1)  # as if ``it`` had left the window: it is done
         if it.dropped and self._closed:
             # Not StopIteration: that would end a ``for batch in pipe`` loop as an epoch.
@@ -383,7 +373,6 @@ class Scheduler:
         while self._window:
             self._drop(self._window.popleft())
         self._waiting.clear()
-        self._units_out.clear()
         self._handed = None
         self._epoch = epoch
         self._next_index = self._delivered = index
@@ -453,7 +442,6 @@ class Scheduler:
             while self._window:
                 self._drop(self._window.popleft())
             self._waiting.clear()
-            self._units_out.clear()
 
     def op_stats(self) -> tuple[OpStats, ...]:
         with self._lock:
@@ -765,7 +753,7 @@ class Scheduler:
             hook = functools.partial(self._on_chunk, it, s, ci, t0)
             try:
                 if hooked is not None:
-                    self._units_out[it] = hooked(unit, hook)  # its last unit: see next_result
+                    hooked(unit, hook)
                     continue
                 future = submit(unit)
             except Exception as exc:

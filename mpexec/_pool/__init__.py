@@ -46,9 +46,8 @@ so that a pool that is dropped without ``shutdown`` is collected and shut down
 by its finalizer.
 """
 
-from ._delivery import read_unit
 from ._executor import WorkerPool
 from ._state import PoolStats, PoolStatus
 from ._waiting import read_settled, wait_settled
 
-__all__ = ["PoolStats", "PoolStatus", "WorkerPool", "read_settled", "read_unit", "wait_settled"]
+__all__ = ["PoolStats", "PoolStatus", "WorkerPool", "read_settled", "wait_settled"]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -47,7 +46,7 @@ from .. import _codec
 from .._errors import BrokenPoolError, SerializationError
 from .._protocol import HEADER, OK, SKIPPED, body_of
 from .._tracebacks import unpack_error
-from ._future import CallLink, PoolFuture, Task, UnitFuture, cancel_now
+from ._future import CallLink, PoolFuture, UnitFuture, cancel_now
 
 if TYPE_CHECKING:
     from ._state import PoolState, Slot
@@ -91,75 +90,33 @@ def drain(state: PoolState, slot: Slot) -> None:
             task.settle(exc=outcome)
 
 
-def read_direct(future: Future[Any], timeout: float | None, behind: bool = False) -> bool | None:
+def read_direct(future: Future[Any], timeout: float | None) -> bool | None:
     """Wait for ``future`` reading its worker's done ring; None: not here (wait as usual).
 
     True once settled, False on timeout; None when the direct path does not
-    apply (not a pool future, not the only call queued on its worker unless
-    ``behind``, another caller reads that ring, the main thread unless
-    ``behind``, no epoll) or ended unsettled (its worker died, the pool stops):
-    the caller then waits on the future's condition. ``behind``: as :func:`read_unit`.
+    apply (not a pool future, not the only call queued on its worker, another
+    caller reads that ring, the main thread, no epoll) or ended unsettled (its
+    worker died, the pool stops): the caller then waits on the future's condition.
     """
     if type(future) is not PoolFuture:
         return None
-    return read_call(future.link, future, timeout, behind)
-
-
-def read_unit(task: Task, timeout: float | None) -> bool | None:
-    """Wait for hooked call ``task`` reading its worker's done ring, calls ahead of it too.
-
-    For code built on the pool whose thread waits for a unit that may have
-    others queued before it on its worker (a pipeline's consumer waiting for
-    its next batch): every record that comes is delivered here, in order, each
-    call's hook run in this thread, until ``task`` settles. The main thread too
-    (its SIGINT held back while it delivers: :class:`_HeldSigint`). True once
-    settled, False on timeout, None where the direct read does not apply (as
-    :func:`read_direct`: then the manager delivers, as always).
-    """
-    return read_call(task.link, task.future, timeout, behind=True)
+    return read_call(future.link, future, timeout)
 
 
 def read_call(
-    link: CallLink,
-    future: PoolFuture[Any] | UnitFuture,
-    timeout: float | None,
-    behind: bool = False,
+    link: CallLink, future: PoolFuture[Any] | UnitFuture, timeout: float | None
 ) -> bool | None:
     """:func:`read_direct` for the call of ``link`` whose outcome is ``future`` (a hooked
-    call's too: its hook then runs in this thread). ``behind``: other calls may be
-    queued ahead of it on its worker (this thread delivers them too)."""
+    call's too: its hook then runs in this thread)."""
     state, slot = link.state, link.slot
     if state is None or slot is None or state.pid != os.getpid():
         return None  # settled, unsent, or a forked child's copy (the parent's call)
     me = threading.get_ident()
-    if me == state.manager_ident:
-        return None  # it delivers
-    watcher = state.watcher
-    if watcher is None:
+    if me in (_MAIN, state.manager_ident):
+        # The main thread: a Ctrl-C between popping a record and settling its call
+        # would lose that call's outcome (a waiter never touches the pool's state
+        # where a KeyboardInterrupt can reach it). The manager: it delivers.
         return None
-    held = None
-    if me == _MAIN:
-        # A Ctrl-C between popping a record and settling its call would lose that
-        # call's outcome: the main thread holds SIGINT back while it delivers.
-        if not behind:
-            return None
-        held = _HeldSigint.hold()
-    try:
-        return _claim_and_read(state, slot, link, future, timeout, behind, held)
-    finally:
-        if held is not None:
-            held.let_go()
-
-
-def _claim_and_read(
-    state: PoolState,
-    slot: Slot,
-    link: CallLink,
-    future: PoolFuture[Any] | UnitFuture,
-    timeout: float | None,
-    behind: bool,
-    held: _HeldSigint | None,
-) -> bool | None:
     watcher = state.watcher
     if watcher is None:
         return None
@@ -169,8 +126,8 @@ def _claim_and_read(
             slot.direct
             or not slot.ready
             or state.closed
-            or link.slot is not slot
-            or (not behind and (len(queue) != 1 or queue[0].future is not future))
+            or len(queue) != 1
+            or queue[0].future is not future
         ):
             return None
         slot.direct = True
@@ -181,7 +138,7 @@ def _claim_and_read(
             with slot.reading:
                 if slot.retired:
                     return None
-                settled = _read(state, slot, future, timeout, held)
+                settled = _read(state, slot, future, timeout)
         finally:
             watcher.resume(slot)
     finally:
@@ -192,11 +149,7 @@ def _claim_and_read(
 
 
 def _read(
-    state: PoolState,
-    slot: Slot,
-    future: PoolFuture[Any] | UnitFuture,
-    timeout: float | None,
-    held: _HeldSigint | None = None,
+    state: PoolState, slot: Slot, future: PoolFuture[Any] | UnitFuture, timeout: float | None
 ) -> bool | None:
     """Drain ``slot``'s done ring until ``future`` settles (``reading`` held)."""
     poller = slot.direct_poll
@@ -232,61 +185,9 @@ def _read(
             if left <= 0:
                 return False
             ms = max(1, int(left * 1000 + 0.999))
-        if held is None:
-            events = poller.poll(ms)
-        else:  # asleep, nothing half-delivered: a Ctrl-C interrupts the wait
-            held.open = True
-            try:
-                events = poller.poll(ms)
-            finally:
-                held.open = False
-        for fd, _ in events:
+        for fd, _ in poller.poll(ms):
             if fd != done_fd:
                 died = True  # (a loop, not any() over a generator: two calls less a wait)
-
-
-class _HeldSigint:
-    """The main thread's SIGINT handler while it delivers records (:func:`read_unit`).
-
-    Python runs a signal's handler in the main thread between any two
-    bytecodes: a ``KeyboardInterrupt`` raised between popping a record and
-    settling its call (or between standing the manager aside and letting it
-    watch again) would lose a call's outcome and hang whoever waits for it.
-    While this handler is installed, a SIGINT is kept and handed to the
-    handler it replaced once the pool's state is whole again (:meth:`let_go`),
-    except while ``open`` (asleep in the poll: nothing half done), where that
-    handler runs at once and its ``KeyboardInterrupt`` ends the wait.
-    """
-
-    __slots__ = ("caught", "handler", "open")
-
-    def __init__(self, handler: Any) -> None:
-        self.handler = handler
-        self.caught: tuple[int, Any] | None = None
-        self.open = False
-
-    @classmethod
-    def hold(cls) -> _HeldSigint | None:
-        """Install one in the place of a Python handler of SIGINT; None: none to hold back."""
-        handler = signal.getsignal(signal.SIGINT)
-        if not callable(handler):
-            return None  # ignored, the default action (the process ends), or not Python's
-        held = cls(handler)
-        signal.signal(signal.SIGINT, held)
-        return held
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.open:
-            self.open = False
-            self.handler(signum, frame)
-        else:
-            self.caught = (signum, frame)
-
-    def let_go(self) -> None:
-        """Put the handler back; run it now for a SIGINT that came meanwhile."""
-        signal.signal(signal.SIGINT, self.handler)
-        if self.caught is not None:
-            self.handler(*self.caught)
 
 
 def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, Any]:

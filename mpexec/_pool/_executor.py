@@ -225,7 +225,7 @@ class WorkerPool(CallExecutor):
         kwargs: dict[str, Any],
         worker: int | None,
         hook: Callable[[UnitFuture], object],
-    ) -> Task:
+    ) -> None:
         """``submit_call(view=True)`` for code built on the pool, with no ``Future``.
 
         ``hook(outcome)`` runs once the call settles, in the thread that
@@ -234,12 +234,11 @@ class WorkerPool(CallExecutor):
         ``result()`` as a done ``Future``'s. A pipeline's units come back this
         way: no condition, no waiters, no guarded callback a call. Not for an
         inline pool (``num_workers=0``), whose calls run in the caller: use
-        :meth:`submit_call`. Raises as :meth:`submit` does. Returns the call's
-        task: a thread waiting for it may deliver it itself (``read_unit``).
+        :meth:`submit_call`. Raises as :meth:`submit` does.
         """
         if self._inline:
             raise ValueError("an inline pool runs calls in the caller: use submit_call")
-        return self._submit(fn, args, call_arguments(fn, kwargs), worker, True, hook)
+        self._submit(fn, args, call_arguments(fn, kwargs), worker, True, hook)
 
     def _submit(
         self,

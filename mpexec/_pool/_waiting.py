@@ -34,16 +34,15 @@ def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
     """Wait until ``future`` settles, never taking the pool's poll role; False on timeout.
 
     Settled means done: a result, an exception, or cancelled (read it with
-    :func:`read_settled`). A caller reads its worker's done records itself
+    :func:`read_settled`). A caller (not the main thread) whose call is the only
+    one queued on its worker reads that worker's done record itself
     (``_delivery``: one thread wake-up instead of two); any other sleeps on the
     future's own condition, as ``concurrent.futures``' ``exception()`` does.
-    Calls queued ahead of it on that worker are delivered by this thread too,
-    and the main thread reads directly as well (``_delivery.read_unit``).
     """
     if future.done():
         return True
     start = time.monotonic()
-    settled = read_direct(future, timeout, behind=True)
+    settled = read_direct(future, timeout)
     if settled is not None:
         return settled
     if timeout is not None:
