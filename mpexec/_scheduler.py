@@ -127,6 +127,7 @@ class Scheduler:
         self._window: collections.deque[Iteration] = collections.deque()
         # The iterations of the window not computing yet, in order (_sources_in).
         self._waiting: collections.deque[Iteration] = collections.deque()
+        self._handed: tuple[Iteration, int] | None = None  # run()'s last, still in the window
         self._epoch = 0
         self._next_index = 0
         self._next_seq = 0
@@ -314,6 +315,7 @@ class Scheduler:
     def next_result(self) -> tuple[Batch, ...]:
         """The next iteration's outputs (see :meth:`Pipeline.run`)."""
         with self._lock:
+            self._hand_over()
             self._fill()
             if not self._window:
                 if self._ending:
@@ -330,20 +332,33 @@ class Scheduler:
             if self._closed:
                 raise PoolClosedError("the pipeline was closed while waiting for an iteration")
         with self._lock:
-            if self._window and self._window[0] is it:
-                self._window.popleft()
-            self._fill()
+            self._fill(1)  # as if ``it`` had left the window: it is done
         if it.dropped and self._closed:
             # Not StopIteration: that would end a ``for batch in pipe`` loop as an epoch.
             raise PoolClosedError("the pipeline was closed while waiting for an iteration")
-        if it.result is None and it.error is None:
+        # Handed out only by the last statements (no call between them and the return,
+        # so a Ctrl-C cannot land there): an interrupted run() leaves ``it`` for the next.
+        result, error = it.result, it.error
+        if result is None and error is None:
+            self._handed = (it, 0)
             raise StopIteration
-        with self._lock:
-            self._delivered += 1  # a failed iteration counts: the next run() is the next one
-        if it.error is not None and (error := it.take_error()) is not None:
+        if error is not None:
+            self._handed = (it, 1)  # a failed iteration counts: the next run() is the next one
+            it.take_error()
             reraise(error)  # a stored error: run() shows where it was raised
-        assert it.result is not None
-        return it.result
+        assert result is not None
+        self._handed = (it, 1)
+        return result
+
+    def _hand_over(self) -> None:
+        """The iteration the last ``next_result`` handed out leaves the window (lock held)."""
+        handed = self._handed
+        if handed is not None:
+            it, count = handed
+            if self._window and self._window[0] is it:
+                self._delivered += count  # (with the pop: no call between the two)
+                self._window.popleft()
+            self._handed = None
 
     def reset(self) -> None:
         """Start the next epoch: sources begin again from their start, except
@@ -358,6 +373,7 @@ class Scheduler:
         while self._window:
             self._drop(self._window.popleft())
         self._waiting.clear()
+        self._handed = None
         self._epoch = epoch
         self._next_index = self._delivered = index
         self._ending = False
@@ -367,6 +383,7 @@ class Scheduler:
     def position(self) -> tuple[int, int]:
         """(epoch, iterations of it handed out): where :meth:`seek` would resume."""
         with self._lock:
+            self._hand_over()
             return self._epoch, self._delivered
 
     def seek(self, epoch: int, index: int) -> None:
@@ -431,11 +448,11 @@ class Scheduler:
             return tuple(s.stats() for s in self.ops)
 
     # ------------------------------------------------------------ scheduling
-    def _fill(self) -> None:
+    def _fill(self, spare: int = 0) -> None:
         end = self._end
         # (The window's kept size read first: the property's call is ~3 a batch.)
         while (
-            len(self._window) < (self._window_size or self.window)
+            len(self._window) < (self._window_size or self.window) + spare
             and not self._ending
             and not self._closed
         ):
