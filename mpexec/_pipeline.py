@@ -411,8 +411,9 @@ class Pipeline:
         if self._scheduler is None or self._closed:
             self.build()  # (which raises once closed)
         assert self._scheduler is not None
+        scheduler = self._scheduler
         try:
-            result = self._scheduler.next_result()
+            result = scheduler.next_result()
         except StopIteration:
             self._exhausted = True  # until reset(): see __iter__
             raise
@@ -422,11 +423,17 @@ class Pipeline:
                 pool.handed_out()
             # The op's exception, its traceback where it was raised (not the scheduler's).
             raise for_caller(exc)  # noqa: B904
-        self._iterations += 1
-        if result:
-            self._samples += len(result[0])
-        if self._output_checks:
-            check_outputs(result, self._output_checks)
+        try:
+            samples = len(result[0]) if result else 0
+            if self._output_checks:
+                check_outputs(result, self._output_checks)
+        except KeyboardInterrupt:
+            # A Ctrl-C after the scheduler handed the batch out, before run() returned
+            # it: the next run() returns it again, not the one after it.
+            scheduler.take_back()
+            raise
+        self._iterations += 1  # (no call from here to the return: see take_back)
+        self._samples += samples
         return result
 
     def __iter__(self) -> Iterator[tuple[Batch, ...]]:

@@ -350,6 +350,12 @@ class Scheduler:
         self._handed = (it, 1)
         return result
 
+    def take_back(self) -> None:
+        """The batch the last ``next_result`` handed out was not taken (a Ctrl-C in
+        ``Pipeline.run`` after it): the next ``next_result`` returns it again."""
+        with self._lock:
+            self._handed = None
+
     def _hand_over(self) -> None:
         """The iteration the last ``next_result`` handed out leaves the window (lock held)."""
         handed = self._handed

@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
+import numpy as np
 import pytest
+
+import mpexec
+from mpexec import _pipeline, fn
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -88,3 +93,41 @@ def test_ctrl_c_in_run_loses_no_batch() -> None:
     interrupted, batches = map(int, proc.stdout.split())
     assert interrupted > 0, "no interrupt landed in run(): the test tested nothing"
     assert batches > 0
+
+
+def _plus_one(x: np.ndarray) -> np.ndarray:
+    return x + 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_ctrl_c_after_the_scheduler_handed_the_batch_out_keeps_it(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The last window of run(): its output checks, after the scheduler has handed
+    # the batch out. An interrupt there (forced, not left to a storm's luck) must
+    # leave the batch for the next run(), not skip to the one after it.
+    @mpexec.pipeline_def(
+        batch_size=4, num_workers=workers, seed=1, output_dtype=np.int64, prefetch_depth=2
+    )
+    def graph() -> Any:
+        index = fn.external_source(
+            source=lambda info: np.full(3, info.idx_in_epoch, np.int64), batch=False
+        )
+        return fn.python_function(index, function=_plus_one)
+
+    checks = _pipeline.check_outputs
+    interrupts = [1]
+
+    def interrupted_once(result: Any, wanted: Any) -> None:
+        if interrupts[0]:
+            interrupts[0] -= 1
+            raise KeyboardInterrupt
+        checks(result, wanted)
+
+    monkeypatch.setattr(_pipeline, "check_outputs", interrupted_once)
+    with graph() as pipe:
+        with pytest.raises(KeyboardInterrupt):
+            pipe.run()
+        firsts = [pipe.run()[0].as_array()[:, 0].tolist() for _ in range(3)]
+        assert firsts == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+        assert pipe.stats().samples == 12
