@@ -83,6 +83,8 @@ def to_wire(data: Any) -> Any:
 
 def from_wire(data: Any) -> Any:
     """``data`` with each :class:`WireTensor` a tensor over its memory again."""
+    if type(data) is WireTensor:  # a batch of one tensor: no walk
+        return _tensor_in(data)
     return walk(data, WireTensor, _tensor_in)
 
 
@@ -191,7 +193,9 @@ def _segment_fd(array: np.ndarray[Any, Any]) -> tuple[int, int] | None:
             fd = held
         else:
             weakref.finalize(seg, _forget_fd, key, fd)
-    return fd, seg.offset + (array.ctypes.data - seg.address)
+    # The data's address: ``array.ctypes.data`` is two Python calls of NumPy's.
+    address: int = array.__array_interface__["data"][0]
+    return fd, seg.offset + (address - seg.address)
 
 
 def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
@@ -209,11 +213,17 @@ def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
     global _fds_held, _fds_budget
     dtype = TORCH_DTYPES.get(array.dtype)
     size = array.itemsize
+    flags = array.flags
+    # A collated batch is C-contiguous: its strides need no look, and torch's
+    # default strides are its own (NumPy's flag ignores the stride of a length-1
+    # axis, which the tensor keeps: those take the general path). Three
+    # generators fewer a batch.
+    contiguous = flags.c_contiguous and 1 not in array.shape
     if (
         dtype is None
-        or not array.flags.writeable
+        or not flags.writeable
         or array.nbytes == 0
-        or any(st < 0 or st % size for st in array.strides)
+        or (not contiguous and any(st < 0 or st % size for st in array.strides))
     ):
         return None
     if _fds_budget is None:
@@ -228,7 +238,8 @@ def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
     if start % size:
         return None
     try:
-        storage = _compat.shared_fd_storage(fd, start + extent(array))  # a dup of fd
+        end = start + (array.nbytes if contiguous else extent(array))
+        storage = _compat.shared_fd_storage(fd, end)  # a dup of fd
     except RuntimeError:  # out of fds, or of address space: the plain tensor will do
         return None
     _fds_held += 1
@@ -236,7 +247,10 @@ def _shared_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor | None:
     # so does what it holds, the array (the memory) and the fd's count.
     storage._mpexec_keep = _Held(array)  # noqa: SLF001 - our tag: keeps the memory mapped
     out = torch.empty(0, dtype=dtype)
-    out.set_(storage, start // size, array.shape, tuple(st // size for st in array.strides))
+    if contiguous:  # torch's default strides: C-contiguous
+        out.set_(storage, start // size, array.shape)
+    else:
+        out.set_(storage, start // size, array.shape, tuple(st // size for st in array.strides))
     return out
 
 
