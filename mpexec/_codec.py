@@ -229,11 +229,7 @@ class _Refs(pickle.Pickler):
         return desc.pack() + _WRITABLE_TAG
 
     def undo(self) -> None:
-        if self.arena is not None:
-            for desc in self.shared:
-                self.arena.unshare(desc, self.peer)
-        self.shared.clear()
-        self.bytes_shared = self.bytes_copied = 0
+        _give_back(self)
         self.classes.clear()
         self.main_in_refs = 0
 
@@ -466,11 +462,16 @@ class _Shared:
         self.bytes_copied = 0
 
     def undo(self) -> None:
-        if self.arena is not None:
-            for desc in self.shared:
-                self.arena.unshare(desc, self.peer)
-        self.shared.clear()
-        self.bytes_shared = self.bytes_copied = 0
+        _give_back(self)
+
+
+def _give_back(refs: _Refs | _Shared) -> None:
+    """Unshare what an encoding shared (it failed, or its call was never sent)."""
+    if refs.arena is not None:
+        for desc in refs.shared:
+            refs.arena.unshare(desc, refs.peer)
+    refs.shared.clear()
+    refs.bytes_shared = refs.bytes_copied = 0
 
 
 #: A plain encoding's bookkeeping when it shared nothing (its arrays went inline).

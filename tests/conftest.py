@@ -35,6 +35,28 @@ def run_python(*args: str, stdin: str = "", timeout: float = 120) -> str:
     return proc.stdout
 
 
+#: The start of a child script that storms itself with SIGINT (run it with
+#: :func:`run_python`): its handler raises one ``KeyboardInterrupt`` per arming
+#: (``armed[0] = True`` just inside the ``try`` that catches it, so never in
+#: its ``except`` clause, never outside), and ``interrupter(every)``, run in a
+#: thread, sends a SIGINT every ``every`` seconds until ``stop`` is set.
+SIGINT_STORM = """
+import os, signal, threading, time
+
+stop = threading.Event()
+armed = [False]  # a plain list: no lock to interrupt
+
+def on_sigint(signum, frame):
+    if armed[0]:
+        armed[0] = False  # disarmed before raising
+        raise KeyboardInterrupt
+
+def interrupter(every):
+    while not stop.wait(every):
+        os.kill(os.getpid(), signal.SIGINT)
+"""
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
     """Poll ``predicate`` until true or fail after ``timeout`` (no fixed sleeps)."""
     deadline = time.monotonic() + timeout

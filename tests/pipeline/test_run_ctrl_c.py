@@ -11,8 +11,6 @@ takes it out of the window.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -20,14 +18,16 @@ import pytest
 
 import mpexec
 from mpexec import _pipeline, fn
+from tests.conftest import SIGINT_STORM, run_python
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 T = 60  # bound of every wait in this file
 
 
-_CHILD_CTRL_C = """
-import os, signal, threading, time
+_CHILD_CTRL_C = (
+    SIGINT_STORM
+    + """
 import numpy as np
 import mpexec
 from mpexec import fn
@@ -36,19 +36,6 @@ def slow(x):
     time.sleep(0.001)
     return x + 1
 
-stop = threading.Event()
-armed = [False]  # set only inside the try below; a plain list: no lock to interrupt
-
-def on_sigint(signum, frame):
-    # One KeyboardInterrupt per arming, only where the loop's try catches it.
-    if armed[0]:
-        armed[0] = False
-        raise KeyboardInterrupt
-
-def interrupter():
-    while not stop.wait(0.004):
-        os.kill(os.getpid(), signal.SIGINT)
-
 @mpexec.pipeline_def(batch_size=4, num_workers=2, seed=1)
 def graph():
     index = fn.external_source(source=lambda info: np.full(3, info.idx_in_epoch), batch=False)
@@ -56,7 +43,7 @@ def graph():
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, on_sigint)
-    sender = threading.Thread(target=interrupter)
+    sender = threading.Thread(target=interrupter, args=(0.004,))
     interrupted = batches = 0
     with graph() as pipe:
         sender.start()
@@ -78,19 +65,12 @@ if __name__ == "__main__":
         assert signal.getsignal(signal.SIGINT) is on_sigint
     print(interrupted, batches)
 """
+)
 
 
 def test_ctrl_c_in_run_loses_no_batch() -> None:
     # The child's main thread is ours to give a SIGINT handler.
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD_CTRL_C],
-        capture_output=True,
-        text=True,
-        timeout=2 * T,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    interrupted, batches = map(int, proc.stdout.split())
+    interrupted, batches = map(int, run_python("-c", _CHILD_CTRL_C, timeout=2 * T).split())
     assert interrupted > 0, "no interrupt landed in run(): the test tested nothing"
     assert batches > 0
 

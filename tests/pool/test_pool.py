@@ -31,7 +31,7 @@ import pytest
 import mpexec
 import shm
 from mpexec import WorkerPool
-from tests.conftest import START_METHODS, wait_until
+from tests.conftest import SIGINT_STORM, START_METHODS, run_python, wait_until
 
 T = 30  # every .result() in this file is bounded by this
 KiB = 1 << 10
@@ -295,30 +295,17 @@ def test_polling_waiters_leave_nothing_undelivered(monkeypatch: pytest.MonkeyPat
         assert (stats.completed, stats.failed, stats.pending) == (243, 1, 0)
 
 
-_CHILD_CTRL_C = """
-import os, signal, threading, time
+_CHILD_CTRL_C = (
+    SIGINT_STORM
+    + """
 import mpexec
 
 def square(x):
     return x * x
 
-stop = threading.Event()
-armed = [False]  # set only inside the try below; a plain list: no lock to interrupt
-
-def on_sigint(signum, frame):
-    # Disarm before raising: one KeyboardInterrupt per arming, and only where
-    # the loop's try catches it (never in its except clause, never outside).
-    if armed[0]:
-        armed[0] = False
-        raise KeyboardInterrupt
-
-def interrupter():
-    while not stop.wait(0.003):
-        os.kill(os.getpid(), signal.SIGINT)
-
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, on_sigint)
-    sender = threading.Thread(target=interrupter)
+    sender = threading.Thread(target=interrupter, args=(0.003,))
     interrupted = calls = 0
     with mpexec.WorkerPool(2) as pool:
         sender.start()
@@ -343,21 +330,14 @@ if __name__ == "__main__":
         assert (stats.pending, stats.completed) == (0, calls + 1), (stats, calls)
     print(interrupted, calls)
 """
+)
 
 
 def test_ctrl_c_in_result_leaves_the_pool_working() -> None:
     # KeyboardInterrupt can land anywhere in a waiting result(): the pool's
     # state must not depend on where (only the manager thread changes it).
     # In a child process, whose main thread is ours to give a SIGINT handler.
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD_CTRL_C],
-        capture_output=True,
-        text=True,
-        timeout=2 * T,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    interrupted, calls = map(int, proc.stdout.split())
+    interrupted, calls = map(int, run_python("-c", _CHILD_CTRL_C, timeout=2 * T).split())
     assert interrupted > 0, "no interrupt landed in result(): the test tested nothing"
     assert calls > interrupted
 
