@@ -265,13 +265,19 @@ def schedule(
 def paired(rates: dict[str, list[float]], ours: str, alone: str) -> dict[str, list[float]]:
     """Round by round, from rates measured in the same round: the host's 2-process
     ceiling (plain, 2 processes over 1), ``ours`` over ``alone``, that ratio over the
-    ceiling, and ``ours`` over the plain 2 processes directly."""
+    ceiling, and ``ours`` over the plain 2 processes directly.
+
+    The ratio is taken over at most :data:`WORKERS` (``of_ceiling``): 2 processes
+    cannot do more than twice one's work. The control reads above that on a quiet
+    host (2.02-2.16 in one run), its halves each working on half the images, which
+    stay in their CPU's cache; a system whose workers get fresh data each batch,
+    as DALI's do, is not to be rated against that."""
     ceiling = [p / s for p, s in zip(rates[PARALLEL], rates[SERIAL], strict=True)]
     ratio = [o / a for o, a in zip(rates[ours], rates[alone], strict=True)]
     return {
         "ceiling": ceiling,
         "ratio": ratio,
-        "of_ceiling": [r / c for r, c in zip(ratio, ceiling, strict=True)],
+        "of_ceiling": [r / min(c, WORKERS) for r, c in zip(ratio, ceiling, strict=True)],
         "vs_plain_2_processes": [o / p for o, p in zip(rates[ours], rates[PARALLEL], strict=True)],
     }
 
@@ -601,8 +607,8 @@ def report(result: dict[str, Any]) -> str:
             )
             + f"\n\nthe host's 2-process ceiling (plain processes, same work, same rounds): "
             f"{c['median']:.2f}x ({c['min']:.2f} - {c['max']:.2f})\n"
-            f"mpexec.dali's ratio over its own round's ceiling, round by round: "
-            f"{of['median']:.2f}x ({of['min']:.2f} - {of['max']:.2f})\n"
+            f"mpexec.dali's ratio over its own round's ceiling (at most {WORKERS}x), round by "
+            f"round: {of['median']:.2f}x ({of['min']:.2f} - {of['max']:.2f})\n"
             f"mpexec.dali over the plain 2 processes directly (no serial baseline): "
             f"{direct['median']:.2f}x ({direct['min']:.2f} - {direct['max']:.2f})"
         )

@@ -49,6 +49,15 @@ def test_the_figure_against_the_ceiling_is_paired_round_by_round() -> None:
     assert got["vs_plain_2_processes"] == pytest.approx([2.0, 2.5])
 
 
+def test_the_ceiling_a_figure_is_taken_over_is_at_most_two() -> None:
+    # A control whose halves run from cache reads above 2x; 2 processes cannot do
+    # twice one's work and more, so mpexec.dali's 1.8x is 0.9 of 2, not of 2.1.
+    rates = {"alone": [100.0], "ours": [180.0], SERIAL: [50.0], PARALLEL: [105.0]}
+    got = paired(rates, "ours", "alone")
+    assert got["ceiling"] == pytest.approx([2.1])  # reported as measured
+    assert got["of_ceiling"] == pytest.approx([0.9])
+
+
 def test_a_batchs_time_beyond_its_work_counts_the_busiest_workers_samples() -> None:
     # 16 samples of 2 ms of work: alone a batch of 40 ms is 8 ms beyond it; spread over 2
     # workers (8 samples each), a batch of 20 ms is 4 ms beyond it.
