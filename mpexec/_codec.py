@@ -240,16 +240,21 @@ def _array_ref(refs: _Refs | _Shared, obj: np.ndarray[Any, Any]) -> bytes:
     if arena is not None and (
         obj.nbytes > refs.inline_max or (obj.nbytes > VIEW_INLINE_MAX and arena.owns(obj))
     ):
-        # Views of other processes' arenas are forwarded, not copied.
-        copied = arena.bytes_copied
-        desc = arena.share(obj, peer=refs.peer)
-        # What share() copied: a broadcast's real bytes; an imported view
-        # whose owner is gone is copied too.
-        refs.bytes_copied += arena.bytes_copied - copied
-        refs.shared.append(desc)
-        refs.bytes_shared += obj.nbytes
-        return desc.pack() + _SHARED_TAG
+        return _shared_ref(refs, arena, obj)
     return _inline_ref(obj)
+
+
+def _shared_ref(refs: _Refs | _Shared, arena: shm.Arena, obj: np.ndarray[Any, Any]) -> bytes:
+    """``obj`` shared in ``arena`` for ``refs.peer``: its descriptor's reference (booked)."""
+    # Views of other processes' arenas are forwarded, not copied.
+    copied = arena.bytes_copied
+    desc = arena.share(obj, peer=refs.peer)
+    # What share() copied: a broadcast's real bytes; an imported view
+    # whose owner is gone is copied too.
+    refs.bytes_copied += arena.bytes_copied - copied
+    refs.shared.append(desc)
+    refs.bytes_shared += obj.nbytes
+    return desc.pack() + _SHARED_TAG
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
@@ -499,9 +504,9 @@ def _encode_plain(
             if size > inline_max or (size > VIEW_INLINE_MAX and arena.owns(a)):
                 if refs is _NOTHING_SHARED:
                     refs = _Shared(arena, peer, inline_max)
-                ref = _array_ref(refs, a)
+                ref = _shared_ref(refs, arena, a)  # (_array_ref's test made above: once)
             else:
-                ref = _inline_ref(a)  # _array_ref's small case, one call less
+                ref = _inline_ref(a)
             parts.append(_REF_LEN.pack(len(ref)))
             parts.append(ref)
     except BaseException:

@@ -182,9 +182,7 @@ class WorkersIter(EpochIter):
                 position = next(iter(self._tasks))
                 worker, future, index = self._tasks[position]
                 # Timed out: the batch stays first in line, for the next call (as torch).
-                # (_wait_one, inline: a call fewer a batch.)
-                if not wait_settled(future, self._timeout or None):
-                    raise self._timed_out(position, worker)
+                self._wait_one(future, position, worker)
             else:
                 position = self._first_done()
                 worker, future, index = self._tasks[position]
