@@ -268,10 +268,10 @@ def paired(rates: dict[str, list[float]], ours: str, alone: str) -> dict[str, li
     ceiling, and ``ours`` over the plain 2 processes directly.
 
     The ratio is taken over at most :data:`WORKERS` (``of_ceiling``): 2 processes
-    cannot do more than twice one's work. The control reads above that on a quiet
-    host (2.02-2.16 in one run), its halves each working on half the images, which
-    stay in their CPU's cache; a system whose workers get fresh data each batch,
-    as DALI's do, is not to be rated against that."""
+    cannot do more than twice one's work by their CPUs. The control reads above that
+    on a quiet host (2.02-2.31 in two runs); the likely cause, not verified: its halves
+    each work on half the images, which can stay in their CPU's cache, where a system
+    whose workers get fresh data each batch, as DALI's do, cannot."""
     ceiling = [p / s for p, s in zip(rates[PARALLEL], rates[SERIAL], strict=True)]
     ratio = [o / a for o, a in zip(rates[ours], rates[alone], strict=True)]
     return {
