@@ -23,6 +23,7 @@ T = 240  # seconds: two ranks, each starting a pool, on a loaded host
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 DDP_SCRIPT = """\
+import os
 import sys
 
 import torch.multiprocessing as tmp
@@ -48,7 +49,9 @@ def run(rank, method):
     dl = DataLoader(
         Squares(), batch_size=4, num_workers=2, multiprocessing_context=ctx, collate_fn=collate
     )
-    print("RANK", rank, [b for b in dl], flush=True)
+    # One write of the whole line: the two ranks share the pipe, and print's pieces
+    # (each its own write in a rank's unbuffered stdout) interleaved under load.
+    os.write(1, f"RANK {rank} {[b for b in dl]}\\n".encode())
 
 
 if __name__ == "__main__":
