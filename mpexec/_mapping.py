@@ -225,10 +225,10 @@ def map_calls(
         return map_results(pool, fn, calls, limit, deadline, ordered, calls)
     if check_fn:
         _codec.dump_value(fn)  # name the function, not the wrapper, if it cannot pickle
-    chunks = iter(lambda: (tuple(itertools.islice(calls, chunksize)),), ((),))
+    chunks = iter(lambda: (calls.take(chunksize),), ((),))
     # One wrapper per map(): the workers receive and cache it once.
     run = functools.partial(run_chunk, fn)
-    return flatten(map_results(pool, run, chunks, limit, deadline, ordered, calls))
+    return Results.over(map_results(pool, run, chunks, limit, deadline, ordered, calls))
 
 
 class Inputs:
@@ -256,6 +256,20 @@ class Inputs:
         except Exception as exc:
             self.error = exc
             raise StopIteration from None
+
+    def take(self, n: int) -> tuple[tuple[Any, ...], ...]:
+        """The next ``n`` calls at most, read in one C loop (no Python call a call).
+
+        An exception ends them as in :meth:`__next__`: ``list.extend`` keeps
+        the calls read before it.
+        """
+        got: list[tuple[Any, ...]] = []
+        if self.error is None:
+            try:
+                got.extend(itertools.islice(self.calls, n))
+            except Exception as exc:
+                self.error = exc
+        return tuple(got)
 
     def raise_error(self) -> None:
         """Raise the input's exception, if one raised (once)."""
@@ -483,7 +497,8 @@ class ChunkSizer:
         return need + (-(self.taken - self.base + need)) % self.workers
 
     def take(self, calls: Iterator[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
-        chunk = tuple(itertools.islice(calls, self.next_size()))
+        n = self.next_size()
+        chunk = calls.take(n) if type(calls) is Inputs else tuple(itertools.islice(calls, n))
         if self.left is not None:
             self.left = max(0, self.left - len(chunk))
             if self.plan is not None:
@@ -523,6 +538,28 @@ class _Chunk:
         self.future = future
 
 
+class Results(itertools.chain[T]):
+    """A ``map()``'s results: each chunk's in turn, item by item in C; ``close()`` cancels.
+
+    ``itertools.chain`` over the generator of chunks, not a generator that
+    yields each item: no Python frame resumed an item (one a chunk).
+    """
+
+    __slots__ = ("chunks",)
+    chunks: Generator[Any, None, None]
+
+    @classmethod
+    def over(cls, chunks: Generator[Any, None, None]) -> Results[Any]:
+        """The items of each of ``chunks`` (lists) in turn."""
+        results: Results[Any] = cls.from_iterable(chunks)  # type: ignore[assignment]
+        results.chunks = chunks
+        return results
+
+    def close(self) -> None:
+        """Stop: the chunks in flight are cancelled now, not when collected."""
+        self.chunks.close()
+
+
 def map_auto(
     pool: Executor,
     fn: Callable[..., T],
@@ -533,7 +570,7 @@ def map_auto(
     ordered: bool,
     check_fn: bool = True,
     learned: MutableMapping[Any, tuple[int, float]] | None = None,
-) -> Generator[T, None, None]:
+) -> Results[T]:
     """``map(chunksize=None)``: chunks of :func:`run_measured`, sized by ``sizer``.
 
     ``learned``: where the sizer's last rate is kept for ``fn``'s next map.
@@ -544,6 +581,22 @@ def map_auto(
     calls it did not run: they are sent again, in chunks sized anew, before
     any new call, and keep their place in the order of the results.
     """
+    chunks = _auto_chunks(pool, fn, calls, sizer, limit, deadline, ordered, check_fn, learned)
+    return Results.over(chunks)
+
+
+def _auto_chunks(
+    pool: Executor,
+    fn: Callable[..., T],
+    calls: Iterator[tuple[Any, ...]],
+    sizer: ChunkSizer,
+    limit: int,
+    deadline: float | None,
+    ordered: bool,
+    check_fn: bool,
+    learned: MutableMapping[Any, tuple[int, float]] | None,
+) -> Generator[list[T], None, None]:
+    """:func:`map_auto`'s results, a chunk's at a time."""
     __tracebackhide__ = True  # a call's error is raised from here, for the caller
     # One wrapper per map(): the workers receive and cache it once. The budgets go
     # with it, read now (a worker's module is not this process's).
@@ -622,7 +675,7 @@ def map_auto(
                 if error is None:
                     fill()  # first: the next chunk goes out before this one is read
                 sizer.learn(ran, seconds, cpu, nbytes)
-            yield from results
+            yield results
     finally:
         for c in chunks:
             if c.future is not None:
@@ -643,19 +696,6 @@ def _function_error(fn: Callable[..., Any]) -> SerializationError | None:
     except SerializationError as exc:
         return exc
     return None
-
-
-def flatten(chunks: Generator[list[T], None, None]) -> Iterator[T]:
-    """The results of each chunk in turn; closing it cancels the chunks in flight."""
-    __tracebackhide__ = True  # a call's error is raised from here, for the caller
-    try:
-        for results in chunks:
-            yield from results
-    except Exception as exc:
-        # The same exception, its own __cause__ kept (a user sees this line).
-        raise for_caller(exc)  # noqa: B904
-    finally:
-        chunks.close()  # now, not when collected: it cancels the chunks in flight
 
 
 def map_results(
