@@ -121,6 +121,10 @@ class Task:
         self.settle(exc=exc)
 
 
+#: ``concurrent.futures``' states of a settled future (its ``done()``).
+_SETTLED = frozenset(("CANCELLED", "CANCELLED_AND_NOTIFIED", "FINISHED"))
+
+
 class PoolFuture(Future[T]):
     """A Future whose waiter polls for a quick call's result instead of sleeping.
 
@@ -142,6 +146,23 @@ class PoolFuture(Future[T]):
     def link(self) -> CallLink:
         """What it knows of the pool, while unsettled (for the pool's own rooms)."""
         return self._mp_link
+
+    def settled(self) -> bool:
+        """``done()`` with no lock taken: one read (a state that moves only towards settled)."""
+        return self._state in _SETTLED
+
+    def outcome(self) -> tuple[Any, BaseException | None] | None:
+        """``(result, None)`` or ``(None, exception)`` once finished, with no lock taken
+        (the fields are set before the state, and change no more); None if not settled.
+
+        Raises ``CancelledError`` for a cancelled one.
+        """
+        state = self._state
+        if state == "FINISHED":
+            return self._result, self._exception
+        if state in _SETTLED:
+            raise CancelledError
+        return None
 
     def running(self) -> bool:
         """True once a worker has started the call (not merely received it)."""

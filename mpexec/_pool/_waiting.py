@@ -23,6 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any
 
 from ._delivery import read_call, read_direct
+from ._future import PoolFuture
 
 if TYPE_CHECKING:
     from ._future import Task, UnitFuture
@@ -39,7 +40,7 @@ def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
     (``_delivery``: one thread wake-up instead of two); any other sleeps on the
     future's own condition, as ``concurrent.futures``' ``exception()`` does.
     """
-    if future.done():
+    if future.settled() if type(future) is PoolFuture else future.done():
         return True
     start = time.monotonic()
     settled = read_direct(future, timeout)
@@ -62,6 +63,10 @@ def read_settled(future: Future[Any]) -> tuple[Any, BaseException | None]:
     Raises ``CancelledError`` for a cancelled one, and ``RuntimeError`` for one
     not settled yet (wait with :func:`wait_settled` first): it never waits.
     """
+    if type(future) is PoolFuture:  # its fields read once: no lock taken three times
+        outcome = future.outcome()
+        if outcome is not None:
+            return outcome
     if not future.done():
         raise RuntimeError("read_settled() of a future that is not settled: wait_settled() first")
     exc = Future.exception(future, 0)

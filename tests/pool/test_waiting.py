@@ -8,6 +8,7 @@ by N TF threads at once; the torch drop-in) goes through ``wait_settled`` and
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -79,3 +80,80 @@ def test_a_cancelled_future_is_settled_and_read_as_cancelled() -> None:
     plain: Future[Any] = Future()
     plain.set_result(7)
     assert read_settled(plain) == (7, None)
+
+
+def _frames_in(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the Python frames it ran (in this thread)."""
+    frames = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal frames
+        frames += event == "call"
+
+    sys.setprofile(count)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, frames
+
+
+def test_a_settled_pool_future_is_waited_for_and_read_with_no_lock(
+    pool: mpexec.WorkerPool,
+) -> None:
+    """The drop-in's main thread does this once a batch, cold: ``done()``, ``exception()``
+    and ``result()`` took the future's condition four times (15 frames); 4 now."""
+    future = pool.submit(int, 5)
+    assert future.result(30) == 5
+    both = lambda: (wait_settled(future, 30), read_settled(future))  # noqa: E731
+    (settled, outcome), frames = _frames_in(both)
+    assert (settled, outcome) == (True, (5, None))
+    assert frames - 1 <= 4, frames  # (less the lambda's own frame)
+    failed = pool.submit(_fail, 4)
+    assert wait_settled(failed, 30)
+    result, exc = read_settled(failed)
+    assert result is None
+    assert isinstance(exc, ValueError)
+    # A cancelled pool future (never sent: both workers busy, it waits behind them).
+    busy = [pool.submit_call(time.sleep, (0.3,), worker=w) for w in range(2)]
+    queued = pool.submit_call(int, (1,), worker=0)
+    assert queued.cancel()
+    assert wait_settled(queued, 0)
+    with pytest.raises(CancelledError):
+        read_settled(queued)
+    for b in busy:
+        b.result(30)
+
+
+def test_settling_a_future_takes_its_lock_once() -> None:
+    from mpexec._mapping import settle
+
+    def enters(future: Future[Any], *outcome: Any) -> int:
+        taken = 0
+
+        def count(frame: Any, event: str, arg: Any) -> None:
+            nonlocal taken
+            code = frame.f_code
+            taken += (
+                event == "call" and code.co_name == "__enter__" and "threading" in code.co_filename
+            )
+
+        sys.setprofile(count)
+        try:
+            settle(future, *outcome)
+        finally:
+            sys.setprofile(None)
+        return taken
+
+    future: Future[Any] = Future()
+    assert enters(future, 3) == 1  # 2 before: done() first, then set_result()
+    assert future.result(0) == 3
+    settle(future, 4)  # done already: kept as it was
+    assert future.result(0) == 3
+    cancelled: Future[Any] = Future()
+    cancelled.cancel()
+    settle(cancelled, None, ValueError("late"))
+    assert cancelled.cancelled()
+    failed: Future[Any] = Future()
+    settle(failed, None, ValueError("x"))
+    assert isinstance(failed.exception(0), ValueError)
