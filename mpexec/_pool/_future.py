@@ -282,7 +282,8 @@ class UnitFuture:
         return self._exception
 
     def result(self, timeout: float | None = None) -> Any:
-        exc = self.exception()
+        # (Settled and not cancelled read here: no exception() frame a unit.)
+        exc = self._exception if not self._hook and not self._cancelled else self.exception()
         if exc is not None:
             raise exc
         return self._result

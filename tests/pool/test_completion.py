@@ -10,6 +10,7 @@ shutdown) reaches the hook exactly once. And many threads waiting in
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -115,6 +116,35 @@ def test_a_unit_futures_first_settling_wins() -> None:
     assert not outcome.cancelled()
     cancelled = _future.UnitFuture(hook)
     assert _future.cancel_now(cancelled)
+    with pytest.raises(CancelledError):
+        cancelled.result()
+
+
+def test_a_settled_units_result_is_read_in_one_frame() -> None:
+    """The scheduler reads every unit's result in the manager thread: one frame, not two."""
+    frames = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal frames
+        frames += event == "call"
+
+    outcome = _future.UnitFuture(_Outcomes())
+    with pytest.raises(RuntimeError, match="read by its hook"):
+        outcome.result()  # not settled
+    outcome.set_result(5)
+    sys.setprofile(count)
+    try:
+        got = outcome.result()
+    finally:
+        sys.setprofile(None)
+    assert got == 5
+    assert frames == 1, frames  # 2 before: result() called exception()
+    failed = _future.UnitFuture(_Outcomes())
+    failed.set_exception(ValueError("bad"))
+    with pytest.raises(ValueError, match="bad"):
+        failed.result()
+    cancelled = _future.UnitFuture(_Outcomes())
+    assert cancelled.cancel()
     with pytest.raises(CancelledError):
         cancelled.result()
 
