@@ -67,7 +67,7 @@ import collections
 import functools
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import numpy as np
@@ -861,10 +861,11 @@ class Scheduler:
                 self._fail(it, exc)
 
     def _chunk_in(self, it: Iteration, s: OpState, ci: int, elapsed: float, future: Any) -> None:
-        if future.cancelled():
+        try:
+            exc = future.exception()  # (not cancelled() first: a frame less a unit)
+        except CancelledError:
             self._fail(it, PoolClosedError("the pipeline was closed"))
             return
-        exc = future.exception()
         if exc is not None:
             name = getattr(exc, "mpexec_op", None)
             op = next((m.op for m in s.members if m.op.name == name), s.op)

@@ -133,6 +133,42 @@ def test_a_batch_costs_the_scheduler_few_python_calls(workers: int) -> None:
     assert n / batches <= 24, n / batches  # 20 here
 
 
+def test_a_units_outcome_is_read_in_two_calls() -> None:
+    """``exception()`` then ``result()``: a cancelled outcome raises in ``exception()``,
+    as a done Future's does, so ``cancelled()`` is not asked first (3 calls a unit before)."""
+    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=1)
+    pipe.define(_graph)
+    assert pipe._graph is not None
+    scheduler = Scheduler(
+        pipe._graph.plan(),
+        _Inline(2),
+        batch_size=BATCH,
+        prefetch_depth=2,
+        seed=1,
+        last_batch="partial",
+        debug=False,
+    )
+    reads = {_Outcome.cancelled.__code__, _Outcome.exception.__code__, _Outcome.result.__code__}
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call" and frame.f_code in reads
+
+    try:
+        for _ in range(8):
+            scheduler.next_result()
+        sys.setprofile(profile)
+        try:
+            for _ in range(16):
+                scheduler.next_result()
+        finally:
+            sys.setprofile(None)
+    finally:
+        scheduler.close()
+    assert calls / 16 <= 2, calls / 16  # one unit a batch here, once learned
+
+
 def test_a_pipelines_run_checks_for_a_fork_once_a_process() -> None:
     """run() asked its pool whether this process is a fork, twice a batch (11 calls)."""
     checks = {"build", "_check_not_forked", "_forked_from", "status", "forked"}
