@@ -192,6 +192,18 @@ class PoolFuture(Future[T]):
                 return cancel_now(self)
             return cancel_pushed(slot, link.seq, self)
 
+    def cancel_unsent(self) -> bool:
+        """Cancel it (no worker will run it) and wake its waiters at once."""
+        # Future.cancel() leaves waiters asleep until set_running_or_notify_cancel(),
+        # which only the standard executors call: the future's own condition is the
+        # one lock that makes the two steps one.
+        with self._condition:
+            if not Future.cancel(self):
+                return False
+            if self._state == "CANCELLED":  # not yet CANCELLED_AND_NOTIFIED
+                self.set_running_or_notify_cancel()
+            return True
+
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
         """As ``Future``'s; a callback run by the pool's thread cannot stop the pool.
 
@@ -337,26 +349,14 @@ class _GuardedCallback:
         )
 
 
-def cancel_now(future: Future[Any] | UnitFuture) -> bool:
+def cancel_now(future: PoolFuture[Any] | UnitFuture) -> bool:
     """Cancel a call no worker will run, and tell its waiters (``wait()``) at once."""
     if type(future) is UnitFuture:
         return future.cancel()  # no waiters: its hook is told
-    return _cancel_future(future)  # type: ignore[arg-type]
+    return future.cancel_unsent()  # type: ignore[union-attr]
 
 
-def _cancel_future(future: Future[Any]) -> bool:
-    # Future.cancel() leaves waiters asleep until set_running_or_notify_cancel(),
-    # which only the standard executors call: the future's own condition is the
-    # one lock that makes the two steps one.
-    with future._condition:  # noqa: SLF001 - concurrent.futures' lock, see above
-        if not Future.cancel(future):
-            return False
-        if future._state == "CANCELLED":  # noqa: SLF001 - not yet CANCELLED_AND_NOTIFIED
-            future.set_running_or_notify_cancel()
-        return True
-
-
-def cancel_pushed(slot: Slot, seq: int, future: Future[Any] | UnitFuture) -> bool:
+def cancel_pushed(slot: Slot, seq: int, future: PoolFuture[Any] | UnitFuture) -> bool:
     """Cancel call ``seq`` pushed to ``slot``'s worker unless it started (state lock held).
 
     The handshake of ``_protocol``'s cancellation: CANCEL, read the worker's
