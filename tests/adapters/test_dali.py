@@ -295,6 +295,27 @@ def test_python_function_copies_each_chunk_in_as_it_goes(adjacent: bool) -> None
     assert np.array_equal(pool.seen[1], batch)
 
 
+def test_python_function_learns_nothing_from_a_batch_written_whole_into_its_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first batch sets the output block's shape (learned from its samples); a batch
+    # whose every row was written into that block hands DALI the block's rows as they
+    # are: checking their shapes and dtypes again, a sample at a time, learns nothing.
+    learned: list[int] = []
+    real = mpexec.dali.DaliFunction._learn
+
+    def counted(self: Any, i: int, col: list[Any]) -> None:
+        learned.append(len(col))
+        real(self, i, col)
+
+    monkeypatch.setattr(mpexec.dali.DaliFunction, "_learn", counted)
+    spread = mpexec.dali.python_function(_work, pool=_RecordingPool())  # type: ignore[arg-type]
+    for k in range(3):
+        batch = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) + k
+        assert np.array_equal(np.stack(spread(list(batch))), _work(batch))
+    assert learned == [8]
+
+
 class _Blocks:
     """The pool's ``empty``, alone (what :class:`mpexec.dali._SharedRows` asks of it)."""
 
