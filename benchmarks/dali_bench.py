@@ -29,7 +29,7 @@ the same work on a batch in one of 2 processes of a plain
 ``multiprocessing`` pool (no DALI, no mpexec), then split over both, on
 batches each process made before timing, as DALI's source's are (and, as a
 serial baseline beside DALI alone, the same loop in this process, which is
-not in the ceiling: it ran the work 7-11% slower a sample in CPU time than
+not in the ceiling: it ran the work 8-11% slower a sample in CPU time than
 the plain processes). On a host loaded by other work, 2 processes get less
 than 2 cores, and no system can exceed that ratio ("the host's 2-process
 ceiling", which moved 1.56-1.80 from run to run here). So mpexec.dali's figure against it is
@@ -285,7 +285,7 @@ def paired(rates: dict[str, list[float]], ours: str, alone: str) -> dict[str, li
 
     The ceiling's two halves run in the same processes: over this process's serial
     loop instead, it read 2.07-2.26x on a quiet host, because this process ran the same
-    work ~7-11% slower a sample (CPU time) than the plain processes did; over one of
+    work ~8-11% slower a sample (CPU time) than the plain processes did; over one of
     them, it is what a second process adds on this host. The ratio is still taken
     over at most :data:`WORKERS` (``of_ceiling``): 2 processes cannot do more than
     twice one's work by their CPUs."""
