@@ -23,14 +23,16 @@ same load (a round's phases are interleaved at ~0.1 s, not ~1 s). Samples/s
 per round, and per round the ratio of each system to DALI alone (with the
 CPU time the DALI process spent per sample: the work itself for DALI alone,
 what handing it out costs for the others, which load does not change); the
-median ratio and its range over the rounds are the figures. A control, two
-more systems in the same blocks, says what this machine allowed at that
-time: the same work on a batch, in this process and then split over 2
-processes of a plain ``multiprocessing`` pool (no DALI, no mpexec), on
-batches each process made before timing, as DALI's source's are. On a
-host loaded by other work, 2 processes get less than 2 cores, and no system
-can exceed that ratio ("the host's 2-process ceiling", which moved
-1.56-1.80 from run to run here). So mpexec.dali's figure against it is
+median ratio and its range over the rounds are the figures. A control, more
+systems in the same blocks, says what this machine allowed at that time:
+the same work on a batch in one of 2 processes of a plain
+``multiprocessing`` pool (no DALI, no mpexec), then split over both, on
+batches each process made before timing, as DALI's source's are (and, as a
+serial baseline beside DALI alone, the same loop in this process, which is
+not in the ceiling: it ran the work 8-11% slower a sample in CPU time than
+the plain processes). On a host loaded by other work, 2 processes get less
+than 2 cores, and no system can exceed that ratio ("the host's 2-process
+ceiling", which moved 1.56-1.80 from run to run here). So mpexec.dali's figure against it is
 taken round by round: its ratio over the same round's ceiling, then the
 median and range of those (and, with no serial baseline in it at all,
 mpexec.dali's samples/s over the plain 2 processes'). Every output
@@ -214,30 +216,44 @@ def premake(n: int) -> None:
     _PREMADE[:] = [images(i) for i in range(n)]
 
 
-def _work_on(args: tuple[Work, int, int, int]) -> int:
+def _work_on(args: tuple[Work, int, int, int]) -> float:
     """The control's task, in a plain process: ``work`` on rows ``a:b`` of batch ``i``
-    (of the batches :func:`premake` made in that process)."""
+    (of the batches :func:`premake` made in that process). Returns the CPU time it
+    took (of the thread that ran it)."""
     work, i, a, b = args
+    t0 = time.thread_time()
     for x in _PREMADE[i % len(_PREMADE)][a:b]:
         work(x)
-    return b - a
+    return time.thread_time() - t0
 
 
-def _serial(work: Work, batches: range) -> None:
-    """The control's first half: ``work`` on whole batches, in this process."""
-    for i in batches:
-        _work_on((work, i, 0, BATCH))
+def _serial(work: Work, batches: range) -> float:
+    """The serial baseline: ``work`` on whole batches, in this process (the one DALI
+    alone runs in). Returns the CPU time the work took."""
+    return sum(_work_on((work, i, 0, BATCH)) for i in batches)
 
 
-def _parallel(work: Work, batches: range, executor: Any) -> None:
-    """The control's second half: each batch split over 2 plain processes."""
+def _one_plain(work: Work, batches: range, executor: Any) -> float:
+    """The control's first half: each whole batch in one of the 2 plain processes (the
+    other idle). Returns the CPU time the work took there."""
+    return sum(t for i in batches for t in executor.map(_work_on, [(work, i, 0, BATCH)]))
+
+
+def _parallel(work: Work, batches: range, executor: Any) -> float:
+    """The control's second half: each batch split over the 2 plain processes. Returns
+    the CPU time the work took there (both processes)."""
     half = BATCH // 2
-    for i in batches:
-        list(executor.map(_work_on, [(work, i, 0, half), (work, i, half, BATCH)]))
+    return sum(
+        t
+        for i in batches
+        for t in executor.map(_work_on, [(work, i, 0, half), (work, i, half, BATCH)])
+    )
 
 
-#: The control's two halves, measured as two more systems in every block.
-SERIAL, PARALLEL = "plain, 1 process", "plain, 2 processes"
+#: The serial baseline in this process, and the control's two halves (the same two
+#: plain processes: one of them, then both), measured as more systems in every block.
+SERIAL, ONE_PLAIN, PARALLEL = "plain, 1 process", "plain, 1 of the 2", "plain, 2 processes"
+CONTROL = (SERIAL, ONE_PLAIN, PARALLEL)
 
 
 def _queued() -> float | None:
@@ -264,15 +280,16 @@ def schedule(
 
 def paired(rates: dict[str, list[float]], ours: str, alone: str) -> dict[str, list[float]]:
     """Round by round, from rates measured in the same round: the host's 2-process
-    ceiling (plain, 2 processes over 1), ``ours`` over ``alone``, that ratio over the
-    ceiling, and ``ours`` over the plain 2 processes directly.
+    ceiling (the 2 plain processes over one of themselves), ``ours`` over ``alone``,
+    that ratio over the ceiling, and ``ours`` over the plain 2 processes directly.
 
-    The ratio is taken over at most :data:`WORKERS` (``of_ceiling``): 2 processes
-    cannot do more than twice one's work by their CPUs. The control reads above that
-    on a quiet host (2.02-2.31 in two runs); the likely cause, not verified: its halves
-    each work on half the images, which can stay in their CPU's cache, where a system
-    whose workers get fresh data each batch, as DALI's do, cannot."""
-    ceiling = [p / s for p, s in zip(rates[PARALLEL], rates[SERIAL], strict=True)]
+    The ceiling's two halves run in the same processes: over this process's serial
+    loop instead, it read 2.07-2.26x on a quiet host, because this process ran the same
+    work ~8-11% slower a sample (CPU time) than the plain processes did; over one of
+    them, it is what a second process adds on this host. The ratio is still taken
+    over at most :data:`WORKERS` (``of_ceiling``): 2 processes cannot do more than
+    twice one's work by their CPUs."""
+    ceiling = [p / s for p, s in zip(rates[PARALLEL], rates[ONE_PLAIN], strict=True)]
     ratio = [o / a for o, a in zip(rates[ours], rates[alone], strict=True)]
     return {
         "ceiling": ceiling,
@@ -328,7 +345,7 @@ def throughput(
         ahead[name] = pipes[name].prefetch_queue_depth - 1
     premake(iterations)  # the serial control's batches (the plain processes make their own)
     runs = dict.fromkeys(pipes, 0)  # run() calls so far: run k returns batch k % iterations
-    systems = [*pipes, SERIAL, PARALLEL]
+    systems = [*pipes, *CONTROL]
     rates: dict[str, list[float]] = {k: [] for k in systems}
     # This process's CPU a sample: the pipelines', and the serial control's (whose work a
     # sample should be DALI alone's, less DALI's own: the two baselines' check).
@@ -336,6 +353,12 @@ def throughput(
     # The main thread's wait for a CPU a sample in the baselines' blocks (DALI alone runs
     # the function on it): where their wall time went that their CPU time does not show.
     queued: dict[str, list[float]] = {ALONE: [], SERIAL: []}
+    # The control's work a sample, CPU time of the thread running it (this one, one plain
+    # process, each of the two): the halves of a like-for-like ceiling read alike.
+    work_cpu: dict[str, list[float]] = {k: [] for k in CONTROL}
+    # And mpexec.dali's workers': the op's own reading of its last batch (a chunk's CPU
+    # time in the worker, its samples' work and their write into the output block).
+    workers_cpu: list[float] = []
     identical = dict.fromkeys(pipes, True)
     for name, pipe in pipes.items():  # warm up: workers started, functions cached
         pipe.run()
@@ -346,16 +369,22 @@ def throughput(
     for r in range(rounds):
         spent = dict.fromkeys(systems, 0.0)
         cpu_spent = dict.fromkeys(cpu, 0.0)
+        work_spent = dict.fromkeys(CONTROL, 0.0)
         for name, batches in schedule(systems, iterations, block, r):
             q0, c0, t0 = _queued(), time.process_time(), time.perf_counter()
             if name == SERIAL:
-                _serial(work, batches)
+                work_spent[name] += _serial(work, batches)
+            elif name == ONE_PLAIN:
+                work_spent[name] += _one_plain(work, batches, executor)
             elif name == PARALLEL:
-                _parallel(work, batches, executor)
+                work_spent[name] += _parallel(work, batches, executor)
             else:
                 pipe = pipes[name]
                 # DALI reuses an output's memory at the next run(): copied at once (~0.1 ms).
                 outs = [np.array(pipe.run()[0].as_tensor()) for _ in batches]
+                seen = getattr(functions.get(name), "_per_sample", None)  # mpexec.dali's
+                if name == OURS and seen:
+                    workers_cpu.append(seen * 1e6)
                 if name in counted:  # its batch ahead is this block's work too
                     counted[name].wait_for(runs[name] + len(batches) + ahead[name])
             spent[name] += time.perf_counter() - t0
@@ -372,6 +401,8 @@ def throughput(
             rates[name].append(iterations * BATCH / spent[name])
         for name, per_sample in cpu.items():
             per_sample.append(cpu_spent[name] / (iterations * BATCH) * 1e6)
+        for name, per_sample in work_cpu.items():
+            per_sample.append(work_spent[name] / (iterations * BATCH) * 1e6)
     base = rates[ALONE]
     pairs = paired(rates, OURS, ALONE)
     out: dict[str, Any] = {
@@ -380,13 +411,13 @@ def throughput(
         "host_ceiling": _spread(pairs["ceiling"]),
         "mpexec_dali_of_ceiling": _spread(pairs["of_ceiling"]),
         "mpexec_dali_vs_plain_2_processes": _spread(pairs["vs_plain_2_processes"]),
-        "control_samples_per_s": {SERIAL: rates[SERIAL], PARALLEL: rates[PARALLEL]},
+        "control_samples_per_s": {k: rates[k] for k in CONTROL},
+        "control_work_cpu_us_per_sample": {k: _spread(v) for k, v in work_cpu.items()},
+        "mpexec_dali_workers_cpu_us_per_sample": _spread(workers_cpu) if workers_cpu else None,
         "serial_cpu_us_per_sample": statistics.median(cpu[SERIAL]),
         "serial_vs_alone": _spread([s / a for s, a in zip(rates[SERIAL], base, strict=True)]),
         "queued_us_per_sample": {k: statistics.median(v) for k, v in queued.items() if v},
-        "beyond_work_ms_per_batch": beyond_work(
-            rates, cpu[SERIAL], [ALONE, OURS, SERIAL, PARALLEL]
-        ),
+        "beyond_work_ms_per_batch": beyond_work(rates, cpu[SERIAL], [ALONE, OURS, *CONTROL]),
         "by_system": {},
     }
     if OURS + DEFAULT_EXECUTOR in pipes:
@@ -559,6 +590,26 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _control_cpu_line(tp: dict[str, Any]) -> str:
+    """The control's work a sample in CPU time, where it ran: its two halves should read
+    alike (a like-for-like ceiling); this process's serial loop beside them."""
+    w = tp.get("control_work_cpu_us_per_sample")
+    if not w:
+        return ""
+    where = {SERIAL: "this process", ONE_PLAIN: "1 plain process", PARALLEL: "each of 2"}
+    rows = {where[k]: v for k, v in w.items()}
+    if tp.get("mpexec_dali_workers_cpu_us_per_sample"):
+        rows["mpexec.dali's workers"] = tp["mpexec_dali_workers_cpu_us_per_sample"]
+    return (
+        "the work a sample, CPU time where it ran: "
+        + ", ".join(
+            f"{k} {fmt_time(v['median'])} ({fmt_time(v['min'])} - {fmt_time(v['max'])})"
+            for k, v in rows.items()
+        )
+        + "\n"
+    )
+
+
 def report(result: dict[str, Any]) -> str:
     env, st = result["env"], result["settings"]
     load = result["load_avg"]
@@ -605,9 +656,10 @@ def report(result: dict[str, Any]) -> str:
                 ],
                 rows,
             )
-            + f"\n\nthe host's 2-process ceiling (plain processes, same work, same rounds): "
-            f"{c['median']:.2f}x ({c['min']:.2f} - {c['max']:.2f})\n"
-            f"mpexec.dali's ratio over its own round's ceiling (at most {WORKERS}x), round by "
+            + f"\n\nthe host's 2-process ceiling (2 plain processes over 1 of them, same work, "
+            f"same rounds): {c['median']:.2f}x ({c['min']:.2f} - {c['max']:.2f})\n"
+            + _control_cpu_line(tp)
+            + f"mpexec.dali's ratio over its own round's ceiling (at most {WORKERS}x), round by "
             f"round: {of['median']:.2f}x ({of['min']:.2f} - {of['max']:.2f})\n"
             f"mpexec.dali over the plain 2 processes directly (no serial baseline): "
             f"{direct['median']:.2f}x ({direct['min']:.2f} - {direct['max']:.2f})"

@@ -354,7 +354,9 @@ class Arena:
             return ArrayDescriptor(
                 self.id, 0, None, 0, 0, arr.dtype, arr.shape, (), 0, not arr.flags.writeable
             )
-        anchor = find_anchor(arr)
+        # An array that owns its bytes (a function's fresh result) is no view of an
+        # arena: copied in with no look for an anchor.
+        anchor = None if arr.base is None else find_anchor(arr)
         if anchor is None or not self._in_place(anchor):
             return self._share_copy(arr, tag, peer)
         if anchor.arena_id != self.id and owner_gone(anchor.keep.handle):
@@ -437,11 +439,16 @@ class Arena:
         The reference is counted before the copy and owed to ``peer`` after
         it: a :meth:`reclaim` meanwhile cannot free the block under the copy.
         """
+        # A worker's every result comes this way, right after the function ran,
+        # when the code and data below are out of the CPU's caches: each Python
+        # call costs several times its warm cost there, so the checks are inline.
         core, strides = _compact(arr) if 0 in arr.strides else (arr, None)
         nbytes = core.nbytes
         with self._lock:
-            self._check_open()
-            self._owed_by(peer)  # a bad peer fails before anything is allocated
+            if self._closed:
+                self._check_open()  # raises
+            if peer is not None and id(peer) not in self._owed:
+                self._owed_by(peer)  # raises: a bad peer fails before anything is allocated
             alloc = self._allocate_locked(nbytes, tag, not self.sealed)
             alloc.exported += 1
             self._exported += 1
@@ -452,7 +459,7 @@ class Arena:
         try:
             buf = seg.rw.buf
             copy: np.ndarray[Any, Any] = np.ndarray(core.shape, core.dtype, buf, alloc.offset)
-            np.copyto(copy, core, casting="no")
+            copy[...] = core  # the same dtype: np.copyto's casting="no" without its Python frame
             if strides is not None:
                 copy = np.ndarray(arr.shape, arr.dtype, buf, alloc.offset, strides)
         except BaseException:
@@ -462,33 +469,26 @@ class Arena:
                 self._maybe_free(alloc)
             raise
         with self._lock:
-            try:
-                owed = self._owed_by(peer)  # reclaimed meanwhile: nobody will release it
-            except ValueError:
+            owed = None if peer is None else self._owed.get(id(peer))
+            if owed is None and peer is not None:  # reclaimed meanwhile: nobody will release it
                 alloc.exported -= 1
                 self._exported -= 1
                 self._maybe_free(alloc)
-                raise
+                self._owed_by(peer)  # raises
             if owed is not None:
                 owed[alloc.id] = owed.get(alloc.id, 0) + 1
             self.bytes_copied += nbytes
-        return self._describe(alloc, copy, 0, strides is not None)
-
-    def _describe(
-        self, alloc: _Alloc, view: np.ndarray[Any, Any], start: int, readonly: bool
-    ) -> ArrayDescriptor:
-        """The descriptor of ``view``, ``start`` bytes into ``alloc``'s block."""
         return new_descriptor(
             self.id,
             alloc.id,
             alloc.handle,
             alloc.offset,
             alloc.size,
-            view.dtype,
-            view.shape,
-            view.strides,
-            start,
-            readonly,
+            copy.dtype,
+            copy.shape,
+            copy.strides,
+            0,
+            strides is not None,
         )
 
     def _owed_by(self, peer: Ring | None) -> dict[int, int] | None:
@@ -565,7 +565,8 @@ class Arena:
 
     def _allocate_locked(self, nbytes: int, tag: str, opened: bool) -> _Alloc:
         """A new block in a segment ``opened`` to peers' writes, or not (lock held)."""
-        self._check_open()
+        if self._closed:
+            self._check_open()  # raises
         # Blocks released by peers meanwhile are freed first, so that the
         # block just released (the last call's result) is taken again: its
         # pages are mapped, in cache, and written already. Left for later,
@@ -573,9 +574,9 @@ class Arena:
         # worker's working set becomes its whole segment, and every page
         # of it faults in once.
         self._collect_locked()
-        found = self._fit(nbytes, opened) or self._grow(nbytes, opened)
-        seg, offset = found
-        size = seg.free.round(nbytes)
+        # FreeList.round, inline: every segment's alignment is ALIGNMENT.
+        size = -(-nbytes // ALIGNMENT) * ALIGNMENT or ALIGNMENT
+        seg, offset = self._fit(nbytes, size, opened) or self._grow(nbytes, opened)
         if offset + size > seg.committed:
             self._commit(seg, offset, size)
         if self._discard or seg.holes:
@@ -641,7 +642,8 @@ class Arena:
             if seg.rw.discard(a, b - a):
                 seg.holes.append((a, b))
 
-    def _fit(self, nbytes: int, opened: bool) -> tuple[_Seg, int] | None:
+    def _fit(self, nbytes: int, size: int, opened: bool) -> tuple[_Seg, int] | None:
+        """A block of ``nbytes`` (``size`` rounded) in a segment we have, or None."""
         if self.keep_free and self._discard and nbytes >= (self.discard_min or 0):
             # Freed pages kept warm (keep_free): the newest taken first, rather
             # than the first fit, which may be pages already given back.
@@ -654,7 +656,7 @@ class Arena:
             if seg.open != opened:
                 continue
             parked = seg.parked
-            if parked is not None and parked[1] == max(ALIGNMENT, _round_up(nbytes, ALIGNMENT)):
+            if parked is not None and parked[1] == size:
                 seg.parked = None
                 return seg, parked[0]
             offset = seg.free.allocate(nbytes)

@@ -185,6 +185,7 @@ class Ring:
         # The items eventfd (None: a pipe), written and read here directly on
         # the hot paths (push, try_pop); only while the ring is open.
         self._items_fd = items.event_fd
+        self._items_rfd = items.fileno()  # for fileno(), asked on a pool's every direct read
         # Local to the process using each end; see the module docstring.
         self._head = _U64.unpack_from(self._buf, _HEAD)[0]
         self._tail = _U64.unpack_from(self._buf, _TAIL)[0]
@@ -223,8 +224,9 @@ class Ring:
     # ---------------------------------------------------------------- producer
     def fileno(self) -> int:
         """Readable while records wait to be popped (for :func:`wait`)."""
-        self._check_usable()
-        return self._items.fileno()
+        if self._closed:
+            self._check_usable()  # raises
+        return self._items_rfd
 
     def try_push(self, data: bytes | bytearray | memoryview) -> bool:
         """Push one record if a slot is free now; False otherwise."""

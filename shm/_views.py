@@ -515,9 +515,8 @@ class _Importer:
         # few kept, every batch past 4 workers mapped its segment anew. The
         # bounds limit the memory a peer can keep alive after its owner freed
         # it: one segment per live peer (dropped with its route), a few more.
-        if recent and recent[-1] is not seg:
-            with contextlib.suppress(ValueError):
-                recent.remove(seg)
+        if recent and recent[-1] is not seg and seg in recent:  # not contextlib.suppress:
+            recent.remove(seg)  # its three calls, on most results from W workers in turn
         if not recent or recent[-1] is not seg:
             recent.append(seg)
         return seg
@@ -737,7 +736,11 @@ def open_array(
     if win is not None:
         anchor.span = on_release(anchor, imp.close_span, win, first, end)
     on_release(anchor, imp.released, desc.arena_id, desc.alloc_id)
-    return build_view(anchor, desc.dtype, desc.shape, desc.strides, desc.start)
+    # build_view, inline (a result's every array opens here)
+    opened: np.ndarray[Any, Any] = np.ndarray(
+        desc.shape, desc.dtype, np.asarray(anchor), desc.start, desc.strides
+    )
+    return opened
 
 
 _PROT_NONE = 0

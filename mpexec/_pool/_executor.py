@@ -252,8 +252,12 @@ class WorkerPool(CallExecutor):
         state = self._state
         state.check_not_forked()
         with state.lock:
-            state.check_usable()
-            task = state.new_task(fn, args, kwargs, worker, view, hook)
+            # A TF op's body submits on its every call, from a thread woken cold:
+            # PoolState's one-line steps (check_usable, new_task,
+            # count_submitted) are inline here.
+            if state.broken is not None or state.closed:
+                state.check_usable()  # raises
+            task = Task(state, next(state.next_task_id), fn, args, kwargs, worker, view, hook)
             slot = state.pick_slot(task)
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
@@ -264,7 +268,7 @@ class WorkerPool(CallExecutor):
                     self._sender.dispatch_pending()
             else:
                 self._sender.send(task, slot)
-            state.count_submitted()
+            state.submitted += 1
         return task
 
     def _run_inline(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:

@@ -23,7 +23,7 @@ import shm
 
 from .. import _protocol
 from .._errors import PoolClosedError, forked_error, raised_again
-from ._future import Task, UnitFuture, cancel_now, cancel_pushed
+from ._future import Task, cancel_now, cancel_pushed
 
 if TYPE_CHECKING:
     from ._manager import Watcher
@@ -352,18 +352,6 @@ class PoolState:
         return PoolStatus(state, self.pid)
 
     # ------------------------------------------------------------ calls and workers
-    def new_task(
-        self,
-        fn: Callable[..., Any],
-        args: Any,
-        kwargs: Any,
-        worker: int | None,
-        view: bool,
-        hook: Callable[[UnitFuture], object] | None = None,
-    ) -> Task:
-        """A task for a submitted call (the lock is held)."""
-        return Task(self, next(self.next_task_id), fn, args, kwargs, worker, view, hook)
-
     def pick_slot(self, task: Task) -> Slot | None:
         """The worker ``task`` goes to now: its pinned one, or the least busy; None if full."""
         if task.worker is not None:

@@ -9,6 +9,7 @@ environment) and checks mpexec's DALI names against the real package.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -292,6 +293,80 @@ def test_python_function_copies_each_chunk_in_as_it_goes(adjacent: bool) -> None
     assert np.array_equal(first[:4], batch[:4])  # 2 chunks: the first one's rows, only
     assert not first[4:].any()
     assert np.array_equal(pool.seen[1], batch)
+
+
+def test_python_function_learns_nothing_from_a_batch_written_whole_into_its_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first batch sets the output block's shape (learned from its samples); a batch
+    # whose every row was written into that block hands DALI the block's rows as they
+    # are: checking their shapes and dtypes again, a sample at a time, learns nothing.
+    learned: list[int] = []
+    real = mpexec.dali.DaliFunction._learn
+
+    def counted(self: Any, i: int, col: list[Any]) -> None:
+        learned.append(len(col))
+        real(self, i, col)
+
+    monkeypatch.setattr(mpexec.dali.DaliFunction, "_learn", counted)
+    spread = mpexec.dali.python_function(_work, pool=_RecordingPool())  # type: ignore[arg-type]
+    for k in range(3):
+        batch = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) + k
+        assert np.array_equal(np.stack(spread(list(batch))), _work(batch))
+    assert learned == [8]
+
+
+class _Blocks:
+    """The pool's ``empty``, alone (what :class:`mpexec.dali._SharedRows` asks of it)."""
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
+        return np.zeros(shape, dtype)
+
+
+def test_python_function_copies_a_dense_batch_in_with_no_python_call_a_sample() -> None:
+    # The calling thread's copy of a batch into shared memory, before any worker has
+    # work: DALI's thread runs it on cold code after DALI's own steps. It checked that
+    # DALI's views lay back to back through ndarray.ctypes, two Python calls a sample.
+    from mpexec.dali import _SharedRows
+
+    calls = {}
+    for n in (4, 32):
+        samples = _back_to_back(n, (5, 3))
+        seen = [0]
+
+        def count(frame: Any, event: str, arg: Any, seen: list[int] = seen) -> None:
+            if event == "call" and frame.f_code.co_name != "<genexpr>":
+                seen[0] += 1
+
+        sys.setprofile(count)
+        try:
+            rows = _SharedRows(_Blocks(), samples)  # type: ignore[arg-type]
+            got = [rows.rows(0, n // 2), rows.rows(n // 2, n)]
+        finally:
+            sys.setprofile(None)
+        assert np.array_equal(np.concatenate(got), np.stack(samples))
+        calls[n] = seen[0]
+    assert calls[32] == calls[4]
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [np.array(float(i)) for i in range(5)],  # one value each
+        [np.zeros((3, 0), np.int16) for _ in range(4)],  # empty samples
+        list(np.arange(60, dtype=np.int32).reshape(5, 4, 3)[:, ::2]),  # strided views
+        list(np.arange(60, dtype=np.uint8).reshape(3, 4, 5).transpose(0, 2, 1)),  # F-order
+    ],
+    ids=["scalars", "empty", "strided", "transposed"],
+)
+def test_python_function_copies_in_samples_of_any_layout(samples: list[Any]) -> None:
+    from mpexec.dali import _SharedRows
+
+    rows = _SharedRows(_Blocks(), samples)  # type: ignore[arg-type]
+    n = len(samples)
+    got = np.concatenate([rows.rows(0, 2), rows.rows(2, n)])
+    assert got.shape == (n, *samples[0].shape)
+    assert np.array_equal(got, np.stack(samples))
 
 
 def test_source_gives_dense_blocks_and_ends_epochs() -> None:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import pickle
 import random
+import sys
 import threading
 import time
 from collections import deque
@@ -419,6 +420,32 @@ def test_push_keeps_failing_after_consumer_closed(no_leaks: None) -> None:
             "close, including close_consumer's extra one, are spent without re-checking "
             "the flag)"
         )
+
+
+def test_fileno_is_the_items_doorbell_in_one_call_and_refused_once_closed(
+    no_leaks: None,
+) -> None:
+    """A pool's direct read asks fileno() three times a call: no further Python call.
+    Closed, the fd number may belong to another file by now: it raises, as before."""
+    ring = shm.Ring(4, 8)
+    calls = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+
+    fd = ring.fileno()
+    ring.push(b"x")
+    assert shm.wait([ring], timeout=0) == [ring]  # readable through that fd
+    sys.setprofile(profile)
+    try:
+        assert ring.fileno() == fd
+    finally:
+        sys.setprofile(None)
+    assert calls == ["fileno"], calls  # fileno, _check_usable, Doorbell.fileno before
+    ring.close()
+    with pytest.raises(ValueError, match="closed Ring"):
+        ring.fileno()
 
 
 def _eventfd_count(fd: int) -> int:
