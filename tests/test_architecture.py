@@ -71,13 +71,11 @@ MAX_INTERNAL = 0  # 20 before the pool became a package with a public seam; 4 be
 # Arena.open_own (-2) and before a stdlib Future's _state was classed foreign (-1: rule 1,
 # the variable is annotated ``Future``); 1 before Pipeline.epoch_length/declared_outputs
 # (tf.py read pipe._graph)
-MAX_FOREIGN = 24  # 22 with that one internal (the torch adapter's 21 are in torch/_compat);
+MAX_FOREIGN = 22  # 22 with that one internal (the torch adapter's 21 are in torch/_compat);
 # +1: pipeline_def marks the function it returns with DALI's `_is_pipeline_def`, which
 # DALI's code reads (a name DALI gives our own object, not a reach into a library);
 # -2: a pool future cancels itself under its own condition (PoolFuture.cancel_unsent, a
-# subclass's own fields), not cancel_now reaching into a Future's _condition and _state;
-# +2: the torch drop-in opens its batch's profiler range with torch's _RecordFunctionFast
-# (from torch._C._profiler), not record_function's ~22 Python calls a batch
+# subclass's own fields), not cancel_now reaching into a Future's _condition and _state
 
 #: Lines of the largest module of mpexec/ and shm/ (``mpexec/_scheduler.py``): no
 #: module may grow past it. Lower it as rooms split; never raise it (1,630 when

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._C._profiler import _RecordFunctionFast  # torch's own fast profiler range
 from torch.utils.data import _utils as _torch_utils
 from torch.utils.data import dataloader as _dl
 
@@ -29,11 +28,6 @@ DatasetKind = _dl._DatasetKind  # noqa: SLF001 - torch's map-style / iterable ma
 BaseIter = _dl._BaseDataLoaderIter  # noqa: SLF001 - torch's, subclassed as its loader does
 #: torch's single-process iterator (``num_workers=0``), subclassed as its loader does.
 SingleProcessIter = _dl._SingleProcessDataLoaderIter  # noqa: SLF001 - torch's, subclassed
-#: The profiler's range around a batch ("enumerate(DataLoader)#..."), opened in C++, the
-#: same event as ``torch.autograd.profiler.record_function``'s, which torch's iterator
-#: opens with ~22 Python calls a batch (~15 us with the caches cold, at 2 workers once a
-#: batch): ~2 us (torch's own fast path for it, under ``torch.profiler`` too).
-record_function = _RecordFunctionFast
 #: torch's worker init for a datapipe: shards it across the workers, then the user's init.
 sharding_worker_init_fn = _dl._sharding_worker_init_fn  # noqa: SLF001 - torch's, as its loader
 

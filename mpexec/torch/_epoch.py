@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,50 +104,19 @@ class EpochIter(_compat.BaseIter):  # type: ignore[misc]
         if failed:
             self._counters.failed += 1
 
-    def _torch_next(self) -> Any:
-        """torch's ``_BaseDataLoaderIter.__next__`` (2.6-2.13), its profiler range opened in C++."""
-        with _compat.record_function(self._profile_name):
-            if self._sampler_iter is None:
-                self._reset()  # (as torch's: pytorch/pytorch#76750)
-            data = self._next_data()
-            self._num_yielded += 1
-            if (
-                self._dataset_kind == _compat.DatasetKind.Iterable
-                and self._IterableDataset_len_called is not None
-                and self._num_yielded > self._IterableDataset_len_called
-            ):
-                warnings.warn(self._length_warning(), stacklevel=2)
-            return data
-
-    def _length_warning(self) -> str:
-        """torch's words for an iterable dataset that gave more batches than ``len()`` said."""
-        text = (
-            f"Length of IterableDataset {self._dataset} was reported to be "
-            f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
-            f"{self._num_yielded} samples have been fetched. "
-        )
-        if self._num_workers > 0:
-            text += (
-                "For multiprocessing data-loading, this could be caused by not properly "
-                "configuring the IterableDataset replica at each worker. Please see "
-                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for "
-                "examples."
-            )
-        return text
-
     def __next__(self) -> Any:
         __tracebackhide__ = True  # a batch's error is raised from here, for the caller
         start = time.perf_counter()
         try:
             while self._to_drop:
                 try:
-                    self._torch_next()
+                    super().__next__()
                 except (StopIteration, LoaderTimeoutError, BrokenPoolError):
                     raise
                 except Exception:
                     pass
                 self._to_drop -= 1
-            data = self._torch_next()
+            data = super().__next__()
         except StopIteration:
             self.finished = self._progress.finished = True
             raise

@@ -906,57 +906,6 @@ def test_a_later_worker_whose_init_fails_raises_its_error_from_next() -> None:
     assert any("worker 1's init failed on purpose" in str(e) for e in chain), chain
 
 
-class _Rows(Dataset):  # type: ignore[type-arg]
-    def __len__(self) -> int:
-        return 24
-
-    def __getitem__(self, i: int) -> Any:
-        return np.full(3, i, np.float32)
-
-
-class _Overlong(ShardedStream):
-    """Says it is shorter than it is (torch warns once more batches came)."""
-
-    def __len__(self) -> int:
-        return 2
-
-
-def test_a_batchs_profiler_range_is_opened_with_no_python_call_of_torchs() -> None:
-    """torch's ``__next__`` opened "enumerate(DataLoader)" with ``record_function``: ~22
-    Python calls a batch (its op dispatch), ~15 us with cold caches, once a batch at 2
-    workers. The drop-in opens the same range in C++: none; the profiler still sees it."""
-    torch_files = ("autograd/profiler.py", "torch/_ops.py", "torch/_jit_internal.py")
-    loader = mt.DataLoader(_Rows(), batch_size=4, num_workers=2)
-    it = iter(loader)
-    got = [next(it)]
-    frames = 0
-
-    def count(frame: Any, event: str, arg: Any) -> None:
-        nonlocal frames
-        frames += event == "call" and frame.f_code.co_filename.endswith(torch_files)
-
-    sys.setprofile(count)
-    try:
-        got += [next(it) for _ in range(3)]
-    finally:
-        sys.setprofile(None)
-    with torch.profiler.profile() as prof:
-        got.append(next(it))
-    got += list(it)
-    assert frames == 0, frames  # 39 before: 13 Python frames a batch (22 calls with builtins)
-    names = [e.name for e in prof.events()]
-    assert any(n.startswith("enumerate(DataLoader)#") for n in names), names
-    assert [int(b[0, 0]) for b in got] == list(range(0, 24, 4))
-
-
-def test_an_iterable_longer_than_its_len_warns_as_torchs_loader_does() -> None:
-    loader = mt.DataLoader(_Overlong(0, 6), batch_size=1, num_workers=2)
-    assert len(loader) == 2
-    with pytest.warns(UserWarning, match=r"Length of IterableDataset .* was reported to be 2"):
-        got = [int(b["i"][0]) for b in loader]
-    assert sorted(got) == list(range(6))
-
-
 def test_a_contiguous_batch_becomes_a_shared_tensor_in_few_calls() -> None:
     # At 2 workers the caller runs this cold once a batch, so its Python calls
     # are its cost: NumPy's ``ctypes.data`` (two calls) and three generators over
