@@ -20,7 +20,11 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from mpexec import torch as mt  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
+pytestmark = [
+    pytest.mark.usefixtures("no_leaks"),
+    # torch warns once per process that the strided layout's API is a prototype.
+    pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning"),
+]
 
 LAYOUTS = [torch.strided, torch.jagged]
 
