@@ -130,6 +130,13 @@ class EpochIter(_compat.BaseIter):  # type: ignore[misc]
         return data
 
 
+def _caller_snapshot(resume: Resume | None) -> Any:
+    """The caller's dataset (and iterator) state a ``num_workers=0`` resume loads, or None."""
+    if resume is not None and resume.num_workers == 0:
+        return resume.snapshots.get(0)
+    return None
+
+
 def _positions(indices: Iterator[Any], start: int, beyond: frozenset[int]) -> Iterator[Any]:
     """``(position in the epoch, batch indices)`` from ``start``, but those in ``beyond``."""
     numbered = enumerate(itertools.islice(indices, start, None), start)
@@ -152,23 +159,40 @@ class InlineIter(EpochIter, _compat.SingleProcessIter):  # type: ignore[misc]
             self._torch_reset(loader)
         self._start_at(resume)
 
+    @staticmethod
+    def restore_dataset(dataset: Any, kind: Any, resume: Resume | None) -> None:
+        """A resumed epoch: an iterable dataset's own state, loaded before the iterator is made.
+
+        torch's single-process iterator calls ``iter(dataset)`` as it is built:
+        the state goes in first, so that ``__iter__`` sees it and runs once, as
+        in a worker (and in torchdata). Outside the loader's own stream, as
+        :meth:`restore`.
+        """
+        snapshot = _caller_snapshot(resume)
+        if (
+            snapshot is not None
+            and kind == _compat.DatasetKind.Iterable
+            and snapshot.get("dataset") is not None
+        ):
+            dataset.load_state_dict(snapshot["dataset"])
+
     def restore(self, resume: Resume | None) -> None:
-        """A resumed epoch: the dataset's (and its iterator's) state, loaded here.
+        """A resumed epoch: a map dataset's state, or an iterable one's iterator's, loaded here.
 
         After the loader's own stream is put back (a dataset that keeps torch's
-        global random state sets it here, for its draws to come).
+        global random state sets it here, for its draws to come). An iterable
+        dataset's own state went in before this iterator was made
+        (:meth:`restore_dataset`).
         """
-        snapshot = None
-        if resume is not None and resume.num_workers == 0:
-            snapshot = resume.snapshots.get(0)
+        snapshot = _caller_snapshot(resume)
         if snapshot is None:
             return
-        if snapshot.get("dataset") is not None:
-            self._dataset.load_state_dict(snapshot["dataset"])
-        if self._dataset_kind == _compat.DatasetKind.Iterable:
-            # The iterator again, over the dataset as restored (its __iter__ may read it).
+        if self._dataset_kind == _compat.DatasetKind.Map:
+            if snapshot.get("dataset") is not None:
+                self._dataset.load_state_dict(snapshot["dataset"])
+        else:
+            # torch's fetcher made the iterator over the dataset as restored: go on from its state.
             fetcher = self._dataset_fetcher
-            fetcher.dataset_iter = iter(self._dataset)
             fetcher.ended = False
             if snapshot.get("iterator") is not None:
                 fetcher.dataset_iter.load_state_dict(snapshot["iterator"])

@@ -113,6 +113,8 @@ class DataLoader(_TorchLoader[_T_co]):  # type: ignore[misc]
 
     def _start_epoch(self) -> Any:
         resume = self._mp_resume
+        if self.num_workers == 0:
+            InlineIter.restore_dataset(self.dataset, self._dataset_kind, resume)
         with own_stream(self._mp_stream):
             it = self._start_epoch_here()
             if self._mp_stream is not None or isinstance(it, InlineIter):

@@ -101,6 +101,8 @@ def tag(tensor: torch.Tensor, array: np.ndarray[Any, Any]) -> torch.Tensor:
 def _tensor_out(t: torch.Tensor) -> Any:
     if t.dtype not in NUMPY_DTYPES or t.layout != torch.strided or t.device.type != "cpu":
         return t  # pickled by torch (a copy): no NumPy view of it exists
+    if t.is_nested:  # strided layout, but no NumPy view either; torch's queue copies it too
+        return t
     if t.is_conj() or t.is_neg() or t.requires_grad:
         return t
     array = shared_array(t)
