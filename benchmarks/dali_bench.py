@@ -58,6 +58,7 @@ block, and a block still holds as many batches' work as it returns.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import statistics
@@ -315,6 +316,26 @@ def beyond_work(
     return out
 
 
+def work_cpu_over_serial(
+    work_cpu: dict[str, list[float]], workers: list[float]
+) -> dict[str, dict[str, Any]]:
+    """The work's CPU a sample where it ran over this process's serial loop's, round by
+    round: the control's two halves and mpexec.dali's workers (rounds where the op gave
+    no reading are left out). On a shared host the same function's CPU a sample drifts
+    by up to ~10% from one moment to the next, in every kind of process alike (fresh
+    processes of each kind, alternated, docs/dali.md): a ratio within a round cancels
+    most of it, where the figures' own ranges across rounds do not."""
+    serial = work_cpu[SERIAL]
+    rows = {k: work_cpu[k] for k in (ONE_PLAIN, PARALLEL)}
+    rows[OURS] = workers
+    out = {}
+    for name, values in rows.items():
+        ratios = [v / s for v, s in zip(values, serial, strict=True) if s > 0 and not math.isnan(v)]
+        if ratios:
+            out[name] = _spread(ratios)
+    return out
+
+
 def _spread(values: list[float]) -> dict[str, Any]:
     return {
         "median": statistics.median(values),
@@ -359,6 +380,9 @@ def throughput(
     # And mpexec.dali's workers': the op's own reading of its last batch (a chunk's CPU
     # time in the worker, its samples' work and their write into the output block).
     workers_cpu: list[float] = []
+    # The same a round (the median of its blocks' readings): each round's figures over the
+    # serial loop's of that round, so that the host's drift from round to round cancels.
+    workers_by_round: list[float] = []
     identical = dict.fromkeys(pipes, True)
     for name, pipe in pipes.items():  # warm up: workers started, functions cached
         pipe.run()
@@ -370,6 +394,7 @@ def throughput(
         spent = dict.fromkeys(systems, 0.0)
         cpu_spent = dict.fromkeys(cpu, 0.0)
         work_spent = dict.fromkeys(CONTROL, 0.0)
+        seen_in_round: list[float] = []
         for name, batches in schedule(systems, iterations, block, r):
             q0, c0, t0 = _queued(), time.process_time(), time.perf_counter()
             if name == SERIAL:
@@ -385,6 +410,7 @@ def throughput(
                 seen = getattr(functions.get(name), "_per_sample", None)  # mpexec.dali's
                 if name == OURS and seen:
                     workers_cpu.append(seen * 1e6)
+                    seen_in_round.append(seen * 1e6)
                 if name in counted:  # its batch ahead is this block's work too
                     counted[name].wait_for(runs[name] + len(batches) + ahead[name])
             spent[name] += time.perf_counter() - t0
@@ -403,6 +429,7 @@ def throughput(
             per_sample.append(cpu_spent[name] / (iterations * BATCH) * 1e6)
         for name, per_sample in work_cpu.items():
             per_sample.append(work_spent[name] / (iterations * BATCH) * 1e6)
+        workers_by_round.append(statistics.median(seen_in_round) if seen_in_round else math.nan)
     base = rates[ALONE]
     pairs = paired(rates, OURS, ALONE)
     out: dict[str, Any] = {
@@ -414,6 +441,7 @@ def throughput(
         "control_samples_per_s": {k: rates[k] for k in CONTROL},
         "control_work_cpu_us_per_sample": {k: _spread(v) for k, v in work_cpu.items()},
         "mpexec_dali_workers_cpu_us_per_sample": _spread(workers_cpu) if workers_cpu else None,
+        "work_cpu_over_serial": work_cpu_over_serial(work_cpu, workers_by_round),
         "serial_cpu_us_per_sample": statistics.median(cpu[SERIAL]),
         "serial_vs_alone": _spread([s / a for s, a in zip(rates[SERIAL], base, strict=True)]),
         "queued_us_per_sample": {k: statistics.median(v) for k, v in queued.items() if v},
@@ -605,6 +633,22 @@ def _control_cpu_line(tp: dict[str, Any]) -> str:
         + ", ".join(
             f"{k} {fmt_time(v['median'])} ({fmt_time(v['min'])} - {fmt_time(v['max'])})"
             for k, v in rows.items()
+        )
+        + "\n"
+        + _over_serial_line(tp)
+    )
+
+
+def _over_serial_line(tp: dict[str, Any]) -> str:
+    over = tp.get("work_cpu_over_serial")
+    if not over:
+        return ""
+    where = {ONE_PLAIN: "1 plain process", PARALLEL: "each of 2", OURS: "mpexec.dali's workers"}
+    return (
+        "the same over this process's, round by round: "
+        + ", ".join(
+            f"{where[k]} {v['median']:.3f}x ({v['min']:.3f} - {v['max']:.3f})"
+            for k, v in over.items()
         )
         + "\n"
     )

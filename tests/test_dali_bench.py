@@ -65,6 +65,23 @@ def test_the_ceiling_compares_the_plain_processes_with_one_of_themselves() -> No
     assert got["of_ceiling"] == pytest.approx([180 / 100 / 1.9])
 
 
+def test_the_work_a_sample_is_read_over_the_serial_loops_of_the_same_round() -> None:
+    # The host's speed drifts from round to round alike for every kind of process: the
+    # plain processes at 1.1x the serial loop in each round read 1.1x flat, where their
+    # own readings (1100 and 2200 us) overlap the serial loop's range. A round where
+    # mpexec.dali gave no reading (nan) is left out of its row, not read as 0 or nan.
+    work_cpu = {SERIAL: [1000.0, 2000.0], ONE_PLAIN: [1100.0, 2200.0], PARALLEL: [1050.0, 2100.0]}
+    got = dali_bench.work_cpu_over_serial(work_cpu, [1200.0, float("nan")])
+    assert got[ONE_PLAIN]["min"] == got[ONE_PLAIN]["max"] == pytest.approx(1.1)
+    assert got[PARALLEL]["median"] == pytest.approx(1.05)
+    assert got[dali_bench.OURS]["rounds"] == pytest.approx([1.2])
+    line = dali_bench._over_serial_line({"work_cpu_over_serial": got})
+    assert line.startswith("the same over this process's, round by round: 1 plain process 1.100x")
+    assert "mpexec.dali's workers 1.200x (1.200 - 1.200)" in line
+    # No reading at all from the op: its row is left out.
+    assert dali_bench.OURS not in dali_bench.work_cpu_over_serial(work_cpu, [float("nan")] * 2)
+
+
 def test_the_ceiling_a_figure_is_taken_over_is_at_most_two() -> None:
     # 2 processes cannot do twice one's work and more by their CPUs: a round whose
     # control reads above 2x takes mpexec.dali's 1.8x as 0.9 of 2, not of 2.1.
@@ -202,6 +219,9 @@ def test_a_default_executors_work_ahead_stays_in_its_own_block(
     work_cpu = out["control_work_cpu_us_per_sample"]
     assert set(work_cpu) == set(dali_bench.CONTROL)
     assert all(len(v["rounds"]) == 2 and v["min"] > 0 for v in work_cpu.values())
+    # And over the serial loop's, round by round (the fake op gives no workers' reading).
+    assert set(out["work_cpu_over_serial"]) == {ONE_PLAIN, PARALLEL}
+    assert all(len(v["rounds"]) == 2 for v in out["work_cpu_over_serial"].values())
     if dali_bench._queued() is not None:  # Linux: each baseline's wait for a CPU too
         assert set(out["queued_us_per_sample"]) == {dali_bench.ALONE, SERIAL}
 
