@@ -127,6 +127,32 @@ def _sum(a: Any, b: Any) -> Any:
     return np.asarray(a + b)
 
 
+def _run_calls_in_a_thread(
+    pool: Any, counter: Any, fn: Any, args: Any, calls: int, warm: int = 8
+) -> list[Any]:
+    """``pool.run_call(fn, args(i))`` ``calls`` times from a thread of its own (a TF
+    op's body), ``counter`` profiling that thread after ``warm`` calls (the function
+    sent, every cache filled); each result's first item, the result dropped."""
+    seen: list[Any] = []
+
+    def body() -> None:
+        for i in range(calls):
+            if i == warm:
+                sys.setprofile(counter)
+                counter.on = True
+            result = pool.run_call(fn, args(i))
+            seen.append(result.flat[0].item())
+            del result
+        counter.on = False
+        sys.setprofile(None)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive()
+    return seen
+
+
 def test_a_run_call_of_arrays_makes_few_calls_in_the_pools_state_and_codec() -> None:
     """A TF op's body: ``run_call`` of a 0-d array from a thread of its own, unpinned.
 
@@ -139,22 +165,8 @@ def test_a_run_call_of_arrays_makes_few_calls_in_the_pools_state_and_codec() -> 
     try:
         with mpexec.WorkerPool(2) as pool:
             x, y = np.asarray(np.int64(3)), np.arange(4.0)
-            results = []
-
-            def body() -> None:
-                for i in range(24):
-                    if i == 8:  # warm: the function is sent, every cache filled
-                        sys.setprofile(counter)
-                        counter.on = True
-                    results.append(pool.run_call(_sum, (x, y)))
-                counter.on = False
-                sys.setprofile(None)
-
-            thread = threading.Thread(target=body)
-            thread.start()
-            thread.join(60)
-            assert not thread.is_alive()
-            assert all(r.tolist() == [3.0, 4.0, 5.0, 6.0] for r in results)
+            seen = _run_calls_in_a_thread(pool, counter, _sum, lambda i: (x, y), 24)
+            assert seen == [3.0] * 24
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
     assert counter.calls / 16 <= 24, counter.calls / 16  # 32 before, 21 now
@@ -176,22 +188,8 @@ def test_a_run_call_with_a_shared_result_makes_few_calls_in_its_thread() -> None
     """
     counter = _Counter(("",))  # every module
     with mpexec.WorkerPool(2) as pool:
-        seen = []
-
-        def body() -> None:
-            for i in range(40):
-                if i == 8:  # warm: the function is sent, every cache filled
-                    sys.setprofile(counter)
-                    counter.on = True
-                result = pool.run_call(_image, (np.asarray(np.int64(i)),))
-                seen.append(float(result[0, 0, 0]))
-                del result
-            counter.on = False
-            sys.setprofile(None)
-
-        thread = threading.Thread(target=body)
-        thread.start()
-        thread.join(60)
-        assert not thread.is_alive()
+        seen = _run_calls_in_a_thread(
+            pool, counter, _image, lambda i: (np.asarray(np.int64(i)),), 40
+        )
         assert seen == [float(i) for i in range(40)]
     assert counter.calls / 32 <= 70, counter.calls / 32  # 80 before, 67 now
