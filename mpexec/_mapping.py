@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, MutableMapping
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
 
@@ -642,14 +643,14 @@ def _auto_chunks(
         while chunks and error is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError("map() ran past its timeout")
+                raise FutureTimeoutError("map() ran past its timeout")
             if ordered:
                 chunk, timeout = chunks[0], left
             else:
                 futures = [c.future for c in chunks if c.future is not None]
                 done, _ = wait_futures(futures, left, return_when=FIRST_COMPLETED)
                 if not done:
-                    raise TimeoutError("map() ran past its timeout")
+                    raise FutureTimeoutError("map() ran past its timeout")
                 chunk, timeout = next(c for c in chunks if c.future in done), None
             assert chunk.future is not None  # fill() sends the first calls handed back
             try:
@@ -723,13 +724,13 @@ def map_results(
         while window:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError("map() ran past its timeout")
+                raise FutureTimeoutError("map() ran past its timeout")
             if ordered:
                 future, timeout = window[0], left
             else:
                 done, _ = wait_futures(window, left, return_when=FIRST_COMPLETED)
                 if not done:
-                    raise TimeoutError("map() ran past its timeout")
+                    raise FutureTimeoutError("map() ran past its timeout")
                 future, timeout = next(iter(done)), None
             try:
                 result = future.result(timeout)

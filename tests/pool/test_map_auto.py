@@ -712,3 +712,21 @@ def test_the_worker_stacks_only_small_arrays_of_one_shape() -> None:
     assert type(stack_results([np.zeros(3), np.zeros(4)])) is list
     assert type(stack_results([np.zeros(3), np.zeros(3, np.float32)])) is list
     assert type(stack_results([np.zeros(3), [0.0, 0.0, 0.0]])) is list
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("chunksize", [None, 1, 4])
+def test_a_map_past_its_timeout_raises_the_futures_timeout_error(
+    chunksize: int | None, ordered: bool
+) -> None:
+    """``Executor.map``'s class, ``concurrent.futures.TimeoutError``: before Python
+    3.11 it is not the builtin ``TimeoutError``, which a map past its deadline raised
+    there (a caller catching the futures' class missed it; tox's py310 caught it)."""
+    with WorkerPool(2) as pool:
+        _warm(pool)
+        results = pool.map(
+            time.sleep, [0.3] * 8, chunksize=chunksize, ordered=ordered, timeout=1e-9
+        )
+        with pytest.raises(FutureTimeoutError) as info:
+            list(results)
+        assert type(info.value) is FutureTimeoutError
