@@ -556,6 +556,9 @@ _UNIT_HEAD = struct.Struct("<BBHI")
 _NO_OUT = 0xFF
 _DESC_LEN = struct.Struct("<H")
 _UNKNOWN: Any = object()
+#: The exact types of a unit's fields that go this way (a tuple's: numbers and None).
+_NUMBERS = frozenset({int, float, bool, type(None)})
+_SCALARS = _NUMBERS | {str}
 #: class -> (its name, a getter of its fields' values, their names), or None:
 #: not such a record. And class name -> the same, on the receiving side.
 _UnitKind = tuple[bytes, Callable[[Any], Any], tuple[str, ...]]
@@ -607,14 +610,12 @@ def _encode_unit(
         return None  # attributes that are no field: pickle keeps them
     fields = get(record)
     for v in fields:  # loops, not a helper: no Python call a unit
-        t = type(v)
-        if t is tuple:
+        if type(v) not in _SCALARS:
+            if type(v) is not tuple:
+                return None  # marshal would write a NumPy number (a buffer) as bytes
             for x in v:
-                tx = type(x)
-                if tx is not int and tx is not float and tx is not bool and x is not None:
+                if type(x) not in _NUMBERS:
                     return None
-        elif t is not int and t is not float and t is not bool and t is not str and v is not None:
-            return None  # marshal would write a NumPy number (a buffer) as bytes
     values = marshal.dumps(fields)
     outs = kwargs.get("out", _UNKNOWN)
     if outs is _UNKNOWN:
@@ -626,9 +627,11 @@ def _encode_unit(
                 return None
     else:
         return None
-    refs = _Refs(io.BytesIO(), arena, peer, -1)
+    refs = _NOTHING_SHARED
     parts = [_UNIT_HEAD.pack(_UNIT, n, len(name), len(values)), name, values]
     if n != _NO_OUT:
+        # Its bookkeeping alone, not a pickler's (~70 bytecodes a unit less).
+        refs = _Shared(arena, peer, -1)
         for o in outs:
             if o is None:
                 parts.append(_DESC_LEN.pack(0))

@@ -145,6 +145,49 @@ def test_a_pipeline_units_call_encodes_without_pickle() -> None:
         assert arena.stats().exported == 0  # opened here: the view took the reference over
 
 
+def _codec_frames(encode: Any) -> list[str]:
+    """The qualified names of the codec's Python frames while ``encode()`` runs."""
+    frames: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename == _codec.__file__:
+            frames.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        encode()
+    finally:
+        sys.setprofile(None)
+    return frames
+
+
+def test_a_units_encoding_books_its_shares_without_a_pickler() -> None:
+    """A unit's shares are booked in a ``_Shared``, not in a pickler made for nothing
+    (``_Refs``: a Pickler and a BytesIO set up, ~70 bytecodes a unit), and a unit
+    without blocks books nothing: 3 codec frames, 4 before."""
+    from mpexec._runtime import Chunk
+
+    with shm.Arena(1 << 20, name="books", sealed=True) as arena:
+        peer = arena.link()
+        out = arena.empty((64, 16), np.float32, peer_writable=True)
+        args, kwargs = _unit_call(arena, out)
+        _codec.encode_call(args, kwargs, arena, peer).refs.undo()  # warm the caches
+        encoded: list[Any] = []
+        frames = _codec_frames(
+            lambda: encoded.append(_codec.encode_call(args, kwargs, arena, peer))
+        )
+        assert "_Refs.__init__" not in frames, frames
+        assert len(encoded[0].refs.shared) == 1
+        encoded[0].refs.undo()  # a push that failed gives the block's share back
+        assert arena.stats().exported == 0
+        bare = (Chunk(1, 3, 0, 64, 192, (4, 5)),)
+        frames = _codec_frames(lambda: encoded.append(_codec.encode_call(bare, {}, arena, peer)))
+        assert len(frames) <= 3, frames  # encode_call, _encode_unit, Encoded
+        assert encoded[-1].data[0] != 0x80  # not a pickle
+        assert not encoded[-1].refs.shared
+        assert _codec.decode(encoded[-1].data) == (bare, {})
+
+
 def test_units_round_trip_whatever_their_fields_and_outputs() -> None:
     from mpexec._runtime import Chunk
 
