@@ -250,15 +250,16 @@ class WorkerPool(CallExecutor):
         hook: Callable[[UnitFuture], object] | None,
     ) -> Task:
         state = self._state
-        state.check_not_forked()
+        if state.pid != os.getpid():  # check_not_forked()'s test, inline
+            state.check_not_forked()  # raises
         with state.lock:
             # A TF op's body submits on its every call, from a thread woken cold:
             # PoolState's one-line steps (check_usable, new_task,
-            # count_submitted) are inline here.
+            # count_submitted, pick_slot's for any worker) are inline here.
             if state.broken is not None or state.closed:
                 state.check_usable()  # raises
             task = Task(state, next(state.next_task_id), fn, args, kwargs, worker, view, hook)
-            slot = state.pick_slot(task)
+            slot = state.roster.least_busy() if worker is None else state.pick_slot(task)
             if slot is None or state.pending:
                 # Busy, or calls wait ahead of it (order kept): validate now,
                 # encode when a worker frees up.
