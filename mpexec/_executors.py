@@ -106,7 +106,7 @@ if TYPE_CHECKING:
     from ._graph import Op
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # (not frozen: a frozen init costs an object.__setattr__ a field)
 class WorkUnit:
     """One chunk of an iteration's samples through an op (or a fused chain of ops).
 
@@ -284,11 +284,17 @@ class LocalPoolExecutor(PoolExecutor):
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         """A block on pages of its own: a small one from a slab of them (see :data:`SLAB_BYTES`)."""
+        key = (shape, dtype)
+        with self._lock:  # (a slab with a block left: nothing worked out again)
+            slab = self._slabs.get(key)
+            if slab is not None and slab[1] < len(slab[0]):
+                rows, taken = slab
+                slab[1] = taken + 1
+                return np.ndarray(shape, dtype, rows[taken])
         dt = np.dtype(dtype)
         span = -(-math.prod(shape) * dt.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
         if span <= 0 or span * _SLAB_BLOCKS_MIN > SLAB_BYTES or dt.hasobject:
             return self.pool.empty(shape, dt)
-        key = (shape, dt)
         with self._lock:
             slab = self._slabs.get(key)
             if slab is None or slab[1] == len(slab[0]):

@@ -752,7 +752,10 @@ class Scheduler:
         for ci, (a, b) in enumerate(bounds):
             where = None if samples is None else tuple(int(r) for r in samples[a:b])
             chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start, where)
-            out = tuple([None if k is None else k[a:b] for k in blocks]) if blocks else ()
+            if not blocks or b - a == size:  # (the whole batch: its blocks as they are)
+                out = tuple(blocks)
+            else:
+                out = tuple([None if k is None else k[a:b] for k in blocks])
             rows = tuple([col[a:b] for col in inputs]) if inputs else ()
             unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
             t0 = time.perf_counter()
@@ -848,80 +851,74 @@ class Scheduler:
         return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))
 
     def _on_chunk(self, it: Iteration, s: OpState, ci: int, t0: float, future: Any) -> None:
-        """A chunk came back (in the executor's thread, or inline).
-
-        ``future``: its done Future, or what an executor's ``submit_hooked``
-        hands its hook (the same ``cancelled()``, ``exception()``, ``result()``).
-        """
+        """A chunk came back (in the executor's thread, or inline); ``future``: its done
+        Future, or the outcome ``submit_hooked`` hands a hook (the same readers)."""
         elapsed = time.perf_counter() - t0
         with self._lock:
-            try:
-                self._chunk_in(it, s, ci, elapsed, future)
+            try:  # (one frame a unit: its steps are here, not in a helper)
+                try:
+                    exc = future.exception()  # (not cancelled() first: a frame less a unit)
+                except CancelledError:
+                    self._fail(it, PoolClosedError("the pipeline was closed"))
+                    return
+                if exc is not None:
+                    name = getattr(exc, "mpexec_op", None)
+                    op = next((m.op for m in s.members if m.op.name == name), s.op)
+                    self._fail(it, annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
+                    return
+                res: ChunkResult = future.result()
+                per_op = res.per_op or ((res.seconds, 0, 0),)
+                # (A batch op ending a source's chain has no entry where it was not called:
+                # for a batch that nobody receives, see SourceBatchRunner.)
+                assert len(per_op) in (len(s.members), len(s.members) - s.op.batch_processing)
+                for m, (spent, b_in, b_out) in zip(s.members, per_op, strict=False):
+                    m.calls += 1 if m.op.batch_processing else res.count
+                    m.samples += res.count
+                    m.function_s += spent
+                    m.bytes_in += b_in
+                    m.bytes_out += b_out
+                s.waiting_s += max(0.0, elapsed - res.seconds)
+                s.cpu_s += res.cpu
+                s.cpu_samples += res.count
+                if s.executor is self.executor:  # per worker of the pipeline's pool
+                    self.busy[res.pid] += res.seconds
+                    self.faults += res.faults
+                if it.dropped or it.error is not None:
+                    return
+                parts = it.parts[s.pos]
+                parts[ci] = res
+                for p in parts:  # (a loop, not any(): no generator a batch)
+                    if p is None:
+                        return
+                del it.parts[s.pos]
+                bounds = it.bounds.pop(s.pos)
+                blocks = it.blocks.pop(s.pos)
+                columns = assemble(s, parts, bounds, blocks, self._workers == 0)  # type: ignore[arg-type]
+                if len(s.members) == 1 or s.executor is self.executor:
+                    size = 0
+                    for col in columns:
+                        size += nbytes(col)
+                    if len(s.members) == 1:
+                        s.bytes_out += size
+                    if s.executor is self.executor:
+                        it.nbytes += size
+                it.values[s.pos] = columns
+                if s.source:
+                    for p in parts:
+                        if p is not None and p.stop is not None:
+                            it.stop = p.stop if it.stop is None else min(it.stop, p.stop)
+                    it.size = min(it.size, len(columns[0]))
+                    it.sources_left -= 1
+                    if it.sources_left == 0:
+                        self._sources_in(it)
+                    return
+                it.ops_left -= 1
+                if it.ops_left == 0:
+                    self._finish(it)
+                else:
+                    self._dispatch_ready(it)
             except Exception as exc:  # a bug here must not hang run()
                 self._fail(it, exc)
-
-    def _chunk_in(self, it: Iteration, s: OpState, ci: int, elapsed: float, future: Any) -> None:
-        try:
-            exc = future.exception()  # (not cancelled() first: a frame less a unit)
-        except CancelledError:
-            self._fail(it, PoolClosedError("the pipeline was closed"))
-            return
-        if exc is not None:
-            name = getattr(exc, "mpexec_op", None)
-            op = next((m.op for m in s.members if m.op.name == name), s.op)
-            self._fail(it, annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
-            return
-        res: ChunkResult = future.result()
-        per_op = res.per_op or ((res.seconds, 0, 0),)
-        # (A batch op ending a source's chain has no entry where it was not called:
-        # for a batch that nobody receives, see SourceBatchRunner.)
-        assert len(per_op) in (len(s.members), len(s.members) - s.op.batch_processing)
-        for m, (spent, b_in, b_out) in zip(s.members, per_op, strict=False):
-            m.calls += 1 if m.op.batch_processing else res.count
-            m.samples += res.count
-            m.function_s += spent
-            m.bytes_in += b_in
-            m.bytes_out += b_out
-        s.waiting_s += max(0.0, elapsed - res.seconds)
-        s.cpu_s += res.cpu
-        s.cpu_samples += res.count
-        if s.executor is self.executor:  # per worker of the pipeline's pool
-            self.busy[res.pid] += res.seconds
-            self.faults += res.faults
-        if it.dropped or it.error is not None:
-            return
-        parts = it.parts[s.pos]
-        parts[ci] = res
-        for p in parts:  # (a loop, not any(): no generator a batch)
-            if p is None:
-                return
-        del it.parts[s.pos]
-        bounds = it.bounds.pop(s.pos)
-        blocks = it.blocks.pop(s.pos)
-        columns = assemble(s, parts, bounds, blocks, self._workers == 0)  # type: ignore[arg-type]
-        if len(s.members) == 1 or s.executor is self.executor:
-            size = 0
-            for col in columns:
-                size += nbytes(col)
-            if len(s.members) == 1:
-                s.bytes_out += size
-            if s.executor is self.executor:
-                it.nbytes += size
-        it.values[s.pos] = columns
-        if s.source:
-            for p in parts:
-                if p is not None and p.stop is not None:
-                    it.stop = p.stop if it.stop is None else min(it.stop, p.stop)
-            it.size = min(it.size, len(columns[0]))
-            it.sources_left -= 1
-            if it.sources_left == 0:
-                self._sources_in(it)
-            return
-        it.ops_left -= 1
-        if it.ops_left == 0:
-            self._finish(it)
-        else:
-            self._dispatch_ready(it)
 
     def _finish(self, it: Iteration) -> None:
         plan = self._plan

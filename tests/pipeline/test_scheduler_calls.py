@@ -169,6 +169,45 @@ def test_a_units_outcome_is_read_in_two_calls() -> None:
     assert calls / 16 <= 2, calls / 16  # one unit a batch here, once learned
 
 
+def test_a_units_outcome_is_taken_in_one_scheduler_frame() -> None:
+    """The hook ``submit_hooked`` calls books the unit, fills its part of the batch and
+    finishes the iteration in its own frame: no helper frame a unit (2 before)."""
+    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=1)
+    pipe.define(_graph)
+    assert pipe._graph is not None
+    scheduler = Scheduler(
+        pipe._graph.plan(),
+        _Inline(2),
+        batch_size=BATCH,
+        prefetch_depth=2,
+        seed=1,
+        last_batch="partial",
+        debug=False,
+    )
+    frames = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal frames
+        code = frame.f_code
+        frames += event == "call" and code.co_name in {"_on_chunk", "_chunk_in"}
+
+    try:
+        for _ in range(8):
+            scheduler.next_result()
+        before = sum(s.calls for s in scheduler.ops)
+        sys.setprofile(profile)
+        try:
+            for _ in range(16):
+                scheduler.next_result()
+        finally:
+            sys.setprofile(None)
+        stats = scheduler.op_stats()
+    finally:
+        scheduler.close()
+    assert frames / 16 <= 1, frames / 16  # one unit a batch here, once learned
+    assert sum(s.calls for s in stats) > before  # its statistics were still booked
+
+
 def test_a_pipelines_run_checks_for_a_fork_once_a_process() -> None:
     """run() asked its pool whether this process is a fork, twice a batch (11 calls)."""
     checks = {"build", "_check_not_forked", "_forked_from", "status", "forked"}
@@ -213,3 +252,73 @@ def test_an_iterations_done_flag_wakes_every_waiter_once_set() -> None:
     assert done.is_set()
     assert done.wait(0)
     assert done.wait()
+
+
+def _builtin_calls(run: Callable[[], Any]) -> list[str]:
+    """The builtins (C functions) called while ``run`` runs, by name."""
+    called: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and arg is not sys.setprofile:
+            called.append(arg.__name__)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+def test_a_work_unit_is_made_with_a_store_a_field() -> None:
+    """A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``
+    (8 bytecodes a field on 3.11, a call each); a unit is made once a unit and read
+    once by the executor, so its fields are plain stores (3 a field)."""
+    import dataclasses
+
+    from mpexec._runtime import Chunk
+
+    chunk = Chunk(0, 1, 0, 64, 64)
+    init = WorkUnit.__init__.__code__
+    bytecodes = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal bytecodes
+        bytecodes += event == "opcode"
+        return local
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is init:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    sys.settrace(trace)
+    try:
+        unit = WorkUnit(_plus_one, chunk, (), None, ("f",))
+    finally:
+        sys.settrace(None)
+    fields = len(dataclasses.fields(WorkUnit))
+    assert bytecodes <= 4 * fields + 4, (bytecodes, fields)
+    assert unit.chunk is chunk
+    assert unit.out == ()
+
+
+def test_a_block_from_a_slab_with_room_is_cut_without_working_its_size_out() -> None:
+    """``LocalPoolExecutor.empty``: a block of a (shape, dtype) whose slab has room is
+    its next rows, found by the key alone (the dtype, the page span and the slab's
+    bounds were worked out again each batch: math.prod, np.dtype)."""
+    from mpexec._executors import LocalPoolExecutor
+
+    with mpexec.WorkerPool(1) as pool:
+        executor = LocalPoolExecutor(pool)
+        dtype = np.dtype(np.float32)
+        first = executor.empty((64, 16), dtype)
+        blocks: list[Any] = []
+        called = _builtin_calls(lambda: blocks.append(executor.empty((64, 16), dtype)))
+        assert "prod" not in called, called
+        assert blocks[0].shape == (64, 16)
+        assert blocks[0].dtype == dtype
+        assert not np.shares_memory(first, blocks[0])  # pages of its own
+        blocks.clear()
+        del first
