@@ -81,13 +81,13 @@ def drain(state: PoolState, slot: Slot) -> None:
         view = state.view_results or (head is not None and head.view)
         ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, view)
         task = state.complete(slot, task_id, skipped, ok)
-        task.release()
         if skipped:
+            task.release()
             cancel_now(task.future)  # cancelled already: cancel() said so
         elif ok:
-            task.settle(result=outcome)
+            task.finish(outcome)  # released and settled in one frame
         else:
-            task.settle(exc=outcome)
+            task.finish(None, outcome)
 
 
 def read_direct(future: Future[Any], timeout: float | None) -> bool | None:

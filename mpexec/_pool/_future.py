@@ -115,6 +115,17 @@ class Task:
         else:
             settle(future, result, exc)  # type: ignore[arg-type]
 
+    def finish(self, result: Any = None, exc: BaseException | None = None) -> None:
+        """:meth:`release` then :meth:`settle`, in one frame: its record came back."""
+        self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        link = self.link
+        link.slot = link.state = None
+        future = self.future
+        if type(future) is UnitFuture:
+            future._settle(result, exc, False)  # noqa: SLF001 - one unit with UnitFuture
+        else:
+            settle(future, result, exc)  # type: ignore[arg-type]
+
     def fail(self, exc: BaseException) -> None:
         """Release it and fail its future with ``exc`` (unless already done)."""
         self.release()

@@ -230,3 +230,42 @@ def test_a_hooked_submit_makes_few_calls_in_the_pools_send_path() -> None:
         blocks.clear()
         del slab
     assert counter.calls / 8 <= 7, counter.calls / 8  # 10 before, 6 now
+
+
+def test_a_delivered_call_is_released_and_settled_in_one_frame() -> None:
+    """The manager's delivery: ``Task.finish`` drops the call's arguments and settles its
+    future in one frame (``release()`` then ``settle()`` before). Frames of ``_future`` a
+    hooked call in the manager's thread, with the unit's ``_settle`` and the hook's
+    ``result()``: 4 before, 3 now."""
+    counter = _Counter(("/_pool/_future.py",))
+    threading.setprofile(counter)  # the manager thread, started by the pool below
+    try:
+        with mpexec.WorkerPool(1) as pool:
+            done = threading.Semaphore(0)
+            results = []
+
+            def hook(outcome: Any) -> None:
+                results.append(outcome.result())
+                done.release()
+
+            def call(i: int) -> None:
+                pool.submit_hooked(_fill_none, ((i, i + 1),), {}, None, hook)
+                assert done.acquire(timeout=30)
+
+            for i in range(8):  # warm: the function is sent, every cache filled
+                call(i)
+            counter.on = True
+            try:
+                for i in range(8, 16):
+                    call(i)
+            finally:
+                counter.on = False
+            assert results == list(range(1, 17))
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    # This thread runs unprofiled: the count is the manager's, and the outcome's readers.
+    assert counter.calls / 8 <= 3, counter.calls / 8  # 4 before, 3 now
+
+
+def _fill_none(chunk: tuple[int, int]) -> int:
+    return chunk[1]
