@@ -60,6 +60,7 @@ from .._tracebacks import unpack_error
 from ._future import CallLink, PoolFuture, UnitFuture, cancel_now
 
 if TYPE_CHECKING:
+    from ._manager import Watcher
     from ._state import PoolState, Slot
 
 
@@ -122,12 +123,17 @@ def read_call(
     state, slot = link.state, link.slot
     if state is None or slot is None or state.pid != os.getpid():
         return None  # settled, unsent, or a forked child's copy (the parent's call)
-    # The main thread never reads directly: a Ctrl-C between popping a record and
-    # settling its call would lose that call's outcome (a waiter never touches the
-    # pool's state where a KeyboardInterrupt can reach it). The manager: it delivers.
-    me = threading.get_ident()
     watcher = state.watcher
     if watcher is None:
+        return None
+    if threading.get_ident() in (_MAIN, state.manager_ident):
+        # The main thread never reads directly: a Ctrl-C between popping a record
+        # and settling its call would lose that call's outcome (a waiter never pops
+        # where a KeyboardInterrupt can reach it). The manager: it delivers. No
+        # lock unless the ring is kept aside (which it cannot become with this call
+        # queued on it): then the manager must watch it again.
+        if slot in watcher.aside:
+            _unkeep(state, slot, watcher)
         return None
     with state.lock:
         queue = slot.queue
@@ -137,7 +143,6 @@ def read_call(
             or state.closed
             or len(queue) != 1
             or queue[0].future is not future
-            or me in (_MAIN, state.manager_ident)
         ):
             # Not here: the manager delivers it, so it watches that ring again if a
             # read before kept it aside (``run_call``'s send left it so for us).
@@ -165,6 +170,13 @@ def read_call(
     if state.pending or state.stopping:
         state.poke()  # its worker has room: the manager dispatches what waits
     return settled
+
+
+def _unkeep(state: PoolState, slot: Slot, watcher: Watcher) -> None:
+    """Have the manager watch ``slot``'s done ring again if it is kept aside (no claim)."""
+    with state.lock:
+        if not slot.direct and slot in watcher.aside:
+            watcher.resume(slot)
 
 
 def _read(
