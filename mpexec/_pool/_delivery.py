@@ -23,9 +23,20 @@ The protocol (every step says which lock):
   triggered wait cannot miss a record), and the manager's handling of a death
   and shutdown's closing of the rings wait for it (the holder wakes on the
   death: the sentinel is in its wait).
-- Done, the caller lets go of ``reading`` before the ring is watched again:
-  a record that came between its last drain and the resume wakes the manager,
-  which takes the free lock and delivers it.
+- Done, the caller lets go of ``reading``, then, under the state lock, of
+  its claim. If a call is still queued on that worker the ring is watched
+  again: a record that came between its last drain and the resume wakes the
+  manager, which takes the free lock and delivers it.
+- Else the ring stays aside (*kept*): nothing queued means no record can
+  come, and a TF op's body calls that worker again at once, so two
+  ``epoll_ctl`` and a lock a call are saved. A kept ring is watched again,
+  under the state lock, as soon as a call goes to that worker that its
+  caller will not read directly (``CallSender.send`` without ``reader``:
+  every call but ``run_call``'s, ``Watcher.sent``), and by a ``run_call``
+  caller that does not read directly after all (the main thread, a second
+  call queued): so every queued call's record has a reader or the manager.
+  The worker's sentinel stays watched throughout; a replaced worker's slot
+  leaves the kept set with the poll set's rebuild.
 
 A death, a shutdown or a timeout ends the direct read: the caller then waits
 on its future as any other, and the manager settles it as always.
@@ -49,6 +60,7 @@ from .._tracebacks import unpack_error
 from ._future import CallLink, PoolFuture, UnitFuture, cancel_now
 
 if TYPE_CHECKING:
+    from ._manager import Watcher
     from ._state import PoolState, Slot
 
 
@@ -111,14 +123,17 @@ def read_call(
     state, slot = link.state, link.slot
     if state is None or slot is None or state.pid != os.getpid():
         return None  # settled, unsent, or a forked child's copy (the parent's call)
-    me = threading.get_ident()
-    if me in (_MAIN, state.manager_ident):
-        # The main thread: a Ctrl-C between popping a record and settling its call
-        # would lose that call's outcome (a waiter never touches the pool's state
-        # where a KeyboardInterrupt can reach it). The manager: it delivers.
-        return None
     watcher = state.watcher
     if watcher is None:
+        return None
+    if threading.get_ident() in (_MAIN, state.manager_ident):
+        # The main thread never reads directly: a Ctrl-C between popping a record
+        # and settling its call would lose that call's outcome (a waiter never pops
+        # where a KeyboardInterrupt can reach it). The manager: it delivers. No
+        # lock unless the ring is kept aside (which it cannot become with this call
+        # queued on it): then the manager must watch it again.
+        if slot in watcher.aside:
+            _unkeep(state, slot, watcher)
         return None
     with state.lock:
         queue = slot.queue
@@ -129,23 +144,39 @@ def read_call(
             or len(queue) != 1
             or queue[0].future is not future
         ):
+            # Not here: the manager delivers it, so it watches that ring again if a
+            # read before kept it aside (``run_call``'s send left it so for us).
+            if not slot.direct and slot in watcher.aside:
+                watcher.resume(slot)
             return None
         slot.direct = True
+    settled = None
     try:
-        if not watcher.stand_aside(slot):
-            return None
-        try:
+        # Kept aside since this ring's last direct read: no epoll_ctl, no lock.
+        if slot in watcher.aside or watcher.stand_aside(slot):
             with slot.reading:
-                if slot.retired:
-                    return None
-                settled = _read(state, slot, future, timeout)
-        finally:
-            watcher.resume(slot)
+                if not slot.retired:
+                    settled = _read(state, slot, future, timeout)
     finally:
-        slot.direct = False
+        with state.lock:
+            slot.direct = False
+            # Nothing more queued on it: no record can come, and its ring stays
+            # aside for the next direct read (a TF op's body calls its worker again
+            # and again), whatever became of the worker or the pool meanwhile. A
+            # call sent to it for the manager to deliver has it watched again
+            # (``Watcher.sent``).
+            if slot.queue:
+                watcher.resume(slot)
     if state.pending or state.stopping:
         state.poke()  # its worker has room: the manager dispatches what waits
     return settled
+
+
+def _unkeep(state: PoolState, slot: Slot, watcher: Watcher) -> None:
+    """Have the manager watch ``slot``'s done ring again if it is kept aside (no claim)."""
+    with state.lock:
+        if not slot.direct and slot in watcher.aside:
+            watcher.resume(slot)
 
 
 def _read(
@@ -160,18 +191,24 @@ def _read(
     deadline = None if timeout is None else time.monotonic() + timeout
     done_fd = slot.done.fileno()
     died = False
+    # No drain before the first wait: the answer is rarely there yet, and if it is,
+    # its doorbell is readable (drain leaves no credit held) and the poll returns
+    # at once. The future is looked at first (the manager may have settled it
+    # before this claim).
+    look = False
     while True:
-        try:
-            drain(state, slot)
-        except Exception as exc:  # a bug, as in the manager: nothing else would settle
-            if state.broken is None and not state.closed:
-                err = BrokenPoolError(
-                    f"delivering a result failed ({type(exc).__name__}: {exc}); the pool "
-                    "can run nothing more. This is a bug in mpexec: please report it"
-                )
-                err.__cause__ = exc
-                state.mark_broken(err)
-            return None
+        if look:
+            try:
+                drain(state, slot)
+            except Exception as exc:  # a bug, as in the manager: nothing else would settle
+                if state.broken is None and not state.closed:
+                    err = BrokenPoolError(
+                        f"delivering a result failed ({type(exc).__name__}: {exc}); the pool "
+                        "can run nothing more. This is a bug in mpexec: please report it"
+                    )
+                    err.__cause__ = exc
+                    state.mark_broken(err)
+                return None
         if future.done():
             return True
         if died:
@@ -188,6 +225,7 @@ def _read(
         for fd, _ in poller.poll(ms):
             if fd != done_fd:
                 died = True  # (a loop, not any() over a generator: two calls less a wait)
+        look = True  # woken (or timed out): drain what came
 
 
 def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, Any]:

@@ -268,7 +268,9 @@ class WorkerPool(CallExecutor):
                 if slot is not None:
                     self._sender.dispatch_pending()
             else:
-                self._sender.send(task, slot)
+                # A run_call's caller reads its answer itself (or has the manager
+                # watch the ring again): see _delivery.read_call.
+                self._sender.send(task, slot, type(hook) is Waiter)
             state.submitted += 1
         return task
 

@@ -286,7 +286,9 @@ class Watcher:
         self.key = -1
         self.poller: Any = None
         self.by_fd: dict[int, tuple[Slot | None, str]] = {}
-        # Done rings a caller reads itself (stand_aside): watched for nothing meanwhile.
+        # Done rings a caller reads itself (stand_aside), or kept aside after its read
+        # for the next (nothing queued on them but calls their callers will read
+        # directly; see _delivery.read_call and sent()): watched for nothing meanwhile.
         self.aside: set[Slot] = set()
         self.lock = threading.Lock()  # the poll set's changes: this thread's and callers'
         if _EPOLL:
@@ -314,13 +316,22 @@ class Watcher:
     def resume(self, slot: Slot) -> None:
         """Watch ``slot``'s done ring again: what came meanwhile wakes the manager."""
         with self.lock:
-            self.aside.discard(slot)
-            try:  # not contextlib.suppress: three calls less on a TF op's every call
+            try:  # not contextlib.suppress: three calls less a call
                 fd = slot.done.fileno()
                 if self.poller is not None and self.by_fd.get(fd, (None,))[0] is slot:
                     self.poller.modify(fd, select.EPOLLIN)
             except (OSError, ValueError):
                 pass
+            # Only once watched: interrupted before (Ctrl-C in the main thread), it
+            # is still aside, which the next call sent to it puts right (sent()).
+            self.aside.discard(slot)
+
+    def sent(self, slot: Slot) -> None:
+        """A call whose caller will not read it directly went to ``slot`` (state lock
+        held): a done ring kept aside since a direct read (``_delivery.read_call``)
+        is watched again, so that the manager delivers its answer."""
+        if not slot.direct and slot in self.aside:
+            self.resume(slot)
 
     def wait(self, timeout: float | None) -> list[tuple[Slot | None, str]]:
         state = self.state

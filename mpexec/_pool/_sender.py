@@ -42,8 +42,12 @@ class CallSender:
         self.fn_ids: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self.next_fn_id = itertools.count(1)
 
-    def send(self, task: Task, slot: Slot) -> None:
-        """Encode ``task`` for ``slot`` and push it (the state lock is held)."""
+    def send(self, task: Task, slot: Slot, reader: bool = False) -> None:
+        """Encode ``task`` for ``slot`` and push it (the state lock is held).
+
+        ``reader``: its caller reads its outcome itself next (``run_call``): a done
+        ring kept aside for direct reads stays so (else it is watched again).
+        """
         state = self.state
         arena = state.arena
         assert arena is not None
@@ -84,7 +88,10 @@ class CallSender:
             raise
         task.sent = time.perf_counter()
         slot.enqueue(task, fn_id)
-        state.bytes_shared += enc.bytes_shared  # (count_sent(), inline: a frame less a call)
+        watcher = state.watcher
+        if watcher is not None and watcher.aside and not reader:
+            watcher.sent(slot)
+        state.bytes_shared += enc.bytes_shared  # (inline: a frame less a call)
         state.bytes_copied += enc.bytes_copied
         if self.timeout is not None:
             state.poke()  # the manager sleeps until the earliest deadline

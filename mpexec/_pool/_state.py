@@ -405,10 +405,6 @@ class PoolState:
     def count_submitted(self) -> None:
         self.submitted += 1  # the lock is held (by submit)
 
-    def count_sent(self, bytes_shared: int, bytes_copied: int) -> None:
-        self.bytes_shared += bytes_shared
-        self.bytes_copied += bytes_copied
-
     def count_ran_inline(self, ok: bool) -> None:
         """A call of an inline pool (``num_workers=0``) returned or raised."""
         with self.lock:

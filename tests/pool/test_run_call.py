@@ -169,3 +169,141 @@ def test_an_inline_pool_runs_it_in_the_caller(no_leaks: None) -> None:
         assert pool.run_call(_sleep_then, (0, 4)) == 4
         with pytest.raises(ValueError, match="inline"):
             pool.run_call(_fail, ("inline",))
+
+
+# ---------------------------------------------------------------- the ring kept aside
+# A TF op's body calls its worker again and again from one thread: between two of
+# its direct reads the worker's done ring stays out of the manager's poll set (no
+# epoll_ctl a call), and any call for the manager to deliver has it watched again.
+
+
+class _CountingPoller:
+    """The manager's epoll set, its ``modify`` calls (one ``epoll_ctl`` each) counted."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.modified: list[tuple[int, int]] = []
+
+    def modify(self, fd: int, events: int) -> None:
+        self.modified.append((fd, events))
+        self.real.modify(fd, events)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def _count_poll_changes(pool: mpexec.WorkerPool) -> _CountingPoller:
+    state = pool._state
+    pool.run_call(_sleep_then, (0, 0))  # the workers are up, the poll set built
+    watcher = state.watcher
+    assert watcher is not None
+    wait_until(lambda: watcher.key == state.roster.version and watcher.poller is not None, 30)
+    counting = _CountingPoller(watcher.poller)
+    watcher.poller = counting
+    return counting
+
+
+def _calls_in_a_thread(pool: mpexec.WorkerPool, n: int, seconds: float) -> list[int]:
+    got: list[int] = []
+    thread = _in_thread(
+        lambda: got.extend(pool.run_call(_sleep_then, (seconds, i), worker=0) for i in range(n))
+    )
+    thread.join(60)
+    assert not thread.is_alive(), "run_call hung"
+    return got
+
+
+def test_a_threads_run_calls_on_one_worker_change_the_managers_poll_set_once(
+    pool: mpexec.WorkerPool, settlers: list[int]
+) -> None:
+    counting = _count_poll_changes(pool)
+    assert _calls_in_a_thread(pool, 12, 0.02) == list(range(12))
+    # Each answer read directly (the worker's sleep outlasts the submit) ...
+    assert len(settlers) == 13
+    assert pool._state.manager_ident not in settlers[1:]
+    # ... with the ring set aside once, not set aside and watched again each call (24).
+    assert len(counting.modified) <= 1, counting.modified
+    watcher = pool._state.watcher
+    assert watcher is not None
+    assert pool._state.slots[0] in watcher.aside
+
+
+def test_a_direct_read_drains_the_ring_once_a_call(
+    pool: mpexec.WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mpexec._pool import _delivery
+
+    drains: list[int] = []
+    real = _delivery.drain
+
+    def counted(state: Any, slot: Any) -> None:
+        drains.append(threading.get_ident())
+        real(state, slot)
+
+    monkeypatch.setattr(_delivery, "drain", counted)
+    assert _calls_in_a_thread(pool, 6, 0.05) == list(range(6))
+    # Not once before its wait (the answer is not there yet) and once after it.
+    assert len(drains) == 6, drains
+
+
+def _submit_then_result(pool: mpexec.WorkerPool) -> int:
+    return pool.submit_call(_sleep_then, (0.05, 41), worker=0).result(30)  # type: ignore[no-any-return]
+
+
+def _run_call_from_main(pool: mpexec.WorkerPool) -> int:
+    return pool.run_call(_sleep_then, (0.05, 41), worker=0)
+
+
+def _hooked(pool: mpexec.WorkerPool) -> int:
+    got: list[Any] = []
+    pool.submit_hooked(_sleep_then, (0.05, 41), {}, 0, got.append)
+    wait_until(lambda: bool(got), 30)
+    return got[0].result()  # type: ignore[no-any-return]
+
+
+def _waited_by_another_thread(pool: mpexec.WorkerPool) -> int:
+    future = pool.submit_call(_sleep_then, (0.05, 41), worker=0)
+    out: list[int] = []
+    thread = _in_thread(lambda: out.append(future.result(30)))
+    thread.join(60)
+    return out[0]
+
+
+@pytest.mark.parametrize(
+    "call", [_submit_then_result, _run_call_from_main, _hooked, _waited_by_another_thread]
+)
+def test_a_ring_kept_aside_is_watched_again_for_a_call_read_otherwise(
+    pool: mpexec.WorkerPool, call: Any
+) -> None:
+    counting = _count_poll_changes(pool)
+    _calls_in_a_thread(pool, 3, 0.02)
+    watcher = pool._state.watcher
+    slot = pool._state.slots[0]
+    assert watcher is not None
+    assert slot in watcher.aside
+    if call is _run_call_from_main:
+        assert call(pool) == 41  # the main thread never reads directly: the manager does
+    else:
+        out: list[int] = []
+        thread = _in_thread(lambda: out.append(call(pool)))
+        thread.join(60)
+        assert not thread.is_alive(), "a call on a ring kept aside hung"
+        assert out == [41]
+    assert counting.modified  # watched again (or set aside again by a direct read)
+    assert _calls_in_a_thread(pool, 3, 0.02) == [0, 1, 2]  # and kept aside again
+
+
+def test_a_worker_killed_while_its_ring_is_kept_aside_is_replaced(
+    pool: mpexec.WorkerPool,
+) -> None:
+    _calls_in_a_thread(pool, 3, 0.01)
+    state = pool._state
+    old = state.slots[0]
+    watcher = state.watcher
+    assert watcher is not None
+    assert old in watcher.aside
+    os.kill(old.pid, signal.SIGKILL)  # its sentinel is still watched: the manager restarts it
+    wait_until(lambda: state.slots[0] is not old and state.slots[0].ready, 60)
+    assert old not in watcher.aside
+    assert _calls_in_a_thread(pool, 3, 0.01) == [0, 1, 2]
+    assert pool.submit_call(_sleep_then, (0, 6), worker=0).result(30) == 6
