@@ -251,6 +251,38 @@ def _parallel(work: Work, batches: range, executor: Any) -> float:
     )
 
 
+def _pace_task(args: tuple[Work, int]) -> float:
+    """``work`` on ``n`` blank images where this runs; the CPU time it took (this thread's)."""
+    work, n = args
+    image = np.zeros(SHAPE, np.uint8)
+    t0 = time.thread_time()
+    for _ in range(n):
+        work(image)
+    return time.thread_time() - t0
+
+
+def pace(work: Work, ours: Any, plain: Any, rounds: int, n: int = 4) -> dict[str, dict[str, Any]]:
+    """The work's CPU a sample at the same moment, over a plain process's, round by round:
+    one of mpexec.dali's workers (``ours``, an executor-like ``submit``) while one plain
+    process (``plain``) runs the same, then this process while a plain process does.
+
+    Taken at the same moment, the host's drift cancels, which a ratio between blocks
+    does not quite. In small probes (docs/dali.md, "The work's pace at the same
+    moment") an mpexec worker read 0.94-1.16x (median 1.10) of a plain process at once
+    on a quiet host with address-space randomisation on (20 of 21 runs above 1),
+    0.91-1.11x with it off (median 0.99): the pace depends on the processes' layout,
+    by a lever not found; this line says what each run drew."""
+    over: dict[str, list[float]] = {OURS: [], SERIAL: []}
+    for _ in range(rounds):
+        theirs = plain.submit(_pace_task, (work, n))
+        mine = ours.submit(_pace_task, (work, n))
+        over[OURS].append(mine.result() / theirs.result())
+        theirs = plain.submit(_pace_task, (work, n))
+        here = _pace_task((work, n))
+        over[SERIAL].append(here / theirs.result())
+    return {k: _spread(v) for k, v in over.items()}
+
+
 #: The serial baseline in this process, and the control's two halves (the same two
 #: plain processes: one of them, then both), measured as more systems in every block.
 SERIAL, ONE_PLAIN, PARALLEL = "plain, 1 process", "plain, 1 of the 2", "plain, 2 processes"
@@ -522,6 +554,23 @@ def probe(work: Work) -> dict[str, Any]:
     return out
 
 
+#: Linux's personality flag that turns address-space randomisation off for a process
+#: and what it execs (``setarch -R``).
+_ADDR_NO_RANDOMIZE = 0x0040000
+
+
+def randomised_layout(proc: Path = Path("/proc")) -> bool | None:
+    """Whether this process's address space is laid out at random (Linux's ASLR on, and
+    not turned off for this process, e.g. by ``setarch -R``); None where unknown. The
+    workers' pace at this work over a plain process's depends on it (:func:`pace`)."""
+    try:
+        if (proc / "sys/kernel/randomize_va_space").read_text().strip() == "0":
+            return False
+        return not int((proc / "self/personality").read_text(), 16) & _ADDR_NO_RANDOMIZE
+    except (OSError, ValueError):
+        return None
+
+
 def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
     try:
         import nvidia.dali
@@ -541,6 +590,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
             "image": list(SHAPE),
             "iterations_per_round": iterations,
             "rounds": rounds,
+            "randomised_layout": randomised_layout(),
         },
         "errors": [],
     }
@@ -568,6 +618,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
                     OURS: spread,
                 }
                 result["throughput"] = throughput(functions, work, iterations, rounds, executor)
+                result["pace_same_moment"] = pace(work, spread.pool, executor, 4 if quick else 24)
             finally:
                 spread.close()
     except Exception as exc:
@@ -654,6 +705,21 @@ def _over_serial_line(tp: dict[str, Any]) -> str:
     )
 
 
+def _pace_line(over: dict[str, dict[str, Any]]) -> str:
+    where = {OURS: "mpexec.dali's workers", SERIAL: "this process"}
+    return (
+        "the work's pace at the same moment, over a plain process's (one of each at once; "
+        "it depends on the processes' address-space layout): "
+        + ", ".join(
+            f"{where[k]} {v['median']:.3f}x ({v['min']:.3f} - {v['max']:.3f})"
+            for k, v in over.items()
+        )
+    )
+
+
+_LAYOUT = {True: "on", False: "off (setarch -R)"}
+
+
 def report(result: dict[str, Any]) -> str:
     env, st = result["env"], result["settings"]
     load = result["load_avg"]
@@ -663,7 +729,8 @@ def report(result: dict[str, Any]) -> str:
             f"{st.get('work_ms_per_sample', '?')} ms CPU/sample (batch {st['batch_size']}, "
             f"{'x'.join(map(str, st['image']))} uint8), {st['workers']} workers; Python "
             f"{env['python']}, {env['cpus']} CPUs; load average {load['before'][0]:.1f} before, "
-            f"{load['after'][0]:.1f} after"
+            f"{load['after'][0]:.1f} after; address-space randomisation "
+            f"{_LAYOUT.get(st.get('randomised_layout'), 'unknown')}"
         )
     ]
     tp = result.get("throughput")
@@ -746,6 +813,8 @@ def report(result: dict[str, Any]) -> str:
                 f"mpexec.dali over itself in the synchronous pipeline: "
                 f"{sync['median']:.2f}x ({sync['min']:.2f} - {sync['max']:.2f})"
             )
+    if result.get("pace_same_moment"):
+        parts[-1] += "\n" + _pace_line(result["pace_same_moment"])
     copies = result.get("copies")
     if copies:
         yes = {True: "yes", False: "no"}

@@ -82,6 +82,60 @@ def test_the_work_a_sample_is_read_over_the_serial_loops_of_the_same_round() -> 
     assert dali_bench.OURS not in dali_bench.work_cpu_over_serial(work_cpu, [float("nan")] * 2)
 
 
+class _Timeline:
+    """Fake executors over one event log: what was submitted when, and when each result
+    was asked for. A task's reading is given per executor (CPU seconds)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def executor(self, name: str, reading: float) -> Any:
+        events = self.events
+
+        class _Future:
+            def result(self) -> float:
+                events.append(f"{name} result")
+                return reading
+
+        class _Executor:
+            def submit(self, fn: Any, args: tuple[Any, ...]) -> _Future:
+                assert fn is dali_bench._pace_task
+                events.append(f"{name} submit")
+                return _Future()
+
+        return _Executor()
+
+
+def test_the_pace_is_read_with_a_plain_process_running_the_same_work_at_the_same_moment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker's pace over a plain process's is only drift-free if both run at once: both
+    # tasks are out before either result is awaited, and this process's own reading is
+    # taken while a plain process runs its task.
+    t = _Timeline()
+
+    def here(args: Any) -> float:
+        t.events.append("here")
+        return 0.0033
+
+    # (the fakes check the function they are handed against the module's, patched too)
+    monkeypatch.setattr(dali_bench, "_pace_task", here)
+    got = dali_bench.pace(
+        dali_bench.Work(10), t.executor("ours", 0.0036), t.executor("plain", 0.003), rounds=2
+    )
+    round_ = ["plain submit", "ours submit", "ours result", "plain result"]
+    round_ += ["plain submit", "here", "plain result"]
+    assert t.events == round_ * 2
+    assert got[dali_bench.OURS]["rounds"] == pytest.approx([1.2, 1.2])
+    assert got[SERIAL]["median"] == pytest.approx(1.1)
+    line = dali_bench._pace_line(got)
+    assert "mpexec.dali's workers 1.200x (1.200 - 1.200), this process 1.100x" in line
+
+
+def test_the_pace_task_times_the_work_alone() -> None:
+    assert 0 < dali_bench._pace_task((dali_bench.Work(1000), 3)) < 10
+
+
 def test_the_ceiling_a_figure_is_taken_over_is_at_most_two() -> None:
     # 2 processes cannot do twice one's work and more by their CPUs: a round whose
     # control reads above 2x takes mpexec.dali's 1.8x as 0.9 of 2, not of 2.1.
@@ -267,3 +321,21 @@ def test_the_control_works_on_batches_made_before_timing(monkeypatch: pytest.Mon
     for got, want in zip(work.seen, expected[2], strict=True):
         np.testing.assert_array_equal(got, want)
     assert made == []
+
+
+@pytest.mark.parametrize(
+    ("system", "personality", "expected"),
+    [("2", "00000000", True), ("2", "00040000", False), ("0", "00000000", False)],
+)
+def test_the_report_says_whether_the_address_space_was_laid_out_at_random(
+    tmp_path: Any, system: str, personality: str, expected: bool
+) -> None:
+    # Each process tree's pace at the work is drawn at its start when it is: the report
+    # says so, whether the kernel randomises (randomize_va_space) or this process and
+    # its children were started with it off (setarch -R sets ADDR_NO_RANDOMIZE).
+    (tmp_path / "sys/kernel").mkdir(parents=True)
+    (tmp_path / "self").mkdir()
+    (tmp_path / "sys/kernel/randomize_va_space").write_text(system + "\n")
+    (tmp_path / "self/personality").write_text(personality + "\n")
+    assert dali_bench.randomised_layout(tmp_path) is expected
+    assert dali_bench.randomised_layout(tmp_path / "missing") is None
