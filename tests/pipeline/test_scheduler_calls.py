@@ -106,12 +106,12 @@ def _graph() -> Any:
     return fn.python_function(index, function=_plus_one)
 
 
-@pytest.mark.parametrize("workers", [2, 16])
-def test_a_batch_costs_the_scheduler_few_python_calls(workers: int) -> None:
+def _scheduler(workers: int) -> Scheduler:
+    """A scheduler of :func:`_graph`'s pipeline over an :class:`_Inline` executor."""
     pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=1)
     pipe.define(_graph)
     assert pipe._graph is not None
-    scheduler = Scheduler(
+    return Scheduler(
         pipe._graph.plan(),
         _Inline(workers),
         batch_size=BATCH,
@@ -120,6 +120,11 @@ def test_a_batch_costs_the_scheduler_few_python_calls(workers: int) -> None:
         last_batch="partial",
         debug=False,
     )
+
+
+@pytest.mark.parametrize("workers", [2, 16])
+def test_a_batch_costs_the_scheduler_few_python_calls(workers: int) -> None:
+    scheduler = _scheduler(workers)
     files = ("_scheduler.py", "_iterations.py", "threading.py")
     try:
         for _ in range(4 * workers):  # the chunks learned, the window full
@@ -136,18 +141,7 @@ def test_a_batch_costs_the_scheduler_few_python_calls(workers: int) -> None:
 def test_a_units_outcome_is_read_in_two_calls() -> None:
     """``exception()`` then ``result()``: a cancelled outcome raises in ``exception()``,
     as a done Future's does, so ``cancelled()`` is not asked first (3 calls a unit before)."""
-    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=1)
-    pipe.define(_graph)
-    assert pipe._graph is not None
-    scheduler = Scheduler(
-        pipe._graph.plan(),
-        _Inline(2),
-        batch_size=BATCH,
-        prefetch_depth=2,
-        seed=1,
-        last_batch="partial",
-        debug=False,
-    )
+    scheduler = _scheduler(2)
     reads = {_Outcome.cancelled.__code__, _Outcome.exception.__code__, _Outcome.result.__code__}
     calls = 0
 
@@ -172,18 +166,7 @@ def test_a_units_outcome_is_read_in_two_calls() -> None:
 def test_a_units_outcome_is_taken_in_one_scheduler_frame() -> None:
     """The hook ``submit_hooked`` calls books the unit, fills its part of the batch and
     finishes the iteration in its own frame: no helper frame a unit (2 before)."""
-    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=1)
-    pipe.define(_graph)
-    assert pipe._graph is not None
-    scheduler = Scheduler(
-        pipe._graph.plan(),
-        _Inline(2),
-        batch_size=BATCH,
-        prefetch_depth=2,
-        seed=1,
-        last_batch="partial",
-        debug=False,
-    )
+    scheduler = _scheduler(2)
     frames = 0
 
     def profile(frame: Any, event: str, arg: Any) -> None:

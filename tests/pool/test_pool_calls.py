@@ -84,6 +84,27 @@ def test_a_units_encoding_makes_few_calls_in_shared_memory() -> None:
         del slab
 
 
+def _hooked_calls(
+    pool: mpexec.WorkerPool,
+    fn: Any,
+    kwargs_of: Any,
+    results: list[Any],
+) -> Any:
+    """``call(i)``: ``fn((i, i + 1), **kwargs_of(i))`` through ``submit_hooked``, waited for;
+    its result appended to ``results`` by the hook (in the manager's thread)."""
+    done = threading.Semaphore(0)
+
+    def hook(outcome: Any) -> None:
+        results.append(outcome.result())
+        done.release()
+
+    def call(i: int) -> None:
+        pool.submit_hooked(fn, ((i, i + 1),), kwargs_of(i), None, hook)
+        assert done.acquire(timeout=30)
+
+    return call
+
+
 def test_a_pool_round_trip_makes_few_calls_in_the_pool_and_shared_memory() -> None:
     """submit_hooked, the worker's answer, the manager's delivery: counted in every thread."""
     counter = _Counter()
@@ -92,17 +113,10 @@ def test_a_pool_round_trip_makes_few_calls_in_the_pool_and_shared_memory() -> No
         with mpexec.WorkerPool(1) as pool:
             slab = pool.empty((16, 4096), np.uint8)
             blocks = [np.ndarray((64, 16), np.float32, slab[i]) for i in range(16)]
-            done = threading.Semaphore(0)
-            results = []
-
-            def hook(outcome: Any) -> None:
-                results.append(outcome.result())
-                done.release()
-
-            def call(i: int) -> None:
-                out = {"out": (_codec.Writable(blocks[i]),)}
-                pool.submit_hooked(_fill, ((i, i + 1),), out, None, hook)
-                assert done.acquire(timeout=30)
+            results: list[Any] = []
+            call = _hooked_calls(
+                pool, _fill, lambda i: {"out": (_codec.Writable(blocks[i]),)}, results
+            )
 
             for i in range(8):  # warm: the function is sent, every cache filled
                 call(i)
@@ -241,16 +255,8 @@ def test_a_delivered_call_is_released_and_settled_in_one_frame() -> None:
     threading.setprofile(counter)  # the manager thread, started by the pool below
     try:
         with mpexec.WorkerPool(1) as pool:
-            done = threading.Semaphore(0)
-            results = []
-
-            def hook(outcome: Any) -> None:
-                results.append(outcome.result())
-                done.release()
-
-            def call(i: int) -> None:
-                pool.submit_hooked(_fill_none, ((i, i + 1),), {}, None, hook)
-                assert done.acquire(timeout=30)
+            results: list[Any] = []
+            call = _hooked_calls(pool, _fill_none, lambda i: {}, results)
 
             for i in range(8):  # warm: the function is sent, every cache filled
                 call(i)
