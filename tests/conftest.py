@@ -69,8 +69,10 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
 
 
 #: Every process this test process started through multiprocessing (recorded by
-#: the patched ``BaseProcess.start`` below), alive or not.
-_STARTED: set[int] = set()
+#: the patched ``BaseProcess.start`` below), alive or not: pid -> its start time
+#: (None: gone before it was read). Pids wrap (32768 on many hosts) within one run
+#: of the suite, so a pid alone would claim another process's segments.
+_STARTED: dict[int, float | None] = {}
 _start = mp.process.BaseProcess.start
 
 
@@ -85,16 +87,37 @@ def _recording_start(self: mp.process.BaseProcess) -> None:
     if getattr(popen, "_pid", 0) is None:
         _PENDING.append(popen)
     elif self.pid is not None:
-        _STARTED.add(self.pid)
+        _STARTED[self.pid] = _born(self.pid)
 
 
-def _started() -> set[int]:
-    """The pids of the processes started so far (those read by now, for pipelined ones)."""
+def _born(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _started() -> dict[int, float | None]:
+    """The processes started so far (those read by now, for pipelined ones), by pid."""
     for popen in list(_PENDING):
         if popen._pid is not None:
-            _STARTED.add(popen._pid)
+            _STARTED[popen._pid] = _born(popen._pid)
             _PENDING.remove(popen)
     return _STARTED
+
+
+def _started_by_us(pid: int) -> bool:
+    """``pid`` is (or was) one we started: gone, or alive since the start we recorded.
+
+    A live process under a pid we started long ago, born at another time, is another
+    test process's (an xdist worker's, a tox env's): its segments are not ours.
+    """
+    started = _started()
+    if pid not in started:
+        return False
+    born = started[pid]
+    now = _born(pid)
+    return now is None or now == born
 
 
 mp.process.BaseProcess.start = _recording_start  # type: ignore[method-assign]
@@ -113,8 +136,8 @@ def shm_names() -> set[str]:
     except FileNotFoundError:
         return set()
     me = psutil.Process()
-    ours = {me.pid} | _started() | {c.pid for c in me.children(recursive=True)}
-    return {n for n in names if _creator(n) in ours}
+    live = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    return {n for n in names if _creator(n) in live or _started_by_us(_creator(n))}
 
 
 def _creator(name: str) -> int:
