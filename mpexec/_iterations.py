@@ -83,12 +83,34 @@ class OpState:
         self.skipped: set[int] = set()
         self.iterator: Iterator[Any] | None = None
         self.fed: collections.deque[list[tuple[Any, ...]]] = collections.deque()
-        self.calls = self.samples = 0
+        # Counted per unit of the chain this op ends, not per member (a unit's
+        # outcome runs these adds once, whatever the chain's length): ``units``
+        # and ``cpu_samples`` below; ``uncalled``: the units (and their samples)
+        # where this op, a batch op ending a source's chain, was not called.
+        # ``chain``: the op whose units run this one (itself, or a later op's
+        # chain it is absorbed into). :attr:`calls` and :attr:`samples` follow.
+        self.chain = self
+        self.units = 0
+        self.uncalled = self.uncalled_samples = 0
         self.function_s = self.waiting_s = 0.0
         # The CPU its units took in the workers, and their samples: what sizes its chunks.
         self.cpu_s = 0.0
         self.cpu_samples = 0
         self.bytes_in = self.bytes_out = self.bytes_copied = 0
+
+    @property
+    def samples(self) -> int:
+        """The samples this op ran on."""
+        chain = self.chain
+        return chain.cpu_samples - chain.uncalled_samples if chain is self else chain.cpu_samples
+
+    @property
+    def calls(self) -> int:
+        """The calls of its function: one a unit (a batch op), or one a sample."""
+        if not self.op.batch_processing:
+            return self.samples
+        chain = self.chain
+        return chain.units - chain.uncalled if chain is self else chain.units
 
     def stats(self) -> OpStats:
         return OpStats(

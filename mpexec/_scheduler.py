@@ -292,6 +292,7 @@ class Scheduler:
                 s.waits = p.waits
                 for m in p.members:
                     m.absorbed = True
+                    m.chain = s  # its calls and samples: counted by s's units
         for s in self.ops:
             if len(s.members) > 1 and not s.absorbed:
                 picks = [tuple(n.index for n in m.op.inputs) for m in s.members]
@@ -868,18 +869,22 @@ class Scheduler:
                     return
                 res: ChunkResult = future.result()
                 per_op = res.per_op or ((res.seconds, 0, 0),)
-                # (A batch op ending a source's chain has no entry where it was not called:
-                # for a batch that nobody receives, see SourceBatchRunner.)
-                assert len(per_op) in (len(s.members), len(s.members) - s.op.batch_processing)
-                for m, (spent, b_in, b_out) in zip(s.members, per_op, strict=False):
-                    m.calls += 1 if m.op.batch_processing else res.count
-                    m.samples += res.count
+                members = s.members
+                if len(per_op) != len(members):
+                    # A batch op ending a source's chain has no entry where it was not
+                    # called: for a batch that nobody receives, see SourceBatchRunner.
+                    assert len(per_op) == len(members) - s.op.batch_processing
+                    s.uncalled += 1
+                    s.uncalled_samples += res.count
+                # Calls and samples per op, for its whole chain (OpState.calls).
+                s.units += 1
+                s.cpu_samples += res.count
+                for m, (spent, b_in, b_out) in zip(members, per_op, strict=False):
                     m.function_s += spent
                     m.bytes_in += b_in
                     m.bytes_out += b_out
                 s.waiting_s += max(0.0, elapsed - res.seconds)
                 s.cpu_s += res.cpu
-                s.cpu_samples += res.count
                 if s.executor is self.executor:  # per worker of the pipeline's pool
                     self.busy[res.pid] += res.seconds
                     self.faults += res.faults

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from ._manager import Watcher
 
 _IN_FLIGHT = 8  # tasks queued on one worker at most; the rest wait in the pool
+# Up to this many workers the roster keeps no heap: least_busy() looks at each (at 2
+# workers ~50 bytecodes a pick, where the heap's upkeep and stale entries took ~240).
+_SCAN_MAX = 4
 # A task takes up to five records (forget, function, call; cancel and verdict):
 # 40 in flight. A busy worker gives freed slots back only every half ring, so it
 # may sit on up to half of them: the task ring needs 40 + 47 < 96. The manager
@@ -105,6 +108,7 @@ class Slot:
         self.direct_poll: Any = None  # that caller's wait: the doorbell and the sentinel
         self.retired = False  # its rings are closed (set under ``reading``)
         self._ready = False
+        self.tick = 0  # the roster's tick when its queue last changed (ready)
         # While a replacement starts (the manager reads its hello, never waits for it).
         self._start_deadline: float | None = None
 
@@ -177,7 +181,8 @@ class Roster:
 
     A heap entry is pushed at each change and checked against its worker when
     it reaches the top (one that is not its worker's latest is dropped there),
-    and the heap is rebuilt when stale entries outnumber live ones.
+    and the heap is rebuilt when stale entries outnumber live ones. With
+    ``_SCAN_MAX`` workers or fewer there is no heap: a pick looks at each.
     """
 
     def __init__(self, state: PoolState, timed: bool) -> None:
@@ -185,7 +190,8 @@ class Roster:
         self.timed = timed  # the pool has a call timeout: keep the deadlines
         self.by_load: list[tuple[int, int, int, int]] = []  # (queued, tick, index, gen)
         self.ticks = itertools.count(1)
-        self.tick_of: dict[int, int] = {}  # worker index -> its latest entry's tick
+        # Up to _SCAN_MAX workers, no heap: a look at each costs less than its upkeep.
+        self.scan = True
         self.by_start: list[tuple[float, int, int, int]] = []  # (started, index, gen, task id)
         self.starting: set[Slot] = set()
         self.version = 0
@@ -209,27 +215,29 @@ class Roster:
         """``slot``'s queue changed; ``new_head``: its oldest call is a new one (lock held)."""
         # The attribute, not the property (this module's own): this runs twice a call.
         if slot._ready:  # noqa: SLF001
-            self.tick_of[slot.index] = tick = next(self.ticks)
-            heapq.heappush(self.by_load, (len(slot.queue), tick, slot.index, slot.generation))
-            if len(self.by_load) > 4 * len(self.state.slots) + 64:
-                tick_of = self.tick_of
-                self.by_load = [
-                    (len(s.queue), tick_of.get(s.index, 0), s.index, s.generation)
-                    for s in self.state.slots
-                    if s.ready
-                ]
-                heapq.heapify(self.by_load)
+            slot.tick = tick = next(self.ticks)
+            if not self.scan:  # (a few workers: least_busy() reads them all, no heap)
+                heapq.heappush(self.by_load, (len(slot.queue), tick, slot.index, slot.generation))
+                if len(self.by_load) > 4 * len(self.state.slots) + 64:
+                    self._rebuild()
             if self.timed and new_head and slot.queue:
                 task = slot.queue[0]
                 heapq.heappush(
                     self.by_start, (task.started, slot.index, slot.generation, task.task_id)
                 )
 
+    def _rebuild(self) -> None:
+        """The heap by load afresh: one entry a ready worker, its latest."""
+        self.by_load = [
+            (len(s.queue), s.tick, s.index, s.generation) for s in self.state.slots if s.ready
+        ]
+        heapq.heapify(self.by_load)
+
     def clear(self) -> None:
         """Forget every worker (the pool let go of them): a worker kept here would keep
         its process object, and what that holds, for as long as the pool's state lives."""
         self.by_load.clear()
-        self.tick_of.clear()
+        self.scan = True
         self.by_start.clear()
         self.starting.clear()
         self.version += 1
@@ -237,9 +245,17 @@ class Roster:
     def least_busy(self) -> Slot | None:
         """The ready worker with the fewest calls queued (of those, the one whose queue
         changed longest ago); None: all full."""
-        heap = self.by_load
         slots = self.state.slots
-        tick_of = self.tick_of
+        if self.scan:  # the same choice, by a look at each (a handful) of them
+            best = None
+            key = (_IN_FLIGHT, 0)
+            for one in slots:
+                if one._ready:  # noqa: SLF001 - this module's own
+                    k = (len(one.queue), one.tick)
+                    if k < key:
+                        best, key = one, k
+            return best
+        heap = self.by_load
         while heap:
             queued, tick, index, generation = heap[0]
             # _current() and the ready property inline: this runs once a call, and
@@ -249,7 +265,7 @@ class Roster:
                 slot is not None
                 and slot.generation == generation
                 and slot._ready  # noqa: SLF001 - this module's own
-                and tick_of.get(index) == tick
+                and slot.tick == tick
                 and len(slot.queue) == queued
             ):
                 return slot if queued < _IN_FLIGHT else None
@@ -369,6 +385,9 @@ class PoolState:
                 self.slots[slot.index] = slot
             else:
                 self.slots.append(slot)
+                if self.roster.scan and len(self.slots) > _SCAN_MAX:
+                    self.roster.scan = False  # too many to look at each: the heap from here
+                    self.roster._rebuild()  # noqa: SLF001 - this module's own
             slot.roster = self.roster
             self.roster.changed(slot)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import itertools
 import random
+import sys
 import time
 import types
 from typing import Any
@@ -120,8 +121,12 @@ def test_of_equally_busy_workers_the_one_idle_longest_goes_first(no_rings: None)
     assert [give() for _ in range(4)] == [2, 0, 3, 1]  # equally busy: in the order served
 
 
-def test_picking_a_worker_keeps_the_policy_under_random_traffic(no_rings: None) -> None:
-    state = _pool(37)
+@pytest.mark.parametrize("workers", [2, 3, _state._SCAN_MAX, 37])
+def test_picking_a_worker_keeps_the_policy_under_random_traffic(
+    no_rings: None, workers: int
+) -> None:
+    # A few workers are looked at one by one (no heap), more through the heap.
+    state = _pool(workers)
     reference = _Reference(state)
     rng = random.Random(5)
     next_id = 1
@@ -153,7 +158,44 @@ def test_picking_a_worker_keeps_the_policy_under_random_traffic(no_rings: None) 
                 state.install(new)
                 new.ready = True
                 reference.touch(new)
-    assert state.pick_slot(_Task(0, worker=3)) in (state.slots[3], None)  # type: ignore[arg-type]
+    assert state.pick_slot(_Task(0, worker=3)) in (state.slots[3 % workers], None)  # type: ignore[arg-type]
+
+
+def test_at_two_workers_a_pick_and_its_two_changes_run_few_bytecodes(no_rings: None) -> None:
+    # At 2 workers the heap's upkeep (an entry pushed a change, ~2 stale ones
+    # popped a pick) ran ~220 bytecodes of the roster's a call in the main
+    # process; a look at each worker runs ~100 with its two changes (issue 37).
+    state = _pool(2)
+    slots = state.slots
+    ran = [0]
+    roster = {"least_busy", "loaded", "_rebuild"}  # the roster's part of a call
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != _state.__file__ or frame.f_code.co_name not in roster:
+            return None
+        frame.f_trace_opcodes = True
+
+        def count(frame: Any, event: str, arg: Any) -> Any:
+            if event == "opcode":
+                ran[0] += 1
+            return count
+
+        return count
+
+    calls = 64
+    for i in range(calls + 8):
+        if i >= 8:  # counted once warm
+            sys.settrace(tracer)
+        try:
+            task = _Task(i + 1)
+            slot = state.pick_slot(task)  # type: ignore[arg-type]
+            assert slot is not None
+            slot.enqueue(task, 1)  # type: ignore[arg-type]
+            done = slots[i % 2]
+            state.complete(done, done.queue[0].task_id, skipped=False, ok=True)
+        finally:
+            sys.settrace(None)
+    assert ran[0] / calls < 140, ran[0] / calls
 
 
 def test_picking_a_worker_looks_at_a_few_of_128_not_all(no_rings: None) -> None:
