@@ -146,12 +146,15 @@ def test_a_pipeline_units_call_encodes_without_pickle() -> None:
 
 
 def _codec_frames(encode: Any) -> list[str]:
-    """The qualified names of the codec's Python frames while ``encode()`` runs."""
+    """The names of the codec's Python frames while ``encode()`` runs, a method's as
+    ``Class.name`` (``co_qualname`` is 3.11+: tox runs 3.10 too)."""
     frames: list[str] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename == _codec.__file__:
-            frames.append(frame.f_code.co_qualname)
+        code = frame.f_code
+        if event == "call" and code.co_filename == _codec.__file__:
+            me = frame.f_locals.get("self")
+            frames.append(code.co_name if me is None else f"{type(me).__name__}.{code.co_name}")
 
     sys.setprofile(profile)
     try:
