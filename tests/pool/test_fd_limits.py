@@ -138,7 +138,12 @@ def test_a_fork_worker_started_again_keeps_its_own_fds() -> None:
                 lambda v=victim: v not in pool.pids and len(pool.pids) == 3, 30, "a replacement"
             )
         assert list(pool.map(abs, range(-12, 0), chunksize=1)) == list(range(12, 0, -1))
-        counts = [psutil.Process(pid).num_fds() for pid in pool.pids]
+        # Each worker answers a call of its own: its start is over, and with it the
+        # closing of the fds it inherited (the map above need not reach a replacement
+        # still starting; one counted then still held the others' fds).
+        pids = [pool.submit_call(os.getpid, worker=i).result(30) for i in range(3)]
+        assert pids == pool.pids
+        counts = [psutil.Process(pid).num_fds() for pid in pids]
         # The replacement, started by the manager thread, may hold that thread's
         # few fds too; not another worker's 14.
         assert max(counts) - min(counts) < 8, counts
