@@ -272,6 +272,12 @@ class Ring:
         if self._hint_buf is not None:
             self._hint_buf[self._hint_at] = 1
 
+    @property
+    def pushed(self) -> int:
+        """Records this producer has pushed so far (a push that raised after its
+        record went in counts it: a caller interrupted there can tell)."""
+        return int(self._head)
+
     def push_many(
         self,
         records: Sequence[bytes | bytearray | memoryview],

@@ -78,16 +78,26 @@ class CallSender:
             records.append(HEADER.pack(CALL, 0, fn_id, task.task_id) + data)
         else:
             records.append(spill(CALL, data, arena, slot.arg_releases, task.task_id, fn_id))
+        ring = slot.tasks
+        before = ring.pushed
         try:
             if len(records) == 1:
-                slot.tasks.push(records[0], timeout=self.push_timeout, watch=[slot.process])
+                ring.push(records[0], timeout=self.push_timeout, watch=[slot.process])
             else:
-                slot.tasks.push_many(records, timeout=self.push_timeout, watch=[slot.process])
+                ring.push_many(records, timeout=self.push_timeout, watch=[slot.process])
+            task.sent = time.perf_counter()
+            slot.enqueue(task, fn_id)
         except BaseException:
-            enc.refs.undo()
+            # A KeyboardInterrupt can land after the call's record went in (inside
+            # the push, or before the enqueue): the worker runs it and answers, so
+            # it is queued as sent (its arguments lent), or the manager would meet
+            # an answer no queue holds and break the pool.
+            if ring.pushed - before < len(records):
+                enc.refs.undo()
+            elif task not in slot.queue:
+                task.sent = time.perf_counter()
+                slot.enqueue(task, fn_id)
             raise
-        task.sent = time.perf_counter()
-        slot.enqueue(task, fn_id)
         watcher = state.watcher
         if watcher is not None and watcher.aside and not reader:
             watcher.sent(slot)
