@@ -31,6 +31,18 @@ def _sleep_then(seconds: float, value: int) -> int:
     return value
 
 
+def _after(gate: str, value: int) -> int:
+    """``value`` once the file ``gate`` exists: the test says when the call may end."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return value
+
+
+def _open(gate: Any) -> None:
+    gate.write_text("")
+
+
 @pytest.fixture
 def pool(no_leaks: None) -> Iterator[mpexec.WorkerPool]:
     with mpexec.WorkerPool(2, restart=True) as p:
@@ -38,7 +50,13 @@ def pool(no_leaks: None) -> Iterator[mpexec.WorkerPool]:
 
 
 def _settler(future: Future[Any]) -> list[int]:
-    """The threads that settled ``future`` (a done-callback runs in the one that settles)."""
+    """The threads that settled ``future`` (a done-callback runs in the one that settles).
+
+    Only while ``future`` is not done yet: a callback added to a done future runs
+    at once in the thread that adds it, so the call must wait (``_after``) until
+    this is in place; on a loaded host any sleep can be outrun.
+    """
+    assert not future.done()
     threads: list[int] = []
     future.add_done_callback(lambda _: threads.append(threading.get_ident()))
     return threads
@@ -54,10 +72,22 @@ def _in_thread(fn: Any) -> tuple[Any, int]:
     return out[0]  # type: ignore[no-any-return]
 
 
-def test_a_lone_waiting_caller_settles_its_call_itself(pool: mpexec.WorkerPool) -> None:
-    future = pool.submit_call(_sleep_then, (0.3, 7), worker=0)
+def test_a_lone_waiting_caller_settles_its_call_itself(
+    pool: mpexec.WorkerPool, tmp_path: Any
+) -> None:
+    gate = tmp_path / "gate"
+    future = pool.submit_call(_after, (str(gate), 7), worker=0)
     settled_by = _settler(future)
-    settled, waiter = _in_thread(lambda: wait_settled(future, 30))
+    got: list[tuple[bool, int]] = []
+    thread = threading.Thread(target=lambda: got.append((wait_settled(future, 30),
+                                                         threading.get_ident())))  # fmt: skip
+    thread.start()
+    # The answer comes only once the thread reads the ring itself.
+    wait_until(lambda: pool._state.slots[0].direct, 30)
+    _open(gate)
+    thread.join(60)
+    assert got, "the waiting thread hung"
+    settled, waiter = got[0]
     assert settled
     assert read_settled(future) == (7, None)
     # The waiting thread took the done record, not the manager thread.
@@ -66,11 +96,13 @@ def test_a_lone_waiting_caller_settles_its_call_itself(pool: mpexec.WorkerPool) 
     assert pool.submit(int, 3).result(30) == 3  # the manager delivers again
 
 
-def test_the_main_thread_never_reads_directly(pool: mpexec.WorkerPool) -> None:
+def test_the_main_thread_never_reads_directly(pool: mpexec.WorkerPool, tmp_path: Any) -> None:
     # A Ctrl-C between taking a record and settling its call would lose the call's
     # outcome: the main thread waits on the future, and the manager delivers.
-    future = pool.submit_call(_sleep_then, (0.3, 8), worker=0)
+    gate = tmp_path / "gate"
+    future = pool.submit_call(_after, (str(gate), 8), worker=0)
     settled_by = _settler(future)
+    _open(gate)
     assert wait_settled(future, 30)
     assert read_settled(future) == (8, None)
     assert settled_by
@@ -134,8 +166,11 @@ def test_a_shutdown_while_a_caller_reads_directly_settles_its_call(
         assert result == 9 or isinstance(exc, mpexec.PoolClosedError)
 
 
-def test_a_direct_reads_timeout_leaves_the_call_to_the_manager(pool: mpexec.WorkerPool) -> None:
-    future = pool.submit_call(_sleep_then, (0.3, 4), worker=1)
+def test_a_direct_reads_timeout_leaves_the_call_to_the_manager(
+    pool: mpexec.WorkerPool, tmp_path: Any
+) -> None:
+    gate = tmp_path / "gate"
+    future = pool.submit_call(_after, (str(gate), 4), worker=1)
     settled_by = _settler(future)
     slot = pool._state.slots[1]
     claimed: list[bool] = []
@@ -151,6 +186,7 @@ def test_a_direct_reads_timeout_leaves_the_call_to_the_manager(pool: mpexec.Work
     assert settled is False
     assert any(claimed), "the wait did not read directly"
     assert not future.done()
+    _open(gate)
     # Nobody waits now: the manager must have taken the ring back to deliver it.
     wait_until(future.done, 30)
     assert read_settled(future) == (4, None)
