@@ -138,6 +138,18 @@ def test_a_batch_costs_the_scheduler_few_python_calls(workers: int) -> None:
     assert n / batches <= 24, n / batches  # 20 here
 
 
+def _profiled_batches(scheduler: Scheduler, profile: Any, warm: int = 8) -> None:
+    """``warm`` batches (learned: one unit a batch here), then 16 with ``profile`` set."""
+    for _ in range(warm):
+        scheduler.next_result()
+    sys.setprofile(profile)
+    try:
+        for _ in range(16):
+            scheduler.next_result()
+    finally:
+        sys.setprofile(None)
+
+
 def test_a_units_outcome_is_read_in_two_calls() -> None:
     """``exception()`` then ``result()``: a cancelled outcome raises in ``exception()``,
     as a done Future's does, so ``cancelled()`` is not asked first (3 calls a unit before)."""
@@ -150,14 +162,7 @@ def test_a_units_outcome_is_read_in_two_calls() -> None:
         calls += event == "call" and frame.f_code in reads
 
     try:
-        for _ in range(8):
-            scheduler.next_result()
-        sys.setprofile(profile)
-        try:
-            for _ in range(16):
-                scheduler.next_result()
-        finally:
-            sys.setprofile(None)
+        _profiled_batches(scheduler, profile)
     finally:
         scheduler.close()
     assert calls / 16 <= 2, calls / 16  # one unit a batch here, once learned
@@ -175,15 +180,10 @@ def test_a_units_outcome_is_taken_in_one_scheduler_frame() -> None:
         frames += event == "call" and code.co_name in {"_on_chunk", "_chunk_in"}
 
     try:
-        for _ in range(8):
+        for _ in range(8):  # once learned: one unit a batch
             scheduler.next_result()
         before = sum(s.calls for s in scheduler.ops)
-        sys.setprofile(profile)
-        try:
-            for _ in range(16):
-                scheduler.next_result()
-        finally:
-            sys.setprofile(None)
+        _profiled_batches(scheduler, profile, warm=0)
         stats = scheduler.op_stats()
     finally:
         scheduler.close()

@@ -45,6 +45,23 @@ class _Counter:
             self.calls += 1
 
 
+def _warm_then_count(call: Any, counter: _Counter, *, this_thread: bool) -> None:
+    """``call(i)`` for 8 warm-up calls (the function sent, every cache filled), then 8
+    counted; ``this_thread``: profile this thread too (the others are profiled already)."""
+    for i in range(8):
+        call(i)
+    if this_thread:
+        sys.setprofile(counter)
+    counter.on = True
+    try:
+        for i in range(8, 16):
+            call(i)
+    finally:
+        counter.on = False
+        if this_thread:
+            sys.setprofile(None)
+
+
 def _fill(chunk: tuple[int, int], out: tuple[np.ndarray[Any, Any]]) -> int:
     out[0][:] = chunk[0]
     return chunk[1]
@@ -118,16 +135,7 @@ def test_a_pool_round_trip_makes_few_calls_in_the_pool_and_shared_memory() -> No
                 pool, _fill, lambda i: {"out": (_codec.Writable(blocks[i]),)}, results
             )
 
-            for i in range(8):  # warm: the function is sent, every cache filled
-                call(i)
-            sys.setprofile(counter)
-            counter.on = True
-            try:
-                for i in range(8, 16):
-                    call(i)
-            finally:
-                counter.on = False
-                sys.setprofile(None)
+            _warm_then_count(call, counter, this_thread=True)
             assert results == list(range(1, 17))
             assert all((blocks[i] == i).all() for i in range(16))
             blocks.clear()
@@ -258,14 +266,7 @@ def test_a_delivered_call_is_released_and_settled_in_one_frame() -> None:
             results: list[Any] = []
             call = _hooked_calls(pool, _fill_none, lambda i: {}, results)
 
-            for i in range(8):  # warm: the function is sent, every cache filled
-                call(i)
-            counter.on = True
-            try:
-                for i in range(8, 16):
-                    call(i)
-            finally:
-                counter.on = False
+            _warm_then_count(call, counter, this_thread=False)
             assert results == list(range(1, 17))
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
