@@ -309,6 +309,64 @@ class Arena(Blocks):
             return self.share(array, peer=peer)  # the general path: its checks, its copy
         return self._share_in_place(array, anchor, "", peer)
 
+    def describe_own(self, array: np.ndarray[Any, Any]) -> ArrayDescriptor | None:
+        """What :meth:`share_own` would return for ``array``, with no reference exported;
+        None if it is not a writable view of a live allocation of this arena's own.
+
+        To share it later, once or many times, with :meth:`share_described`.
+        """
+        anchor = find_anchor(array) if type(array) is np.ndarray else None
+        if (
+            anchor is None
+            or anchor.arena_id != self.id
+            or os.getpid() != self._pid
+            or anchor.readonly
+            or not array.flags.writeable
+            or array.nbytes == 0
+            or array.dtype.hasobject
+        ):
+            return None
+        with self._lock:
+            alloc = self._allocs.get(anchor.alloc_id)
+            if alloc is None:
+                return None
+            start = array.__array_interface__["data"][0] - anchor.address
+            return new_descriptor(
+                self.id,
+                alloc.id,
+                alloc.handle,
+                alloc.offset,
+                alloc.size,
+                array.dtype,
+                array.shape,
+                array.strides,
+                start,
+                False,
+            )
+
+    def share_described(self, desc: ArrayDescriptor, peer: Ring | None = None) -> bool:
+        """Share again what :meth:`describe_own` described: one reference exported, as
+        :meth:`share_own` exports (False, nothing done: its allocation is gone, or this
+        is a fork). The caller keeps a view of it alive, as for ``share_own``.
+        """
+        if desc.arena_id != self.id or os.getpid() != self._pid:
+            return False
+        with self._lock:
+            self._collect_locked()  # (as _share_in_place: releases are read here too)
+            owed = None if peer is None else self._owed.get(id(peer))
+            if owed is None and peer is not None:
+                self._owed_by(peer)  # raises: not a ring of ours
+            alloc = self._allocs.get(desc.alloc_id)
+            if alloc is None:
+                return False
+            alloc.exported += 1
+            self._exported += 1
+            if owed is not None:
+                owed[alloc.id] = owed.get(alloc.id, 0) + 1
+        if self._deferred:
+            self._drain_deferred()
+        return True
+
     def _share_in_place(
         self, arr: np.ndarray[Any, Any], anchor: Anchor, tag: str, peer: Ring | None
     ) -> ArrayDescriptor:
