@@ -71,6 +71,11 @@ from ._views import (
     owner_gone,
 )
 
+#: :meth:`Arena.share_described` reads the releases peers sent back every this
+#: many calls (a pipeline's batch blocks: ~200 bytecodes a batch less than at
+#: each), so at most this many of its releases wait besides an allocation's.
+COLLECT_EVERY = 16
+
 
 def _forget(arena_id: int, ref: Any) -> None:
     """An arena collected without ``close()``: drop its entry (if still its own)."""
@@ -199,6 +204,7 @@ class Arena(Blocks):
         self._peak = 0
         self._exported = 0
         self._releases = 0
+        self._shared_unread = 0  # share_described() calls since it read releases
         self.bytes_copied = 0  # by share(): a statistic, read without the lock
         self._links: list[Ring] = []
         # Rings made here carry a flag their producer sets (see _hints.py); the
@@ -352,7 +358,14 @@ class Arena(Blocks):
         if desc.arena_id != self.id or os.getpid() != self._pid:
             return False
         with self._lock:
-            self._collect_locked()  # (as _share_in_place: releases are read here too)
+            # Releases are read here every COLLECT_EVERY shares, not at each (as
+            # _share_in_place and every allocation do): a pipeline shares a block a
+            # batch and gets its release back a batch later. Read in bulk, the look
+            # at the flags and the rings is paid once for all of them.
+            self._shared_unread += 1
+            if self._shared_unread >= COLLECT_EVERY:
+                self._shared_unread = 0
+                self._collect_locked()
             owed = None if peer is None else self._owed.get(id(peer))
             if owed is None and peer is not None:
                 self._owed_by(peer)  # raises: not a ring of ours
@@ -734,9 +747,10 @@ class Arena(Blocks):
     def _collect_locked(self, every: bool = False) -> int:
         """Apply the releases waiting in the link rings (lock held); how many.
 
-        Run before every allocation and share: only the rings whose flag is
-        set are looked at (see ``_hints.py``), and all of them with ``every``
-        or now and then. A ring with nothing new costs no system call.
+        Run before every allocation and share (but every COLLECT_EVERY-th
+        share_described): only the rings whose flag is set are looked at (see
+        ``_hints.py``), and all of them with ``every`` or now and then. A ring
+        with nothing new costs no system call.
         """
         hints = self._hints
         rings = hints.every() if every else hints.to_collect(len(self._links))

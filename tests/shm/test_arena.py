@@ -854,3 +854,39 @@ def test_prepare_links_leaves_each_link_only_its_own_fds() -> None:
         for ring in (first, second):
             arena.reclaim(ring)
             ring.close()
+
+
+def test_shares_of_a_described_block_read_releases_in_bulk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pipeline shares its batch's block with share_described() each batch and
+    # gets the block's release back a batch later: the releases are read every
+    # COLLECT_EVERY shares, all at once, not at each share (the look at the flags
+    # and the ring was ~250 bytecodes a batch); what waits stays bounded.
+    from shm._arena import COLLECT_EVERY
+    from shm._views import RELEASE
+
+    with shm.Arena(segment_size=MiB, capacity=8 * MiB, name="bulk") as arena:
+        ring = arena.link()
+        block = arena.empty((64, 16), np.float32, peer_writable=True)
+        desc = arena.describe_own(block)
+        assert desc is not None
+        collect = arena._collect_locked
+        reads = 0
+
+        def counted(every: bool = False) -> int:
+            nonlocal reads
+            reads += 1
+            return collect(every)
+
+        monkeypatch.setattr(arena, "_collect_locked", counted)
+        shares = 4 * COLLECT_EVERY
+        for _ in range(shares):
+            assert arena.share_described(desc, peer=ring)
+            # the peer opened it, used it, and let go of it
+            assert ring.try_push(RELEASE.pack(arena.id, desc.alloc_id, 1))
+            assert arena._exported <= COLLECT_EVERY
+        assert reads == shares // COLLECT_EVERY, reads
+        monkeypatch.undo()
+        assert arena.stats().exported == 0
+        assert arena.stats().releases_received == shares
