@@ -227,10 +227,16 @@ class PoolExecutor:
     def __init__(self, pool: CallPool) -> None:
         self.pool = pool
         self.workers = pool.num_workers
+        # id(block) -> a Writable of it with its descriptor, made when it was cut (empty)
+        self._described: dict[int, Any] = {}
 
     def submit_unit(self, unit: WorkUnit) -> Future[ChunkResult]:
         return self.pool.submit_call(
-            unit.runner, (unit.chunk, *unit.inputs), _out(unit), worker=unit.worker, view=True
+            unit.runner,
+            (unit.chunk, *unit.inputs),
+            _out(unit, self._described),
+            worker=unit.worker,
+            view=True,
         )
 
     def runner(self, op: Op, entropy: int, *, debug: bool) -> OpRunner | WorkerBatchSource:
@@ -251,6 +257,7 @@ class PoolExecutor:
         return self.pool.share(array)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._described.clear()
         self.pool.shutdown(wait, cancel_futures=cancel_futures)
 
 
@@ -280,7 +287,7 @@ class LocalPoolExecutor(PoolExecutor):
             self.submit_unit(unit).add_done_callback(hook)
             return
         args = (unit.chunk, *unit.inputs)
-        self.pool.submit_hooked(unit.runner, args, _out(unit), unit.worker, hook)
+        self.pool.submit_hooked(unit.runner, args, _out(unit, self._described), unit.worker, hook)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         """A block on pages of its own: a small one from a slab of them (see :data:`SLAB_BYTES`)."""
@@ -288,9 +295,14 @@ class LocalPoolExecutor(PoolExecutor):
         with self._lock:  # (a slab with a block left: nothing worked out again)
             slab = self._slabs.get(key)
             if slab is not None and slab[1] < len(slab[0]):
-                rows, taken = slab
+                rows, taken, described = slab
                 slab[1] = taken + 1
-                return np.ndarray(shape, dtype, rows[taken])
+                block = np.ndarray(shape, dtype, rows[taken])
+                if described is not None:  # described with the slab: only its start moves
+                    desc, packed = described
+                    at = desc.at(desc.start + taken * rows.strides[0], packed)
+                    self._described[id(block)] = _codec.Writable(block, *at)
+                return block
         dt = np.dtype(dtype)
         span = -(-math.prod(shape) * dt.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
         if span <= 0 or span * _SLAB_BLOCKS_MIN > SLAB_BYTES or dt.hasobject:
@@ -298,10 +310,21 @@ class LocalPoolExecutor(PoolExecutor):
         with self._lock:
             slab = self._slabs.get(key)
             if slab is None or slab[1] == len(slab[0]):
-                slab = self._slabs[key] = [self.pool.empty((SLAB_BYTES // span, span), np.uint8), 0]
-            rows, taken = slab
+                rows = self.pool.empty((SLAB_BYTES // span, span), np.uint8)
+                described = getattr(self.pool, "described", None)
+                if described is not None:
+                    described = described(np.ndarray(shape, dt, rows[0]))
+                # The blocks of the slab before: shared the general way from here on.
+                self._described.clear()
+                slab = self._slabs[key] = [rows, 0, described]
+            rows, taken, described = slab
             slab[1] = taken + 1
-        return np.ndarray(shape, dt, rows[taken])
+            block = np.ndarray(shape, dt, rows[taken])
+            if described is not None:
+                desc, packed = described
+                at = desc.at(desc.start + taken * span, packed)
+                self._described[id(block)] = _codec.Writable(block, *at)
+        return block
 
 
 #: A batch's dense block of at most 1/_SLAB_BLOCKS_MIN of this is cut from a slab
@@ -315,12 +338,25 @@ SLAB_BYTES = 1 << 20
 _SLAB_BLOCKS_MIN = 8
 
 
-def _out(unit: WorkUnit) -> dict[str, Any]:
-    """A unit's keyword arguments: its rows of the batch's blocks, writable."""
+def _out(unit: WorkUnit, described: dict[int, Any] | None = None) -> dict[str, Any]:
+    """A unit's keyword arguments: its rows of the batch's blocks, writable.
+
+    A whole block cut from a slab goes as the :class:`Writable` made when it was cut
+    (``described``, by the block's id, which it keeps alive: it carries the block's
+    descriptor, shared by the codec with no look at the array); a part of one goes
+    alone.
+    """
     if not unit.out:
         return {}
     # (Writable, not writable(): a block's rows are a writable array, never of objects.)
-    return {"out": tuple([None if o is None else _codec.Writable(o) for o in unit.out])}
+    if not described:
+        return {"out": tuple([None if o is None else _codec.Writable(o) for o in unit.out])}
+    pop = described.pop
+    return {
+        "out": tuple(
+            [None if o is None else pop(id(o), None) or _codec.Writable(o) for o in unit.out]
+        )
+    }
 
 
 def pool_executor(pool: CallPool) -> PoolExecutor:

@@ -31,6 +31,10 @@ memory, and hands out a descriptor naming this arena (releases come back
 here) and the foreign segment (the peer maps the owner's memory directly).
 When the proxy's last reference is gone it lets go of the anchor, whose own
 release then goes back to the owner. A proxy has no bytes here.
+
+The segments and the blocks cut from them (where an allocation goes, how a
+freed block goes back) are kept by :class:`~shm._blocks.Blocks`, which
+:class:`Arena` extends with the sharing, the views and the releases.
 """
 
 from __future__ import annotations
@@ -48,12 +52,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._allocator import FreeList
-from ._errors import ArenaFullError, SharedMemoryError
+from ._blocks import FIRST_COMMIT, Alloc, Blocks, MiB, Seg, new_segment, round_up
+from ._errors import SharedMemoryError
 from ._hints import Hints
 from ._platform import ALIGNMENT, PAGE_SIZE
 from ._ring import Ring, RingStats
-from ._segment import Segment, SegmentHandle, format_bytes
+from ._segment import Segment, format_bytes
 from ._views import (
     RELEASE,
     Anchor,
@@ -67,29 +71,16 @@ from ._views import (
     owner_gone,
 )
 
-_MiB = 1 << 20
-#: What a new segment commits at once; the rest is committed as allocations
-#: reach it, doubling what is committed each time (a few system calls in a
-#: segment's life). Committing zeroes pages (~0.25 ms a MiB): a pool's arenas
-#: committed whole made every pool start pay ~25 ms for memory most never use.
-FIRST_COMMIT = 2 * _MiB
+#: :meth:`Arena.share_described` reads the releases peers sent back every this
+#: many calls (a pipeline's batch blocks: ~200 bytecodes a batch less than at
+#: each), so at most this many of its releases wait besides an allocation's.
+COLLECT_EVERY = 16
 
 
 def _forget(arena_id: int, ref: Any) -> None:
     """An arena collected without ``close()``: drop its entry (if still its own)."""
     if local_arenas.get(arena_id) is ref:
         del local_arenas[arena_id]
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def _minus(seg: Any, a: int, b: int, cut_seg: Any, lo: int, hi: int) -> list[tuple[Any, int, int]]:
-    """The parts of range ``[a, b)`` of ``seg`` outside ``[lo, hi)`` of ``cut_seg``."""
-    if seg is not cut_seg or hi <= a or b <= lo:
-        return [(seg, a, b)]
-    return [(seg, x, y) for x, y in ((a, lo), (hi, b)) if x < y]
 
 
 def _compact(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], tuple[int, ...] | None]:
@@ -109,6 +100,9 @@ def _compact(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], tuple[int
         step *= n
     it = reversed(dense)
     return core, tuple(0 if b else next(it) for b in broadcast)
+
+
+__all__ = ["FIRST_COMMIT", "Arena", "ArenaStats"]  # FIRST_COMMIT: importable here, as before
 
 
 @dataclass(frozen=True)
@@ -141,76 +135,13 @@ class ArenaStats:
         )
 
 
-class _Alloc:
-    """An allocation in one of our segments, or a proxy (``seg`` is None).
-
-    A proxy forwards memory of another arena: ``source`` is the anchor of a
-    view of it, held while the proxy has references so that the memory's
-    owner keeps it; ``handle``/``offset``/``size`` locate it in its segment.
-    """
-
-    __slots__ = ("exported", "handle", "id", "local", "offset", "seg", "size", "source", "tag")
-
-    def __init__(
-        self,
-        alloc_id: int,
-        seg: _Seg | None,
-        handle: SegmentHandle,
-        offset: int,
-        size: int,
-        tag: str,
-        source: Anchor | None = None,
-    ) -> None:
-        self.id = alloc_id
-        self.seg = seg
-        self.handle = handle
-        self.offset = offset
-        self.size = size
-        self.tag = tag
-        self.source = source
-        self.local = 0
-        self.exported = 0
-
-
-class _Seg:
-    __slots__ = ("committed", "free", "holes", "live", "open", "parked", "ro", "rw")
-
-    def __init__(self, segment: Segment, open_to_peers: bool, committed: int) -> None:
-        self.rw = segment
-        self.open = open_to_peers  # peers may map it writable (not sealed)
-        self.ro: Segment | None = None
-        self.free = FreeList(segment.size, ALIGNMENT)
-        self.live = 0
-        self.holes: list[tuple[int, int]] = []  # page ranges given back (see discard_min)
-        self.committed = committed  # bytes from the start committed (see FIRST_COMMIT)
-        # The last block freed, kept allocated in ``free`` to be handed out
-        # again as it is to the next allocation of its size (a call's argument
-        # or result, call after call): merging it into the free list and
-        # splitting it off again costs more than the rest of an allocation.
-        self.parked: tuple[int, int] | None = None  # (offset, size)
-
-    def unpark(self) -> None:
-        """Give the parked block back to the free list."""
-        if self.parked is not None:
-            offset, size = self.parked
-            self.parked = None
-            self.free.free(offset, size)
-
-
-def _new_segment(size: int, backend: str | None, sealed: bool) -> _Seg:
-    """A segment of ``size`` bytes for an arena, its first :data:`FIRST_COMMIT` committed."""
-    commit = min(size, FIRST_COMMIT)
-    created = Segment.create(size, backend, tag="mpx-arena", sealed=sealed, commit=commit)
-    return _Seg(created, not sealed, committed=min(created.size, _round_up(commit, PAGE_SIZE)))
-
-
 def _default_capacity() -> int:
     import psutil
 
-    return max(256 * _MiB, int(psutil.virtual_memory().total) // 2)
+    return max(256 * MiB, int(psutil.virtual_memory().total) // 2)
 
 
-class Arena:
+class Arena(Blocks):
     """Shared memory for arrays, owned by this process, shared by descriptor.
 
     ``segment_size`` is the unit of growth; a segment's memory is committed
@@ -227,7 +158,7 @@ class Arena:
 
     def __init__(
         self,
-        segment_size: int = 64 * _MiB,
+        segment_size: int = 64 * MiB,
         capacity: int | None = None,
         backend: str | None = None,
         name: str = "arena",
@@ -261,18 +192,19 @@ class Arena:
         self.keep_free = 0
         # Freed pages not given back yet, oldest first (lock held): given back
         # after the next allocation, but for the newest keep_free bytes.
-        self._discard: list[tuple[_Seg, int, int]] = []
+        self._discard: list[tuple[Seg, int, int]] = []
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._deferred: collections.deque[int] = collections.deque()
-        self._segs: list[_Seg] = []
-        self._allocs: dict[int, _Alloc] = {}
-        self._proxies: dict[int, _Alloc] = {}  # id(source anchor) -> its proxy
+        self._segs: list[Seg] = []
+        self._allocs: dict[int, Alloc] = {}
+        self._proxies: dict[int, Alloc] = {}  # id(source anchor) -> its proxy
         self._next_id = 1
         self._in_use = 0
         self._peak = 0
         self._exported = 0
         self._releases = 0
+        self._shared_unread = 0  # share_described() calls since it read releases
         self.bytes_copied = 0  # by share(): a statistic, read without the lock
         self._links: list[Ring] = []
         # Rings made here carry a flag their producer sets (see _hints.py); the
@@ -281,7 +213,7 @@ class Arena:
         self._plain: list[Ring] = []
         self._owed: dict[int, dict[int, int]] = {}  # id(link) -> alloc id -> refs
         self._closed = False
-        self._segs.append(_new_segment(segment_size, backend, sealed))
+        self._segs.append(new_segment(segment_size, backend, sealed))
         local_arenas[self.id] = weakref.ref(self, functools.partial(_forget, self.id))
 
     # ------------------------------------------------------------- allocating
@@ -312,7 +244,7 @@ class Arena:
         if not peer_writable:
             alloc = self._allocate(nbytes, tag)
             return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
-        span = _round_up(nbytes, PAGE_SIZE)
+        span = round_up(nbytes, PAGE_SIZE)
         if not self.sealed:
             # Its segments hold packed blocks too: enough for whole pages from the
             # first page boundary of the block on. In a sealed arena they hold only
@@ -382,6 +314,71 @@ class Arena:
         if array.nbytes == 0 or array.dtype.hasobject or anchor.alloc_id not in self._allocs:
             return self.share(array, peer=peer)  # the general path: its checks, its copy
         return self._share_in_place(array, anchor, "", peer)
+
+    def describe_own(self, array: np.ndarray[Any, Any]) -> ArrayDescriptor | None:
+        """What :meth:`share_own` would return for ``array``, with no reference exported;
+        None if it is not a writable view of a live allocation of this arena's own.
+
+        To share it later, once or many times, with :meth:`share_described`.
+        """
+        anchor = find_anchor(array) if type(array) is np.ndarray else None
+        if (
+            anchor is None
+            or anchor.arena_id != self.id
+            or os.getpid() != self._pid
+            or anchor.readonly
+            or not array.flags.writeable
+            or array.nbytes == 0
+            or array.dtype.hasobject
+        ):
+            return None
+        with self._lock:
+            alloc = self._allocs.get(anchor.alloc_id)
+            if alloc is None:
+                return None
+            start = array.__array_interface__["data"][0] - anchor.address
+            return new_descriptor(
+                self.id,
+                alloc.id,
+                alloc.handle,
+                alloc.offset,
+                alloc.size,
+                array.dtype,
+                array.shape,
+                array.strides,
+                start,
+                False,
+            )
+
+    def share_described(self, desc: ArrayDescriptor, peer: Ring | None = None) -> bool:
+        """Share again what :meth:`describe_own` described: one reference exported, as
+        :meth:`share_own` exports (False, nothing done: its allocation is gone, or this
+        is a fork). The caller keeps a view of it alive, as for ``share_own``.
+        """
+        if desc.arena_id != self.id or os.getpid() != self._pid:
+            return False
+        with self._lock:
+            # Releases are read here every COLLECT_EVERY shares, not at each (as
+            # _share_in_place and every allocation do): a pipeline shares a block a
+            # batch and gets its release back a batch later. Read in bulk, the look
+            # at the flags and the rings is paid once for all of them.
+            self._shared_unread += 1
+            if self._shared_unread >= COLLECT_EVERY:
+                self._shared_unread = 0
+                self._collect_locked()
+            owed = None if peer is None else self._owed.get(id(peer))
+            if owed is None and peer is not None:
+                self._owed_by(peer)  # raises: not a ring of ours
+            alloc = self._allocs.get(desc.alloc_id)
+            if alloc is None:
+                return False
+            alloc.exported += 1
+            self._exported += 1
+            if owed is not None:
+                owed[alloc.id] = owed.get(alloc.id, 0) + 1
+        if self._deferred:
+            self._drain_deferred()
+        return True
 
     def _share_in_place(
         self, arr: np.ndarray[Any, Any], anchor: Anchor, tag: str, peer: Ring | None
@@ -507,14 +504,14 @@ class Arena:
             return anchor.alloc_id in self._allocs
         return isinstance(anchor.keep, Segment)
 
-    def _proxy(self, anchor: Anchor, tag: str) -> _Alloc:
+    def _proxy(self, anchor: Anchor, tag: str) -> Alloc:
         """The proxy forwarding ``anchor``'s memory, made on first use; lock held."""
         alloc = self._proxies.get(id(anchor))  # the proxy holds the anchor: ids are unique
         if alloc is None:
             self._check_open()  # a closed arena gets no releases back: it would hold forever
             mapping: Segment = anchor.keep
             offset = anchor.address - mapping.address + mapping.offset
-            alloc = _Alloc(
+            alloc = Alloc(
                 self._next_id, None, mapping.handle, offset, anchor.nbytes, tag, source=anchor
             )
             self._next_id += 1
@@ -556,14 +553,14 @@ class Arena:
         anchor = find_anchor(np.asarray(array)) if isinstance(array, np.ndarray) else None
         return anchor is not None and anchor.arena_id == self.id and os.getpid() == self._pid
 
-    def _allocate(self, nbytes: int, tag: str, peer_writable: bool = False) -> _Alloc:
+    def _allocate(self, nbytes: int, tag: str, peer_writable: bool = False) -> Alloc:
         with self._lock:
             alloc = self._allocate_locked(nbytes, tag, peer_writable or not self.sealed)
         if self._deferred:
             self._drain_deferred()
         return alloc
 
-    def _allocate_locked(self, nbytes: int, tag: str, opened: bool) -> _Alloc:
+    def _allocate_locked(self, nbytes: int, tag: str, opened: bool) -> Alloc:
         """A new block in a segment ``opened`` to peers' writes, or not (lock held)."""
         if self._closed:
             self._check_open()  # raises
@@ -581,7 +578,7 @@ class Arena:
             self._commit(seg, offset, size)
         if self._discard or seg.holes:
             self._claim(seg, offset, size)
-        alloc = _Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
+        alloc = Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
         self._next_id += 1
         self._allocs[alloc.id] = alloc
         seg.live += 1
@@ -591,127 +588,9 @@ class Arena:
             self._give_back()
         return alloc
 
-    def _commit(self, seg: _Seg, offset: int, size: int) -> None:
-        """Commit ``seg`` up to past ``[offset, offset + size)`` (lock held), or free
-        the block and raise :class:`ReservationError`."""
-        end = min(seg.rw.size, max(_round_up(offset + size, PAGE_SIZE), 2 * seg.committed))
-        try:
-            seg.rw.reserve(seg.committed, end - seg.committed)
-        except BaseException:
-            seg.free.free(offset, size)
-            raise
-        seg.committed = end
-
-    def _claim(self, seg: _Seg, offset: int, size: int) -> None:
-        """``[offset, offset + size)`` of ``seg`` is being allocated (lock held).
-
-        Its pages are no longer to be given back, and those given back are
-        committed again; if they cannot be, the block goes back to the free list.
-        """
-        lo = offset // PAGE_SIZE * PAGE_SIZE
-        hi = _round_up(offset + size, PAGE_SIZE)
-        self._discard = [
-            (s, a, b) for s0, a0, b0 in self._discard for s, a, b in _minus(s0, a0, b0, seg, lo, hi)
-        ]
-        kept: list[tuple[int, int]] = []
-        try:
-            for a, b in seg.holes:
-                if a < hi and lo < b:
-                    seg.rw.reserve(max(a, lo), min(b, hi) - max(a, lo))
-                kept.extend((x, y) for _, x, y in _minus(seg, a, b, seg, lo, hi))
-        except BaseException:
-            seg.free.free(offset, size)
-            raise
-        seg.holes = kept
-
-    def _give_back(self) -> None:
-        """Give back the pages of the large blocks freed since the last time (lock held).
-
-        Done after an allocation has taken what it needs, so that a block
-        freed and taken again at once (a worker's next batch) stays committed;
-        the newest :attr:`keep_free` bytes of them stay for the next ones.
-        """
-        cut, kept = len(self._discard), 0
-        while (
-            cut and kept + self._discard[cut - 1][2] - self._discard[cut - 1][1] <= self.keep_free
-        ):
-            cut -= 1
-            kept += self._discard[cut][2] - self._discard[cut][1]
-        pending, self._discard = self._discard[:cut], self._discard[cut:]
-        for seg, a, b in pending:
-            if seg.rw.discard(a, b - a):
-                seg.holes.append((a, b))
-
-    def _fit(self, nbytes: int, size: int, opened: bool) -> tuple[_Seg, int] | None:
-        """A block of ``nbytes`` (``size`` rounded) in a segment we have, or None."""
-        if self.keep_free and self._discard and nbytes >= (self.discard_min or 0):
-            # Freed pages kept warm (keep_free): the newest taken first, rather
-            # than the first fit, which may be pages already given back.
-            for seg, lo, _ in reversed(self._discard):
-                if seg.open != opened:
-                    continue
-                if (offset := seg.free.allocate_near(lo, nbytes)) is not None:
-                    return seg, offset
-        for seg in self._segs:
-            if seg.open != opened:
-                continue
-            parked = seg.parked
-            if parked is not None and parked[1] == size:
-                seg.parked = None
-                return seg, parked[0]
-            offset = seg.free.allocate(nbytes)
-            if offset is None and parked is not None:
-                seg.unpark()
-                offset = seg.free.allocate(nbytes)
-            if offset is not None:
-                return seg, offset
-        return None
-
-    def _grow(self, nbytes: int, opened: bool) -> tuple[_Seg, int]:
-        reserved = sum(s.rw.size for s in self._segs)
-        need = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
-        # Grow by a segment_size where the cap allows, by just enough near the cap.
-        size = max(need, min(self.segment_size, self.capacity - reserved))
-        if reserved + size > self.capacity:
-            # Give back empty extra segments before giving up.
-            for seg in [s for s in self._segs[1:] if s.live == 0]:
-                self._segs.remove(seg)
-                seg.rw.close()
-                reserved -= seg.rw.size
-            size = max(need, min(self.segment_size, self.capacity - reserved))
-        if reserved + size > self.capacity:
-            raise ArenaFullError(self._full_message(nbytes, reserved))
-        seg = _new_segment(size, self.backend, sealed=not opened)
-        self._segs.append(seg)
-        offset = seg.free.allocate(nbytes)
-        assert offset is not None
-        return seg, offset
-
-    def _full_message(self, nbytes: int, reserved: int) -> str:
-        by_tag: dict[str, list[int]] = {}
-        remote = 0
-        for a in self._allocs.values():
-            if a.seg is None:
-                continue  # a proxy holds no bytes here
-            entry = by_tag.setdefault(a.tag or "untagged", [0, 0])
-            entry[0] += a.size
-            entry[1] += 1
-            remote += a.exported > 0
-        top = sorted(by_tag.items(), key=lambda kv: -kv[1][0])[:3]
-        holders = ", ".join(f"{t!r}: {format_bytes(b)} in {n}" for t, (b, n) in top)
-        return (
-            f"arena {self.name!r} cannot allocate {format_bytes(nbytes)}: it is at its cap of "
-            f"{format_bytes(self.capacity)} ({format_bytes(reserved)} reserved, "
-            f"{format_bytes(self._in_use)} in use by {len(self._allocs)} allocations"
-            + (f"; largest holders {holders}" if holders else "")
-            + f"; {remote} of them referenced from descriptors or other processes). "
-            "Drop arrays you no longer need, or give the arena a larger capacity"
-        )
-
-    # ------------------------------------------------------------- views
     def _view(
         self,
-        alloc: _Alloc,
+        alloc: Alloc,
         dtype: np.dtype[Any],
         shape: tuple[int, ...],
         strides: tuple[int, ...] | None,
@@ -789,29 +668,6 @@ class Arena:
                         self._maybe_free(alloc)
             finally:
                 self._lock.release()
-
-    def _maybe_free(self, alloc: _Alloc) -> None:
-        if alloc.local > 0 or alloc.exported > 0:
-            return
-        del self._allocs[alloc.id]
-        if alloc.seg is None:
-            # A proxy: let go of the source, whose finalizer returns the memory
-            # to its owner. That finalizer never waits on a lock, so it may run here.
-            del self._proxies[id(alloc.source)]
-            alloc.source = None
-            return
-        seg = alloc.seg
-        seg.live -= 1
-        self._in_use -= alloc.size
-        if self.discard_min is None or alloc.size < self.discard_min:
-            seg.unpark()
-            seg.parked = (alloc.offset, alloc.size)
-        else:
-            seg.free.free(alloc.offset, alloc.size)
-            lo = _round_up(alloc.offset, PAGE_SIZE)
-            hi = (alloc.offset + alloc.size) // PAGE_SIZE * PAGE_SIZE
-            if hi > lo:
-                self._discard.append((alloc.seg, lo, hi))
 
     def link(self, ring: Ring | None = None, capacity: int = 4096) -> Ring:
         """A ring through which one other process returns its views' references.
@@ -891,33 +747,36 @@ class Arena:
     def _collect_locked(self, every: bool = False) -> int:
         """Apply the releases waiting in the link rings (lock held); how many.
 
-        Run before every allocation and share: only the rings whose flag is
-        set are looked at (see ``_hints.py``), and all of them with ``every``
-        or now and then. A ring with nothing new costs no system call.
+        Run before every allocation and share (but every COLLECT_EVERY-th
+        share_described): only the rings whose flag is set are looked at (see
+        ``_hints.py``), and all of them with ``every`` or now and then. A ring
+        with nothing new costs no system call.
         """
         hints = self._hints
         rings = hints.every() if every else hints.to_collect(len(self._links))
         n = 0
         for ring in (*self._plain, *rings) if self._plain else rings:
             owed = self._owed[id(ring)]
-            # Popped until the ring's head shows nothing more, without handing
+            # Popped until the ring's head shows nothing more (a look at it a
+            # call, every record it shows taken at once), without handing
             # freed slots back on the way out (no system call when nothing
             # waits): a release ring's producer never waits for them (it
             # pushes without blocking, and gets them back every half ring). A
             # record the head does not show yet is collected the next time.
-            while (rec := ring.try_pop(give_back=False)) is not None:
-                arena_id, alloc_id, count = RELEASE.unpack(rec)
-                alloc = self._allocs.get(alloc_id)
-                n += 1
-                if alloc is None or arena_id != self.id:
-                    continue
-                if alloc_id in owed:
-                    owed[alloc_id] -= count
-                    if owed[alloc_id] <= 0:
-                        del owed[alloc_id]
-                alloc.exported -= count
-                self._exported -= count
-                self._maybe_free(alloc)
+            while recs := ring.pop_waiting():  # (in bulk: every 16th share_described)
+                for rec in recs:
+                    arena_id, alloc_id, count = RELEASE.unpack(rec)
+                    alloc = self._allocs.get(alloc_id)
+                    n += 1
+                    if alloc is None or arena_id != self.id:
+                        continue
+                    if alloc_id in owed:
+                        owed[alloc_id] -= count
+                        if owed[alloc_id] <= 0:
+                            del owed[alloc_id]
+                    alloc.exported -= count
+                    self._exported -= count
+                    self._maybe_free(alloc)
         self._releases += n
         return n
 

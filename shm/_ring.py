@@ -401,6 +401,53 @@ class Ring:
             self._return_spaces()
         return rec
 
+    def pop_waiting(self) -> list[bytes]:
+        """Every record waiting now, in one call: ``try_pop(give_back=False)`` until None.
+
+        For a consumer of many rings that never sleeps on this one (an arena's
+        release rings, popped before each share and allocation): the ring's
+        head and its credits are read once, not again for a last, empty pop. An
+        empty list when nothing is new, whatever became of the ring. The end
+        marker raises :class:`RingClosedError` as ``try_pop`` does, once the
+        records before it are returned.
+        """
+        credits = self._item_credits
+        if _U64.unpack_from(self._buf, _HEAD)[0] != self._taken:
+            if self._closed or self._eof_seen:
+                self._acquire_items(0.0, ())  # raises what is wrong
+            if self._items_fd is None:
+                got = self._items.take()
+            else:
+                try:
+                    got = os.eventfd_read(self._items_fd)
+                except BlockingIOError:
+                    got = 0
+            self._taken += got
+            credits += got
+        if not credits:
+            return []
+        buf, nslots, stride = self._buf, self._nslots, self._stride
+        tail = start = self._tail
+        out = []
+        for _ in range(credits):
+            off = _SLOTS + tail % nslots * stride
+            n = _U32.unpack_from(buf, off)[0]
+            if n == _EOF:
+                break
+            off += 4
+            out.append(bytes(buf[off : off + n]))
+            tail += 1
+        self._item_credits = credits - (tail - start)
+        if not out:  # the end marker first: as try_pop
+            self._consumed(1)
+            self._eof_seen = True
+            raise RingClosedError("the ring's producer closed it")
+        self._tail = tail
+        _U64.pack_into(buf, _TAIL, tail)
+        if self._taken - self._returned >= self._flush_at:
+            self._return_spaces()
+        return out
+
     def pop(self, timeout: float | None = None, watch: Sequence[Watchable] = ()) -> bytes:
         """Pop one record, waiting up to ``timeout`` seconds for one."""
         if not self._acquire_items(timeout, watch):

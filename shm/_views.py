@@ -117,6 +117,14 @@ class ArrayDescriptor(NamedTuple):
             hit = _tail_codes[key] = (seg, tail)
         return head + hit[1]
 
+    def at(self, start: int, packed: bytes) -> tuple[ArrayDescriptor, bytes]:
+        """This descriptor and its :meth:`pack` (``packed``) for the same array at ``start``
+        instead: only the packed head's ``start`` changes (a slab's blocks)."""
+        return (
+            new_descriptor(*self[:8], start, self.readonly),
+            packed[:_START_AT] + _START.pack(start) + packed[_START_AT + 8 :],
+        )
+
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> ArrayDescriptor:
         """The descriptor that :meth:`pack` encoded."""
@@ -171,6 +179,8 @@ _new_tuple = tuple.__new__
 # next: arena, allocation, offset, size, start, flags), then the segment's
 # code and the geometry's (each cached: they recur call after call).
 _DESC_HEAD = struct.Struct("<QQQQqB")
+_START = struct.Struct("<q")  # a packed head's ``start``, at _START_AT
+_START_AT = 32
 _SEG_CODE = struct.Struct("<qiQQBH")  # owner pid, fd, inode, size, backend, name length
 _GEO_CODE = struct.Struct("<BBH")  # ndim, len(strides), dtype code length
 _BACKENDS = ("memfd", "posix")

@@ -323,6 +323,14 @@ class WorkerPool(CallExecutor):
             return np.array(array, copy=True)
         return state.arena.put(array, peer_writable=True)
 
+    def described(self, array: Any) -> tuple[shm.ArrayDescriptor, bytes] | None:
+        """For code built on the pool: ``array``, a writable view of :meth:`empty`'s memory,
+        described once (its descriptor and that packed), to pass :func:`writable` with no
+        look at it each time (a pipeline's batch blocks); None: not such a view."""
+        arena = self._state.arena
+        desc = None if arena is None else arena.describe_own(array)
+        return None if desc is None else (desc, desc.pack())
+
     def share(self, array: Any) -> Any:
         """A read-only copy of ``array`` in the pool's shared memory, for many calls.
 

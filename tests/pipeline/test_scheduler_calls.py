@@ -363,3 +363,33 @@ def test_a_units_statistics_are_booked_per_op_not_per_member_of_its_chain() -> N
     # (and those the window made ahead), one call a sample.
     ((calls, samples),) = {(s.calls, s.samples) for s in stats}
     assert calls == samples >= 24 * BATCH, stats
+
+
+def test_a_slabs_block_is_shared_with_the_descriptor_made_when_it_was_cut() -> None:
+    """A batch's block goes to its unit whole (one unit a batch once the chunks are
+    learned): the pool shares it with the descriptor made when it was cut from its
+    slab (only the start moves from one block to the next). Each batch looked for its
+    allocation (``find_anchor``), described it and packed that again (~240 bytecodes)."""
+    pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=2, seed=1)
+    pipe.define(_graph)
+    looked = 0
+    looks = {"find_anchor", "pack", "share_own", "_share_in_place"}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal looked
+        looked += event == "call" and frame.f_code.co_name in looks
+
+    with pipe:
+        pipe.build()
+        for _ in range(8):
+            pipe.run()
+        batches = 16
+        sys.setprofile(profile)
+        try:
+            got = [pipe.run() for _ in range(batches)]
+        finally:
+            sys.setprofile(None)
+    assert looked / batches <= 1, looked / batches
+    for i, (out,) in enumerate(got):  # each batch's own rows, in its own block
+        want = (np.arange((8 + i) * BATCH, (9 + i) * BATCH) % 251 + 1).astype(np.float32)
+        assert np.array_equal(np.asarray(out).reshape(-1), want)

@@ -730,11 +730,17 @@ def test_a_release_runs_once_when_its_anchor_goes_and_at_exit_for_those_alive() 
 
 
 class _CountingRing:
-    """Counts the looks an arena takes at its link rings (``may_have_records``, ``try_pop``)."""
+    """Counts the looks an arena takes at its link rings (``may_have_records``, ``try_pop``,
+    ``pop_waiting``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.looks = 0
         may_have_records, try_pop = shm.Ring.may_have_records, shm.Ring.try_pop
+        pop_waiting = shm.Ring.pop_waiting
+
+        def counted_waiting(ring: shm.Ring) -> list[bytes]:
+            self.looks += 1
+            return pop_waiting(ring)
 
         def counted(ring: shm.Ring) -> bool:
             self.looks += 1
@@ -746,6 +752,7 @@ class _CountingRing:
 
         monkeypatch.setattr(shm.Ring, "may_have_records", counted)
         monkeypatch.setattr(shm.Ring, "try_pop", counted_pop)
+        monkeypatch.setattr(shm.Ring, "pop_waiting", counted_waiting)
 
 
 def test_allocating_looks_only_at_the_link_rings_that_have_releases(
@@ -854,3 +861,67 @@ def test_prepare_links_leaves_each_link_only_its_own_fds() -> None:
         for ring in (first, second):
             arena.reclaim(ring)
             ring.close()
+
+
+def test_shares_of_a_described_block_read_releases_in_bulk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pipeline shares its batch's block with share_described() each batch and
+    # gets the block's release back a batch later: the releases are read every
+    # COLLECT_EVERY shares, all at once, not at each share (the look at the flags
+    # and the ring was ~250 bytecodes a batch); what waits stays bounded.
+    from shm._arena import COLLECT_EVERY
+    from shm._views import RELEASE
+
+    with shm.Arena(segment_size=MiB, capacity=8 * MiB, name="bulk") as arena:
+        ring = arena.link()
+        block = arena.empty((64, 16), np.float32, peer_writable=True)
+        desc = arena.describe_own(block)
+        assert desc is not None
+        collect = arena._collect_locked
+        reads = 0
+
+        def counted(every: bool = False) -> int:
+            nonlocal reads
+            reads += 1
+            return collect(every)
+
+        monkeypatch.setattr(arena, "_collect_locked", counted)
+        shares = 4 * COLLECT_EVERY
+        for _ in range(shares):
+            assert arena.share_described(desc, peer=ring)
+            # the peer opened it, used it, and let go of it
+            assert ring.try_push(RELEASE.pack(arena.id, desc.alloc_id, 1))
+            assert arena._exported <= COLLECT_EVERY
+        assert reads == shares // COLLECT_EVERY, reads
+        monkeypatch.undo()
+        assert arena.stats().exported == 0
+        assert arena.stats().releases_received == shares
+
+
+def test_a_collection_takes_a_rings_waiting_releases_in_one_pop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Releases read in bulk (share_described's every 16th share): every record the
+    # ring's head shows comes out of one Ring call, and one more finds nothing (a
+    # try_pop a record and an empty one at the end before: 17 looks for 16).
+    from shm._views import RELEASE
+
+    with shm.Arena(segment_size=MiB, capacity=8 * MiB, name="bulk-pop") as arena:
+        ring = arena.link()
+        descs = [arena.share(np.arange(8.0), peer=ring) for _ in range(16)]
+        for desc in descs:
+            assert ring.try_push(RELEASE.pack(arena.id, desc.alloc_id, 1))
+        counter = _CountingRing(monkeypatch)
+        assert arena.collect() == 16
+        assert counter.looks <= 2, counter.looks
+        assert arena.stats().exported == 0
+        # A ring ended after its last releases: those are applied, then its end
+        # marker raises on the next look, once, as before.
+        more = [arena.share(np.arange(8.0), peer=ring) for _ in range(3)]
+        for desc in more:
+            assert ring.try_push(RELEASE.pack(arena.id, desc.alloc_id, 1))
+        ring.close_producer()
+        with pytest.raises(shm.RingClosedError):
+            arena.collect()
+        assert arena.stats().exported == 0

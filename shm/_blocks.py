@@ -1,0 +1,258 @@
+"""An arena's segments and the blocks cut from them (see ``_arena.py``).
+
+Where an allocation goes (a segment's free list, its parked block, a new
+segment), how a segment's memory is committed as blocks reach it, and how a
+freed block goes back: parked for the next allocation of its size, or freed
+with its whole pages given back to the system (``discard_min``). :class:`Blocks`
+holds this bookkeeping for :class:`~shm.Arena`, which adds the sharing, the
+views and the collection of peers' releases; its methods run with the arena's
+lock held.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._allocator import FreeList
+from ._errors import ArenaFullError
+from ._platform import ALIGNMENT, PAGE_SIZE
+from ._segment import Segment, SegmentHandle, format_bytes
+from ._views import Anchor
+
+MiB = 1 << 20
+#: What a new segment commits at once; the rest is committed as allocations
+#: reach it, doubling what is committed each time (a few system calls in a
+#: segment's life). Committing zeroes pages (~0.25 ms a MiB): a pool's arenas
+#: committed whole made every pool start pay ~25 ms for memory most never use.
+FIRST_COMMIT = 2 * MiB
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def minus(seg: Any, a: int, b: int, cut_seg: Any, lo: int, hi: int) -> list[tuple[Any, int, int]]:
+    """The parts of range ``[a, b)`` of ``seg`` outside ``[lo, hi)`` of ``cut_seg``."""
+    if seg is not cut_seg or hi <= a or b <= lo:
+        return [(seg, a, b)]
+    return [(seg, x, y) for x, y in ((a, lo), (hi, b)) if x < y]
+
+
+class Alloc:
+    """An allocation in one of our segments, or a proxy (``seg`` is None).
+
+    A proxy forwards memory of another arena: ``source`` is the anchor of a
+    view of it, held while the proxy has references so that the memory's
+    owner keeps it; ``handle``/``offset``/``size`` locate it in its segment.
+    """
+
+    __slots__ = ("exported", "handle", "id", "local", "offset", "seg", "size", "source", "tag")
+
+    def __init__(
+        self,
+        alloc_id: int,
+        seg: Seg | None,
+        handle: SegmentHandle,
+        offset: int,
+        size: int,
+        tag: str,
+        source: Anchor | None = None,
+    ) -> None:
+        self.id = alloc_id
+        self.seg = seg
+        self.handle = handle
+        self.offset = offset
+        self.size = size
+        self.tag = tag
+        self.source = source
+        self.local = 0
+        self.exported = 0
+
+
+class Seg:
+    __slots__ = ("committed", "free", "holes", "live", "open", "parked", "ro", "rw")
+
+    def __init__(self, segment: Segment, open_to_peers: bool, committed: int) -> None:
+        self.rw = segment
+        self.open = open_to_peers  # peers may map it writable (not sealed)
+        self.ro: Segment | None = None
+        self.free = FreeList(segment.size, ALIGNMENT)
+        self.live = 0
+        self.holes: list[tuple[int, int]] = []  # page ranges given back (see discard_min)
+        self.committed = committed  # bytes from the start committed (see FIRST_COMMIT)
+        # The last block freed, kept allocated in ``free`` to be handed out
+        # again as it is to the next allocation of its size (a call's argument
+        # or result, call after call): merging it into the free list and
+        # splitting it off again costs more than the rest of an allocation.
+        self.parked: tuple[int, int] | None = None  # (offset, size)
+
+    def unpark(self) -> None:
+        """Give the parked block back to the free list."""
+        if self.parked is not None:
+            offset, size = self.parked
+            self.parked = None
+            self.free.free(offset, size)
+
+
+def new_segment(size: int, backend: str | None, sealed: bool) -> Seg:
+    """A segment of ``size`` bytes for an arena, its first :data:`FIRST_COMMIT` committed."""
+    commit = min(size, FIRST_COMMIT)
+    created = Segment.create(size, backend, tag="mpx-arena", sealed=sealed, commit=commit)
+    return Seg(created, not sealed, committed=min(created.size, round_up(commit, PAGE_SIZE)))
+
+
+class Blocks:
+    """The segments of an arena and its allocations' blocks in them (lock held)."""
+
+    # Set by Arena.__init__ (see there).
+    name: str
+    segment_size: int
+    capacity: int
+    backend: str | None
+    discard_min: int | None
+    keep_free: int
+    _discard: list[tuple[Seg, int, int]]
+    _segs: list[Seg]
+    _allocs: dict[int, Alloc]
+    _proxies: dict[int, Alloc]
+    _in_use: int
+
+    def _commit(self, seg: Seg, offset: int, size: int) -> None:
+        """Commit ``seg`` up to past ``[offset, offset + size)`` (lock held), or free
+        the block and raise :class:`ReservationError`."""
+        end = min(seg.rw.size, max(round_up(offset + size, PAGE_SIZE), 2 * seg.committed))
+        try:
+            seg.rw.reserve(seg.committed, end - seg.committed)
+        except BaseException:
+            seg.free.free(offset, size)
+            raise
+        seg.committed = end
+
+    def _claim(self, seg: Seg, offset: int, size: int) -> None:
+        """``[offset, offset + size)`` of ``seg`` is being allocated (lock held).
+
+        Its pages are no longer to be given back, and those given back are
+        committed again; if they cannot be, the block goes back to the free list.
+        """
+        lo = offset // PAGE_SIZE * PAGE_SIZE
+        hi = round_up(offset + size, PAGE_SIZE)
+        self._discard = [
+            (s, a, b) for s0, a0, b0 in self._discard for s, a, b in minus(s0, a0, b0, seg, lo, hi)
+        ]
+        kept: list[tuple[int, int]] = []
+        try:
+            for a, b in seg.holes:
+                if a < hi and lo < b:
+                    seg.rw.reserve(max(a, lo), min(b, hi) - max(a, lo))
+                kept.extend((x, y) for _, x, y in minus(seg, a, b, seg, lo, hi))
+        except BaseException:
+            seg.free.free(offset, size)
+            raise
+        seg.holes = kept
+
+    def _give_back(self) -> None:
+        """Give back the pages of the large blocks freed since the last time (lock held).
+
+        Done after an allocation has taken what it needs, so that a block
+        freed and taken again at once (a worker's next batch) stays committed;
+        the newest :attr:`keep_free` bytes of them stay for the next ones.
+        """
+        cut, kept = len(self._discard), 0
+        while (
+            cut and kept + self._discard[cut - 1][2] - self._discard[cut - 1][1] <= self.keep_free
+        ):
+            cut -= 1
+            kept += self._discard[cut][2] - self._discard[cut][1]
+        pending, self._discard = self._discard[:cut], self._discard[cut:]
+        for seg, a, b in pending:
+            if seg.rw.discard(a, b - a):
+                seg.holes.append((a, b))
+
+    def _fit(self, nbytes: int, size: int, opened: bool) -> tuple[Seg, int] | None:
+        """A block of ``nbytes`` (``size`` rounded) in a segment we have, or None."""
+        if self.keep_free and self._discard and nbytes >= (self.discard_min or 0):
+            # Freed pages kept warm (keep_free): the newest taken first, rather
+            # than the first fit, which may be pages already given back.
+            for seg, lo, _ in reversed(self._discard):
+                if seg.open != opened:
+                    continue
+                if (offset := seg.free.allocate_near(lo, nbytes)) is not None:
+                    return seg, offset
+        for seg in self._segs:
+            if seg.open != opened:
+                continue
+            parked = seg.parked
+            if parked is not None and parked[1] == size:
+                seg.parked = None
+                return seg, parked[0]
+            offset = seg.free.allocate(nbytes)
+            if offset is None and parked is not None:
+                seg.unpark()
+                offset = seg.free.allocate(nbytes)
+            if offset is not None:
+                return seg, offset
+        return None
+
+    def _grow(self, nbytes: int, opened: bool) -> tuple[Seg, int]:
+        reserved = sum(s.rw.size for s in self._segs)
+        need = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+        # Grow by a segment_size where the cap allows, by just enough near the cap.
+        size = max(need, min(self.segment_size, self.capacity - reserved))
+        if reserved + size > self.capacity:
+            # Give back empty extra segments before giving up.
+            for seg in [s for s in self._segs[1:] if s.live == 0]:
+                self._segs.remove(seg)
+                seg.rw.close()
+                reserved -= seg.rw.size
+            size = max(need, min(self.segment_size, self.capacity - reserved))
+        if reserved + size > self.capacity:
+            raise ArenaFullError(self._full_message(nbytes, reserved))
+        seg = new_segment(size, self.backend, sealed=not opened)
+        self._segs.append(seg)
+        offset = seg.free.allocate(nbytes)
+        assert offset is not None
+        return seg, offset
+
+    def _full_message(self, nbytes: int, reserved: int) -> str:
+        by_tag: dict[str, list[int]] = {}
+        remote = 0
+        for a in self._allocs.values():
+            if a.seg is None:
+                continue  # a proxy holds no bytes here
+            entry = by_tag.setdefault(a.tag or "untagged", [0, 0])
+            entry[0] += a.size
+            entry[1] += 1
+            remote += a.exported > 0
+        top = sorted(by_tag.items(), key=lambda kv: -kv[1][0])[:3]
+        holders = ", ".join(f"{t!r}: {format_bytes(b)} in {n}" for t, (b, n) in top)
+        return (
+            f"arena {self.name!r} cannot allocate {format_bytes(nbytes)}: it is at its cap of "
+            f"{format_bytes(self.capacity)} ({format_bytes(reserved)} reserved, "
+            f"{format_bytes(self._in_use)} in use by {len(self._allocs)} allocations"
+            + (f"; largest holders {holders}" if holders else "")
+            + f"; {remote} of them referenced from descriptors or other processes). "
+            "Drop arrays you no longer need, or give the arena a larger capacity"
+        )
+
+    def _maybe_free(self, alloc: Alloc) -> None:
+        if alloc.local > 0 or alloc.exported > 0:
+            return
+        del self._allocs[alloc.id]
+        if alloc.seg is None:
+            # A proxy: let go of the source, whose finalizer returns the memory
+            # to its owner. That finalizer never waits on a lock, so it may run here.
+            del self._proxies[id(alloc.source)]
+            alloc.source = None
+            return
+        seg = alloc.seg
+        seg.live -= 1
+        self._in_use -= alloc.size
+        if self.discard_min is None or alloc.size < self.discard_min:
+            seg.unpark()
+            seg.parked = (alloc.offset, alloc.size)
+        else:
+            seg.free.free(alloc.offset, alloc.size)
+            lo = round_up(alloc.offset, PAGE_SIZE)
+            hi = (alloc.offset + alloc.size) // PAGE_SIZE * PAGE_SIZE
+            if hi > lo:
+                self._discard.append((alloc.seg, lo, hi))
