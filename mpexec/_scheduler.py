@@ -706,8 +706,9 @@ class Scheduler:
         try:
             self._send(it, s, samples)
         except BaseException:  # (a Ctrl-C): its units sent are ignored, it is sent again
-            it.dispatched.discard(s.pos)
-            it.parts.pop(s.pos, None)
+            if it.values[s.pos] is None and it.error is None:  # (else: it came back)
+                it.dispatched.discard(s.pos)
+                it.parts.pop(s.pos, None)
             raise
 
     def _send(self, it: Iteration, s: OpState, samples: Any) -> None:
@@ -870,6 +871,8 @@ class Scheduler:
                     self._fail(it, PoolClosedError("the pipeline was closed"))
                     return
                 if exc is not None:
+                    if self._workers == 0 and isinstance(exc, KeyboardInterrupt):
+                        raise exc  # noqa: TRY301 - a Ctrl-C in a function run here: sent again
                     name = getattr(exc, "mpexec_op", None)
                     op = next((m.op for m in s.members if m.op.name == name), s.op)
                     self._fail(it, annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))

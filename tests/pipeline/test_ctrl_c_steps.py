@@ -223,3 +223,35 @@ def test_a_storm_of_ctrl_c_over_steps_run_here_loses_and_repeats_nothing() -> No
     interrupted, batches = map(int, run_python("-c", _CHILD_STORM, timeout=120).split())
     assert interrupted > 0, "no interrupt landed in run(): the test tested nothing"
     assert batches > 0
+
+
+_CALLS = [0, 0]  # [calls so far, the call that raises] (num_workers=0: this process's)
+
+
+def _plus_one_interrupted(x: np.ndarray) -> np.ndarray:
+    _CALLS[0] += 1
+    if _CALLS[0] == _CALLS[1]:
+        raise KeyboardInterrupt  # a Ctrl-C inside the function, run on this thread
+    return x + 1
+
+
+@mpexec.pipeline_def(batch_size=4, num_workers=0, seed=3, prefetch_depth=2)
+def _here() -> Any:
+    src = fn.external_source(
+        source=[np.full(3, i, np.int64) for i in range(N)], batch=False, cycle="raise"
+    )
+    return fn.python_function(src, function=_plus_one_interrupted)
+
+
+@pytest.mark.parametrize("nth", [1, 7, 30])
+def test_a_ctrl_c_inside_a_function_run_here_loses_no_batch(nth: int) -> None:
+    # num_workers=0: the function runs in run(), on this thread. Its interrupt was
+    # taken for the function's error: the batch failed, and the next run() went on
+    # with the one after it.
+    _CALLS[:] = [0, 0]
+    reference = _reference(_stateless)
+    _CALLS[:] = [0, nth]
+    with _here() as pipe:
+        got, count = _epoch(pipe)
+    assert count == 1
+    assert got == reference
