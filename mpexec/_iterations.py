@@ -1,5 +1,7 @@
 """The scheduler's records: an op's runtime state, an iteration in flight, the stats.
 
+Also how a source read here gives its next batch (:func:`pull`).
+
 Plain records the scheduler (``_scheduler.py``) keeps and changes, and the
 snapshots a pipeline reports (``OpStats``, ``PipelineStats``); apart from it so
 that the scheduler's module holds the policy (windows, chunks, assembly) and
@@ -21,8 +23,9 @@ import numpy as np
 from ._batch import Batch
 from ._executors import UnitExecutor
 from ._graph import Op
-from ._modes import OpKind
+from ._modes import OpKind, SourceMode
 from ._runtime import ChunkResult, check_consistent
+from ._source_runners import batch_rows, check_source_value, sample_tuple
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class OpState:
         self.skipped: set[int] = set()
         self.iterator: Iterator[Any] | None = None
         self.fed: collections.deque[list[tuple[Any, ...]]] = collections.deque()
+        self.reading: list[Any] = []  # items of a per-sample read a Ctrl-C stopped
         # Counted per unit of the chain this op ends, not per member (a unit's
         # outcome runs these adds once, whatever the chain's length): ``units``
         # and ``cpu_samples`` below; ``uncalled``: the units (and their samples)
@@ -306,6 +310,70 @@ def annotate(exc: BaseException, op: Op, it: Iteration, sample: int | None) -> B
         with contextlib.suppress(AttributeError):  # exceptions with __slots__
             setattr(exc, attr, value)
     return exc
+
+
+# ---------------------------------------------------------------- sources read here
+
+
+def pull(s: OpState, it: Iteration, batch_size: int) -> tuple[list[Any], ...]:
+    """A batch from a source that runs here; ([], ...) when it ended the epoch.
+
+    Left first in ``s.fed`` (for _launch to take): fed, or read again after an
+    interrupted launch (a source read here is not read twice).
+    """
+    op = s.op
+    what = op.describe()
+    if s.fed:
+        rows = s.fed[0]
+    elif op.source_mode == SourceMode.BATCH:
+        try:
+            rows = batch_rows(what, op.function(it.index, it.epoch), op.num_outputs, batch_size)
+        except StopIteration:
+            rows = []
+    elif op.batch_processing:
+        item = next_item(s)
+        rows = [] if item is None else batch_rows(what, item, op.num_outputs, batch_size)
+    else:
+        items = s.reading  # (what a read a Ctrl-C stopped took: kept)
+        while len(items) < batch_size:
+            item = next_item(s)
+            if item is None:
+                break
+            items.append(item)
+        rows = [sample_tuple(what, op.num_outputs, item) for item in items]
+    for row in rows:
+        for i, a in enumerate(row):
+            check_source_value(what, i, a, op.output_dtypes, op.output_shapes)
+    if not s.fed:
+        s.reading = []
+        s.fed.append(rows)
+    columns = tuple([row[i] for row in rows] for i in range(op.num_outputs))
+    if not rows:
+        it.stop = 0
+    return columns
+
+
+def next_item(s: OpState) -> Any:
+    op = s.op
+    for attempt in range(2):
+        if s.iterator is None:
+            src = op.function() if callable(op.function) else op.function
+            s.iterator = iter(src)
+        try:
+            return next(s.iterator)
+        except StopIteration:
+            if one_pass(op):  # stays exhausted, also after reset() (DALI's rule)
+                s.iterator = iter(())
+                return None
+            s.iterator = None
+            if op.cycle == "raise" or attempt:
+                return None
+    return None  # pragma: no cover
+
+
+def one_pass(op: Op) -> bool:
+    """An iterable read here that does not cycle: one pass, never started again."""
+    return op.source_mode == SourceMode.ITER and not op.cycle
 
 
 # ---------------------------------------------------------------- assembly

@@ -76,17 +76,15 @@ from . import _branches
 from ._batch import Batch
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
-from ._graph import DataNode, Op, Plan, Scope
-from ._iterations import Iteration, OpState, OpStats, annotate, assemble
+from ._graph import DataNode, Plan, Scope
+from ._iterations import Iteration, OpState, OpStats, annotate, assemble, next_item, one_pass, pull
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import ChainRunner, Chunk, ChunkResult, derive_seed, nbytes
 from ._source_runners import (
     SourceBatchRunner,
     batch_rows,
-    check_source_value,
     own_columns,
-    sample_tuple,
 )
 from ._tracebacks import reraise
 
@@ -137,6 +135,7 @@ class Scheduler:
         # a window of iterations past its end (W x prefetch_depth dispatches wasted).
         self._end: int | None = None
         self._closed = False
+        self._interrupted = False  # a step here raised (a Ctrl-C lands anywhere): _resume
         self._delivered = 0  # iterations of this epoch handed to the caller
         self.busy: dict[int, float] = collections.defaultdict(float)  # pid -> seconds
         self.faults = 0  # minor page faults in the workers' chunks (ChunkResult.faults)
@@ -316,6 +315,8 @@ class Scheduler:
     def next_result(self) -> tuple[Batch, ...]:
         """The next iteration's outputs (see :meth:`Pipeline.run`)."""
         with self._lock:
+            if self._interrupted:
+                self._resume()
             self._hand_over()
             self._fill()
             if not self._window:
@@ -367,11 +368,28 @@ class Scheduler:
                 self._window.popleft()
             self._handed = None
 
+    def _resume(self) -> None:
+        """Finish the steps an exception (a Ctrl-C) left half-done: their iterations."""
+        for s in self.ops:  # a stateful op's unit sent, its turn not passed on
+            while s.worker is not None and any(
+                x.seq == s.turn and s.pos in x.dispatched for x in self._window
+            ):
+                self._advance_turn(s)
+        self._sources_in(None)
+        for it in list(self._window):
+            if it.error is not None:
+                self._abandon(it)
+            if it.result is not None or it.error is not None:
+                it.done.set()
+            elif it.computing and not it.dropped:
+                self._dispatch_ready(it) if it.ops_left else self._finish(it)
+        self._interrupted = False
+
     def reset(self) -> None:
         """Start the next epoch: sources begin again from their start, except
         iterables that do not cycle, which keep their place (DALI: one pass)."""
         with self._lock:
-            once = [(s, s.iterator) for s in self.ops if _one_pass(s.op)]
+            once = [(s, s.iterator) for s in self.ops if one_pass(s.op)]
             self._restart(self._epoch + 1, 0)
             for s, iterator in once:
                 s.iterator = iterator
@@ -386,6 +404,9 @@ class Scheduler:
         self._ending = False
         for s in self.ops:
             s.iterator = None
+            s.reading = []
+            if s.op.source_mode != SourceMode.FEED:
+                s.fed.clear()  # (a batch an interrupted launch read)
 
     def position(self) -> tuple[int, int]:
         """(epoch, iterations of it handed out): where :meth:`seek` would resume."""
@@ -418,7 +439,7 @@ class Scheduler:
         read, period = 0, 0
         while count > 0:
             before = s.iterator
-            if self._next_item(s) is None:
+            if next_item(s) is None:
                 return
             count -= 1
             read += 1
@@ -457,6 +478,7 @@ class Scheduler:
     # ------------------------------------------------------------ scheduling
     def _fill(self, spare: int = 0) -> None:
         end = self._end
+        self._interrupted = True  # until it returns: an exception leaves it (_resume)
         # (The window's kept size read first: the property's call is ~3 a batch.)
         while (
             len(self._window) < (self._window_size or self.window) + spare
@@ -464,76 +486,66 @@ class Scheduler:
             and not self._closed
         ):
             if (end is not None and self._next_index > end) or not self._launch():
-                return
+                break
+        self._interrupted = False
 
     def _launch(self) -> bool:
         """Start the next iteration: run the sources here, dispatch those in workers."""
         if self._fed and any(not s.fed for s in self._fed):
             return False
         it = Iteration(self._epoch, self._next_index, self.batch_size, len(self.ops))
-        self._next_index += 1
-        self._window.append(it)
-        self._waiting.append(it)
-        sources = self._sources
-        it.sources_left = len(sources)
-        for s in self._here:
-            try:
-                samples = self._pull(s, it)
-                # Fed batches were copied when fed: the caller may reuse its arrays.
-                # (The copy may find shared memory full: it fails this iteration, in
-                # the window already, as a source's error does.)
-                it.values[s.pos] = (
-                    samples if s.op.source_mode == SourceMode.FEED else self._own(s, samples)
-                )
-            except Exception as exc:
-                self._fail(it, annotate(exc, s.op, it, None))
-                return True
-            n = len(samples[0])
-            if (
-                n < self.batch_size
-                and s.op.source_mode == SourceMode.ITER
-                and not s.op.batch_processing
-            ):
-                it.stop = n if it.stop is None else min(it.stop, n)
-            it.size = min(it.size, n)
-            it.sources_left -= 1
-        for s in sources:
-            if s.runner is not None:
-                self._dispatch(it, s)
+        try:
+            self._next_index += 1
+            self._window.append(it)
+            self._waiting.append(it)
+            sources = self._sources
+            it.sources_left = len(sources)
+            for s in self._here:
+                try:  # (pull leaves the batch first in s.fed: taken once it is the iteration's)
+                    it.values[s.pos] = samples = pull(s, it, self.batch_size)
+                    s.fed.popleft()
+                    # Fed batches were copied when fed: the caller may reuse its arrays.
+                    # (The copy may find shared memory full: it fails this iteration, in
+                    # the window already, as a source's error does.)
+                    if s.op.source_mode != SourceMode.FEED:
+                        it.values[s.pos] = self._own(s, samples)
+                except Exception as exc:
+                    if it.values[s.pos] is None and s.op.source_mode == SourceMode.FEED:
+                        s.fed.popleft()  # (a bad fed batch is consumed)
+                    s.reading = []
+                    self._fail(it, annotate(exc, s.op, it, None))
+                    return True
+                n = len(samples[0])
+                if (
+                    n < self.batch_size
+                    and s.op.source_mode == SourceMode.ITER
+                    and not s.op.batch_processing
+                ):
+                    it.stop = n if it.stop is None else min(it.stop, n)
+                it.size = min(it.size, n)
+                it.sources_left -= 1
+            for s in sources:
+                if s.runner is not None:
+                    self._dispatch(it, s)
+        except BaseException:
+            if not (it.computing or it.dropped or it.error is not None):
+                self._unlaunch(it)  # (a Ctrl-C): the next run() launches it again
+            raise
         if it.sources_left == 0:
             self._sources_in(it)
         return True
 
-    def _pull(self, s: OpState, it: Iteration) -> tuple[list[Any], ...]:
-        """A batch from a source that runs here; ([], ...) when it ended the epoch."""
-        op = s.op
-        what = op.describe()
-        if op.source_mode == SourceMode.FEED:
-            rows = s.fed.popleft()
-        elif op.source_mode == SourceMode.BATCH:
-            try:
-                rows = batch_rows(
-                    what, op.function(it.index, it.epoch), op.num_outputs, self.batch_size
-                )
-            except StopIteration:
-                rows = []
-        elif op.batch_processing:
-            item = self._next_item(s)
-            rows = [] if item is None else batch_rows(what, item, op.num_outputs, self.batch_size)
-        else:
-            rows = []
-            while len(rows) < self.batch_size:
-                item = self._next_item(s)
-                if item is None:
-                    break
-                rows.append(sample_tuple(what, op.num_outputs, item))
-        for row in rows:
-            for i, a in enumerate(row):
-                check_source_value(what, i, a, op.output_dtypes, op.output_shapes)
-        columns = tuple([row[i] for row in rows] for i in range(op.num_outputs))
-        if not rows:
-            it.stop = 0
-        return columns
+    def _unlaunch(self, it: Iteration) -> None:
+        """Undo a launch an exception left half-done: its batches read go back first."""
+        for s in self._here:
+            vals = it.values[s.pos]
+            if vals is not None:
+                s.fed.appendleft(list(zip(*vals, strict=True)))
+        for queue in (self._waiting, self._window):
+            if it in queue:
+                queue.remove(it)
+        self._next_index = it.index
+        self._drop(it)
 
     def _own(self, s: OpState, columns: tuple[list[Any], ...]) -> tuple[Any, ...]:
         """A source's columns copied once, into shared memory (see own_columns)."""
@@ -541,24 +553,7 @@ class Scheduler:
         s.bytes_copied += shared
         return owned
 
-    def _next_item(self, s: OpState) -> Any:
-        op = s.op
-        for attempt in range(2):
-            if s.iterator is None:
-                src = op.function() if callable(op.function) else op.function
-                s.iterator = iter(src)
-            try:
-                return next(s.iterator)
-            except StopIteration:
-                if _one_pass(op):  # stays exhausted, also after reset() (DALI's rule)
-                    s.iterator = iter(())
-                    return None
-                s.iterator = None
-                if op.cycle == "raise" or attempt:
-                    return None
-        return None  # pragma: no cover
-
-    def _sources_in(self, it: Iteration) -> None:
+    def _sources_in(self, it: Iteration | None) -> None:
         """Every source of ``it`` has delivered: let iterations compute, in order."""
         del it
         # Only the iterations not computing yet are looked at (a window of hundreds
@@ -571,8 +566,8 @@ class Scheduler:
                 continue
             if it.sources_left > 0 and it.error is None:
                 return  # later iterations wait for this one: order of epoch ends
-            waiting.popleft()
             if it.error is not None:
+                waiting.popleft()
                 continue
             size = it.size if it.stop is None else min(it.size, it.stop)
             if it.stop is None and it.index == self._end:
@@ -580,21 +575,23 @@ class Scheduler:
             if it.stop is not None:
                 self._ending, self._end = True, it.index
                 for later in [x for x in self._window if x.index > it.index]:
+                    self._drop(later)  # (then out: a Ctrl-C between leaves it to _resume)
                     self._window.remove(later)
-                    self._drop(later)
                 if size == 0 or (size < self.batch_size and self.last_batch is LastBatch.DROP):
                     it.result = None
                     it.done.set()
+                    waiting.popleft()  # (last: a Ctrl-C before leaves it to _resume)
                     return
-            it.size = size
-            it.seq = self._next_seq
-            self._next_seq += 1
             for s in self._sources:
                 vals = it.values[s.pos]
                 assert vals is not None
                 if vals and max(map(len, vals)) > size:  # (else: as they are)
                     it.values[s.pos] = tuple(v[:size] for v in vals)
+            it.size = size  # (booked with seq and the pop: no call before the pop)
+            it.seq = self._next_seq
+            self._next_seq += 1
             it.ops_left = self._computed
+            waiting.popleft()
             if it.ops_left == 0:
                 self._finish(it)
             else:
@@ -609,13 +606,12 @@ class Scheduler:
             if any(it.values[self._pos[id(n.op)]] is None for n in s.waits):
                 continue
             if s.selects:  # a split or merge: done here, now (later ops of this pass see it)
-                it.dispatched.add(s.pos)
                 try:
                     it.values[s.pos] = self._select(it, s)
                 except Exception as exc:
                     self._fail(it, annotate(exc, s.op, it, None))
                     return
-                self._done_here(it)
+                self._done_here(it, s)
                 continue
             try:
                 ready = self._handed_off(it, s)
@@ -633,19 +629,19 @@ class Scheduler:
                 return
             if samples is not None and not len(samples):
                 # A branch no sample took: nothing to call (DALI calls no batch function either).
-                it.dispatched.add(s.pos)
                 it.values[s.pos] = tuple([] for _ in range(s.op.num_outputs))
+                self._done_here(it, s)  # (its turn passed on after, or by _resume)
                 if s.worker is not None:
                     self._advance_turn(s)
-                self._done_here(it)
                 continue
             self._dispatch(it, s, samples)
             if s.worker is not None:
                 self._advance_turn(s)
 
-    def _done_here(self, it: Iteration) -> None:
-        """An op of ``it`` was computed here, with no unit: the last one finishes it."""
-        it.ops_left -= 1
+    def _done_here(self, it: Iteration, s: OpState) -> None:
+        """Op ``s`` of ``it`` was computed here, with no unit: the last one finishes it."""
+        it.ops_left -= 1  # (booked with the next: no call between)
+        it.dispatched.add(s.pos)
         if it.ops_left == 0:
             self._finish(it)
 
@@ -707,6 +703,15 @@ class Scheduler:
         (an op in a branch of an ``if`` on a DataNode).
         """
         it.dispatched.add(s.pos)
+        try:
+            self._send(it, s, samples)
+        except BaseException:  # (a Ctrl-C): its units sent are ignored, it is sent again
+            if it.values[s.pos] is None and it.error is None:  # (else: it came back)
+                it.dispatched.discard(s.pos)
+                it.parts.pop(s.pos, None)
+            raise
+
+    def _send(self, it: Iteration, s: OpState, samples: Any) -> None:
         op = s.op
         assert s.runner is not None
         inputs = []
@@ -736,7 +741,8 @@ class Scheduler:
             if s.executor is self.executor and s.worker is None and self._units.get(s.pos) != k:
                 self._units[s.pos] = k  # sizes the window
                 self._window_size = self._cap = 0
-        it.parts[s.pos] = [None] * len(bounds)
+        parts: list[ChunkResult | None] = [None] * len(bounds)
+        it.parts[s.pos] = parts
         it.bounds[s.pos] = bounds
         try:
             blocks = self._blocks(s, size)  # shared memory may be full: fail the iteration
@@ -760,7 +766,7 @@ class Scheduler:
             rows = tuple([col[a:b] for col in inputs]) if inputs else ()
             unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
             t0 = time.perf_counter()
-            hook = functools.partial(self._on_chunk, it, s, ci, t0)
+            hook = functools.partial(self._on_chunk, it, s, parts, ci, t0)
             try:
                 if hooked is not None:
                     hooked(unit, hook)
@@ -851,7 +857,9 @@ class Scheduler:
         chunks = max(round(size / carry), -(-self.prefetch_depth * workers // cap))
         return max(1, min(size, workers * _MAX_CHUNKS_PER_WORKER, chunks))
 
-    def _on_chunk(self, it: Iteration, s: OpState, ci: int, t0: float, future: Any) -> None:
+    def _on_chunk(
+        self, it: Iteration, s: OpState, parts: list[Any], ci: int, t0: float, future: Any
+    ) -> None:
         """A chunk came back (in the executor's thread, or inline); ``future``: its done
         Future, or the outcome ``submit_hooked`` hands a hook (the same readers)."""
         elapsed = time.perf_counter() - t0
@@ -863,6 +871,8 @@ class Scheduler:
                     self._fail(it, PoolClosedError("the pipeline was closed"))
                     return
                 if exc is not None:
+                    if self._workers == 0 and isinstance(exc, KeyboardInterrupt):
+                        raise exc  # noqa: TRY301 - a Ctrl-C in a function run here: sent again
                     name = getattr(exc, "mpexec_op", None)
                     op = next((m.op for m in s.members if m.op.name == name), s.op)
                     self._fail(it, annotate(exc, op, it, getattr(exc, "mpexec_sample", None)))
@@ -888,9 +898,8 @@ class Scheduler:
                 if s.executor is self.executor:  # per worker of the pipeline's pool
                     self.busy[res.pid] += res.seconds
                     self.faults += res.faults
-                if it.dropped or it.error is not None:
-                    return
-                parts = it.parts[s.pos]
+                if it.dropped or it.error is not None or it.parts.get(s.pos) is not parts:
+                    return  # (not parts: of a dispatch a Ctrl-C stopped, sent again)
                 parts[ci] = res
                 for p in parts:  # (a loop, not any(): no generator a batch)
                     if p is None:
@@ -898,7 +907,7 @@ class Scheduler:
                 del it.parts[s.pos]
                 bounds = it.bounds.pop(s.pos)
                 blocks = it.blocks.pop(s.pos)
-                columns = assemble(s, parts, bounds, blocks, self._workers == 0)  # type: ignore[arg-type]
+                columns = assemble(s, parts, bounds, blocks, self._workers == 0)
                 if len(s.members) == 1 or s.executor is self.executor:
                     size = 0
                     for col in columns:
@@ -975,11 +984,6 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _one_pass(op: Op) -> bool:
-    """An iterable read here that does not cycle: one pass, never started again."""
-    return op.source_mode == SourceMode.ITER and not op.cycle
 
 
 def _batch_in_workers(s: OpState, executor: UnitExecutor) -> bool:
