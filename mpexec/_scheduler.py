@@ -629,8 +629,10 @@ class Scheduler:
         it.dispatched.add(s.pos)
         try:
             self._send(it, s, samples)
-        except BaseException:  # (a Ctrl-C): its units sent are ignored, it is sent again
-            if it.values[s.pos] is None and it.error is None:  # (else: it came back)
+        except BaseException as exc:  # (a Ctrl-C): sent again, its units sent ignored,
+            # unless every unit was taken (_send): they come back, as if it had returned
+            # (a stateful op's call must not run twice).
+            if it.values[s.pos] is None and it.error is None and not getattr(exc, "mpexec_sent", 0):
                 it.dispatched.discard(s.pos)
                 it.parts.pop(s.pos, None)
             raise
@@ -680,26 +682,35 @@ class Scheduler:
         submit = s.executor.submit_unit
         names = s.names
         runner = s.runner
-        for ci, (a, b) in enumerate(bounds):
-            where = None if samples is None else tuple(int(r) for r in samples[a:b])
-            chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start, where)
-            if not blocks or b - a == size:  # (the whole batch: its blocks as they are)
-                out = tuple(blocks)
-            else:
-                out = tuple([None if k is None else k[a:b] for k in blocks])
-            rows = tuple([col[a:b] for col in inputs]) if inputs else ()
-            unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
-            t0 = time.perf_counter()
-            hook = functools.partial(self._on_chunk, it, s, parts, ci, t0)
-            try:
-                if hooked is not None:
-                    hooked(unit, hook)
-                    continue
-                future = submit(unit)
-            except Exception as exc:
-                self._fail(it, annotate(exc, op, it, None))
-                return
-            future.add_done_callback(hook)
+        done = -1  # the last unit the executor took
+        try:
+            for ci, (a, b) in enumerate(bounds):
+                where = None if samples is None else tuple(int(r) for r in samples[a:b])
+                chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start, where)
+                if not blocks or b - a == size:  # (the whole batch: its blocks as they are)
+                    out = tuple(blocks)
+                else:
+                    out = tuple([None if k is None else k[a:b] for k in blocks])
+                rows = tuple([col[a:b] for col in inputs]) if inputs else ()
+                unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
+                t0 = time.perf_counter()
+                hook = functools.partial(self._on_chunk, it, s, parts, ci, t0)
+                try:
+                    if hooked is not None:
+                        hooked(unit, hook)
+                        done = ci  # (no call between: a Ctrl-C lands before or after both)
+                        continue
+                    future = submit(unit)
+                except Exception as exc:
+                    self._fail(it, annotate(exc, op, it, None))
+                    return
+                future.add_done_callback(hook)
+        except BaseException as exc:  # (a Ctrl-C): were all its units taken? (_dispatch)
+            # The one it fell in was, where the pool says so (WorkerPool._submit); a
+            # unit not hooked (a Future's callback not added yet) counts as not taken.
+            taken = done + 1 + (getattr(exc, "mpexec_taken", False) is True)
+            exc.mpexec_sent = hooked is not None and taken == len(bounds)  # type: ignore[attr-defined]
+            raise
 
     def _handed_off(self, it: Iteration, s: OpState) -> bool:
         """Whether ``s``'s inputs from other executors are readable by its own.

@@ -58,9 +58,11 @@ def _graph() -> Any:
 
 @mpexec.pipeline_def(batch_size=4, num_workers=2, seed=3, prefetch_depth=2)
 def _stateless() -> Any:
-    # A unit interrupted inside the pool's submit may have been taken or not (the
-    # pool does not say): sent again, a stateless op's first outcome is dropped; a
-    # stateful op's call would run twice, so that case is left out (docs/pipeline.md).
+    # The injection after submit_hooked returned lands where no signal is checked
+    # (between the return and _send's next store): the scheduler cannot tell that
+    # the unit was taken, and sends it again. A stateless op's first outcome is
+    # dropped; a stateful op's call would run twice, so that case is left out.
+    # Interrupts inside the pool's submit: test_ctrl_c_submit.py.
     return fn.python_function(
         fn.external_source(
             source=[np.full(3, i, np.int64) for i in range(N)], batch=False, cycle="raise"
