@@ -463,7 +463,8 @@ class Scheduler:
         """Undo a launch an exception left half-done: its batches read go back first."""
         for s in self._here:
             vals = it.values[s.pos]
-            if vals is not None:
+            # (Not a batch still first in fed: pulled, not taken yet, see _launch.)
+            if vals is not None and not (s.fed and s.fed[0] is s.pulled):
                 s.fed.appendleft(list(zip(*vals, strict=True)))
         for queue in (self._waiting, self._window):
             if it in queue:
