@@ -87,6 +87,7 @@ class OpState:
         self.iterator: Iterator[Any] | None = None
         self.fed: collections.deque[list[tuple[Any, ...]]] = collections.deque()
         self.reading: list[Any] = []  # items of a per-sample read a Ctrl-C stopped
+        self.pulled: list[tuple[Any, ...]] | None = None  # the rows pull() left first in fed
         # Counted per unit of the chain this op ends, not per member (a unit's
         # outcome runs these adds once, whatever the chain's length): ``units``
         # and ``cpu_samples`` below; ``uncalled``: the units (and their samples)
@@ -347,6 +348,7 @@ def pull(s: OpState, it: Iteration, batch_size: int) -> tuple[list[Any], ...]:
     if not s.fed:
         s.reading = []
         s.fed.append(rows)
+    s.pulled = rows  # (first in s.fed until _launch takes it: see Scheduler._unlaunch)
     columns = tuple([row[i] for row in rows] for i in range(op.num_outputs))
     if not rows:
         it.stop = 0

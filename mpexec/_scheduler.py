@@ -74,18 +74,15 @@ import numpy as np
 
 from . import _branches
 from ._batch import Batch
+from ._chains import batch_in_workers, fuse_chains
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Plan, Scope
 from ._iterations import Iteration, OpState, OpStats, annotate, assemble, next_item, one_pass, pull
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
-from ._runtime import ChainRunner, Chunk, ChunkResult, derive_seed, nbytes
-from ._source_runners import (
-    SourceBatchRunner,
-    batch_rows,
-    own_columns,
-)
+from ._runtime import Chunk, ChunkResult, derive_seed, nbytes
+from ._source_runners import batch_rows, own_columns
 from ._tracebacks import reraise
 
 # How an op's batch is cut into chunks, and how many iterations are in flight
@@ -166,12 +163,15 @@ class Scheduler:
             sorted({self._pos[id(c)] for c in plan.ops if any(n.op is op for n in c.waits())})
             for op in plan.ops
         ]
-        self._chain(plan)
+        # Per-sample ops that only feed the next one run inside its call (_chains).
+        outputs = {self._pos[id(n.op)] for n in plan.outputs}
+        drop = self.last_batch is LastBatch.DROP
+        fuse_chains(self.ops, self._consumers, outputs, executor, drop)
         # What sizes the window (iterations in flight, see the window property):
         # per op run by the pipeline's workers (stateless), the chunks its last
         # batch was cut into -- a batch op's call is one, known now -- and the
         # bytes one iteration's outputs hold (learned from the first one).
-        self._units = {s.pos: 1 for s in self.ops if _batch_in_workers(s, executor)}
+        self._units = {s.pos: 1 for s in self.ops if batch_in_workers(s, executor)}
         self._batch_op = bool(self._units)  # a batch op's call takes a whole batch
         # GPU ops' outputs in flight are device memory, which the budget does not
         # see: there the window stays prefetch_depth (but for a batch op's).
@@ -234,82 +234,6 @@ class Scheduler:
             cap = max(floor, _WINDOW_BYTES // self._iteration_bytes)
         self._cap = cap  # (kept as the window is)
         return cap
-
-    def _chain(self, plan: Plan) -> None:
-        """Run per-sample ops that only feed the next one inside its call."""
-        outputs = {self._pos[id(n.op)] for n in plan.outputs}
-
-        def chainable(s: OpState) -> bool:
-            op = s.op
-            return (
-                not (op.is_source or op.batch_processing or op.stateful)
-                and s.runner is not None
-                and s.executor is self.executor  # not across executors (GPU ops)
-            )
-
-        def batch_tail(s: OpState) -> bool:
-            """A stateless batch op that may end a chain headed by a per-sample source.
-
-            Only where that source is the pipeline's one source (another could
-            end the epoch sooner, and the batch op would see samples past it),
-            and outside the branches of an ``if`` on a DataNode (a branch's
-            samples are picked here, from its predicate).
-            """
-            return (
-                _batch_in_workers(s, self.executor)
-                and s.runner is not None
-                and s.op.scope is None
-                and len(sources) == 1
-            )
-
-        sources = [s for s in self.ops if s.op.is_source]
-        for s in self.ops:
-            tail = batch_tail(s)
-            if not (chainable(s) or tail) or not s.op.inputs or s.op.num_outputs == 0:
-                continue
-            producers = {id(n.op) for n in s.op.inputs}
-            if len(producers) != 1:
-                continue
-            p = self.ops[self._pos[id(s.op.inputs[0].op)]]
-            # A per-sample source in the workers may head a chain too: its ops
-            # then run before the batch size is known, on samples a StopIteration
-            # may drop (they are stateless: the waste is one partial chunk).
-            # A batch op ends such a chain only: it needs its samples in one call.
-            if tail:
-                head_ok = p.members[0].op.source_mode == SourceMode.SAMPLE
-            else:
-                head_ok = chainable(p) or p.op.source_mode == SourceMode.SAMPLE
-            if (
-                head_ok
-                and self._consumers[p.pos] == [s.pos]
-                and p.pos not in outputs
-                and not (p.op.is_source and len(s.op.inputs) != p.op.num_outputs)
-            ):
-                s.members = [*p.members, s]
-                s.source = p.source
-                s.inputs = p.inputs
-                s.waits = p.waits
-                for m in p.members:
-                    m.absorbed = True
-                    m.chain = s  # its calls and samples: counted by s's units
-        for s in self.ops:
-            if len(s.members) > 1 and not s.absorbed:
-                picks = [tuple(n.index for n in m.op.inputs) for m in s.members]
-                if s.op.batch_processing:
-                    s.runner = self._source_batch_runner(s, picks)
-                else:
-                    s.runner = ChainRunner([m.runner for m in s.members], picks)
-
-    def _source_batch_runner(self, s: OpState, picks: list[tuple[int, ...]]) -> SourceBatchRunner:
-        """The runner of batch op ``s`` fused with the per-sample source chain before it."""
-        head = s.members[:-1]
-        runner = head[0].runner
-        if len(head) > 1:
-            runner = ChainRunner([m.runner for m in head], picks[:-1])
-        previous = head[-1].op.num_outputs
-        pick = None if picks[-1] == tuple(range(previous)) else picks[-1]
-        drop = self.last_batch is LastBatch.DROP
-        return SourceBatchRunner(runner, s.runner, pick, head[-1].op.describe(), drop)
 
     # ------------------------------------------------------------ running
     def next_result(self) -> tuple[Batch, ...]:
@@ -539,7 +463,8 @@ class Scheduler:
         """Undo a launch an exception left half-done: its batches read go back first."""
         for s in self._here:
             vals = it.values[s.pos]
-            if vals is not None:
+            # (Not a batch still first in fed: pulled, not taken yet, see _launch.)
+            if vals is not None and not (s.fed and s.fed[0] is s.pulled):
                 s.fed.appendleft(list(zip(*vals, strict=True)))
         for queue in (self._waiting, self._window):
             if it in queue:
@@ -705,8 +630,10 @@ class Scheduler:
         it.dispatched.add(s.pos)
         try:
             self._send(it, s, samples)
-        except BaseException:  # (a Ctrl-C): its units sent are ignored, it is sent again
-            if it.values[s.pos] is None and it.error is None:  # (else: it came back)
+        except BaseException as exc:  # (a Ctrl-C): sent again, its units sent ignored,
+            # unless every unit was taken (_send): they come back, as if it had returned
+            # (a stateful op's call must not run twice).
+            if it.values[s.pos] is None and it.error is None and not getattr(exc, "mpexec_sent", 0):
                 it.dispatched.discard(s.pos)
                 it.parts.pop(s.pos, None)
             raise
@@ -756,26 +683,35 @@ class Scheduler:
         submit = s.executor.submit_unit
         names = s.names
         runner = s.runner
-        for ci, (a, b) in enumerate(bounds):
-            where = None if samples is None else tuple(int(r) for r in samples[a:b])
-            chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start, where)
-            if not blocks or b - a == size:  # (the whole batch: its blocks as they are)
-                out = tuple(blocks)
-            else:
-                out = tuple([None if k is None else k[a:b] for k in blocks])
-            rows = tuple([col[a:b] for col in inputs]) if inputs else ()
-            unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
-            t0 = time.perf_counter()
-            hook = functools.partial(self._on_chunk, it, s, parts, ci, t0)
-            try:
-                if hooked is not None:
-                    hooked(unit, hook)
-                    continue
-                future = submit(unit)
-            except Exception as exc:
-                self._fail(it, annotate(exc, op, it, None))
-                return
-            future.add_done_callback(hook)
+        done = -1  # the last unit the executor took
+        try:
+            for ci, (a, b) in enumerate(bounds):
+                where = None if samples is None else tuple(int(r) for r in samples[a:b])
+                chunk = Chunk(it.epoch, it.index, a, b - a, it.epoch_start, where)
+                if not blocks or b - a == size:  # (the whole batch: its blocks as they are)
+                    out = tuple(blocks)
+                else:
+                    out = tuple([None if k is None else k[a:b] for k in blocks])
+                rows = tuple([col[a:b] for col in inputs]) if inputs else ()
+                unit = WorkUnit(runner, chunk, rows, s.worker, names, out)
+                t0 = time.perf_counter()
+                hook = functools.partial(self._on_chunk, it, s, parts, ci, t0)
+                try:
+                    if hooked is not None:
+                        hooked(unit, hook)
+                        done = ci  # (no call between: a Ctrl-C lands before or after both)
+                        continue
+                    future = submit(unit)
+                except Exception as exc:
+                    self._fail(it, annotate(exc, op, it, None))
+                    return
+                future.add_done_callback(hook)
+        except BaseException as exc:  # (a Ctrl-C): were all its units taken? (_dispatch)
+            # The one it fell in was, where the pool says so (WorkerPool._submit); a
+            # unit not hooked (a Future's callback not added yet) counts as not taken.
+            taken = done + 1 + (getattr(exc, "mpexec_taken", False) is True)
+            exc.mpexec_sent = hooked is not None and taken == len(bounds)  # type: ignore[attr-defined]
+            raise
 
     def _handed_off(self, it: Iteration, s: OpState) -> bool:
         """Whether ``s``'s inputs from other executors are readable by its own.
@@ -981,12 +917,3 @@ class Scheduler:
                     self._advance_turn(s)
                 else:
                     s.skipped.add(it.seq)
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _batch_in_workers(s: OpState, executor: UnitExecutor) -> bool:
-    """``s`` is a stateless batch op run by the pipeline's executor (its workers)."""
-    op = s.op
-    return op.batch_processing and not (op.is_source or op.stateful) and s.executor is executor

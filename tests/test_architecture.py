@@ -142,6 +142,7 @@ LAYERS: dict[str, int] = {
     "mpexec._scheduler": 5,
     "mpexec._iterations": 5,  # the scheduler's records: op state, iterations, stats
     "mpexec._graph": 5,
+    "mpexec._chains": 5,  # per-sample ops fused into the call of the op they feed
     "mpexec._branches": 5,  # a batch's rows per branch of an `if` on a DataNode
     # 6: the pipeline and the ops that build it
     "mpexec._pipeline": 6,

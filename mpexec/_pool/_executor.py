@@ -252,26 +252,35 @@ class WorkerPool(CallExecutor):
         state = self._state
         if state.pid != os.getpid():  # check_not_forked()'s test, inline
             state.check_not_forked()  # raises
-        with state.lock:
-            # A TF op's body submits on its every call, from a thread woken cold:
-            # PoolState's one-line steps (check_usable, new_task,
-            # count_submitted, pick_slot's for any worker) are inline here.
-            if state.broken is not None or state.closed:
-                state.check_usable()  # raises
-            task = Task(state, next(state.next_task_id), fn, args, kwargs, worker, view, hook)
-            slot = state.roster.least_busy() if worker is None else state.pick_slot(task)
-            if slot is None or state.pending:
-                # Busy, or calls wait ahead of it (order kept): validate now,
-                # encode when a worker frees up.
-                self._sender.check_picklable(fn, args, kwargs)
-                state.pending.append(task)
-                if slot is not None:
-                    self._sender.dispatch_pending()
-            else:
-                # A run_call's caller reads its answer itself (or has the manager
-                # watch the ring again): see _delivery.read_call.
-                self._sender.send(task, slot, type(hook) is Waiter)
-            state.submitted += 1
+        task = None
+        try:
+            with state.lock:
+                # A TF op's body submits on its every call, from a thread woken cold:
+                # PoolState's one-line steps (check_usable, new_task,
+                # count_submitted, pick_slot's for any worker) are inline here.
+                if state.broken is not None or state.closed:
+                    state.check_usable()  # raises
+                task = Task(state, next(state.next_task_id), fn, args, kwargs, worker, view, hook)
+                slot = state.roster.least_busy() if worker is None else state.pick_slot(task)
+                if slot is None or state.pending:
+                    # Busy, or calls wait ahead of it (order kept): validate now,
+                    # encode when a worker frees up.
+                    self._sender.check_picklable(fn, args, kwargs)
+                    state.pending.append(task)
+                    if slot is not None:
+                        self._sender.dispatch_pending()
+                else:
+                    # A run_call's caller reads its answer itself (or has the manager
+                    # watch the ring again): see _delivery.read_call.
+                    self._sender.send(task, slot, type(hook) is Waiter)
+                state.submitted += 1
+        except BaseException as exc:
+            # (A Ctrl-C.) Whether the call was taken: pushed to its worker, or left
+            # waiting, it runs and settles (its hook is called); its caller must not
+            # send it again (a stateful op's call would run twice: the scheduler's _send).
+            taken = task is not None and bool(task.sent or task in state.pending)
+            exc.mpexec_taken = taken  # type: ignore[attr-defined]
+            raise
         return task
 
     def _run_inline(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
