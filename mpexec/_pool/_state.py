@@ -401,21 +401,35 @@ class PoolState:
             return
         kept: collections.deque[Task] = collections.deque()
         blocked: set[int | None] = set()  # an earlier call of this kind is still waiting
-        while self.pending:
-            task = self.pending.popleft()
-            if task.future.cancelled():
-                task.release()
-                continue
-            slot = None if task.worker in blocked else self.pick_slot(task)
-            if slot is None:
-                kept.append(task)
-                blocked.add(task.worker)
-                continue
-            try:
-                send(task, slot)
-            except Exception as exc:
-                self.failed += 1
-                task.fail(exc)
+        held = None  # taken off pending, not handled yet
+        try:
+            while self.pending:
+                held = task = self.pending.popleft()
+                if task.future.cancelled():
+                    held = None
+                    task.release()
+                    continue
+                slot = None if task.worker in blocked else self.pick_slot(task)
+                if slot is None:
+                    kept.append(task)
+                    held = None
+                    blocked.add(task.worker)
+                    continue
+                try:
+                    send(task, slot)
+                except Exception as exc:
+                    held = None
+                    self.failed += 1
+                    task.fail(exc)
+                held = None
+        except BaseException:
+            # (A Ctrl-C in a caller's submit.) What was not sent waits on, in order:
+            # a call lost here would never settle, and its caller would wait forever.
+            if held is not None and not held.sent:  # (sent: its worker runs it)
+                kept.append(held)
+            kept.extend(self.pending)
+            self.pending = kept
+            raise
         self.pending = kept
 
     def manager_started(self) -> None:
