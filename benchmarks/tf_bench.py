@@ -22,8 +22,12 @@ Then a ``tf.data`` map inside TensorFlow's graph (``map_ways``), side by side:
 ``mpexec.numpy_function`` (a worker each call, two workers), against
 ``mpexec.tf.dataset`` over an mpexec pipeline running ``f`` (two workers); ``f``
 is workload 1's heavy augment (``process_sample``, ~11 ms a sample) and the
-light op (``x + 1`` on 16 floats). The main process's CPU a sample (all its
-threads: TF's runtime and the calls' hand-off) is reported beside the times.
+light op (``x + 1`` on 16 floats). The serial loop (``f`` called in a plain
+Python loop over the same samples, in the same run, its rounds interleaved with
+the maps') is the unit the 2-core ceiling is measured in: each way is reported
+also as a multiple of it and as its share of that ceiling (x serial / 2, two
+workers or two TF threads). The main process's CPU a sample (all its threads:
+TF's runtime and the calls' hand-off) is reported beside the times.
 The CPU that other processes used during the run is reported: figures from a
 busy machine are flagged. Only the ratios travel between machines.
 """
@@ -208,6 +212,18 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict[str, Any]:
 
 
 MAP_WAYS = ("tf.numpy_function", "mpexec.numpy_function", "mpexec.tf.dataset")
+#: ``f`` in a plain Python loop over the same samples: the ceiling's unit.
+SERIAL = "serial loop"
+#: The ceiling over the serial loop: two workers (or two TF threads) on two cores.
+CEILING = 2
+
+
+def serial_loop(f: Any, n: int) -> tuple[float, float]:
+    """``(seconds, main CPU seconds)`` of ``f`` over samples ``0 .. n-1`` in a plain loop."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    for i in range(n):
+        f(np.int64(i))
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def heavy(i: Any) -> np.ndarray[Any, Any]:
@@ -269,8 +285,8 @@ def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
             def piped(source: Sized = source) -> Any:
                 return fn.external_source(source=source, batch=False)
 
-            times: dict[str, list[float]] = {w: [] for w in MAP_WAYS}
-            cpu: dict[str, list[float]] = {w: [] for w in MAP_WAYS}
+            times: dict[str, list[float]] = {w: [] for w in (SERIAL, *MAP_WAYS)}
+            cpu: dict[str, list[float]] = {w: [] for w in (SERIAL, *MAP_WAYS)}
             released: dict[str, list[float]] = {w: [] for w in MAP_WAYS}
 
             # The two maps' rounds interleave; the pipeline's come after them, with
@@ -279,12 +295,18 @@ def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
             # the CPUs from whatever runs beside it, and reads what it made meanwhile
             # for free.
             with contextlib.ExitStack() as stack:
-                for ways in (MAP_WAYS[:2], MAP_WAYS[2:]):
+                for ways in ((SERIAL, *MAP_WAYS[:2]), MAP_WAYS[2:]):
                     if "mpexec.tf.dataset" in ways:
                         pipe = stack.enter_context(piped())
                         datasets["mpexec.tf.dataset"] = mtf.dataset(pipe)
                     for r in range((2 if quick else 7) + 1):
                         for way in ways:
+                            if way == SERIAL:  # the pool's workers idle meanwhile
+                                seconds, busy = serial_loop(f, n)
+                                if r:
+                                    times[way].append(seconds / n)
+                                    cpu[way].append(busy / n)
+                                continue
                             c0 = time.process_time()
                             _, seconds, release = read_epoch(datasets[way])
                             if r:  # the first round warms up: workers, tracing, shipping
@@ -292,6 +314,7 @@ def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
                                 cpu[way].append((time.process_time() - c0) / n)
                                 released[way].append(release)
             med = {w: statistics.median(v) for w, v in times.items()}
+            vs_serial = {w: med[SERIAL] / med[w] for w in MAP_WAYS}
             rows.append({
                 "workload": label, "samples": n, "median_s": med,
                 "min_s": {w: min(v) for w, v in times.items()},
@@ -300,6 +323,8 @@ def map_ways(mtf: Any, quick: bool) -> list[dict[str, Any]]:
                 "rounds": len(times["mpexec.tf.dataset"]),
                 "all_s": times, "release_s": released,
                 "speedup_vs_tf": {w: med["tf.numpy_function"] / med[w] for w in MAP_WAYS},
+                "speedup_vs_serial": vs_serial,
+                "of_ceiling": {w: x / CEILING for w, x in vs_serial.items()},
             })  # fmt: skip
     finally:
         mpexec.set_default_pool(None)
@@ -315,9 +340,13 @@ def map_table(rows: list[dict[str, Any]]) -> str:
         "started then, so that its work ahead of the reader overlaps no other way). A pass "
         "is timed from making its iterator to its end of sequence; releasing the iterator, "
         "which can wait out the sleep of tf.data's autotuning thread (up to seconds, any "
-        "op), is timed apart: the longest release is the last column\n\n"
+        "op), is timed apart: the longest release is the last column. The serial loop "
+        "(the function in a plain Python loop over the same samples, its rounds "
+        "interleaved with the maps') is the unit of the second table: each way as a "
+        f"multiple of it, and its share of the {CEILING}-core ceiling (x serial / {CEILING})"
+        "\n\n"
     )
-    return text + table(
+    text += table(
         ["workload", *MAP_WAYS, "longest release"],
         [
             [
@@ -332,6 +361,29 @@ def map_table(rows: list[dict[str, Any]]) -> str:
             ]
             for r in rows
         ],
+    )
+    return (
+        text
+        + "\n\n"
+        + table(
+            ["workload", SERIAL, *(f"{w}: x serial, of ceiling" for w in MAP_WAYS)],
+            [
+                [
+                    f"{r['workload']} ({r['samples']})",
+                    " ".join(
+                        (
+                            f"{r['median_s'][SERIAL] * 1e6:.0f} us",
+                            f"({r['min_s'][SERIAL] * 1e6:.0f} - {r['max_s'][SERIAL] * 1e6:.0f})",
+                        )
+                    ),
+                    *(
+                        f"{r['speedup_vs_serial'][w]:.2f}x, {100 * r['of_ceiling'][w]:.0f}%"
+                        for w in MAP_WAYS
+                    ),
+                ]
+                for r in rows
+            ],
+        )
     )
 
 

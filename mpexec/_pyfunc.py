@@ -133,6 +133,8 @@ def _as_input(value: Any, scalar: bool) -> Any:
     With ``scalar`` a 0-d input is handed over as a NumPy scalar (``bytes`` for
     a string), as TF's ``py_func`` kernel does (``PyArray_Return``).
     """
+    if type(value) is np.ndarray and value.dtype.kind not in "SUO":  # the usual input
+        return value[()] if scalar and value.ndim == 0 else value
     if isinstance(value, (bytes, str)):
         data = _to_bytes(value)
         return data if scalar else _object_scalar(data)
@@ -204,6 +206,9 @@ def _check_outputs(
         )
     out = []
     for i, (value, want) in enumerate(zip(values, dtypes, strict=True)):
+        if type(value) is np.ndarray and value.dtype == want and want.kind != "O":
+            out.append(value)  # the usual output: a numeric array of the declared dtype
+            continue
         arr, is_string = _as_output(value)
         if want.kind == "O":
             ok = is_string
@@ -884,6 +889,17 @@ _default: WorkerPool | None = None
 _owned = False  # _default was made here (not given to set_default_pool)
 _owner_pid = 0
 _atexit_registered = False
+#: This process's id, kept up to date in a forked child: a TF op's body asks for the
+#: default pool on each call, and ``os.getpid()`` is a system call each time.
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def default_pool() -> WorkerPool:
@@ -894,6 +910,9 @@ def default_pool() -> WorkerPool:
     shut down at interpreter exit.
     """
     global _default, _owned, _owner_pid, _atexit_registered
+    pool = _default  # read without the lock: set_default_pool's last word, or the one before
+    if pool is not None and _owner_pid == _pid and not (_owned and _unusable(pool)):
+        return pool
     with _pool_lock:
         pool = _default
         if pool is not None and _owner_pid != os.getpid():

@@ -155,7 +155,12 @@ class _Body:
             # reduce (its dtype's too: ~25 objects, each a persistent_id call of ours);
             # as a 0-d array it goes inline, one object. The worker hands the function
             # the scalar again (_pyfunc._as_input), as TF does.
-            arrays = tuple([np.asarray(a) if isinstance(a, _SCALARS) else a for a in arrays])
+            # One input (a map's usual) is converted inline: no comprehension's call.
+            if len(arrays) == 1:
+                if isinstance(arrays[0], _SCALARS):
+                    arrays = (np.asarray(arrays[0]),)
+            else:
+                arrays = tuple([np.asarray(x) if isinstance(x, _SCALARS) else x for x in arrays])
             # Sleep until it is done, the GIL released, never polling: N TF threads
             # wait at once (num_parallel_calls=N), and pollers would take the GIL and
             # the CPUs from the thread that delivers their results and from the

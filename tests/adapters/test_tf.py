@@ -752,6 +752,30 @@ def test_default_pool_is_made_on_first_use_and_stopped_at_exit() -> None:
     assert not [n for n in os.listdir("/dev/shm") if f"-{pid}-" in n]
 
 
+def test_default_pool_set_is_returned_without_a_system_call(
+    pool: mpexec.WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TF op's body asks for the default pool on every call: no ``getpid`` there."""
+    asked: list[int] = []
+    real = os.getpid
+    monkeypatch.setattr(os, "getpid", lambda: asked.append(1) or real())
+    assert _tf.default_pool() is pool
+    assert asked == []
+
+
+def test_a_forked_child_knows_its_own_pid_for_the_default_pool(pool: mpexec.WorkerPool) -> None:
+    """The pid the default pool's fast path compares is the child's after a fork."""
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit code
+        code = 1
+        try:
+            code = 0 if getattr(_tf, "_pid", None) == os.getpid() != _tf._owner_pid else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_set_default_pool_checks_its_argument() -> None:
     with pytest.raises(TypeError, match="expected a WorkerPool or None"):
         _tf.set_default_pool(object())  # type: ignore[arg-type]
