@@ -39,6 +39,14 @@ index and answering with the batch's bytes over a pipe, 2 batches in flight a
 worker. Its main CPU is what a batch, and the wake-ups it brings, cost this
 host with none of mpexec's code: the least any loader of whole batches pays.
 
+With ``--idle``, each sample's start and end in its worker are written down
+(``time.monotonic``, one line a sample appended to a file per worker: ~10-30 µs
+of the worker's CPU a sample, so only on request), and the workers' idle time
+over the measured epoch is split three ways, as shares of W x the epoch's wall
+time: **start** (before a worker's first sample: the ramp), **end** (after its
+last one: the tail, workers with nothing left while others finish) and
+**middle** (between its samples).
+
 Run with ``python -m benchmarks mainload`` (``--quick``: fewer rounds and
 sizes; ``--mainload-systems``, ``--workers``, ``--sleeps-ms`` and ``--kinds``
 pick a subset, as ``--mainload-systems pipeline,torch --workers 16,64``).
@@ -47,9 +55,12 @@ pick a subset, as ``--mainload-systems pipeline,torch --workers 16,64``).
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import os
+import shutil
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -81,13 +92,26 @@ class Sleepy:
     not see a later change.
     """
 
-    def __init__(self, sleep: float, kind: str) -> None:
+    def __init__(self, sleep: float, kind: str, trace: str | None = None) -> None:
         self.sleep = sleep
         self.shape = SHAPES[kind]
+        self.trace = trace  # a folder: each sample's start and end, a file per process
 
     def __call__(self, index: Any) -> np.ndarray[Any, Any]:
+        t0 = time.monotonic()
         time.sleep(self.sleep)
-        return np.full(self.shape, float(np.asarray(index).reshape(-1)[0] % 251), np.float32)
+        out = np.full(self.shape, float(np.asarray(index).reshape(-1)[0] % 251), np.float32)
+        if self.trace is not None:
+            fd = os.open(
+                os.path.join(self.trace, str(os.getpid())),
+                os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                0o600,
+            )
+            try:
+                os.write(fd, f"{t0:.6f} {time.monotonic():.6f}\n".encode())
+            finally:
+                os.close(fd)
+        return out
 
 
 class SleepyBatch:
@@ -441,6 +465,38 @@ def steady_rate(marks: Sequence[float]) -> float | None:
     return (b - a) / (marks[b] - marks[a])
 
 
+def idle_split(
+    spans: Sequence[Sequence[tuple[float, float]]], t0: float, t1: float, workers: int
+) -> tuple[float, float, float]:
+    """Workers' idle time over an epoch from ``t0`` to ``t1``: (start, middle, end), as
+    shares of ``workers`` x its wall time. ``spans``: per worker, its samples' (start, end);
+    a worker with none is idle throughout (counted at the start)."""
+    total = workers * (t1 - t0)
+    start = end = busy = 0.0
+    for worker in spans:
+        rows = sorted(r for r in worker if r[0] >= t0)
+        if rows:
+            start += rows[0][0] - t0
+            end += t1 - rows[-1][1]
+            busy += sum(b - a for a, b in rows)
+    start += (workers - sum(1 for rows in spans if rows)) * (t1 - t0)
+    return start / total, (total - busy - start - end) / total, end / total
+
+
+def _read_trace(folder: str) -> list[list[tuple[float, float]]]:
+    spans = []
+    for name in glob.glob(os.path.join(folder, "*")):
+        with open(name) as f:
+            rows = [(float(a), float(b)) for a, b in (line.split() for line in f)]
+        spans.append(rows)
+    return spans
+
+
+def _clear_trace(folder: str) -> None:
+    for name in glob.glob(os.path.join(folder, "*")):
+        os.unlink(name)
+
+
 def _descendants_cpu() -> float:
     """CPU seconds of every live descendant of this process (its workers, their servers)."""
     import psutil
@@ -464,16 +520,29 @@ def _host_busy() -> tuple[float, float]:
     return sum(t) - idle, sum(t)
 
 
-def _measure(epoch: Callable[[list[float]], int]) -> dict[str, float | None]:
-    """One epoch: samples/s, steady samples/s, main and workers' CPU µs a sample, host busy."""
+def _measure(
+    epoch: Callable[[list[float]], int], trace: str | None = None, workers: int = 0
+) -> dict[str, float | None]:
+    """One epoch: samples/s, steady samples/s, main and workers' CPU µs a sample, host busy;
+    with ``trace`` (the samples' folder), the workers' idle time at start, middle, end."""
     marks: list[float] = []
+    if trace is not None:
+        _clear_trace(trace)
     w0, h0 = _descendants_cpu(), _host_busy()
+    m0 = time.monotonic()
     c0, t0 = time.process_time(), time.perf_counter()
     n = epoch(marks)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    m1 = time.monotonic()
     w1, h1 = _descendants_cpu(), _host_busy()
     steady = steady_rate(marks)
+    idle = (None, None, None)
+    if trace is not None:
+        idle = idle_split(_read_trace(trace), m0, m1, workers)
     return {
+        "idle_start": idle[0],
+        "idle_middle": idle[1],
+        "idle_end": idle[2],
         "rate": n / wall,
         "steady": None if steady is None else steady * n / len(marks),
         "main_us": 1e6 * cpu / n,
@@ -489,6 +558,7 @@ def run(
     workers: Sequence[int] | None = None,
     sleeps: Sequence[float] | None = None,
     kinds: Sequence[str] | None = None,
+    idle: bool = False,
 ) -> dict[str, Any]:
     keys = [k for k in (systems or DEFAULT_SYSTEMS) if _installed(SYSTEMS[k][1])]
     skipped = [k for k in (systems or DEFAULT_SYSTEMS) if k not in keys]
@@ -501,10 +571,30 @@ def run(
     res: dict[str, Any] = {}
     load0 = os.getloadavg()
     t_start = time.perf_counter()
+    trace = tempfile.mkdtemp(prefix="mpexec-mainload-") if idle else None
+    try:
+        _run_all(res, keys, kind_list, sleep_list, workers_list, rounds, epoch_s, quick, trace)
+    finally:
+        if trace is not None:
+            shutil.rmtree(trace, ignore_errors=True)
+    return _report(res, skipped, load0, t_start, sleep_list, quick, out_dir, idle)
+
+
+def _run_all(
+    res: dict[str, Any],
+    keys: list[str],
+    kind_list: Sequence[str],
+    sleep_list: Sequence[float],
+    workers_list: Sequence[int],
+    rounds: int,
+    epoch_s: float,
+    quick: bool,
+    trace: str | None,
+) -> None:
     for kind in kind_list:
         for sleep in sleep_list:
-            sample = Sleepy(sleep, kind)
-            took = _calibrate(sample)
+            sample = Sleepy(sleep, kind, trace)
+            took = _calibrate(Sleepy(sleep, kind))
             for w in workers_list:
                 ideal = w / took
                 batches = epoch_batches(kind, w, ideal * epoch_s, quick)
@@ -516,7 +606,7 @@ def run(
                         epoch, close = SYSTEMS[key][2](w, n, sample)
                         try:
                             epoch([])  # warm-up: workers started, shapes and timings learned
-                            got[key].append(_measure(epoch))
+                            got[key].append(_measure(epoch, trace, w))
                         finally:
                             close()
                     loads.append(os.getloadavg()[0])
@@ -552,11 +642,30 @@ def run(
                         "epoch_samples": n,
                         "sample_s": took,
                         "loadavg": loads,
+                        **{
+                            f"idle_{part}": statistics.median(
+                                float(x[f"idle_{part}"] or 0) for x in runs
+                            )
+                            for part in ("start", "middle", "end")
+                            if trace is not None
+                        },
                     }
                 log(
                     f"[mainload] {kind}, {sleep * 1e3:g} ms, {w} workers: done "
                     f"(load {os.getloadavg()[0]:.1f})"
                 )
+
+
+def _report(
+    res: dict[str, Any],
+    skipped: list[str],
+    load0: tuple[float, float, float],
+    t_start: float,
+    sleep_list: Sequence[float],
+    quick: bool,
+    out_dir: Path,
+    idle: bool,
+) -> dict[str, Any]:
     rows = []
     for kind, by_sleep in res.items():
         for sleep_name, by_system in by_sleep.items():
@@ -581,6 +690,16 @@ def run(
                             f"{100 * f['host_busy']:.0f}%",
                             f"{min(f['loadavg']):.1f}-{max(f['loadavg']):.1f}",
                         ]
+                        + (
+                            [
+                                " / ".join(
+                                    f"{100 * f[f'idle_{part}']:.1f}"
+                                    for part in ("start", "middle", "end")
+                                )
+                            ]
+                            if idle
+                            else []
+                        )
                     )
     commit, dirty = git_state("mpexec", "shm", "benchmarks")
     result = {
@@ -608,7 +727,14 @@ def run(
         "host's own ceiling for W sleeping processes, same rounds); steady: of ideal over the "
         "middle half of the epoch's batches; workers' CPU: µs of CPU of all the main process's "
         "descendants a sample; host busy: of all CPUs, every process; load: the 1-minute load "
-        "average after each round.\n\n"
+        "average after each round"
+        + (
+            "; idle: the workers' idle time at the epoch's start / middle / end, % of "
+            "workers x its wall time (--idle: samples timed in the workers)"
+            if idle
+            else ""
+        )
+        + ".\n\n"
         + table(
             [
                 "samples",
@@ -624,9 +750,10 @@ def run(
                 "workers' CPU µs",
                 "host busy",
                 "load",
-            ],
+            ]
+            + (["idle start / middle / end %"] if idle else []),
             rows,
-            right=set(range(3, 13)),
+            right=set(range(3, 14 if idle else 13)),
         )
         + f"\n\ntook {result['duration_s']} s\n"
     )
@@ -667,6 +794,12 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--kinds", default=None, help="mainload only: light, heavy or both (default both)"
     )
+    parser.add_argument(
+        "--idle",
+        action="store_true",
+        help="mainload only: time each sample in its worker; the workers' idle time at "
+        "the epoch's start, middle and end (a column)",
+    )
 
 
 def options(args: Any) -> dict[str, Any]:
@@ -682,6 +815,8 @@ def options(args: Any) -> dict[str, Any]:
         out["workers"] = [int(x) for x in args.workers.split(",")]
     if args.sleeps_ms:
         out["sleeps"] = [float(x) / 1e3 for x in args.sleeps_ms.split(",")]
+    if getattr(args, "idle", False):
+        out["idle"] = True
     if args.kinds:
         kinds = list(SHAPES) if args.kinds == "both" else args.kinds.split(",")
         unknown = [k for k in kinds if k not in SHAPES]

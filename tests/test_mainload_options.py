@@ -47,3 +47,13 @@ def test_the_steady_rate_leaves_out_an_epochs_start_and_tail() -> None:
         marks.append(t)
     assert mainload_bench.steady_rate(marks) == pytest.approx(100.0)
     assert mainload_bench.steady_rate(marks[:7]) is None
+
+
+def test_idle_is_split_into_the_epochs_start_middle_and_end() -> None:
+    # 2 workers over 10 s: one works 1-4 and 5-9 (idle 1 at the start, 1 between, 1 at
+    # the end), the other 0-10; a third never worked (idle throughout, at the start).
+    spans = [[(5.0, 9.0), (1.0, 4.0), (-3.0, -1.0)], [(0.0, 10.0)]]
+    start, middle, end = mainload_bench.idle_split(spans, 0.0, 10.0, 3)
+    assert (start, middle, end) == pytest.approx((11 / 30, 1 / 30, 1 / 30))
+    assert _options("--idle")["idle"] is True
+    assert "idle" not in _options()
