@@ -96,6 +96,16 @@ def _epoch(pipe: Any) -> tuple[list[tuple[bytes, ...]], int]:
     raise AssertionError("the epoch did not end")
 
 
+def watched_epoch(pipe: Any) -> tuple[list[tuple[bytes, ...]], int]:
+    """``_epoch``, bounded: an iteration that never finishes fails the test, not hangs it."""
+    watchdog = threading.Timer(T, pipe.close)
+    watchdog.start()
+    try:
+        return _epoch(pipe)
+    finally:
+        watchdog.cancel()
+
+
 _REFERENCE: dict[Any, list[tuple[bytes, ...]]] = {}
 
 
@@ -160,13 +170,7 @@ def test_a_ctrl_c_inside_a_step_loses_and_repeats_no_batch(
     with graph() as pipe:
         pipe.build()
         armed[0] = True
-        # Bounded: an iteration that never finishes fails the test, not hangs it.
-        watchdog = threading.Timer(T, pipe.close)
-        watchdog.start()
-        try:
-            got, count = _epoch(pipe)
-        finally:
-            watchdog.cancel()
+        got, count = watched_epoch(pipe)
     assert count == 1, f"{name} was called {calls[0]} times on this thread: no interrupt"
     assert len(got) == len(reference)
     for i, (a, b) in enumerate(zip(got, reference, strict=True)):
@@ -285,12 +289,7 @@ def test_a_ctrl_c_between_a_batch_read_here_and_its_taking_repeats_no_batch(nth:
         here = [s for s in pipe._scheduler.ops if s.op.is_source and s.runner is None]
         assert len(here) == 1
         here[0].fed = fed = _PopInterrupted(nth)
-        watchdog = threading.Timer(T, pipe.close)
-        watchdog.start()
-        try:
-            got, count = _epoch(pipe)
-        finally:
-            watchdog.cancel()
+        got, count = watched_epoch(pipe)
     assert fed.calls > nth
     assert count == 1
     assert len(got) == len(reference)

@@ -23,11 +23,9 @@ import mpexec
 from mpexec import fn
 from mpexec._pool import _state
 from shm import _ring
+from tests.pipeline.test_ctrl_c_steps import N, watched_epoch
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
-
-N = 40  # samples in the epoch: 10 batches of 4
-T = 30  # bound of an epoch's wait
 
 
 class _Counted:
@@ -57,21 +55,6 @@ def _graph(path: str) -> Any:
     return graph()
 
 
-def _epoch(pipe: Any) -> tuple[list[tuple[bytes, ...]], int]:
-    got: list[tuple[bytes, ...]] = []
-    interrupted = 0
-    for _ in range(4 * N):
-        try:
-            out = pipe.run()
-        except KeyboardInterrupt:
-            interrupted += 1
-            continue
-        except StopIteration:
-            return got, interrupted
-        got.append(tuple(b.as_array().tobytes() for b in out))
-    raise AssertionError("the epoch did not end")
-
-
 def _calls(path: pathlib.Path) -> list[int]:
     return [int(line) for line in path.read_text().split()] if path.exists() else []
 
@@ -92,7 +75,7 @@ def test_a_unit_taken_by_the_pool_before_a_ctrl_c_is_not_sent_again(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, owner: Any, name: str, nth: int
 ) -> None:
     with _graph(str(tmp_path / "reference")) as pipe:
-        reference = _epoch(pipe)[0]
+        reference = watched_epoch(pipe)[0]
     reference_calls = _calls(tmp_path / "reference")
     assert reference_calls == list(range(N))  # one call a sample, in order
 
@@ -119,12 +102,7 @@ def test_a_unit_taken_by_the_pool_before_a_ctrl_c_is_not_sent_again(
     with _graph(str(path)) as pipe:
         pipe.build()
         armed[0] = True
-        watchdog = threading.Timer(T, pipe.close)
-        watchdog.start()
-        try:
-            got, count = _epoch(pipe)
-        finally:
-            watchdog.cancel()
+        got, count = watched_epoch(pipe)
     assert count == 1, f"{name} was called {calls[0]} times on this thread: no interrupt"
     assert _calls(path) == reference_calls, "the stateful op's calls (a repeat shows twice)"
     assert len(got) == len(reference)
