@@ -299,6 +299,12 @@ class Scheduler:
                 x.seq == s.turn and s.pos in x.dispatched for x in self._window
             ):
                 self._advance_turn(s)
+        for it in list(self._waiting):  # a launch stopped between its worker sources
+            for s in self._sources:
+                if it.dropped or it.error is not None:
+                    break
+                if s.runner is not None and s.pos not in it.dispatched:
+                    self._dispatch(it, s)
         self._sources_in(None)
         for it in list(self._window):
             if it.error is not None:
@@ -452,8 +458,16 @@ class Scheduler:
                 if s.runner is not None:
                     self._dispatch(it, s)
         except BaseException:
-            if not (it.computing or it.dropped or it.error is not None):
-                self._unlaunch(it)  # (a Ctrl-C): the next run() launches it again
+            # (A Ctrl-C.) Once a source's unit went to a worker, the iteration stays:
+            # that source may be stateful (an iterable read in its worker), so its
+            # call must not run again; _resume dispatches the sources left.
+            if not (
+                it.computing
+                or it.dropped
+                or it.error is not None
+                or any(s.pos in it.dispatched for s in sources)
+            ):
+                self._unlaunch(it)  # the next run() launches it again
             raise
         if it.sources_left == 0:
             self._sources_in(it)

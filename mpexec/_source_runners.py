@@ -181,6 +181,7 @@ class WorkerBatchSource:
         self._epoch: int | None = None
         self._next = 0  # the iteration its next item is for
         self._ended = False  # it ended the epoch self._epoch
+        self._last: Any = None  # the item for iteration self._next - 1
 
     def __call__(self, chunk: Chunk, *inputs: Any, out: tuple[Any, ...] = ()) -> ChunkResult:
         """The batch of ``chunk``'s iteration; ``out`` as :meth:`OpRunner.__call__`."""
@@ -228,11 +229,15 @@ class WorkerBatchSource:
     def _item(self, chunk: Chunk) -> Any:
         """The iterable's item for ``chunk``'s iteration; None where the epoch ended."""
         if chunk.epoch != self._epoch:
-            self._epoch, self._next, self._ended = chunk.epoch, 0, False
+            self._epoch, self._next, self._ended, self._last = chunk.epoch, 0, False, None
             if self.cycle:
                 self._iterator = None  # a new epoch starts it again
         if self._ended:
             return None
+        if chunk.iteration == self._next - 1:
+            # Asked again (a unit a Ctrl-C in the main process left it unsure was
+            # sent, sent again): the same batch, not the next one.
+            return self._last
         item = None
         while self._next <= chunk.iteration:
             item = self._take()
@@ -240,6 +245,7 @@ class WorkerBatchSource:
             if item is None:
                 self._ended = True
                 return None
+        self._last = item
         return item
 
     def _take(self) -> Any:
