@@ -145,7 +145,8 @@ class Iteration:
         # Per branch of an `if` on a DataNode (by id): (mask over its parent's samples,
         # their indices in the batch), worked out when first needed.
         self.scopes: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
-        self.parts: dict[int, list[ChunkResult | None]] = {}
+        # op -> its chunks' results so far; a batch sent as one unit: its blocks (a token).
+        self.parts: dict[int, list[Any]] = {}
         self.bounds: dict[int, list[tuple[int, int]]] = {}  # op -> its chunks' rows
         self.blocks: dict[int, list[Any]] = {}  # op -> per output: the batch's block, or None
         self.dispatched: set[int] = set()
@@ -379,6 +380,17 @@ def one_pass(op: Op) -> bool:
 
 
 # ---------------------------------------------------------------- assembly
+
+
+def assemble_one(s: OpState, res: ChunkResult, blocks: list[Any], here: bool) -> tuple[Any, ...]:
+    """:func:`assemble` of a batch sent as one unit: where it wrote its one output's
+    block, that block is the column (nothing else to look at)."""
+    written = res.written
+    if s.columns is None and len(written) == 1 and written[0] and blocks[0] is not None:
+        col = blocks[0][: res.count]
+        col.flags.writeable = False
+        return (col,)
+    return assemble(s, [res], [(0, res.count)], blocks, here)
 
 
 def assemble(

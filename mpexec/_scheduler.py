@@ -78,7 +78,17 @@ from ._chains import batch_in_workers, fuse_chains
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Plan, Scope
-from ._iterations import Iteration, OpState, OpStats, annotate, assemble, next_item, one_pass, pull
+from ._iterations import (
+    Iteration,
+    OpState,
+    OpStats,
+    annotate,
+    assemble,
+    assemble_one,
+    next_item,
+    one_pass,
+    pull,
+)
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import Chunk, ChunkResult, derive_seed, nbytes
@@ -670,30 +680,49 @@ class Scheduler:
             if s.copied_bytes is not None:
                 s.bytes_copied += s.copied_bytes(column)
         size = it.size if samples is None else len(samples)
-        if op.batch_processing or op.stateful or s.executor.workers <= 1:
-            bounds = [(0, size)]
-        else:
+        k = 1
+        if not (op.batch_processing or op.stateful or s.executor.workers <= 1):
             k = self._chunk_count(s, size)
-            if k == 1:
-                bounds = [(0, size)]
-            else:
-                edges = [size * j // k for j in range(k + 1)]
-                bounds = [(edges[j], edges[j + 1]) for j in range(k)]
             if s.executor is self.executor and s.worker is None and self._units.get(s.pos) != k:
                 self._units[s.pos] = k  # sizes the window
                 self._window_size = self._cap = 0
-        parts: list[ChunkResult | None] = [None] * len(bounds)
-        it.parts[s.pos] = parts
-        it.bounds[s.pos] = bounds
         try:
             blocks = self._blocks(s, size)  # shared memory may be full: fail the iteration
         except Exception as exc:
             self._fail(it, annotate(exc, op, it, None))
             return
-        it.blocks[s.pos] = blocks
         # Where the executor offers it, a unit's outcome comes back to a hook,
         # with no Future between (no condition, no guarded callback a unit).
         hooked = s.submit_hooked
+        if k == 1:
+            # The batch in one unit (batch mode; per sample once learned): no parts,
+            # bounds nor cut blocks. ``blocks`` marks the dispatch (_on_chunk, _dispatch).
+            it.parts[s.pos] = blocks
+            where = None if samples is None else tuple([int(r) for r in samples])
+            chunk = Chunk(it.epoch, it.index, 0, size, it.epoch_start, where)
+            rows = tuple([col[:size] for col in inputs]) if inputs else ()
+            unit = WorkUnit(s.runner, chunk, rows, s.worker, s.names, tuple(blocks))
+            hook = functools.partial(self._on_chunk, it, s, blocks, -1, time.perf_counter())
+            try:
+                if hooked is not None:
+                    hooked(unit, hook)
+                    return
+                future = s.executor.submit_unit(unit)
+            except Exception as exc:
+                self._fail(it, annotate(exc, op, it, None))
+                return
+            except BaseException as exc:  # (a Ctrl-C): was the unit taken? (_dispatch)
+                sent = hooked is not None and getattr(exc, "mpexec_taken", False) is True
+                exc.mpexec_sent = sent  # type: ignore[attr-defined]
+                raise
+            future.add_done_callback(hook)
+            return
+        edges = [size * j // k for j in range(k + 1)]
+        bounds = [(edges[j], edges[j + 1]) for j in range(k)]
+        parts: list[ChunkResult | None] = [None] * k
+        it.parts[s.pos] = parts
+        it.bounds[s.pos] = bounds
+        it.blocks[s.pos] = blocks
         submit = s.executor.submit_unit
         names = s.names
         runner = s.runner
@@ -811,7 +840,9 @@ class Scheduler:
         self, it: Iteration, s: OpState, parts: list[Any], ci: int, t0: float, future: Any
     ) -> None:
         """A chunk came back (in the executor's thread, or inline); ``future``: its done
-        Future, or the outcome ``submit_hooked`` hands a hook (the same readers)."""
+        Future, or the outcome ``submit_hooked`` hands a hook (the same readers).
+        ``parts``: its dispatch's chunks so far; ``ci`` < 0: a batch sent as one unit,
+        ``parts`` its blocks (its outcome is then the columns: see :func:`assemble_one`)."""
         elapsed = time.perf_counter() - t0
         with self._lock:
             try:  # (one frame a unit: its steps are here, not in a helper)
@@ -850,14 +881,19 @@ class Scheduler:
                     self.faults += res.faults
                 if it.dropped or it.error is not None or it.parts.get(s.pos) is not parts:
                     return  # (not parts: of a dispatch a Ctrl-C stopped, sent again)
-                parts[ci] = res
-                for p in parts:  # (a loop, not any(): no generator a batch)
-                    if p is None:
-                        return
-                del it.parts[s.pos]
-                bounds = it.bounds.pop(s.pos)
-                blocks = it.blocks.pop(s.pos)
-                columns = assemble(s, parts, bounds, blocks, self._workers == 0)
+                if ci < 0:  # the batch in one unit (_send): ``parts`` is its blocks
+                    del it.parts[s.pos]
+                    columns = assemble_one(s, res, parts, self._workers == 0)
+                    parts = [res]
+                else:
+                    parts[ci] = res
+                    for p in parts:  # (a loop, not any(): no generator a batch)
+                        if p is None:
+                            return
+                    del it.parts[s.pos]
+                    bounds = it.bounds.pop(s.pos)
+                    blocks = it.blocks.pop(s.pos)
+                    columns = assemble(s, parts, bounds, blocks, self._workers == 0)
                 if len(s.members) == 1 or s.executor is self.executor:
                     size = 0
                     for col in columns:
