@@ -31,7 +31,6 @@ from __future__ import annotations
 import atexit
 import collections
 import itertools
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _pid
 from ._graph import DataNode, current_graph
 from ._pool import WorkerPool
 
@@ -889,17 +889,6 @@ _default: WorkerPool | None = None
 _owned = False  # _default was made here (not given to set_default_pool)
 _owner_pid = 0
 _atexit_registered = False
-#: This process's id, kept up to date in a forked child: a TF op's body asks for the
-#: default pool on each call, and ``os.getpid()`` is a system call each time.
-_pid = os.getpid()
-
-
-def _forked() -> None:
-    global _pid
-    _pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_forked)
 
 
 def default_pool() -> WorkerPool:
@@ -911,18 +900,18 @@ def default_pool() -> WorkerPool:
     """
     global _default, _owned, _owner_pid, _atexit_registered
     pool = _default  # read without the lock: set_default_pool's last word, or the one before
-    if pool is not None and _owner_pid == _pid and not (_owned and _unusable(pool)):
+    if pool is not None and _owner_pid == _pid.pid and not (_owned and _unusable(pool)):
         return pool
     with _pool_lock:
         pool = _default
-        if pool is not None and _owner_pid != os.getpid():
+        if pool is not None and _owner_pid != _pid.pid:
             pool = None  # inherited through fork: the parent's, unusable here
         elif pool is not None and _owned and _unusable(pool):
             pool.shutdown(wait=False, cancel_futures=True)
             pool = None
         if pool is None:
             pool = WorkerPool()
-            _default, _owned, _owner_pid = pool, True, os.getpid()
+            _default, _owned, _owner_pid = pool, True, _pid.pid
             if not _atexit_registered:
                 atexit.register(_shutdown_default)
                 _atexit_registered = True
@@ -939,8 +928,8 @@ def set_default_pool(pool: WorkerPool | None) -> None:
         raise TypeError(f"expected a WorkerPool or None, not {type(pool).__name__}")
     with _pool_lock:
         old, old_owned, old_pid = _default, _owned, _owner_pid
-        _default, _owned, _owner_pid = pool, False, os.getpid()
-    if old is not None and old_owned and old is not pool and old_pid == os.getpid():
+        _default, _owned, _owner_pid = pool, False, _pid.pid
+    if old is not None and old_owned and old is not pool and old_pid == _pid.pid:
         old.shutdown(wait=True)
 
 
@@ -951,7 +940,7 @@ def _unusable(pool: WorkerPool) -> bool:
 def _shutdown_default() -> None:
     global _default
     with _pool_lock:
-        pool = _default if _owned and _owner_pid == os.getpid() else None
+        pool = _default if _owned and _owner_pid == _pid.pid else None
         if pool is not None:
             _default = None
     if pool is not None:

@@ -112,6 +112,7 @@ LAYERS: dict[str, int] = {
     "shm": 0,
     "mpexec._errors": 0,
     "mpexec._host": 0,
+    "mpexec._pid": 0,  # this process's id, kept after fork (no getpid a call)
     "mpexec._modes": 0,
     "mpexec._version": 0,
     "mpexec._extras": 0,  # extras' install hints and framework versions, from metadata

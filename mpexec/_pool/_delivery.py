@@ -44,7 +44,6 @@ on its future as any other, and the manager settles it as always.
 
 from __future__ import annotations
 
-import os
 import select
 import threading
 import time
@@ -53,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import shm
 
-from .. import _codec
+from .. import _codec, _pid
 from .._errors import BrokenPoolError, SerializationError
 from .._protocol import HEADER, OK, SKIPPED, body_of
 from .._tracebacks import unpack_error
@@ -91,7 +90,14 @@ def drain(state: PoolState, slot: Slot) -> None:
             with state.lock:
                 head = slot.queue[0] if slot.queue else None
         view = state.view_results or (head is not None and head.view)
-        ok, outcome = (True, None) if skipped else _outcome(rec, kind, flags, view)
+        ok, outcome = True, None
+        if not skipped:  # the record's outcome read inline: a call less a record
+            ok = kind == OK
+            try:
+                body = body_of(rec, flags)
+                outcome = _codec.decode(body, True, view) if ok else unpack_error(body)
+            except Exception as exc:
+                ok, outcome = False, _unreadable(exc)
         task = state.complete(slot, task_id, skipped, ok)
         if skipped:
             task.release()
@@ -121,7 +127,7 @@ def read_call(
     """:func:`read_direct` for the call of ``link`` whose outcome is ``future`` (a hooked
     call's too: its hook then runs in this thread)."""
     state, slot = link.state, link.slot
-    if state is None or slot is None or state.pid != os.getpid():
+    if state is None or slot is None or state.pid != _pid.pid:
         return None  # settled, unsent, or a forked child's copy (the parent's call)
     watcher = state.watcher
     if watcher is None:
@@ -228,20 +234,14 @@ def _read(
         look = True  # woken (or timed out): drain what came
 
 
-def _outcome(rec: bytes, kind: int, flags: int, view_ok: bool) -> tuple[bool, Any]:
-    """(True, the result) or (False, the exception) that a done record carries."""
-    try:
-        body = body_of(rec, flags)
-        if kind == OK:
-            return True, _codec.decode(body, True, view_ok)
-        return False, unpack_error(body)
-    except MemoryError as exc:
+def _unreadable(exc: Exception) -> Exception:
+    """The error of a call whose done record could not be read back (``exc`` raised reading it)."""
+    if isinstance(exc, MemoryError):
         # Out of memory or address space mapping the result (shm.ReservationError is
         # a MemoryError): not a pickling problem, so not disguised as one.
-        return False, exc
-    except Exception as exc:
-        err = SerializationError(
-            f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
-        )
-        err.__cause__ = exc
-        return False, err
+        return exc
+    err = SerializationError(
+        f"the result of a call could not be read back: {type(exc).__name__}: {exc}"
+    )
+    err.__cause__ = exc
+    return err

@@ -8,7 +8,6 @@ results, and ``_stop`` stops it all (see the package's docstring for the picture
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,7 +18,7 @@ import numpy.typing as npt
 
 import shm
 
-from .. import _codec
+from .. import _codec, _pid
 from .._calls import call_arguments
 from .._errors import PoolClosedError
 from .._host import ensure_open_files, minor_faults, usable_cpus
@@ -211,10 +210,13 @@ class WorkerPool(CallExecutor):
         __tracebackhide__ = True  # the caller sees the call's error, not this re-raise
         if self._inline:
             return self.submit_call(fn, args, worker=worker, view=True).result()
+        # call_arguments only to raise its TypeError (mypy's Callable is no proof): a call
+        # less a call.
+        kwargs: dict[str, Any] = {} if callable(fn) else call_arguments(fn, None)  # type: ignore[redundant-expr]
         waiter = Waiter()
-        task = self._submit(fn, args, call_arguments(fn, None), worker, True, waiter)
+        task = self._submit(fn, args, kwargs, worker, True, waiter)
         try:
-            return waiter.wait(task).result()  # type: ignore[no-any-return]
+            return waiter.wait(task)  # type: ignore[no-any-return]
         except Exception as exc:
             raise for_caller(exc)  # noqa: B904 - the same exception, its own cause kept
 
@@ -247,10 +249,10 @@ class WorkerPool(CallExecutor):
         kwargs: dict[str, Any],
         worker: int | None,
         view: bool,
-        hook: Callable[[UnitFuture], object] | None,
+        hook: Callable[[UnitFuture], object] | UnitFuture | None,
     ) -> Task:
         state = self._state
-        if state.pid != os.getpid():  # check_not_forked()'s test, inline
+        if state.pid != _pid.pid:  # check_not_forked()'s test, inline
             state.check_not_forked()  # raises
         task = None
         try:
@@ -261,7 +263,13 @@ class WorkerPool(CallExecutor):
                 if state.broken is not None or state.closed:
                     state.check_usable()  # raises
                 task = Task(state, next(state.next_task_id), fn, args, kwargs, worker, view, hook)
-                slot = state.roster.least_busy() if worker is None else state.pick_slot(task)
+                if worker is None:
+                    slot = state.roster.least_busy()
+                else:  # state.pick_slot(task), inline
+                    slots = state.slots
+                    slot = slots[worker % len(slots)]
+                    if not slot.has_room():
+                        slot = None
                 if slot is None or state.pending:
                     # Busy, or calls wait ahead of it (order kept): validate now,
                     # encode when a worker frees up.
@@ -410,7 +418,7 @@ class WorkerPool(CallExecutor):
         if grace is not None and not grace >= 0:
             raise ValueError(f"grace must be seconds >= 0 or None, not {grace!r}")
         state = self._state
-        if state.pid != os.getpid():
+        if state.pid != _pid.pid:
             if self._finalizer is not None:
                 self._finalizer.detach()
             return
@@ -439,7 +447,7 @@ class WorkerPool(CallExecutor):
         state = self._state
         status = (
             "inherited through fork"
-            if state.pid != os.getpid()
+            if state.pid != _pid.pid
             else "broken"
             if state.broken
             else "closed"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import shm
 
+from .. import _pid
 from .._errors import forked_error
 from .._mapping import settle
 from .._protocol import CANCEL, VERDICT, record
@@ -71,7 +72,7 @@ class Task:
         kwargs: Any,
         worker: int | None = None,
         view: bool = False,
-        hook: Callable[[UnitFuture], object] | None = None,
+        hook: Callable[[UnitFuture], object] | UnitFuture | None = None,
     ) -> None:
         self.task_id = task_id
         self.view = view  # deliver the result's arrays as read-only views, uncopied
@@ -81,7 +82,9 @@ class Task:
         self.worker = worker  # the worker index it must run on, or None for any
         self.link = link = CallLink(state)
         self.future: PoolFuture[Any] | UnitFuture
-        if hook is not None:
+        if isinstance(hook, UnitFuture):
+            self.future = hook  # an outcome that needs no hook (run_call's Waiter)
+        elif hook is not None:
             self.future = UnitFuture(hook)
         else:
             # Future's own constructor, then the link: a constructor of PoolFuture's
@@ -110,10 +113,10 @@ class Task:
     def settle(self, result: Any = None, exc: BaseException | None = None) -> None:
         """Complete its future with ``result`` or ``exc``, unless it is done already."""
         future = self.future
-        if type(future) is UnitFuture:
+        if isinstance(future, UnitFuture):  # run_call's Waiter too
             future._settle(result, exc, False)  # noqa: SLF001 - one unit with UnitFuture
         else:
-            settle(future, result, exc)  # type: ignore[arg-type]
+            settle(future, result, exc)
 
     def finish(self, result: Any = None, exc: BaseException | None = None) -> None:
         """:meth:`release` then :meth:`settle`, in one frame: its record came back."""
@@ -121,10 +124,10 @@ class Task:
         link = self.link
         link.slot = link.state = None
         future = self.future
-        if type(future) is UnitFuture:
+        if isinstance(future, UnitFuture):  # run_call's Waiter too
             future._settle(result, exc, False)  # noqa: SLF001 - one unit with UnitFuture
         else:
-            settle(future, result, exc)  # type: ignore[arg-type]
+            settle(future, result, exc)
 
     def fail(self, exc: BaseException) -> None:
         """Release it and fail its future with ``exc`` (unless already done)."""
@@ -195,7 +198,7 @@ class PoolFuture(Future[T]):
         state = link.state
         if state is None:
             return cancel_now(self)
-        if state.pid != os.getpid():
+        if state.pid != _pid.pid:
             return False  # a forked child: the call is the parent's
         with state.lock:
             slot = link.slot
@@ -240,7 +243,7 @@ class PoolFuture(Future[T]):
     def _poll(self, timeout: float | None) -> float | None:
         """Poll for up to the pool's budget; the caller's ``timeout`` left over."""
         state = self._mp_link.state
-        if state is not None and state.pid != os.getpid() and not self.done():
+        if state is not None and state.pid != _pid.pid and not self.done():
             # No manager thread here will ever complete it: refuse, never hang.
             raise forked_error(state.pid, "a Future of a WorkerPool")
         if (
@@ -362,9 +365,9 @@ class _GuardedCallback:
 
 def cancel_now(future: PoolFuture[Any] | UnitFuture) -> bool:
     """Cancel a call no worker will run, and tell its waiters (``wait()``) at once."""
-    if type(future) is UnitFuture:
+    if isinstance(future, UnitFuture):  # run_call's Waiter too
         return future.cancel()  # no waiters: its hook is told
-    return future.cancel_unsent()  # type: ignore[union-attr]
+    return future.cancel_unsent()
 
 
 def cancel_pushed(slot: Slot, seq: int, future: PoolFuture[Any] | UnitFuture) -> bool:

@@ -12,7 +12,6 @@ import collections
 import contextlib
 import heapq
 import itertools
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import shm
 
-from .. import _protocol
+from .. import _pid, _protocol
 from .._errors import PoolClosedError, forked_error, raised_again
 from ._future import Task, cancel_now, cancel_pushed
 
@@ -296,7 +295,7 @@ class PoolState:
     def __init__(
         self, *, inline: bool = False, view_results: bool = False, timed: bool = False
     ) -> None:
-        self.pid = os.getpid()  # the process that owns it; a forked child does not
+        self.pid = _pid.pid  # the process that owns it; a forked child does not
         self.inline = inline  # num_workers=0: calls run in the caller
         self.arena: shm.Arena | None = None
         self.last_pids: list[int] = []  # the workers' pids, kept after shutdown
@@ -336,12 +335,12 @@ class PoolState:
     @property
     def forked(self) -> bool:
         """Whether this process is a fork of the owner (an inline pool never is)."""
-        return self.pid != os.getpid() and not self.inline
+        return self.pid != _pid.pid and not self.inline
 
     def check_not_forked(self, what: str = "this WorkerPool") -> None:
         """Raise ForkedPoolError in a process forked from the pool's (before any lock:
         another thread of the parent may have held one at the fork)."""
-        if self.pid != os.getpid() and not self.inline:  # self.forked, one call less
+        if self.pid != _pid.pid and not self.inline:  # self.forked, one call less
             raise forked_error(self.pid, what)
 
     def check_open(self) -> None:

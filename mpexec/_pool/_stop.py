@@ -22,6 +22,7 @@ import psutil
 
 import shm
 
+from .. import _pid
 from .._errors import PoolClosedError
 from . import _crash
 from ._state import PoolState
@@ -43,7 +44,7 @@ def shutdown(
     it, the workers running one are stopped at once (SIGTERM, then SIGKILL)
     and those calls fail with :class:`PoolClosedError`. None: no bound.
     """
-    if state.pid != os.getpid():
+    if state.pid != _pid.pid:
         return  # a forked child's exit: the workers and memory are the parent's
     if not state.begin_shutdown(cancel=cancel or not wait):
         return
@@ -79,7 +80,7 @@ def dropped(state: PoolState, lifeline: shm.Lifeline, manager: threading.Thread 
     (:func:`drained`). It takes no time here (a finalizer may run anywhere);
     at interpreter exit the exit hook stops whatever still runs.
     """
-    if state.pid != os.getpid():
+    if state.pid != _pid.pid:
         return  # a forked child's: the workers are the parent's
     if _exiting or manager is None or not manager.is_alive():
         # At exit (finalizers run then too) nothing is left to wait for the calls.

@@ -9,9 +9,9 @@ the checks made before it. These two say what such a caller does instead.
 They take any ``concurrent.futures.Future`` (an inline pool's is a plain one).
 
 A caller that only blocks on its call (``WorkerPool.run_call``: a TF op's body)
-needs no ``Future`` at all: its call is a hooked one (``submit_hooked``) whose
-hook is a :class:`Waiter`, a lock the hook lets go of. No condition is made,
-taken or notified, and no done-callback list is walked, a call.
+needs no ``Future`` at all: its call's outcome is a :class:`Waiter`, a
+``UnitFuture`` whose settling lets go of a lock the caller sleeps on. No
+condition is made, taken or notified, and no done-callback list is walked, a call.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any
 
 from ._delivery import read_call, read_direct
-from ._future import PoolFuture
+from ._future import PoolFuture, UnitFuture
 
 if TYPE_CHECKING:
-    from ._future import Task, UnitFuture
+    from ._future import Task
 
 __all__ = ["Waiter", "read_settled", "wait_settled"]
 
@@ -75,30 +75,47 @@ def read_settled(future: Future[Any]) -> tuple[Any, BaseException | None]:
     return Future.result(future, 0), None
 
 
-class Waiter:
-    """The hook of a hooked call whose caller blocks until it settles (``run_call``).
+class Waiter(UnitFuture):
+    """The outcome of a call whose caller blocks until it settles (``run_call``).
 
-    Made held; the hook keeps the outcome and lets go of the lock, in the thread
-    that settles the call: the caller's own when it reads its worker's done ring
-    (``_delivery.read_call``), else the manager's, waking the caller asleep on
-    the lock (the GIL released). The pool's settling runs a hook once.
+    No hook: settling it keeps the outcome and lets go of :attr:`lock` (made
+    held), in the thread that settles the call: the caller's own when it reads
+    its worker's done ring (``_delivery.read_call``), else the manager's, waking
+    the caller asleep on the lock (the GIL released). It is the call's outcome
+    itself (``Task`` takes it as its future), so a call makes no hook object and
+    no hook call; the first settling thread wins, as for any ``UnitFuture``.
     """
 
-    __slots__ = ("lock", "outcome")
+    __slots__ = ("lock",)
 
     def __init__(self) -> None:
+        # UnitFuture's fields set here, not by its constructor: a call less a call.
+        self._hook = [_unused_hook]  # emptied by the first _settle: done()
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._cancelled = False
         self.lock = threading.Lock()
         self.lock.acquire()
-        self.outcome: UnitFuture | None = None
 
-    def __call__(self, outcome: UnitFuture) -> None:
-        self.outcome = outcome
+    def _settle(self, result: Any, exc: BaseException | None, cancelled: bool) -> bool:
+        try:
+            self._hook.pop()
+        except IndexError:
+            return False  # settled already
+        self._result, self._exception, self._cancelled = result, exc, cancelled
         self.lock.release()
+        return True
 
-    def wait(self, task: Task) -> UnitFuture:
-        """``task``'s outcome (``task`` submitted with this as its hook), once it settles."""
-        if self.outcome is None:
-            read_call(task.link, task.future, None)  # None, False: the manager settles it
+    def wait(self, task: Task) -> Any:
+        """``task``'s result (``task`` submitted with this as its hook), once it settles;
+        raises its error (or ``CancelledError``) as ``result()`` does."""
+        if self._hook:
+            read_call(task.link, self, None)  # None, False: the manager settles it
             self.lock.acquire()
-        assert self.outcome is not None
-        return self.outcome
+        if self._exception is None and not self._cancelled:
+            return self._result  # result()'s reading, inline: a call less a call
+        return self.result()  # raises
+
+
+def _unused_hook(outcome: UnitFuture) -> None:  # pragma: no cover - a Waiter calls no hook
+    raise AssertionError("a Waiter's hook is never called")

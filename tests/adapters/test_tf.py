@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import mpexec
+from mpexec import _pid, contrib
 from mpexec import _pyfunc as _tf
-from mpexec import contrib
 from mpexec._graph import DataNode
 from mpexec._pyfunc import numpy_function, py_func, py_function
 from tests.conftest import _children, shm_names, wait_until
@@ -769,7 +769,7 @@ def test_a_forked_child_knows_its_own_pid_for_the_default_pool(pool: mpexec.Work
     if child == 0:  # pragma: no cover - the child reports through its exit code
         code = 1
         try:
-            code = 0 if getattr(_tf, "_pid", None) == os.getpid() != _tf._owner_pid else 1
+            code = 0 if _pid.pid == os.getpid() != _tf._owner_pid else 1
         finally:
             os._exit(code)
     _, status = os.waitpid(child, 0)

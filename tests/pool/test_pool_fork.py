@@ -52,8 +52,14 @@ def child(scenario, pool, held, pending):
             else:
                 sys.exit(3)
         assert "fork" in repr(pool)
-        # The public seam: refused the same way, and the status says why.
-        for use in (lambda: pool.share(np.ones(3)), lambda: pool.submit_call(twice, (1,))):
+        # The public seam: refused the same way (the pid read, not asked: mpexec._pid),
+        # and the status says why.
+        for use in (
+            lambda: pool.share(np.ones(3)),
+            lambda: pool.submit_call(twice, (1,)),
+            lambda: pool.run_call(twice, (1,)),
+            lambda: pool.submit_hooked(twice, (1,), {}, None, print),
+        ):
             try:
                 use()
             except mpexec.ForkedPoolError:
@@ -180,3 +186,33 @@ def test_forked_child_leaves_the_parents_pool_working(scenario: str, backend: st
     assert proc.stdout.startswith("ok"), proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr
     assert shm_names() - before == set()
+
+
+def test_the_process_id_kept_is_the_childs_after_a_fork() -> None:
+    """``mpexec._pid.pid``, read where a call checks for a fork, follows ``os.fork()``,
+    also in a child forked from a thread that is not the main one."""
+    code = """
+import os, sys, threading
+from mpexec import _pid
+
+def fork_and_check(results):
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if _pid.pid == os.getpid() != parent else 3)
+    _, status = os.waitpid(child, 0)
+    results.append(os.waitstatus_to_exitcode(status))
+
+results = []
+fork_and_check(results)
+thread = threading.Thread(target=fork_and_check, args=(results,))
+thread.start()
+thread.join(30)
+assert _pid.pid == os.getpid(), "the parent's own id changed"
+print(results)
+sys.exit(0 if results == [0, 0] else 1)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=T, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

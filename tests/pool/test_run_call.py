@@ -53,15 +53,15 @@ def _in_thread(fn: Any) -> threading.Thread:
 
 @pytest.fixture
 def settlers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The threads that ran a Waiter's hook (the one that settled its call)."""
+    """The threads that settled a Waiter (its call's outcome)."""
     threads: list[int] = []
-    real = _waiting.Waiter.__call__
+    real = _waiting.Waiter._settle
 
-    def hook(self: _waiting.Waiter, outcome: Any) -> None:
+    def settle(self: _waiting.Waiter, *outcome: Any) -> bool:
         threads.append(threading.get_ident())
-        real(self, outcome)
+        return real(self, *outcome)
 
-    monkeypatch.setattr(_waiting.Waiter, "__call__", hook)
+    monkeypatch.setattr(_waiting.Waiter, "_settle", settle)
     return threads
 
 
@@ -307,3 +307,24 @@ def test_a_worker_killed_while_its_ring_is_kept_aside_is_replaced(
     assert old not in watcher.aside
     assert _calls_in_a_thread(pool, 3, 0.01) == [0, 1, 2]
     assert pool.submit_call(_sleep_then, (0, 6), worker=0).result(30) == 6
+
+
+def test_a_call_asks_the_kernel_for_no_process_id(
+    pool: mpexec.WorkerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call checks that its pool was not inherited through fork, against the id kept
+    after fork (``mpexec._pid``), not ``os.getpid()`` (a system call each time, twice a TF
+    op's call before): submit, the direct read, the manager's delivery, ``result()``."""
+    assert pool.run_call(_sleep_then, (0, 0)) == 0  # the function shipped
+    asked: list[int] = []
+    real = os.getpid
+    monkeypatch.setattr(os, "getpid", lambda: asked.append(1) or real())
+    got: list[int] = []
+    thread = _in_thread(
+        lambda: got.extend(pool.run_call(_sleep_then, (0.01, i), worker=0) for i in range(5))
+    )
+    thread.join(60)
+    assert got == list(range(5))  # read directly, off the main thread
+    assert [pool.run_call(_sleep_then, (0, i)) for i in range(3)] == [0, 1, 2]  # the manager's
+    assert pool.submit(_sleep_then, 0, 9).result(30) == 9
+    assert asked == []
