@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -226,3 +227,26 @@ def ctx(request: pytest.FixtureRequest) -> Any:
 @pytest.fixture(params=["memfd", "posix"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@contextlib.contextmanager
+def counted_opcodes(picked: Callable[[Any], bool]) -> Iterator[list[int]]:
+    """Count the bytecodes this thread runs in frames whose code object ``picked``
+    accepts (``sys.settrace``'s opcode events); the count is the yielded list's item."""
+    ran = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> Any:
+        ran[0] += event == "opcode"
+        return count
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if not picked(frame.f_code):
+            return None
+        frame.f_trace_opcodes = True
+        return count
+
+    sys.settrace(trace)
+    try:
+        yield ran
+    finally:
+        sys.settrace(None)

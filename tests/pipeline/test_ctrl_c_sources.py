@@ -16,7 +16,6 @@ after ``submit_hooked`` returned, where CPython checks no signal).
 from __future__ import annotations
 
 import pathlib
-import threading
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ import pytest
 
 from mpexec import _executors, _scheduler, fn
 from mpexec.pipeline import Pipeline
-from tests.pipeline.test_ctrl_c_steps import watched_epoch
+from tests.pipeline.test_ctrl_c_steps import interrupt_at, watched_epoch
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -90,22 +89,7 @@ def test_a_ctrl_c_between_worker_sources_loses_and_repeats_no_batch(
     with _pipe(tmp_path / "reference") as pipe:
         reference = watched_epoch(pipe)[0]
     assert len(reference) == B
-    real = getattr(owner, name)
-    main = threading.main_thread()
-    calls = [0]
-    armed = [False]
-
-    def interrupted(*args: Any, **kwargs: Any) -> Any:
-        here = armed[0] and threading.current_thread() is main
-        if here:
-            calls[0] += 1
-        if not (here and calls[0] == nth):
-            return real(*args, **kwargs)
-        if when == "after":
-            real(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(owner, name, interrupted)
+    armed, calls = interrupt_at(monkeypatch, owner, name, nth, when)
     with _pipe(tmp_path / "interrupted") as pipe:
         pipe.build()
         armed[0] = True

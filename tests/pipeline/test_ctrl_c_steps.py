@@ -106,6 +106,38 @@ def watched_epoch(pipe: Any) -> tuple[list[tuple[bytes, ...]], int]:
         watchdog.cancel()
 
 
+def interrupt_at(
+    monkeypatch: pytest.MonkeyPatch,
+    owner: Any,
+    name: str,
+    nth: int,
+    when: str,
+    only: Any = None,
+) -> tuple[list[bool], list[int]]:
+    """Make ``owner.name`` raise KeyboardInterrupt once, at its ``nth`` call on the main
+    thread once armed (``only(args)``: the calls counted), ``when`` "before" it runs or
+    "after" it returned. Returns (armed, calls): set ``armed[0]``; ``calls[0]`` counts."""
+    real = getattr(owner, name, None) or getattr(builtins, name)
+    main = threading.main_thread()
+    calls = [0]
+    armed = [False]
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        here = armed[0] and threading.current_thread() is main
+        if here and only is not None:
+            here = only(args)
+        if here:
+            calls[0] += 1
+        if not (here and calls[0] == nth):
+            return real(*args, **kwargs)
+        if when == "after":
+            real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, interrupted, raising=False)
+    return armed, calls
+
+
 _REFERENCE: dict[Any, list[tuple[bytes, ...]]] = {}
 
 
@@ -151,25 +183,10 @@ def test_a_ctrl_c_inside_a_step_loses_and_repeats_no_batch(
         name, _graph
     )
     reference = _reference(graph)
-    real = getattr(owner, name, None) or getattr(builtins, name)
-    calls = [0]
-    main = threading.main_thread()
-    armed = [False]  # once built: the steps of run() only
-
-    def interrupted(*args: Any, **kwargs: Any) -> Any:
-        here = armed[0] and threading.current_thread() is main
-        if here:
-            calls[0] += 1
-        if not (here and calls[0] == nth):
-            return real(*args, **kwargs)
-        if when == "after":
-            real(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(owner, name, interrupted, raising=False)
+    armed, calls = interrupt_at(monkeypatch, owner, name, nth, when)
     with graph() as pipe:
         pipe.build()
-        armed[0] = True
+        armed[0] = True  # once built: the steps of run() only
         got, count = watched_epoch(pipe)
     assert count == 1, f"{name} was called {calls[0]} times on this thread: no interrupt"
     assert len(got) == len(reference)

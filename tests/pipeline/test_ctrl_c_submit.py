@@ -13,7 +13,6 @@ file that each call appends to) and every batch against an uninterrupted run.
 from __future__ import annotations
 
 import pathlib
-import threading
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,7 @@ import mpexec
 from mpexec import fn
 from mpexec._pool import _state
 from shm import _ring
-from tests.pipeline.test_ctrl_c_steps import N, watched_epoch
+from tests.pipeline.test_ctrl_c_steps import N, interrupt_at, watched_epoch
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -79,25 +78,11 @@ def test_a_unit_taken_by_the_pool_before_a_ctrl_c_is_not_sent_again(
     reference_calls = _calls(tmp_path / "reference")
     assert reference_calls == list(range(N))  # one call a sample, in order
 
-    real = getattr(owner, name)
-    main = threading.main_thread()
-    calls = [0]
-    armed = [False]
-
-    def interrupted(*args: Any, **kwargs: Any) -> Any:
-        here = armed[0] and threading.current_thread() is main
-        if name == "enqueue":  # the stateful op's calls only (pinned to a worker)
-            here = here and args[1].worker is not None
-        if here:
-            calls[0] += 1
-        if not (here and calls[0] == nth):
-            return real(*args, **kwargs)
-        if name == "enqueue":
-            raise KeyboardInterrupt  # the record is in: before it is queued as sent
-        real(*args, **kwargs)
-        raise KeyboardInterrupt  # the record is in: before the push returns
-
-    monkeypatch.setattr(owner, name, interrupted)
+    # enqueue: the stateful op's calls only (pinned to a worker), interrupted with
+    # the record in, before it is queued as sent; push: inside it, after it returned.
+    only = (lambda args: args[1].worker is not None) if name == "enqueue" else None
+    when = "before" if name == "enqueue" else "after"
+    armed, calls = interrupt_at(monkeypatch, owner, name, nth, when, only)
     path = tmp_path / "interrupted"
     with _graph(str(path)) as pipe:
         pipe.build()

@@ -27,6 +27,7 @@ from mpexec import fn
 from mpexec._executors import WorkUnit
 from mpexec._runtime import ChunkResult
 from mpexec._scheduler import Scheduler
+from tests.conftest import counted_opcodes
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -263,26 +264,10 @@ def test_a_work_unit_is_made_with_a_store_a_field() -> None:
 
     chunk = Chunk(0, 1, 0, 64, 64)
     init = WorkUnit.__init__.__code__
-    bytecodes = 0
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal bytecodes
-        bytecodes += event == "opcode"
-        return local
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code is init:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-
-    sys.settrace(trace)
-    try:
+    with counted_opcodes(lambda code: code is init) as ran:
         unit = WorkUnit(_plus_one, chunk, (), None, ("f",))
-    finally:
-        sys.settrace(None)
     fields = len(dataclasses.fields(WorkUnit))
-    assert bytecodes <= 4 * fields + 4, (bytecodes, fields)
+    assert ran[0] <= 4 * fields + 4, (ran[0], fields)
     assert unit.chunk is chunk
     assert unit.out == ()
 
@@ -330,35 +315,18 @@ def test_a_units_statistics_are_booked_per_op_not_per_member_of_its_chain() -> N
         last_batch="partial",
         debug=False,
     )
-    ran = 0
-
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code is not Scheduler._on_chunk.__code__:
-            return None
-        frame.f_trace_opcodes = True
-
-        def count(frame: Any, event: str, arg: Any) -> Any:
-            nonlocal ran
-            ran += event == "opcode"
-            return count
-
-        return count
-
     batches = 16
     try:
         assert max(len(s.members) for s in scheduler.ops) == 4  # one chain, one unit
         for _ in range(8):
             scheduler.next_result()
-        sys.settrace(tracer)
-        try:
+        with counted_opcodes(lambda code: code is Scheduler._on_chunk.__code__) as ran:
             for _ in range(batches):
                 scheduler.next_result()
-        finally:
-            sys.settrace(None)
         stats = scheduler.op_stats()
     finally:
         scheduler.close()
-    assert ran / batches <= 440, ran / batches
+    assert ran[0] / batches <= 440, ran[0] / batches
     # Each op's statistics still whole: every sample of the batches made so far
     # (and those the window made ahead), one call a sample.
     ((calls, samples),) = {(s.calls, s.samples) for s in stats}
@@ -423,36 +391,25 @@ def test_a_batch_sent_as_one_unit_skips_the_per_chunk_bookkeeping(batch_mode: bo
         last_batch="partial",
         debug=False,
     )
-    ran = 0
     assembled = 0
 
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
+    def picked(code: Any) -> bool:
         nonlocal assembled
-        if not frame.f_code.co_filename.endswith(("_scheduler.py", "_iterations.py")):
-            return None
-        assembled += frame.f_code.co_name == "assemble"
-        frame.f_trace_opcodes = True
-
-        def count(frame: Any, event: str, arg: Any) -> Any:
-            nonlocal ran
-            ran += event == "opcode"
-            return count
-
-        return count
+        if not code.co_filename.endswith(("_scheduler.py", "_iterations.py")):
+            return False
+        assembled += code.co_name == "assemble"
+        return True
 
     batches = 16
     try:
         for _ in range(8):
             scheduler.next_result()
-        sys.settrace(tracer)
-        try:
+        with counted_opcodes(picked) as ran:
             got = [scheduler.next_result() for _ in range(batches)]
-        finally:
-            sys.settrace(None)
     finally:
         scheduler.close()
     assert assembled == 0, assembled
-    assert ran / batches <= (1200 if batch_mode else 1290), ran / batches
+    assert ran[0] / batches <= (1200 if batch_mode else 1290), ran[0] / batches
     for i, (out,) in enumerate(got):  # each batch's own rows, read-only
         want = (np.arange((8 + i) * BATCH, (9 + i) * BATCH) % 251 + 1).astype(np.float32)
         assert np.array_equal(np.asarray(out).reshape(-1), want)

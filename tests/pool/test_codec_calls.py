@@ -17,6 +17,7 @@ import pytest
 import shm
 from mpexec import WorkerPool, _codec
 from mpexec._errors import SerializationError
+from tests.conftest import counted_opcodes
 
 T = 60  # seconds: a bound on every wait, never reached
 
@@ -457,28 +458,10 @@ def test_a_units_plain_fields_are_checked_without_a_loop_over_them() -> None:
         args = (Chunk(1, 3, 0, 64, 192),)
         kwargs = {"out": (_codec.Writable(out),)}
         _codec.encode_call(args, kwargs, arena, peer).refs.undo()  # warm the caches
-        ops = 0
-
-        def trace(frame: Any, event: str, arg: Any) -> Any:
-            nonlocal ops
-            if frame.f_code is not _codec._encode_unit.__code__:
-                return None
-            frame.f_trace_opcodes = True
-
-            def count(frame: Any, event: str, arg: Any) -> Any:
-                nonlocal ops
-                ops += event == "opcode"
-                return count
-
-            return count
-
-        sys.settrace(trace)
-        try:
+        with counted_opcodes(lambda code: code is _codec._encode_unit.__code__) as ops:
             encoded = _codec.encode_call(args, kwargs, arena, peer)
-        finally:
-            sys.settrace(None)
         encoded.refs.undo()
-        assert ops <= 225, ops
+        assert ops[0] <= 225, ops[0]
         for fields, fixed in (((4, 5),), True), (((np.int64(5),),), False):
             enc = _codec.encode_call((Chunk(1, 3, 0, 64, 192, *fields),), {}, arena, peer)
             assert (enc.data[0] != 0x80) is fixed

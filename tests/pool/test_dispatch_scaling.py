@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import itertools
 import random
-import sys
 import time
 import types
 from typing import Any
@@ -24,6 +23,7 @@ import pytest
 import shm
 from mpexec._pool import _state
 from mpexec._pool._state import PoolState, Slot
+from tests.conftest import counted_opcodes
 
 IN_FLIGHT = _state._IN_FLIGHT
 
@@ -167,35 +167,23 @@ def test_at_two_workers_a_pick_and_its_two_changes_run_few_bytecodes(no_rings: N
     # process; a look at each worker runs ~100 with its two changes (issue 37).
     state = _pool(2)
     slots = state.slots
-    ran = [0]
+    ran = 0
     roster = {"least_busy", "loaded", "_rebuild"}  # the roster's part of a call
 
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename != _state.__file__ or frame.f_code.co_name not in roster:
-            return None
-        frame.f_trace_opcodes = True
-
-        def count(frame: Any, event: str, arg: Any) -> Any:
-            if event == "opcode":
-                ran[0] += 1
-            return count
-
-        return count
+    def picked(code: Any) -> bool:
+        return code.co_filename == _state.__file__ and code.co_name in roster
 
     calls = 64
     for i in range(calls + 8):
-        if i >= 8:  # counted once warm
-            sys.settrace(tracer)
-        try:
+        with counted_opcodes(picked if i >= 8 else lambda code: False) as step:  # once warm
             task = _Task(i + 1)
             slot = state.pick_slot(task)  # type: ignore[arg-type]
             assert slot is not None
             slot.enqueue(task, 1)  # type: ignore[arg-type]
             done = slots[i % 2]
             state.complete(done, done.queue[0].task_id, skipped=False, ok=True)
-        finally:
-            sys.settrace(None)
-    assert ran[0] / calls < 140, ran[0] / calls
+        ran += step[0]
+    assert ran / calls < 140, ran / calls
 
 
 def test_picking_a_worker_looks_at_a_few_of_128_not_all(no_rings: None) -> None:
