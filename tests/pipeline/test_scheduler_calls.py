@@ -292,6 +292,21 @@ def test_a_block_from_a_slab_with_room_is_cut_without_working_its_size_out() -> 
         del first
 
 
+def _inline_scheduler(pipe: Any, graph: Any) -> Scheduler:
+    """A scheduler of ``graph`` over an inline executor that reports 2 workers."""
+    pipe.define(graph)
+    assert pipe._graph is not None
+    return Scheduler(
+        pipe._graph.plan(),
+        _Inline(2),
+        batch_size=BATCH,
+        prefetch_depth=2,
+        seed=1,
+        last_batch="partial",
+        debug=False,
+    )
+
+
 def test_a_units_statistics_are_booked_per_op_not_per_member_of_its_chain() -> None:
     """A unit's outcome counts the calls and samples once for its whole chain (the op
     it ends: ``OpState.calls`` follows), and only the time and bytes per member:
@@ -304,17 +319,7 @@ def test_a_units_statistics_are_booked_per_op_not_per_member_of_its_chain() -> N
             x = fn.python_function(x, function=_plus_one)
         return x
 
-    pipe.define(graph)
-    assert pipe._graph is not None
-    scheduler = Scheduler(
-        pipe._graph.plan(),
-        _Inline(2),
-        batch_size=BATCH,
-        prefetch_depth=2,
-        seed=1,
-        last_batch="partial",
-        debug=False,
-    )
+    scheduler = _inline_scheduler(pipe, graph)
     batches = 16
     try:
         assert max(len(s.members) for s in scheduler.ops) == 4  # one chain, one unit
@@ -380,17 +385,7 @@ def test_a_batch_sent_as_one_unit_skips_the_per_chunk_bookkeeping(batch_mode: bo
         f = _batch_plus_one if batch_mode else _plus_one
         return fn.python_function(index, function=f, batch_processing=batch_mode)
 
-    pipe.define(graph)
-    assert pipe._graph is not None
-    scheduler = Scheduler(
-        pipe._graph.plan(),
-        _Inline(2),
-        batch_size=BATCH,
-        prefetch_depth=2,
-        seed=1,
-        last_batch="partial",
-        debug=False,
-    )
+    scheduler = _inline_scheduler(pipe, graph)
     assembled = 0
 
     def picked(code: Any) -> bool:
