@@ -49,6 +49,19 @@ class Doorbell:
         #: Python call less each way); None for a pipe. Stale once closed: the
         #: ring checks that it is open first.
         self.event_fd: int | None = self._rfd if self._eventfd else None
+        #: ``give(give_fd, unit * n)`` adds ``n`` credits in one C call, for a
+        #: ring's steps that an interrupt must not split (``_ring.py``,
+        #: "Interrupts"): no Python frame is entered before the write.
+        self.give: Any = os.eventfd_write if self._eventfd else os.write
+        self.give_fd = self._wfd
+        self.unit: Any = 1 if self._eventfd else b"\x01"
+        #: ``take_into(box)``: :meth:`take_into`, as one C call on an eventfd (a
+        #: non-blocking file's ``readinto``: None, not an exception, when empty).
+        self.take_into: Any = (
+            open(self._rfd, "rb", buffering=0, closefd=False).readinto  # noqa: SIM115
+            if self._eventfd
+            else self._take_into_pipe
+        )
         self._finalizer = weakref.finalize(self, close_fds, list(self._fds))
 
     def fileno(self) -> int:
@@ -72,6 +85,19 @@ class Doorbell:
         except BlockingIOError:
             return 0
 
+    def _take_into_pipe(self, box: memoryview) -> None:
+        """``take_into`` on a pipe (see the attribute).
+
+        Every waiting credit goes to ``box[0]`` (a one-item ``"Q"`` view); never
+        blocks. On an eventfd the kernel writes the count into ``box`` itself
+        (which must hold 0), so an exception raised as the read returns (a
+        Ctrl-C) loses no credit: the caller moves ``box[0]`` into its own count
+        and zeroes it with no call between, as its next take does first. A
+        pipe's count is a return value, which such an exception can still lose.
+        """
+        with contextlib.suppress(BlockingIOError):
+            box[0] += len(os.read(self._rfd, 1 << 16))
+
     def close(self) -> None:
         """Close this process's fds; idempotent.
 
@@ -79,7 +105,7 @@ class Doorbell:
         file, which a stray ``ring()`` must not write to (it gets EBADF).
         """
         self._finalizer()
-        self._rfd = self._wfd = -1
+        self._rfd = self._wfd = self.give_fd = -1
         self.event_fd = None
 
     @property

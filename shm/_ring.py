@@ -45,6 +45,27 @@ the ``take()`` that returned that credit, and every read the consumer made
 before ringing ``spaces`` happens-before the producer's overwrite of that slot.
 ``head`` and ``tail`` in the header are statistics, read racily.
 
+Interrupts
+----------
+A signal handler's exception (a Ctrl-C's KeyboardInterrupt) is raised in the
+main thread wherever the interpreter checks for it: on CPython, as a Python
+function starts, after a call returns, and at a loop's jump back (3.10 also
+at any taken conditional jump); never between two stores or subscripts.
+Credits lost between a doorbell and this end's own count would shrink the
+ring for good, and a record written but never rung would stall it, so:
+
+- a credit count read from a doorbell lands in a buffer of this end
+  (``Doorbell.take_into``), not in a return value, and moves into the
+  end's count by two statements with no call or branch between;
+- every step that publishes (``head``, ``tail``, the credits kept) is made
+  by statements with no call or branch between them and the doorbell's
+  write, itself one C call (``Doorbell.give``), the last: an interrupt
+  lands before all of them or after all of them.
+
+A record popped can still be lost to an interrupt between the pop and the
+caller's use of it: a consumer on a thread that takes signals must allow
+for that (none of mpexec's does so for records it must not lose).
+
 Cost: one syscall per push (``eventfd_write``) and, on the consumer side, one
 per wait; space credits go back in batches of half the ring (or whenever the
 consumer is about to sleep), which is enough: a producer can only be out of
@@ -53,7 +74,6 @@ credits when the consumer holds at least half a ring of them.
 
 from __future__ import annotations
 
-import os
 import select
 import struct
 import threading
@@ -74,7 +94,7 @@ _PEAK, _PRODUCER_WAITS, _CONSUMER_WAITS = _STATS, _STATS + 8, _STATS + 16
 _PROGRESS = _STATS + 24
 _FENCE = threading.Lock()
 _EOF = 0xFFFF_FFFF  # slot length that marks "the producer closed the ring"
-_U64 = struct.Struct("<Q")
+_U64 = struct.Struct("=Q")  # native: the fields are also read as "Q" views
 _U32 = struct.Struct("<I")
 _HEADER = struct.Struct("<QQQQ")
 
@@ -126,7 +146,7 @@ def wait(objects: Iterable[Watchable], timeout: float | None = None) -> list[Wat
     # A consumer takes every credit at once, so records it holds credits for
     # no longer show on the doorbell's fd: such a ring is ready already (the
     # ring's own count, read by this module's wait()).
-    held = {id(o) for o in objs if isinstance(o, Ring) and o._item_credits}  # noqa: SLF001
+    held = {id(o) for o in objs if isinstance(o, Ring) and o._holds_items()}  # noqa: SLF001
     if held:
         timeout = 0
     poller = select.poll()
@@ -186,6 +206,20 @@ class Ring:
         # the hot paths (push, try_pop); only while the ring is open.
         self._items_fd = items.event_fd
         self._items_rfd = items.fileno()  # for fileno(), asked on a pool's every direct read
+        # See "Interrupts" above: the header's counters written by subscript (no
+        # call), credits read into boxes, and given by one C call each.
+        view = memoryview(self._buf)
+        self._head_at = view[_HEAD : _HEAD + 8].cast("Q")
+        self._tail_at = view[_TAIL : _TAIL + 8].cast("Q")
+        self._items_box = memoryview(bytearray(8)).cast("Q")
+        self._spaces_box = memoryview(bytearray(8)).cast("Q")
+        self._give_items, self._items_wfd, self._items_unit = items.give, items.give_fd, items.unit
+        self._give_spaces, self._spaces_wfd, self._spaces_unit = (
+            spaces.give,
+            spaces.give_fd,
+            spaces.unit,
+        )
+        self._take_items_into, self._take_spaces_into = items.take_into, spaces.take_into
         # Local to the process using each end; see the module docstring.
         self._head = _U64.unpack_from(self._buf, _HEAD)[0]
         self._tail = _U64.unpack_from(self._buf, _TAIL)[0]
@@ -233,9 +267,8 @@ class Ring:
         self._check_size(data)
         if not self._acquire_space(1, 0.0, ()):
             return False
-        self._write(data)
-        self._items.ring(1)
-        self._signal()
+        self._put(0, data)
+        self._commit(1, 1)
         return True
 
     def push(
@@ -248,7 +281,7 @@ class Ring:
         # One Python call when the ring is open, the record fits and a space
         # credit is held (nearly always): a pool pushes a call this way each
         # time, run cold after a wait. The checks and steps are those of
-        # _check_size, _acquire_space, _write, Doorbell.ring and _signal.
+        # _check_size, _acquire_space, _put, _commit and _signal.
         buf = self._buf
         n = len(data)
         if self._eof_sent or buf[_CONSUMER_CLOSED] or n > self.record_size:
@@ -256,21 +289,18 @@ class Ring:
         if self._space_credits < 1 and not self._acquire_space(1, timeout, watch):
             raise RingTimeoutError(f"no free slot in the ring within {timeout} s")
         off = _SLOTS + (self._head % self._nslots) * self._stride
-        _U32.pack_into(buf, off, n)
-        buf[off + 4 : off + 4 + n] = data
+        _U32.pack_into(buf, off, n)  # (an interrupt from here on to the next
+        buf[off + 4 : off + 4 + n] = data  # comment published nothing yet)
+        # No call nor branch from here to the doorbell: see "Interrupts" above.
         self._head = head = self._head + 1
         self._space_credits -= 1
-        _U64.pack_into(buf, _HEAD, head)
-        occupancy = head - _U64.unpack_from(buf, _TAIL)[0]
-        if occupancy > _U64.unpack_from(buf, _PEAK)[0]:
-            _U64.pack_into(buf, _PEAK, occupancy)
-        fd = self._items_fd
-        if fd is None:
-            self._items.ring(1)
-        else:
-            os.eventfd_write(fd, 1)
+        self._head_at[0] = head
+        self._give_items(self._items_wfd, self._items_unit)
         if self._hint_buf is not None:
             self._hint_buf[self._hint_at] = 1
+        occupancy = head - self._tail_at[0]  # (statistics: an interrupt may skip them)
+        if occupancy > _U64.unpack_from(buf, _PEAK)[0]:
+            _U64.pack_into(buf, _PEAK, occupancy)
 
     @property
     def pushed(self) -> int:
@@ -296,11 +326,14 @@ class Ring:
                     f"no free slot in the ring within {timeout} s ({i} of {n} pushed)"
                 )
             k = min(n - i, self._space_credits)
-            for rec in records[i : i + k]:
-                self._write(rec)
-            self._items.ring(k)
-            self._signal()
+            for j, rec in enumerate(records[i : i + k]):
+                self._put(j, rec)
+            self._commit(k, k)
             i += k
+
+    def _holds_items(self) -> bool:
+        """Whether this end holds item credits (a box an interrupt left counts)."""
+        return bool(self._item_credits or self._items_box[0])
 
     def _check_size(self, data: bytes | bytearray | memoryview) -> None:
         if self._eof_sent:
@@ -312,22 +345,50 @@ class Ring:
         if len(data) > self.record_size:
             raise ValueError(f"record of {len(data)} bytes exceeds record_size {self.record_size}")
 
-    def _write(self, data: bytes | bytearray | memoryview, length: int | None = None) -> None:
+    def _put(self, j: int, data: bytes | bytearray | memoryview, length: int | None = None) -> None:
+        """Write a record into the ``j``-th credited slot past ``head``; unpublished."""
         n = len(data)
-        off = _SLOTS + (self._head % self._nslots) * self._stride
+        off = _SLOTS + ((self._head + j) % self._nslots) * self._stride
         _U32.pack_into(self._buf, off, n if length is None else length)
         self._buf[off + 4 : off + 4 + n] = data
-        self._head += 1
-        self._space_credits -= 1
-        _U64.pack_into(self._buf, _HEAD, self._head)
-        occupancy = self._head - _U64.unpack_from(self._buf, _TAIL)[0]
+
+    def _commit(self, k: int, spent: int) -> None:
+        """Publish the ``k`` records :meth:`_put` wrote, which took ``spent``
+        credits (a call: interrupted as it starts, nothing is published; its body
+        is one step, see "Interrupts")."""
+        self._head = head = self._head + k
+        self._space_credits -= spent
+        self._head_at[0] = head
+        self._give_items(self._items_wfd, self._items_unit * k)
+        self._signal()
+        occupancy = head - self._tail_at[0]
         if occupancy > _U64.unpack_from(self._buf, _PEAK)[0]:
             _U64.pack_into(self._buf, _PEAK, occupancy)
+
+    def _take_spaces(self) -> None:
+        """Move the spaces doorbell's credits into ours (see "Interrupts")."""
+        box = self._spaces_box
+        if not box[0]:  # (else: what an interrupted take left; the rest waits)
+            self._take_spaces_into(box)
+        got = box[0]  # (no call nor branch from here to the last store)
+        box[0] = 0
+        self._space_credits += got
+
+    def _take_items(self) -> int:
+        """Move the items doorbell's credits into ours (see "Interrupts"); how many."""
+        box = self._items_box
+        if not box[0]:  # (else: what an interrupted take left; the rest waits)
+            self._take_items_into(box)
+        got = box[0]  # (no call nor branch from here to the last store)
+        box[0] = 0
+        self._item_credits += got
+        self._taken += got
+        return got
 
     def _acquire_space(self, need: int, timeout: float | None, watch: Sequence[Watchable]) -> bool:
         if self._space_credits >= need:
             return True
-        self._space_credits += self._spaces.take()
+        self._take_spaces()
         self._check_open(self._buf[_CONSUMER_CLOSED], "consumer")
         if self._space_credits >= need:
             return True
@@ -338,7 +399,7 @@ class Ring:
         while self._space_credits < need:
             if not self._block(self._spaces, deadline, watch):
                 return False
-            self._space_credits += self._spaces.take()
+            self._take_spaces()
             self._check_open(self._buf[_CONSUMER_CLOSED], "consumer")
         return True
 
@@ -349,7 +410,7 @@ class Ring:
         For spinning consumers: it reads the producer's ``head`` (racy, see
         above), so it can say "no" a moment after a push; a pop is what counts.
         """
-        return bool(self._item_credits) or _U64.unpack_from(self._buf, _HEAD)[0] != self._taken
+        return bool(self._item_credits) or self._head_at[0] != self._taken
 
     def try_pop(self, *, give_back: bool = True) -> bytes | None:
         """Pop one record if one is waiting now; None otherwise.
@@ -364,28 +425,26 @@ class Ring:
         # One Python call when a record waits (the manager pops each result
         # this way): the steps of _acquire_items(0) and _read, inlined.
         if not self._item_credits:
-            quiet = _U64.unpack_from(self._buf, _HEAD)[0] == self._taken
+            quiet = self._head_at[0] == self._taken
             if quiet and not give_back:
                 # Nothing new, whatever became of the ring (closed, ended): as
                 # may_have_records() says, for a consumer that looks at many.
                 return None
             if self._closed or self._eof_seen:
                 self._acquire_items(0.0, ())  # raises what is wrong
-            if quiet:
-                got = 0  # nothing new (see _acquire_items): no system call
-            elif self._items_fd is None:
-                got = self._items.take()
-            else:
-                try:
-                    got = os.eventfd_read(self._items_fd)
-                except BlockingIOError:
-                    got = 0
+            got = 0
+            if not quiet:  # (else nothing new, see _acquire_items: no system call)
+                box = self._items_box  # _take_items, inline
+                if not box[0]:
+                    self._take_items_into(box)
+                got = box[0]  # (no call nor branch from here to the last store)
+                box[0] = 0
+                self._item_credits += got
+                self._taken += got
             if not got:
                 if give_back and self._tail != self._returned:
                     self._return_spaces()  # as _acquire_items does before it would sleep
                 return None
-            self._item_credits += got
-            self._taken += got
         buf = self._buf
         off = _SLOTS + (self._tail % self._nslots) * self._stride
         n = _U32.unpack_from(buf, off)[0]
@@ -394,9 +453,9 @@ class Ring:
             self._eof_seen = True
             raise RingClosedError("the ring's producer closed it")
         rec = bytes(buf[off + 4 : off + 4 + n])
-        self._tail = tail = self._tail + 1
+        self._tail = tail = self._tail + 1  # (no call nor branch to the store: "Interrupts")
         self._item_credits -= 1
-        _U64.pack_into(buf, _TAIL, tail)
+        self._tail_at[0] = tail
         if self._taken - self._returned >= self._flush_at:
             self._return_spaces()
         return rec
@@ -411,19 +470,11 @@ class Ring:
         marker raises :class:`RingClosedError` as ``try_pop`` does, once the
         records before it are returned.
         """
-        credits = self._item_credits
-        if _U64.unpack_from(self._buf, _HEAD)[0] != self._taken:
+        if self._head_at[0] != self._taken:
             if self._closed or self._eof_seen:
                 self._acquire_items(0.0, ())  # raises what is wrong
-            if self._items_fd is None:
-                got = self._items.take()
-            else:
-                try:
-                    got = os.eventfd_read(self._items_fd)
-                except BlockingIOError:
-                    got = 0
-            self._taken += got
-            credits += got
+            self._take_items()
+        credits = self._item_credits
         if not credits:
             return []
         buf, nslots, stride = self._buf, self._nslots, self._stride
@@ -437,13 +488,13 @@ class Ring:
             off += 4
             out.append(bytes(buf[off : off + n]))
             tail += 1
-        self._item_credits = credits - (tail - start)
         if not out:  # the end marker first: as try_pop
             self._consumed(1)
             self._eof_seen = True
             raise RingClosedError("the ring's producer closed it")
-        self._tail = tail
-        _U64.pack_into(buf, _TAIL, tail)
+        self._item_credits = credits - (tail - start)  # (no call nor branch to the
+        self._tail = tail  # store: see "Interrupts")
+        self._tail_at[0] = tail
         if self._taken - self._returned >= self._flush_at:
             self._return_spaces()
         return out
@@ -463,9 +514,7 @@ class Ring:
         """Pop every waiting record (at most ``max_records``), waiting for the first."""
         if not self._acquire_items(timeout, watch):
             raise RingTimeoutError(f"no record arrived within {timeout} s")
-        got = self._items.take()
-        self._item_credits += got
-        self._taken += got
+        self._take_items()
         k = self._item_credits if max_records is None else min(max_records, self._item_credits)
         out: list[bytes] = []
         for _ in range(k):
@@ -494,17 +543,17 @@ class Ring:
         return rec
 
     def _consumed(self, k: int) -> None:
-        self._tail += k
+        self._tail = tail = self._tail + k  # (no call nor branch to the store: "Interrupts")
         self._item_credits -= k
-        _U64.pack_into(self._buf, _TAIL, self._tail)
+        self._tail_at[0] = tail
         if self._taken - self._returned >= self._flush_at:
             self._return_spaces()
 
     def _return_spaces(self) -> None:
         freed = self._tail - self._returned
-        if freed:
+        if freed:  # (no call nor branch from here to the doorbell's: "Interrupts")
             self._returned = self._tail
-            self._spaces.ring(freed)
+            self._give_spaces(self._spaces_wfd, self._spaces_unit * freed)
 
     def _acquire_items(self, timeout: float | None, watch: Sequence[Watchable]) -> bool:
         if self._item_credits:
@@ -517,8 +566,8 @@ class Ring:
         # so a blocking pop goes straight to sleep (poll() returns at once if a
         # credit did arrive) and a non-blocking one saves the empty read (an
         # exception, as costly as a small record's whole pop).
-        quiet = _U64.unpack_from(self._buf, _HEAD)[0] == self._taken
-        got = 0 if quiet else self._items.take()
+        quiet = self._head_at[0] == self._taken
+        got = 0 if quiet else self._take_items()
         if not got:
             # About to sleep: give back every freed slot first, so that a
             # producer waiting for space can never wait on us.
@@ -530,9 +579,7 @@ class Ring:
             while not got:
                 if not self._block(self._items, deadline, watch):
                     return False
-                got = self._items.take()
-        self._item_credits += got
-        self._taken += got
+                got = self._take_items()
         return True
 
     # ------------------------------------------------------------------ common
@@ -599,10 +646,8 @@ class Ring:
             return
         self._check_usable()
         self._buf[_PRODUCER_CLOSED] = 1
-        self._space_credits += 1  # the spare slot: spent by the marker just below
-        self._write(b"", length=_EOF)
-        self._items.ring(1)
-        self._signal()
+        self._put(0, b"", length=_EOF)
+        self._commit(1, spent=0)  # the spare slot: no credit covers it
         self._eof_sent = True
 
     def close_consumer(self) -> None:
