@@ -96,9 +96,18 @@ import shm
 
 from . import _codec
 from ._errors import GpuError, forked_error
+from ._grouping import FanOut
 from ._modes import CallKind, Reseed, SourceMode
 from ._pool import WorkerPool
-from ._runtime import ChainRunner, Chunk, ChunkResult, OpRunner, check_consistent
+from ._runtime import (
+    ChainRunner,
+    Chunk,
+    ChunkResult,
+    Chunks,
+    ManyRunner,
+    OpRunner,
+    check_consistent,
+)
 from ._source_runners import SourceBatchRunner, WorkerBatchSource
 
 if TYPE_CHECKING:
@@ -288,6 +297,35 @@ class LocalPoolExecutor(PoolExecutor):
             return
         args = (unit.chunk, *unit.inputs)
         self.pool.submit_hooked(unit.runner, args, _out(unit, self._described), unit.worker, hook)
+
+    def submit_many(
+        self,
+        many: ManyRunner,
+        units: list[WorkUnit],
+        hooks: list[Callable[[Any], object]],
+        worker: int | None = None,
+    ) -> None:
+        """Several iterations' whole-batch units of one op as one call (issue 37)."""
+        described = self._described
+        width = max(len(u.out) for u in units)
+        outs: list[Any] = []
+        for u in units:
+            got = _out(u, described).get("out", ())
+            outs.extend(got or (None,) * width)
+        c0 = units[0].chunk
+        record = Chunks(
+            c0.epoch,
+            tuple([u.chunk.iteration for u in units]),
+            tuple([u.chunk.count for u in units]),
+            tuple([u.chunk.epoch_start for u in units]),
+            width,
+        )
+        kwargs = {"out": tuple(outs)} if width else {}
+        # Units with no inputs (a source's chain): one record, in the codec's fixed layout.
+        args = (
+            (record,) if not any(u.inputs for u in units) else (record, [u.inputs for u in units])
+        )
+        self.pool.submit_hooked(many, args, kwargs, worker, FanOut(hooks))
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         """A block on pages of its own: a small one from a slab of them (see :data:`SLAB_BYTES`)."""

@@ -75,6 +75,7 @@ class OpState:
         self.batch = getattr(executor, "batch", None)
         self.submit_hooked = getattr(executor, "submit_hooked", None)
         self.empty = getattr(executor, "empty", None)
+        self.groupable = False  # its units may carry several iterations (_grouping)
         # Set by the scheduler once ops are chained: (producer, output index) per
         # input, and the names of the ops a unit runs (head first).
         self.producers: list[tuple[OpState, int]] = []

@@ -72,12 +72,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _branches
+from . import _branches, _grouping
 from ._batch import Batch
 from ._chains import batch_in_workers, fuse_chains
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Plan, Scope
+from ._grouping import fill_plan, groupable, grouped_window, send_grouped
 from ._iterations import (
     Iteration,
     OpState,
@@ -91,7 +92,7 @@ from ._iterations import (
 )
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
-from ._runtime import Chunk, ChunkResult, derive_seed, nbytes
+from ._runtime import Chunk, ChunkResult, ManyRunner, derive_seed, nbytes
 from ._source_runners import batch_rows, own_columns
 from ._tracebacks import reraise
 
@@ -187,8 +188,11 @@ class Scheduler:
         # see: there the window stays prefetch_depth (but for a batch op's).
         self._other_executor = any(s.executor is not executor for s in self.ops)
         self._iteration_bytes = 0
-        # The window and its cap, kept until what sizes them changes (0: work it out).
-        self._window_size = self._cap = 0
+        # The window, its cap and iterations a unit (_grouping), kept until what sizes
+        # them changes (0: work it out).
+        self._window_size = self._cap = self._group = 0
+        self._defer: list[tuple[OpState, WorkUnit, Any]] | None = None
+        self._many: dict[int, ManyRunner] = {}
         # What every iteration walks, worked out once: the plan does not change.
         self._sources = [s for s in self.ops if s.source and not s.absorbed]
         self._here = [s for s in self._sources if s.runner is None]
@@ -198,6 +202,8 @@ class Scheduler:
         for s in self.ops:  # (producer, output index) of each input; the ops a unit runs
             s.producers = [(self.ops[self._pos[id(n.op)]], n.index) for n in s.inputs]
             s.names = tuple(m.op.name for m in s.members)
+            s.groupable = groupable(s, executor)
+        self._most, self._arena = _grouping.bounds(self.ops, executor)
 
     @property
     def epoch(self) -> int:
@@ -222,6 +228,8 @@ class Scheduler:
             size = depth
         else:
             size = max(depth, min(-(-depth * workers // units), self._window_cap()))
+        room = (self._window_cap(), self._arena // (2 * self._iteration_bytes or 1))
+        size, self._group = grouped_window(size, *room, self._most * (units == 1))
         # Kept until a batch is cut into another count of units, or an iteration
         # grows (_dispatch, _finish): 15-20 Python calls a batch otherwise.
         self._window_size = size
@@ -417,16 +425,30 @@ class Scheduler:
 
     # ------------------------------------------------------------ scheduling
     def _fill(self, spare: int = 0) -> None:
-        end = self._end
+        end, size, limit, group = self._end, self._window_size or self.window, 0, self._group
+        if group > 1:  # a group launched at once, each op's units held and sent as one
+            if self._window and (size + spare - len(self._window) < group or self._ending):
+                return  # (no group fits, nor mostly a smaller one; or the end is out)
+            at = (len(self._window), spare, self._next_index, end, self._workers)
+            limit, group, spread = fill_plan(size, group, *at)
+            self._defer = [] if group > 1 else None
         self._interrupted = True  # until it returns: an exception leaves it (_resume)
-        # (The window's kept size read first: the property's call is ~3 a batch.)
-        while (
-            len(self._window) < (self._window_size or self.window) + spare
-            and not self._ending
-            and not self._closed
-        ):
-            if (end is not None and self._next_index > end) or not self._launch():
-                break
+        try:
+            # (The window's kept size read first: the property's call is ~3 a batch.)
+            while (
+                len(self._window) < (limit or (self._window_size or self.window) + spare)
+                and not self._ending
+                and not self._closed
+            ):
+                if (end is not None and self._next_index > end) or not self._launch():
+                    break
+            if self._defer:
+                send_grouped(self._defer, group, self._many, self._fail, annotate, spread)
+        except BaseException as exc:  # (a Ctrl-C): units not sent go out again (_resume)
+            _grouping.unsend(getattr(exc, "mpexec_unsent", self._defer) or [])
+            raise
+        finally:
+            self._defer = None
         self._interrupted = False
 
     def _launch(self) -> bool:
@@ -703,6 +725,10 @@ class Scheduler:
             rows = tuple([col[:size] for col in inputs]) if inputs else ()
             unit = WorkUnit(s.runner, chunk, rows, s.worker, s.names, tuple(blocks))
             hook = functools.partial(self._on_chunk, it, s, blocks, -1, time.perf_counter())
+            deferred = self._defer
+            if deferred is not None and hooked is not None and s.groupable:
+                deferred.append((s, unit, hook))  # (_fill sends it, with its group)
+                return
             try:
                 if hooked is not None:
                     hooked(unit, hook)

@@ -138,6 +138,7 @@ LAYERS: dict[str, int] = {
     "mpexec._types": 3,  # DALI's type names and NumPy dtypes, for _arith and the ops
     "mpexec._dali_runner": 3,  # dali.python_function's chunks, run in workers
     # 4: the executors that run units (a pool's, the GPU's)
+    "mpexec._grouping": 3,  # several iterations a unit (issue 37), for the scheduler
     "mpexec._executors": 4,
     # 5: the scheduler and the graph it walks
     "mpexec._scheduler": 5,
