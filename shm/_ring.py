@@ -366,7 +366,11 @@ class Ring:
             _U64.pack_into(self._buf, _PEAK, occupancy)
 
     def _take_spaces(self) -> None:
-        """Move the spaces doorbell's credits into ours (see "Interrupts")."""
+        """Move the spaces doorbell's credits into ours (see "Interrupts").
+
+        Not one helper with :meth:`_take_items`: a count returned from a call
+        could be lost to an interrupt before the caller adds it.
+        """
         box = self._spaces_box
         if not box[0]:  # (else: what an interrupted take left; the rest waits)
             self._take_spaces_into(box)

@@ -27,29 +27,12 @@ from mpexec import fn
 from mpexec._executors import WorkUnit
 from mpexec._runtime import ChunkResult
 from mpexec._scheduler import Scheduler
+from tests.pipeline.lean_ops import Samples
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 T = 30  # bound of every wait in this file
 BATCH = 4
-
-
-class _Source:
-    """``n`` samples: (3 floats drawn from ``np.random``, the sample's index)."""
-
-    def __init__(self, n: int, fail_at: int = -1, ragged_at: int = -1) -> None:
-        self.n, self.fail_at, self.ragged_at = n, fail_at, ragged_at
-
-    def __call__(self, info: mpexec.SampleInfo) -> tuple[np.ndarray[Any, Any], ...]:
-        i = info.idx_in_epoch
-        if i >= self.n:
-            raise StopIteration
-        if i == self.fail_at:
-            raise ValueError(f"no sample {i}")
-        x = np.random.rand(3) + i
-        if i == self.ragged_at:
-            x = x.reshape(1, 3)  # another rank than its batch's other samples
-        return x, np.array([i], np.int64)
 
 
 def _jitter(x: np.ndarray[Any, Any], i: Any, rng: np.random.Generator) -> tuple[Any, Any]:
@@ -66,7 +49,7 @@ def _mix(xs: list[Any], ids: list[Any]) -> tuple[Any, Any]:
 
 
 def _graph(n: int, *, jitter: bool, unfused: bool, **source: Any) -> Any:
-    x, i = fn.external_source(source=_Source(n, **source), batch=False, num_outputs=2, name="src")
+    x, i = fn.external_source(source=Samples(n, **source), batch=False, num_outputs=2, name="src")
     if jitter:
         x, i = fn.python_function(x, i, function=_jitter, num_outputs=2, name="jitter")
     a, b = fn.python_function(x, i, function=_mix, batch_processing=True, num_outputs=2, name="mix")
@@ -190,7 +173,7 @@ def test_an_epoch_that_ends_on_a_batch_boundary_gives_no_empty_batch() -> None:
 
     @mpexec.pipeline_def(batch_size=BATCH, num_workers=0, seed=1, prefetch_depth=3)
     def pipe() -> Any:
-        x, _ = fn.external_source(source=_Source(8), batch=False, num_outputs=2)
+        x, _ = fn.external_source(source=Samples(8), batch=False, num_outputs=2)
         return fn.python_function(x, function=count, batch_processing=True)
 
     with pipe() as p:
@@ -207,7 +190,7 @@ def test_a_short_last_batch_that_is_dropped_never_reaches_the_batch_op() -> None
 
     @mpexec.pipeline_def(batch_size=BATCH, num_workers=2, seed=1, last_batch="drop")
     def pipe() -> Any:
-        x, _ = fn.external_source(source=_Source(10), batch=False, num_outputs=2)
+        x, _ = fn.external_source(source=Samples(10), batch=False, num_outputs=2)
         return fn.python_function(x, function=full_only, batch_processing=True, name="full")
 
     with pipe() as p:
@@ -276,7 +259,7 @@ def test_a_batch_op_error_names_the_batch_op(num_workers: int) -> None:
 
     @mpexec.pipeline_def(batch_size=BATCH, num_workers=num_workers, seed=1)
     def pipe() -> Any:
-        x, _ = fn.external_source(source=_Source(20), batch=False, num_outputs=2, name="src")
+        x, _ = fn.external_source(source=Samples(20), batch=False, num_outputs=2, name="src")
         return fn.python_function(x, function=fails, batch_processing=True, name="fails")
 
     with pipe() as p:
@@ -340,7 +323,7 @@ def test_more_batch_calls_than_prefetch_depth_run_at_once(tmp_path: Path, source
             if source == "an iterable, here":
                 x = fn.external_source(source=batches, batch=True)
             else:
-                x, _ = fn.external_source(source=_Source(8 * BATCH), batch=False, num_outputs=2)
+                x, _ = fn.external_source(source=Samples(8 * BATCH), batch=False, num_outputs=2)
             return fn.python_function(x, function=meet, batch_processing=True)
 
         with pipe() as p:
@@ -372,7 +355,7 @@ def test_a_stateful_batch_op_keeps_its_order_among_many_batches_in_flight() -> N
 
     @mpexec.pipeline_def(batch_size=BATCH, num_workers=4, seed=1, prefetch_depth=1)
     def pipe() -> Any:
-        x, i = fn.external_source(source=_Source(12 * BATCH), batch=False, num_outputs=2)
+        x, i = fn.external_source(source=Samples(12 * BATCH), batch=False, num_outputs=2)
         doubled = fn.python_function(x, function=slow_first, batch_processing=True)
         counts, pids = fn.python_function(
             doubled, function=Running(), batch_processing=True, stateful=True, num_outputs=2
@@ -396,11 +379,11 @@ def test_the_window_is_prefetch_depth_without_a_stateless_batch_op() -> None:
         return x * 2
 
     def per_sample() -> Any:
-        x, _ = fn.external_source(source=_Source(8), batch=False, num_outputs=2)
+        x, _ = fn.external_source(source=Samples(8), batch=False, num_outputs=2)
         return fn.python_function(x, function=double)
 
     def stateful_batch() -> Any:
-        x, _ = fn.external_source(source=_Source(8), batch=False, num_outputs=2)
+        x, _ = fn.external_source(source=Samples(8), batch=False, num_outputs=2)
         return fn.python_function(x, function=list, batch_processing=True, stateful=True)
 
     for graph in (per_sample, stateful_batch):

@@ -12,6 +12,7 @@ repeats no batch. (``MPEXEC_UNIT_ITERATIONS`` overrides k's bound, for A/B.)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,27 +22,12 @@ import mpexec
 from mpexec import _executors, _grouping, _scheduler, fn
 from mpexec._executors import LocalPoolExecutor
 from mpexec._grouping import fill_plan, grouped_window
-from tests.pipeline.lean_ops import Indices, modules_loaded
+from tests.pipeline.lean_ops import Indices, Samples, modules_loaded
 from tests.pipeline.test_ctrl_c_steps import interrupt_at, watched_epoch
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 BATCH = 4
-
-
-class _Source:
-    """``n`` samples: (3 floats drawn from ``np.random``, the sample's index)."""
-
-    def __init__(self, n: int, fail_at: int = -1) -> None:
-        self.n, self.fail_at = n, fail_at
-
-    def __call__(self, info: mpexec.SampleInfo) -> tuple[np.ndarray[Any, Any], ...]:
-        i = info.idx_in_epoch
-        if i >= self.n:
-            raise StopIteration
-        if i == self.fail_at:
-            raise ValueError(f"no sample {i}")
-        return np.random.rand(3) + i, np.array([i], np.int64)
 
 
 def _jitter(x: np.ndarray[Any, Any], i: Any, rng: np.random.Generator) -> tuple[Any, Any]:
@@ -56,7 +42,7 @@ def _mix(xs: list[Any], ids: list[Any]) -> tuple[Any, Any]:
 
 
 def _graph(n: int, *, jitter: bool, **source: Any) -> Any:
-    x, i = fn.external_source(source=_Source(n, **source), batch=False, num_outputs=2)
+    x, i = fn.external_source(source=Samples(n, **source), batch=False, num_outputs=2)
     if jitter:
         x, i = fn.python_function(x, i, function=_jitter, num_outputs=2)
     return fn.python_function(x, i, function=_mix, batch_processing=True, num_outputs=2)
@@ -75,21 +61,30 @@ def _outcomes(n: int, *, workers: int, jitter: bool = False, **source: Any) -> l
     pipe = _pipe(n, workers, jitter, **source)
     got: list[Any] = []
     with pipe:
-        for e in range(2):
-            if e:
-                pipe.reset()
-            for _ in range(n):  # bounded: an epoch's end that never comes fails the test
-                try:
-                    outs = pipe.run()
-                except StopIteration:
-                    break
-                except ValueError as exc:
-                    got.append((type(exc).__name__, str(exc).splitlines()[0]))
-                    continue
-                got.append([np.asarray(s).tobytes() for b in outs for s in b])
+        for _, outs in _two_epochs(pipe, n):
+            if isinstance(outs, ValueError):
+                got.append((type(outs).__name__, str(outs).splitlines()[0]))
             else:
-                raise AssertionError("the epoch did not end")
+                got.append([np.asarray(s).tobytes() for b in outs for s in b])
     return got
+
+
+def _two_epochs(pipe: mpexec.Pipeline, n: int) -> Iterator[tuple[int, Any]]:
+    """(epoch, outputs) of each run() of two epochs; a ValueError raised in place of outputs."""
+    for e in range(2):
+        if e:
+            pipe.reset()
+        for _ in range(n):  # bounded: an epoch's end that never comes fails the test
+            try:
+                outs = pipe.run()
+            except StopIteration:
+                break
+            except ValueError as exc:
+                yield e, exc
+                continue
+            yield e, outs
+        else:
+            raise AssertionError("the epoch did not end")
 
 
 @pytest.fixture
@@ -261,17 +256,8 @@ def test_a_workers_first_unit_of_several_imports_no_module(grouped: list[list[in
     )
     counts: list[list[int]] = [[], []]
     with pipe:
-        for e in range(2):
-            if e:
-                pipe.reset()
-            for _ in range(n):  # bounded: an epoch's end that never comes fails the test
-                try:
-                    (out,) = pipe.run()
-                except StopIteration:
-                    break
-                counts[e] += [int(np.asarray(s)[0]) for s in out]
-            else:
-                raise AssertionError("the epoch did not end")
+        for e, (out,) in _two_epochs(pipe, n):
+            counts[e] += [int(np.asarray(s)[0]) for s in out]
     assert grouped  # the second epoch's units carried several
     assert len(counts[1]) == n
     assert max(counts[1]) <= max(counts[0])
