@@ -135,7 +135,11 @@ def send_grouped(
     try:
         for part in parts:
             s = part[0][0]
-            if len(part) > 1:
+            # A ManyRunner rebuilds each chunk from Chunks' numbers: a unit that is not a
+            # whole batch (a branch's rows of an `if`) goes alone, or its rows would be lost.
+            if len(part) > 1 and all(
+                u.chunk.rows is None and not u.chunk.start for _, u, _ in part
+            ):
                 many = runners.get(s.pos)
                 if many is None:
                     many = runners[s.pos] = ManyRunner(s.runner)

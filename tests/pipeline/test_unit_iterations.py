@@ -12,6 +12,7 @@ repeats no batch. (``MPEXEC_UNIT_ITERATIONS`` overrides k's bound, for A/B.)
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,8 +21,9 @@ import pytest
 
 import mpexec
 from mpexec import _executors, _grouping, _scheduler, fn
-from mpexec._executors import LocalPoolExecutor
+from mpexec._executors import LocalPoolExecutor, WorkUnit
 from mpexec._grouping import fill_plan, grouped_window
+from mpexec._runtime import Chunk
 from tests.pipeline.lean_ops import Indices, Samples, modules_loaded
 from tests.pipeline.test_ctrl_c_steps import interrupt_at, watched_epoch
 
@@ -202,6 +204,34 @@ def test_a_refused_group_is_sent_again_as_single_units(monkeypatch: pytest.Monke
     assert refused, "no group was sent: the test tested nothing"
     assert got[9] == ("ValueError", "no room for iteration 9")
     assert got[:9] + got[10:] == reference[:9] + reference[10:]
+
+
+def test_a_unit_of_a_branchs_rows_is_never_sent_in_a_group() -> None:
+    # A group travels as numbers (Chunks) that hold no branch rows: a unit of an
+    # `if` branch's samples sent in one would run on the batch's first rows instead.
+    calls: list[tuple[str, int]] = []
+    executor = types.SimpleNamespace(
+        submit_many=lambda many, units, hooks, worker: calls.append(("many", len(units)))
+    )
+
+    def single(unit: Any, hook: Any) -> None:
+        calls.append(("one", unit.chunk.iteration))
+
+    s = types.SimpleNamespace(pos=0, runner=object(), executor=executor, submit_hooked=single)
+
+    def held(rows: Any) -> list[Any]:
+        units = [WorkUnit(s.runner, Chunk(0, i, 0, 2, 2 * i, rows), ()) for i in range(4)]
+        return [(s, u, None) for u in units]
+
+    _grouping.send_grouped(held(None), 2, {}, _no_failure, _no_failure)
+    assert calls == [("many", 2), ("many", 2)]
+    calls.clear()
+    _grouping.send_grouped(held((0, 3)), 2, {}, _no_failure, _no_failure)
+    assert calls == [("one", 0), ("one", 1), ("one", 2), ("one", 3)]
+
+
+def _no_failure(*args: Any) -> Any:
+    raise AssertionError(f"unexpected failure: {args}")
 
 
 # (owner, name, nth): the steps of holding and sending a group, on the caller's thread.
