@@ -412,26 +412,32 @@ class Pipeline:
             self.build()  # (which raises once closed)
         assert self._scheduler is not None
         scheduler = self._scheduler
+        before: object = scheduler.handed  # (a new tuple at each hand-out: take_back)
         try:
-            result = scheduler.next_result()
-        except StopIteration:
-            self._exhausted = True  # until reset(): see __iter__
-            raise
-        except Exception as exc:
-            if isinstance(pool := self._pool, WorkerPool):
-                # The caller must hold the error's last reference (its frames hold us).
-                pool.handed_out()
-            # The op's exception, its traceback where it was raised (not the scheduler's).
-            raise for_caller(exc)  # noqa: B904
-        try:
+            try:
+                result = scheduler.next_result()
+            except StopIteration:
+                self._exhausted, before = True, None  # until reset(): see __iter__
+                raise
+            except Exception as exc:
+                before = True if scheduler.handed is not before else before  # (see below)
+                if isinstance(pool := self._pool, WorkerPool):
+                    # The caller must hold the error's last reference (its frames hold us).
+                    pool.handed_out()
+                # The op's exception, its traceback where it was raised (not the scheduler's).
+                raise for_caller(exc)  # noqa: B904
             samples = len(result[0]) if result else 0
             if self._output_checks:
                 check_outputs(result, self._output_checks)
-        except KeyboardInterrupt:
-            # A Ctrl-C after the scheduler handed the batch out, before run() returned
-            # it: the next run() returns it again, not the one after it.
-            scheduler.take_back()
+        except KeyboardInterrupt as interrupt:
+            # A Ctrl-C once the scheduler handed the batch (or its error: the exception
+            # the interrupt came in) out, before run() gave it: the next run() hands it
+            # out again, not the one after it.
+            scheduler.take_back(interrupt.__context__, since=before)
             raise
+        # An error raised in a step of this run() and kept for a later one holds this
+        # frame (its frames' f_back): it must not hold the batch handed out before.
+        before = None
         self._iterations += 1  # (no call from here to the return: see take_back)
         self._samples += samples
         return result

@@ -94,7 +94,6 @@ from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
 from ._runtime import Chunk, ChunkResult, ManyRunner, derive_seed, nbytes
 from ._source_runners import batch_rows, own_columns
-from ._tracebacks import reraise
 
 # How an op's batch is cut into chunks, and how many iterations are in flight
 # (see _chunk_count and the window property).
@@ -133,7 +132,7 @@ class Scheduler:
         self._window: collections.deque[Iteration] = collections.deque()
         # The iterations of the window not computing yet, in order (_sources_in).
         self._waiting: collections.deque[Iteration] = collections.deque()
-        self._handed: tuple[Iteration, int] | None = None  # run()'s last, still in the window
+        self.handed: tuple[Iteration, int] | None = None  # run()'s last (a new tuple each)
         self._epoch = 0
         self._next_index = 0
         self._next_seq = 0
@@ -256,6 +255,7 @@ class Scheduler:
     # ------------------------------------------------------------ running
     def next_result(self) -> tuple[Batch, ...]:
         """The next iteration's outputs (see :meth:`Pipeline.run`)."""
+        __tracebackhide__ = True  # an error raised here keeps no frame of it (for_caller)
         with self._lock:
             if self._interrupted:
                 self._resume()
@@ -284,31 +284,31 @@ class Scheduler:
         # so a Ctrl-C cannot land there): an interrupted run() leaves ``it`` for the next.
         result, error = it.result, it.error
         if result is None and error is None:
-            self._handed = (it, 0)
+            self.handed = (it, 0)
             raise StopIteration
-        if error is not None:
-            self._handed = (it, 1)  # a failed iteration counts: the next run() is the next one
-            it.take_error()
-            reraise(error)  # a stored error: run() shows where it was raised
+        if error is not None:  # (it counts: the next run() is the next one) take_error's stores
+            it.dropped, it.error, self.handed = True, None, (it, 1)
+            raise error  # (the stored error: run() shows where it was raised)
         assert result is not None
-        self._handed = (it, 1)
+        self.handed = (it, 1)
         return result
 
-    def take_back(self) -> None:
-        """The batch the last ``next_result`` handed out was not taken (a Ctrl-C in
-        ``Pipeline.run`` after it): the next ``next_result`` returns it again."""
+    def take_back(self, error: BaseException | None, since: object) -> None:
+        """What the last ``next_result`` handed out since ``handed`` was ``since`` was not
+        taken (a Ctrl-C in ``Pipeline.run``): the next one hands it out again (``error``)."""
         with self._lock:
-            self._handed = None
+            handed = self.handed
+            if handed is not since:  # (else none since ``since``: the interrupt came before)
+                self.handed = None
+                if isinstance(error, Exception) and handed and handed[1] and not handed[0].result:
+                    handed[0].error = error  # (a failed iteration's, let go of: take_error)
 
     def _hand_over(self) -> None:
         """The iteration the last ``next_result`` handed out leaves the window (lock held)."""
-        handed = self._handed
-        if handed is not None:
-            it, count = handed
-            if self._window and self._window[0] is it:
-                self._delivered += count  # (with the pop: no call between the two)
-                self._window.popleft()
-            self._handed = None
+        handed, self.handed = self.handed, None
+        if handed is not None and self._window and self._window[0] is handed[0]:
+            self._delivered += handed[1]  # (with the pop: no call between the two)
+            self._window.popleft()
 
     def _resume(self) -> None:
         """Finish the steps an exception (a Ctrl-C) left half-done: their iterations."""
@@ -346,7 +346,7 @@ class Scheduler:
         while self._window:
             self._drop(self._window.popleft())
         self._waiting.clear()
-        self._handed = None
+        self.handed = None
         self._epoch = epoch
         self._next_index = self._delivered = index
         self._ending = False
@@ -456,11 +456,11 @@ class Scheduler:
         if self._fed and any(not s.fed for s in self._fed):
             return False
         it = Iteration(self._epoch, self._next_index, self.batch_size, len(self.ops))
+        sources = self._sources  # (before the try: its handler reads it)
         try:
             self._next_index += 1
             self._window.append(it)
             self._waiting.append(it)
-            sources = self._sources
             it.sources_left = len(sources)
             for s in self._here:
                 try:  # (pull leaves the batch first in s.fed: taken once it is the iteration's)
@@ -673,8 +673,8 @@ class Scheduler:
         ``samples``: the batch indices of the samples it runs on, where not all
         (an op in a branch of an ``if`` on a DataNode).
         """
-        it.dispatched.add(s.pos)
-        try:
+        try:  # (the add in it: a Ctrl-C as it returns must undo it)
+            it.dispatched.add(s.pos)
             self._send(it, s, samples)
         except BaseException as exc:  # (a Ctrl-C): sent again, its units sent ignored,
             # unless every unit was taken (_send): they come back, as if it had returned

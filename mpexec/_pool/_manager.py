@@ -130,8 +130,18 @@ class Manager(threading.Thread):
         reference to an object in them (a pipeline) would not be the last one,
         and its finalizer would run late, on this thread.
         """
-        if threading.current_thread() is not self and self.handing_out.acquire(timeout=timeout):
-            self.handing_out.release()
+        if threading.current_thread() is self:
+            return
+        lock = self.handing_out
+        end = time.monotonic() + timeout
+        while lock.locked() and time.monotonic() < end:
+            time.sleep(0.0005)
+        if not lock.locked():
+            # Taken and let go with no call between, where a Ctrl-C lands (acquire's
+            # own wait is interrupted holding nothing): one after an acquire(timeout)
+            # returned held the lock for good, and the manager then waited forever.
+            with lock:
+                pass
 
     # ------------------------------------------------------------ the steps
     def deliver(self, slot: Slot) -> None:
