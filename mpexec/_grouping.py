@@ -116,9 +116,12 @@ def send_grouped(
     fail: Callable[[Any, BaseException], None],
     annotate: Callable[[Exception, Any, Any, None], BaseException],
     spread: int = 0,
-) -> None:
+    turns: dict[int, int] | None = None,
+    whole: bool = False,
+) -> list[Entry]:
     """Send ``held``, each op's consecutive units ``group`` a call (an op's j-th call
-    to worker j modulo ``spread``; 0: any).
+    to worker j modulo ``spread``, j counted in ``turns`` across the calls of a fill;
+    0: any). ``whole``: only whole groups; the rest (returned) stays held.
 
     A call the executor refused is sent again as single units, so only the
     iterations whose own unit is refused fail (``fail``, the error ``annotate``-d).
@@ -129,7 +132,11 @@ def send_grouped(
     for entry in held:
         by_op.setdefault(entry[0].pos, []).append(entry)
     parts = [e[a : a + group] for e in by_op.values() for a in range(0, len(e), group)]
-    turns = dict.fromkeys(by_op, 0)
+    kept: list[Entry] = []
+    if whole and (len(by_op) > 1 or len(held) % group):
+        kept = [e for part in parts if len(part) < group for e in part]
+        parts = [part for part in parts if len(part) == group]
+    turns = {} if turns is None else turns
     order = [e for part in parts for e in part]
     sent = calling = 0  # entries sent (or failed) so far; in the call under way
     try:
@@ -144,8 +151,8 @@ def send_grouped(
                 if many is None:
                     many = runners[s.pos] = ManyRunner(s.runner)
                 calling = len(part)
-                worker = turns[s.pos] % spread if spread else None
-                turns[s.pos] += 1
+                j = turns[s.pos] = turns.get(s.pos, -1) + 1
+                worker = j % spread if spread else None
                 try:
                     units, hooks = [u for _, u, _ in part], [h for *_, h in part]
                     s.executor.submit_many(many, units, hooks, worker)  # type: ignore[attr-defined]
@@ -162,8 +169,48 @@ def send_grouped(
                 sent += 1
     except BaseException as exc:  # (a Ctrl-C): the call under way was taken, or not
         taken = getattr(exc, "mpexec_taken", False) is True
-        exc.mpexec_unsent = order[sent + calling * taken :]  # type: ignore[attr-defined]
+        exc.mpexec_unsent = order[sent + calling * taken :] + kept  # type: ignore[attr-defined]
         raise
+    return kept
+
+
+class Held:
+    """The units a ``_fill`` holds, each op's sent as soon as ``group`` of them are
+    held (:meth:`send`), in order: a worker need not wait for the fill's last launch
+    (at 64 workers, hundreds of them) to get its first group. ``entries``: held, not
+    sent; a Ctrl-C in :meth:`send` lists them in its ``mpexec_unsent`` with the units
+    of the send it cut short (``_fill`` then :func:`unsend`-s them). One a scheduler,
+    started again by each fill (:meth:`start`)."""
+
+    __slots__ = ("annotate", "append", "entries", "fail", "group", "runners", "spread", "turns")
+
+    def __init__(
+        self,
+        fail: Callable[[Any, BaseException], None],
+        annotate: Callable[[Exception, Any, Any, None], BaseException],
+    ) -> None:
+        self.fail, self.annotate = fail, annotate
+        self.runners: dict[int, ManyRunner] = {}  # an op's ManyRunner, made once
+        self.entries: list[Entry] = []
+        self.append = self.entries.append  # (the list's own: no Python call a unit)
+        self.group = self.spread = 0
+        self.turns: dict[int, int] = {}
+
+    def start(self, group: int, spread: int) -> Held | None:
+        """Held for a fill of ``group``-iteration units (None where ``group`` is 1: units
+        go out as they are made), the first to workers in turn where ``spread``."""
+        if group <= 1:
+            return None
+        self.entries.clear()  # (what a Ctrl-C left: unsent already, _fill)
+        self.group, self.spread, self.turns = group, spread, {}
+        return self
+
+    def send(self, every: bool = False) -> None:
+        """Send each op's whole groups held (``every``: all, an op's last group smaller)."""
+        held, group, spread = self.entries, self.group, self.spread
+        runners, fail, annotate = self.runners, self.fail, self.annotate
+        kept = send_grouped(held, group, runners, fail, annotate, spread, self.turns, not every)
+        held[:] = kept  # (right after the return, no call between: no Ctrl-C there)
 
 
 def unsend(entries: list[Entry]) -> None:

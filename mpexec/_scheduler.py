@@ -78,7 +78,7 @@ from ._chains import batch_in_workers, fuse_chains
 from ._errors import MpexecError, PoolClosedError
 from ._executors import UnitExecutor, WorkUnit, op_runner
 from ._graph import DataNode, Plan, Scope
-from ._grouping import fill_plan, groupable, grouped_window, send_grouped
+from ._grouping import Held, fill_plan, groupable, grouped_window
 from ._iterations import (
     Iteration,
     OpState,
@@ -92,11 +92,10 @@ from ._iterations import (
 )
 from ._mapping import calls_in_chunk
 from ._modes import WORKER_SOURCES, Device, LastBatch, OpKind, SourceMode
-from ._runtime import Chunk, ChunkResult, ManyRunner, derive_seed, nbytes
+from ._runtime import Chunk, ChunkResult, derive_seed, nbytes
 from ._source_runners import batch_rows, own_columns
 
-# How an op's batch is cut into chunks, and how many iterations are in flight
-# (see _chunk_count and the window property).
+# How an op's batch is cut into chunks, how many iterations in flight (_chunk_count, window).
 _MAX_CHUNKS_PER_WORKER = 4  # chunks of one op's batch, per worker, at most
 _FIRST_CHUNKS = 16  # chunks of one op's batch at most, until a sample's CPU time is known
 _WINDOW_BYTES = 1 << 30  # what the iterations in flight may hold (their outputs)
@@ -187,11 +186,10 @@ class Scheduler:
         # see: there the window stays prefetch_depth (but for a batch op's).
         self._other_executor = any(s.executor is not executor for s in self.ops)
         self._iteration_bytes = 0
-        # The window, its cap and iterations a unit (_grouping), kept until what sizes
-        # them changes (0: work it out).
+        # The window, its cap, iterations a unit (_grouping): kept till what sizes them changes.
         self._window_size = self._cap = self._group = 0
-        self._defer: list[tuple[OpState, WorkUnit, Any]] | None = None
-        self._many: dict[int, ManyRunner] = {}
+        self._defer: Held | None = None
+        self._held = Held(self._fail, annotate)  # (each fill's, _fill)
         # What every iteration walks, worked out once: the plan does not change.
         self._sources = [s for s in self.ops if s.source and not s.absorbed]
         self._here = [s for s in self._sources if s.runner is None]
@@ -426,12 +424,13 @@ class Scheduler:
     # ------------------------------------------------------------ scheduling
     def _fill(self, spare: int = 0) -> None:
         end, size, limit, group = self._end, self._window_size or self.window, 0, self._group
+        held = None
         if group > 1:  # a group launched at once, each op's units held and sent as one
             if self._window and (size + spare - len(self._window) < group or self._ending):
                 return  # (no group fits, nor mostly a smaller one; or the end is out)
             at = (len(self._window), spare, self._next_index, end, self._workers)
             limit, group, spread = fill_plan(size, group, *at)
-            self._defer = [] if group > 1 else None
+            held = self._defer = self._held.start(group, spread)
         self._interrupted = True  # until it returns: an exception leaves it (_resume)
         try:
             # (The window's kept size read first: the property's call is ~3 a batch.)
@@ -442,10 +441,12 @@ class Scheduler:
             ):
                 if (end is not None and self._next_index > end) or not self._launch():
                     break
-            if self._defer:
-                send_grouped(self._defer, group, self._many, self._fail, annotate, spread)
+                if held is not None and len(held.entries) >= group:
+                    held.send()  # each op's group as soon as it is held
+            if held is not None and held.entries:
+                held.send(every=True)
         except BaseException as exc:  # (a Ctrl-C): units not sent go out again (_resume)
-            _grouping.unsend(getattr(exc, "mpexec_unsent", self._defer) or [])
+            _grouping.unsend([] if held is None else getattr(exc, "mpexec_unsent", held.entries))
             raise
         finally:
             self._defer = None
@@ -725,9 +726,8 @@ class Scheduler:
             rows = tuple([col[:size] for col in inputs]) if inputs else ()
             unit = WorkUnit(s.runner, chunk, rows, s.worker, s.names, tuple(blocks))
             hook = functools.partial(self._on_chunk, it, s, blocks, -1, time.perf_counter())
-            deferred = self._defer
-            if deferred is not None and hooked is not None and s.groupable:
-                deferred.append((s, unit, hook))  # (_fill sends it, with its group)
+            if self._defer is not None and hooked is not None and s.groupable:
+                self._defer.append((s, unit, hook))  # (_fill sends it, with its group)
                 return
             try:
                 if hooked is not None:

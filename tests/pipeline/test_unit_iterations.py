@@ -12,6 +12,7 @@ repeats no batch. (``MPEXEC_UNIT_ITERATIONS`` overrides k's bound, for A/B.)
 
 from __future__ import annotations
 
+import pickle
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import mpexec
-from mpexec import _executors, _grouping, _scheduler, fn
+from mpexec import _codec, _executors, _grouping, _runtime, _scheduler, fn
 from mpexec._executors import LocalPoolExecutor, WorkUnit
 from mpexec._grouping import fill_plan, grouped_window
 from mpexec._runtime import Chunk
@@ -134,6 +135,37 @@ def test_the_policy_groups_by_default_once_the_epochs_end_is_known(
     assert grouped[0] == [0, 1, 2, 3]
 
 
+def test_a_fills_first_group_leaves_before_its_last_launch(
+    grouped: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At 64 workers an epoch's first fill launches hundreds of iterations: a worker
+    # waiting for the last of them to get its first group idles the while.
+    events: list[Any] = []
+    launch, spy = _scheduler.Scheduler._launch, LocalPoolExecutor.submit_many
+
+    def launched(self: Any) -> bool:
+        events.append("launch")
+        return launch(self)
+
+    def many(self: Any, m: Any, units: Any, hooks: Any, worker: Any = None) -> None:
+        events.append(([u.chunk.iteration for u in units], worker))
+        spy(self, m, units, hooks, worker)
+
+    monkeypatch.setattr(_scheduler.Scheduler, "_launch", launched)
+    monkeypatch.setattr(LocalPoolExecutor, "submit_many", many)
+    n = 24 * BATCH
+    reference = _outcomes(n, workers=0)
+    events.clear()
+    assert _outcomes(n, workers=2) == reference
+    second = events[events.index(([0, 1, 2, 3], 0)) - 4 :]  # (the second epoch's first fill)
+    # Window 16 (4 at k = 1, x 4): each group sent once its 4 are launched, to the
+    # workers in turn; then the window's next groups as the first ones are handed over.
+    assert second[:10] == ["launch"] * 4 + [([0, 1, 2, 3], 0)] + ["launch"] * 4 + [
+        ([4, 5, 6, 7], 1)
+    ]
+    assert second[10:15] == ["launch"] * 4 + [([8, 9, 10, 11], 0)]
+
+
 def test_no_group_where_the_memory_cap_holds_no_more_than_one_iteration_a_unit(
     grouped: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -230,6 +262,75 @@ def test_a_unit_of_a_branchs_rows_is_never_sent_in_a_group() -> None:
     assert calls == [("one", 0), ("one", 1), ("one", 2), ("one", 3)]
 
 
+def test_held_units_leave_a_whole_group_at_a_time_and_a_ctrl_c_returns_the_rest() -> None:
+    calls: list[Any] = []
+    cut = [False]
+
+    def many(m: Any, units: Any, hooks: Any, worker: Any) -> None:
+        if cut[0]:
+            raise KeyboardInterrupt
+        calls.append((units[0].runner, [u.chunk.iteration for u in units], worker))
+
+    def single(unit: Any, hook: Any) -> None:
+        calls.append((unit.runner, unit.chunk.iteration))
+
+    executor = types.SimpleNamespace(submit_many=many)
+    a, b = (
+        types.SimpleNamespace(pos=p, runner=p, executor=executor, submit_hooked=single)
+        for p in "ab"
+    )
+
+    def entry(s: Any, i: int) -> Any:
+        return (s, WorkUnit(s.runner, Chunk(0, i, 0, 2, 2 * i), ()), None)
+
+    holder = _grouping.Held(_no_failure, _no_failure)
+    held = holder.start(2, 2)
+    assert held is not None
+    for e in (entry(a, 0), entry(b, 0), entry(a, 1)):
+        held.append(e)
+    held.send()  # a's group leaves; b's one unit stays
+    assert calls == [("a", [0, 1], 0)]
+    assert [e[1].chunk.iteration for e in held.entries] == [0]
+    for e in (entry(a, 2), entry(b, 1)):
+        held.append(e)
+    held.send()
+    held.send(every=True)  # the rest: a's last one alone
+    assert calls[1:] == [("b", [0, 1], 0), ("a", 2)]
+    held = holder.start(2, 2)  # (a new fill: nothing held, workers in turn from 0)
+    assert held is not None
+    assert held.entries == []
+    for e in (entry(a, 0), entry(b, 0), entry(a, 1)):
+        held.append(e)
+    cut[0] = True
+    with pytest.raises(KeyboardInterrupt) as caught:
+        held.send()  # a's group not taken: it and b's held unit go out again
+    unsent = caught.value.mpexec_unsent  # type: ignore[attr-defined]
+    assert [(s.pos, u.chunk.iteration) for s, u, _ in unsent] == [("a", 0), ("a", 1), ("b", 0)]
+
+
+class _Counted:
+    """A runner that counts how often it is pickled."""
+
+    pickled = 0
+
+    def __call__(self, chunk: Any, out: Any = ()) -> int:
+        return int(chunk.iteration)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _Counted.pickled += 1
+        return _Counted, ()
+
+
+def test_a_unit_of_several_runner_is_pickled_once_for_every_worker() -> None:
+    # The pool pickles a function for each worker it first goes to: at 64 workers the
+    # first grouped epoch's ramp paid 64 pickles of the op's runner (~60 µs each).
+    many = _grouping.ManyRunner(_Counted())
+    copies = [pickle.loads(_codec.dump_value(many)) for _ in range(3)]
+    assert _Counted.pickled == 1
+    record = _runtime.Chunks(0, (5, 6), (4, 4), (20, 24), 0)
+    assert [c(record) for c in copies] == [(5, 6)] * 3
+
+
 def _no_failure(*args: Any) -> Any:
     raise AssertionError(f"unexpected failure: {args}")
 
@@ -238,6 +339,8 @@ def _no_failure(*args: Any) -> Any:
 _POINTS = [
     *[(_scheduler.Scheduler, "_launch", n) for n in (1, 6, 9)],  # after: its units held
     (_grouping, "ManyRunner", 1),  # made once an op
+    *[(_grouping.Held, "send", n) for n in (1, 2, 5)],  # each op's whole groups held; the rest
+    *[(_grouping, "send_grouped", n) for n in (1, 3)],  # what Held.send sends, at once
     *[(_executors, "Chunks", n) for n in (1, 3)],  # submit_many: the record made, not sent
     *[(LocalPoolExecutor, "submit_many", n) for n in (1, 3)],  # after: the pool took it
     *[(LocalPoolExecutor, "submit_hooked", n) for n in (1,)],  # a single: the end's
