@@ -121,7 +121,7 @@ def send_grouped(
 ) -> list[Entry]:
     """Send ``held``, each op's consecutive units ``group`` a call (an op's j-th call
     to worker j modulo ``spread``, j counted in ``turns`` across the calls of a fill;
-    0: any). ``whole``: only whole groups; the rest (returned) stays held.
+    0: any). ``whole``: only whole groups; the rest stays in ``held`` (and is returned).
 
     A call the executor refused is sent again as single units, so only the
     iterations whose own unit is refused fail (``fail``, the error ``annotate``-d).
@@ -167,6 +167,7 @@ def send_grouped(
                 except Exception as exc:
                     fail(hook.args[0], annotate(exc, s.op, hook.args[0], None))
                 sent += 1
+        held[:] = kept  # (here, not by the caller: a Ctrl-C can land as this returns)
     except BaseException as exc:  # (a Ctrl-C): the call under way was taken, or not
         taken = getattr(exc, "mpexec_taken", False) is True
         exc.mpexec_unsent = order[sent + calling * taken :] + kept  # type: ignore[attr-defined]
@@ -209,8 +210,7 @@ class Held:
         """Send each op's whole groups held (``every``: all, an op's last group smaller)."""
         held, group, spread = self.entries, self.group, self.spread
         runners, fail, annotate = self.runners, self.fail, self.annotate
-        kept = send_grouped(held, group, runners, fail, annotate, spread, self.turns, not every)
-        held[:] = kept  # (right after the return, no call between: no Ctrl-C there)
+        send_grouped(held, group, runners, fail, annotate, spread, self.turns, not every)
 
 
 def unsend(entries: list[Entry]) -> None:

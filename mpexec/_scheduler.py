@@ -677,10 +677,10 @@ class Scheduler:
         try:  # (the add in it: a Ctrl-C as it returns must undo it)
             it.dispatched.add(s.pos)
             self._send(it, s, samples)
-        except BaseException as exc:  # (a Ctrl-C): sent again, its units sent ignored,
-            # unless every unit was taken (_send): they come back, as if it had returned
-            # (a stateful op's call must not run twice).
-            if it.values[s.pos] is None and it.error is None and not getattr(exc, "mpexec_sent", 0):
+        except BaseException as exc:  # (a Ctrl-C): sent again, its units sent ignored, unless
+            # all were taken (_send: they come back; a stateful op's call must not run twice)
+            done = not it.values or it.values[s.pos] is not None or it.error is not None
+            if not (done or getattr(exc, "mpexec_sent", 0)):  # (not it.values: run here, finished)
                 it.dispatched.discard(s.pos)
                 it.parts.pop(s.pos, None)
             raise

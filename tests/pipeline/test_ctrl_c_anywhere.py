@@ -23,6 +23,7 @@ hand-out and its raise, and a lock the caller held for good).
 from __future__ import annotations
 
 import dis
+import random
 import sys
 import threading
 from types import FrameType
@@ -33,6 +34,7 @@ import pytest
 
 import mpexec
 from mpexec import fn
+from mpexec._executors import LocalPoolExecutor
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -48,9 +50,28 @@ def _plus_one(x: np.ndarray) -> np.ndarray:
     return x + 1
 
 
-def _graph(workers: int, stateful: bool) -> mpexec.Pipeline:
+class _Epoch:
+    """A per-sample source of ``EPOCH`` samples an epoch (called in the workers)."""
+
+    def __call__(self, info: Any) -> np.ndarray:
+        if info.idx_in_epoch >= EPOCH:
+            raise StopIteration
+        return np.full(3, info.idx_in_epoch)
+
+
+def _plus_one_batch(xs: list[np.ndarray]) -> list[np.ndarray]:
+    return [_plus_one(x) for x in xs]
+
+
+EPOCH = 48  # samples an epoch where the source is read in the workers
+
+
+def _graph(workers: int, stateful: bool, grouped: bool = False) -> mpexec.Pipeline:
     @mpexec.pipeline_def(batch_size=4, num_workers=workers, seed=1, prefetch_depth=2)
     def graph() -> Any:
+        if grouped:  # read in the workers, a batch op: units of several iterations (by policy)
+            index = fn.external_source(source=_Epoch(), batch=False)
+            return fn.python_function(index, function=_plus_one_batch, batch_processing=True)
         index = fn.external_source(source=[np.full(3, k) for k in range(10**5)], batch=False)
         outs = [fn.python_function(index, function=_plus_one)]
         if stateful:  # its turn is passed on here: a repeat or a loss shows in its counts
@@ -108,31 +129,41 @@ def _run(pipe: mpexec.Pipeline, interrupt: _Interrupt, target: int) -> Any:
         return ("batch", int(out[0].as_array()[0, 0]) - 1, out)
     if isinstance(caught, KeyboardInterrupt):
         return None
+    if isinstance(caught, StopIteration):
+        return ("end", 0, None)
     if isinstance(caught, ValueError):
         return ("error", int(str(caught).split()[1]), None)
     raise caught
 
 
-def _sweep(pipe: mpexec.Pipeline, stateful: bool, runs: int) -> int:
+def _sweep(pipe: mpexec.Pipeline, stateful: bool, runs: int, epoch: int = 0) -> int:
     """Interrupt ``runs`` run()s and check each outcome; returns how many landed.
 
-    Each kind of run() (a batch's, an error's) is interrupted in turn at its events
-    1, 2, ... from its start, and at its last, last but one, ... (as many as its
-    last uninterrupted run() had: the hand-out is at the end); from 1 again once a
-    run() ends before its target.
+    Each kind of run() (a batch's, an error's, an epoch end's) is interrupted in
+    turn at its events 1, 2, ... from its start (from 1 again once a run() ends
+    before its target); at its last, last but one, ... (as many as its last
+    uninterrupted run() had: the hand-out is at the end); and at one drawn from
+    those of its longest run() (a run() that launches and sends a window's
+    iterations is one in several, and far longer than the others).
     """
     interrupt = _Interrupt()
     landed, expected, where = 0, 0, ""
-    step = {"batch": 0, "error": 0}
-    events = {"batch": 0, "error": 0}  # in its kind's last run() not interrupted
+    draw = random.Random(0)
+    step = {"batch": 0, "error": 0, "end": 0}
+    events = {"batch": 0, "error": 0, "end": 0}  # in its kind's last run() not interrupted
+    longest = dict(events)
     for _ in range(runs):
         first = 4 * expected
         failing = [k for k in range(first, first + 4) if k % FAILS == 5]
         want = ("error", failing[0]) if failing else ("batch", first)
+        if epoch and first >= epoch:  # (``epoch`` samples an epoch: then reset, profile off)
+            want = ("end", 0)
         kind = want[0]
         step[kind] += 1
-        n = step[kind] // 2 + 1
-        target = n if step[kind] % 2 or not events[kind] else max(1, events[kind] + 1 - n)
+        n = step[kind] // 3 + 1
+        target = (n, max(1, events[kind] + 1 - n), draw.randint(1, longest[kind] + 1))[
+            step[kind] % 3 if events[kind] else 0
+        ]
         for armed in (target, 0):  # (0: the run() after one interrupted)
             watchdog = threading.Timer(30, pipe.close)  # a hang fails, not hangs, the test
             watchdog.start()
@@ -146,11 +177,15 @@ def _sweep(pipe: mpexec.Pipeline, stateful: bool, runs: int) -> int:
             if armed:
                 step[kind] = 0  # it ended before its target-th event: from 1 again
             events[kind] = interrupt.seen
+            longest[kind] = max(longest[kind], interrupt.seen)
             assert got[:2] == want, f"after an interrupt at {where}"
             if stateful and got[2] is not None:
                 counts = got[2][1].as_array()[:, 0].tolist()
                 assert counts == list(range(first, first + 4)), f"after an interrupt at {where}"
             expected += 1
+            if want[0] == "end":
+                pipe.reset()
+                expected = 0
             break
     return landed
 
@@ -162,4 +197,25 @@ def test_a_ctrl_c_anywhere_in_run_loses_and_repeats_no_batch_nor_error(
     with _graph(workers, stateful) as pipe:
         pipe.build()
         landed = _sweep(pipe, stateful, runs=900)
+    assert landed > 400, "too few interrupts landed: the sweep tested little"
+
+
+def test_a_ctrl_c_anywhere_in_run_with_units_of_several_iterations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A source read in the workers and a batch op: from the second epoch, units carry
+    # several iterations, held and sent in groups by the fill (mpexec._grouping).
+    grouped: list[int] = []
+    real = LocalPoolExecutor.submit_many
+
+    def spy(self: Any, many: Any, units: Any, hooks: Any, worker: Any = None) -> None:
+        real(self, many, units, hooks, worker)
+        grouped.append(len(units))
+
+    monkeypatch.setattr(LocalPoolExecutor, "submit_many", spy)
+    # (The grouping's own steps, one by one: test_unit_iterations.py's injections.)
+    with _graph(2, False, grouped=True) as pipe:
+        pipe.build()
+        landed = _sweep(pipe, False, runs=900, epoch=EPOCH)
+    assert grouped, "no unit of several iterations was sent: the test tested nothing"
     assert landed > 400, "too few interrupts landed: the sweep tested little"

@@ -375,6 +375,42 @@ def test_a_ctrl_c_while_a_group_is_held_or_sent_loses_and_repeats_no_batch(
         assert a == b, f"batch {i} differs from an uninterrupted run's"
 
 
+@pytest.mark.parametrize("nth", [1, 2, 4])
+def test_a_ctrl_c_as_a_send_of_groups_returns_sends_no_unit_again(
+    monkeypatch: pytest.MonkeyPatch, nth: int
+) -> None:
+    # A Ctrl-C is checked as send_grouped returns: what it sent must not still count
+    # as held then (it was sent again, and a batch callable source called twice).
+    sent: list[tuple[int, int]] = []
+    many, one = LocalPoolExecutor.submit_many, LocalPoolExecutor.submit_hooked
+
+    def spy_many(self: Any, runner: Any, units: Any, hooks: Any, worker: Any = None) -> None:
+        many(self, runner, units, hooks, worker)
+        sent.extend((u.chunk.epoch, u.chunk.iteration) for u in units)
+
+    def spy_one(self: Any, unit: Any, hook: Any) -> None:
+        one(self, unit, hook)
+        sent.append((unit.chunk.epoch, unit.chunk.iteration))
+
+    monkeypatch.setattr(LocalPoolExecutor, "submit_many", spy_many)
+    monkeypatch.setattr(LocalPoolExecutor, "submit_hooked", spy_one)
+    armed, _ = interrupt_at(monkeypatch, _grouping, "send_grouped", nth, "after")
+    n = 24 * BATCH
+    runs = []
+    for interrupted in (False, True):
+        sent.clear()
+        with _pipe(n, 2) as pipe:
+            watched_epoch(pipe)
+            pipe.reset()
+            armed[0] = interrupted
+            got, count = watched_epoch(pipe)
+            armed[0] = False
+        assert count == interrupted, "no interrupt landed"
+        assert len(got) == n // BATCH
+        runs.append(sorted(it for e, it in sent if e == 1))
+    assert runs[1] == runs[0], "a unit was sent twice, or not at all"
+
+
 def test_a_workers_first_unit_of_several_imports_no_module(grouped: list[list[int]]) -> None:
     # A module a worker must import for its first unit of several held every
     # worker back at the first grouped epoch's start (2-40 ms each on a loaded host).
