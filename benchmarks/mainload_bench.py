@@ -12,7 +12,12 @@ then one line: ``X(W) = min(W / w, 1 / c)`` samples/s, where ``c`` is the
 main-process CPU a sample (docs/scaling.md).
 
 Systems: the mpexec pipeline per sample and in batch mode, ``WorkerPool.map``
-(one call a sample, its automatic chunks, and chunks of 64 calls),
+(one call a sample, its automatic chunks, and chunks of 64 calls; and its
+automatic chunks of calls that spin ``w`` of CPU instead of sleeping,
+``map_auto_cpu``: those chunks carry a CPU time, so sleeping calls travel in
+larger chunks than busy ones, and cost the main process less a call. With more
+workers than cores, the spinning ones share the cores with the main process:
+their rate is the host's, their main CPU a call still the library's),
 ``mpexec.torch.DataLoader`` and ``torch.utils.data.DataLoader`` (both: map-style
 data set, batches of 64, persistent workers), and DALI's parallel
 ``external_source`` (the whole sample in DALI's Python workers). Samples:
@@ -94,12 +99,16 @@ class Sleepy:
 
     def __init__(self, sleep: float, kind: str, trace: str | None = None) -> None:
         self.sleep = sleep
+        self.kind = kind
         self.shape = SHAPES[kind]
         self.trace = trace  # a folder: each sample's start and end, a file per process
 
+    def work(self) -> None:
+        time.sleep(self.sleep)
+
     def __call__(self, index: Any) -> np.ndarray[Any, Any]:
         t0 = time.monotonic()
-        time.sleep(self.sleep)
+        self.work()
         out = np.full(self.shape, float(np.asarray(index).reshape(-1)[0] % 251), np.float32)
         if self.trace is not None:
             fd = os.open(
@@ -112,6 +121,23 @@ class Sleepy:
             finally:
                 os.close(fd)
         return out
+
+
+class Spinning(Sleepy):
+    """Sample ``index`` after ``sleep`` seconds of the worker's CPU, spun (``map_auto_cpu``).
+
+    Sleeping workers stand in for busy ones as far as the main process is
+    concerned, except where its cost follows the calls' CPU: ``map()``'s
+    automatic chunks carry a CPU time, so sleeping calls (little CPU) travel in
+    larger chunks than calls that compute. On a host with fewer cores than
+    workers these compete with the main process for the cores: their rate of
+    "ideal" is then the host's, not the library's.
+    """
+
+    def work(self) -> None:
+        end = time.thread_time() + self.sleep
+        while time.thread_time() < end:
+            pass
 
 
 class SleepyBatch:
@@ -416,6 +442,11 @@ SYSTEMS: dict[str, tuple[str, str | None, Maker]] = {
         "WorkerPool.map, automatic chunks",
         None,
         lambda w, n, s: _pool_map(w, n, s, None),
+    ),
+    "map_auto_cpu": (
+        "WorkerPool.map, automatic chunks, calls spin w of CPU (W > cores: they share the main's)",
+        None,
+        lambda w, n, s: _pool_map(w, n, Spinning(s.sleep, s.kind, s.trace), None),
     ),
     "map64": ("WorkerPool.map, chunks of 64", None, lambda w, n, s: _pool_map(w, n, s, 64)),
     "mpexec_torch": (

@@ -34,9 +34,10 @@ T = TypeVar("T")
 
 # One chunk policy, for every runner that takes many calls in one worker task
 # (map's automatic chunks, a pipeline's per-sample chunks, mpexec.dali's): a
-# chunk carries as many calls as take AUTO_CHUNK_SECONDS of a worker's CPU
-# (calls_in_chunk), so that the main process's fixed cost per task (its encoding,
-# ring push, result and hand-off: 100-200 us of its CPU, which on busy cores
+# chunk carries as many calls as take a target of a worker's CPU
+# (calls_in_chunk: AUTO_CHUNK_SECONDS; map's MAP_CHUNK_SECONDS), so that the
+# main process's fixed cost per task (its encoding, ring push, result and
+# hand-off: 100-450 us of its CPU, which on busy cores
 # comes out of the workers') is a few percent of the work even with many
 # workers. CPU time, not wall time: on a loaded host a call's wall time grows,
 # its work does not, and the chunks must not shrink with the load.
@@ -56,10 +57,16 @@ T = TypeVar("T")
 # most twice the chunk's planned time and AUTO_CHUNK_WALL and one call, and a
 # call that was not started when the caller gave up never runs.
 AUTO_CHUNK_SECONDS = 0.1
+# map()'s own target, larger: a chunk of map() costs the main process 350-450 us
+# (submit, result, the sizer, its manager thread's delivery), so at 0.1 s, 50
+# calls of 2 ms, it cost 7-10 us a call, and 3.7 at 0.3 s; at 0.4 s (200
+# calls) 2.4 (docs/scaling.md). A pipeline's per-sample chunks keep
+# AUTO_CHUNK_SECONDS, unchanged: their cost is their scheduler's to weigh.
+MAP_CHUNK_SECONDS = 0.4
 # A batch that its caller waits for alone (mpexec.dali: DALI calls the op one batch
 # at a time) is cut finer, for balance: no other batch keeps an idle worker busy.
 BALANCE_CHUNK_SECONDS = 0.02
-AUTO_CHUNK_WALL_SIZE = 2 * AUTO_CHUNK_SECONDS
+AUTO_CHUNK_WALL_SIZE = 2 * MAP_CHUNK_SECONDS
 AUTO_CHUNK_WALL = 0.05
 AUTO_CHUNK_BYTES = 4 << 20
 AUTO_CHUNK_MAX = 256
@@ -72,16 +79,20 @@ AUTO_CHUNK_MAX = 256
 STACK_BYTES = _codec.INLINE_MAX
 
 
-def calls_in_chunk(cpu_per_call: float, most: int, *, alone: bool = False) -> int:
+def calls_in_chunk(
+    cpu_per_call: float, most: int, *, alone: bool = False, target: float | None = None
+) -> int:
     """How many calls a chunk carries: :data:`AUTO_CHUNK_SECONDS` of a worker's CPU, 1 to ``most``.
 
     ``cpu_per_call``: a call's CPU seconds in a worker, as measured (0:
     too quick to time, ``most``). ``alone``: one batch is all the workers
-    have, which is cut finer (:data:`BALANCE_CHUNK_SECONDS`).
+    have, which is cut finer (:data:`BALANCE_CHUNK_SECONDS`). ``target``:
+    another CPU time a chunk (``map()``'s, :data:`MAP_CHUNK_SECONDS`).
     """
     if cpu_per_call <= 0:
         return most
-    target = BALANCE_CHUNK_SECONDS if alone else AUTO_CHUNK_SECONDS
+    if target is None:
+        target = BALANCE_CHUNK_SECONDS if alone else AUTO_CHUNK_SECONDS
     return max(1, min(most, int(target / cpu_per_call)))
 
 
@@ -122,8 +133,8 @@ class CallExecutor(Executor):
         ``chunksize=None`` (the default) chunks automatically: one call a task
         until the first results show that calls are short (or at the size an
         earlier map of the same function on this pool learned), then as many
-        a task as take about 0.1 s of a worker's CPU (and run at most 0.2 s:
-        a call of 0.2 s or more goes alone), at most 256, with at most 4 MiB
+        a task as take about 0.4 s of a worker's CPU (and run at most 0.8 s:
+        a call of 0.4 s or more goes alone), at most 256, with at most 4 MiB
         of arrays in and out (counted at any depth: a dict of arrays counts
         them); an iterable of known length in whole rounds, chunks of one size
         and as many for every worker, so that the workers end together (a
@@ -137,7 +148,7 @@ class CallExecutor(Executor):
         twice the chunk's planned time, 50 ms and one call, and a call not
         started when the map times out does not run. Closing the map cancels
         the chunks not started; a chunk running then runs on to its end (its
-        planned time, about 0.1 s of a worker's CPU), or to its first call
+        planned time, about 0.4 s of a worker's CPU), or to its first call
         that turned slow.
         Results still come one per item, and an exception, or a result
         that cannot be pickled, is raised at its own item, after the results
@@ -433,7 +444,7 @@ class ChunkSizer:
 
     One at first (or what ``learned`` says: the rate an earlier ``map()`` of
     the same function on the same pool ended with); after each chunk, as
-    many as take :data:`AUTO_CHUNK_SECONDS` of CPU (:func:`calls_in_chunk`),
+    many as take :data:`MAP_CHUNK_SECONDS` of CPU (:func:`calls_in_chunk`),
     run at most :data:`AUTO_CHUNK_WALL_SIZE` and carry at most
     :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed, at once (but
     by wall time, by half at most unless its worker ended it: calls that
@@ -518,7 +529,7 @@ class ChunkSizer:
         """
         if ran < 1:
             return
-        best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX)
+        best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX, target=MAP_CHUNK_SECONDS)
         if seconds > 0:
             # Wall time: by half at most a chunk that ran all its calls (a worker
             # descheduled a while on a busy host is not calls that turned slow).

@@ -28,6 +28,7 @@ from mpexec._mapping import (
     AUTO_CHUNK_MAX,
     AUTO_CHUNK_SECONDS,
     AUTO_CHUNK_WALL_SIZE,
+    MAP_CHUNK_SECONDS,
     ChunkSizer,
     calls_in_chunk,
     known_length,
@@ -190,26 +191,31 @@ def test_chunk_size_goes_to_the_target_at_once() -> None:
     """No doubling from one call: a chunk that turns slow is its worker's to end."""
     sizer = ChunkSizer(workers=2, length=None)
     assert sizer.size == 1
-    ms = 1e-3  # a millisecond of CPU a call: AUTO_CHUNK_SECONDS / ms calls make the target
+    ms = 1e-3  # a millisecond of CPU a call: MAP_CHUNK_SECONDS / ms calls make the target
     sizer.learn(ran=1, seconds=ms, cpu=ms, nbytes=0)
-    assert sizer.size == int(AUTO_CHUNK_SECONDS / ms)
+    assert sizer.size == min(AUTO_CHUNK_MAX, int(MAP_CHUNK_SECONDS / ms))
     assert sizer.per_call == ms  # what the worker compares its calls with
-    sizer.learn(ran=20, seconds=20 * 0.3, cpu=20 * 0.3, nbytes=0)  # turned slow: alone at once
+    slow = 0.75 * AUTO_CHUNK_WALL_SIZE  # over MAP_CHUNK_SECONDS of CPU and half the wall bound
+    sizer.learn(ran=20, seconds=20 * slow, cpu=20 * slow, nbytes=0)  # turned slow: alone at once
     assert sizer.size == 1
     sizer.learn(ran=1, seconds=0.0, cpu=0.0, nbytes=0)  # too quick to time: the cap
     assert sizer.size == AUTO_CHUNK_MAX
 
 
 def test_a_map_of_2_ms_calls_goes_in_chunks_of_the_target_cpu_time() -> None:
-    """The one policy: AUTO_CHUNK_SECONDS of a worker's CPU (0.1 s: 50 calls of 2 ms)."""
-    assert AUTO_CHUNK_SECONDS >= 0.1, "chunks that small cost the main process > 3 µs a call"
+    """The one policy in CPU time: AUTO_CHUNK_SECONDS of a worker's CPU (a pipeline's
+    per-sample chunks), MAP_CHUNK_SECONDS for map()'s (0.4 s: 200 calls of 2 ms)."""
     assert calls_in_chunk(0.002, AUTO_CHUNK_MAX) == int(AUTO_CHUNK_SECONDS / 0.002)
     assert calls_in_chunk(0.002, 64) == min(64, int(AUTO_CHUNK_SECONDS / 0.002))
     assert calls_in_chunk(0.0, 64) == 64  # too quick to time
     assert calls_in_chunk(10.0, 64) == 1
+    assert calls_in_chunk(0.002, 1000, target=0.5) == 250
     sizer = ChunkSizer(workers=16, length=None)
     sizer.learn(ran=4, seconds=4 * 0.002, cpu=4 * 0.002, nbytes=4 * 64)
-    assert sizer.size == calls_in_chunk(0.002, AUTO_CHUNK_MAX)
+    assert sizer.size == calls_in_chunk(0.002, AUTO_CHUNK_MAX, target=MAP_CHUNK_SECONDS)
+    # A chunk of map() costs its main process ~450 µs (docs/scaling.md, "what a chunk
+    # costs"): at most 3 µs a call takes 150 calls a chunk, CPU-bound calls included.
+    assert sizer.size * 3e-6 >= 450e-6, f"{sizer.size} calls of 2 ms a chunk: > 3 µs a call"
 
 
 def test_chunk_size_follows_cpu_time_within_a_wall_time_bound() -> None:
@@ -218,24 +224,25 @@ def test_chunk_size_follows_cpu_time_within_a_wall_time_bound() -> None:
     sizer.size = 16
     # A loaded host: 1 ms of CPU a call took 2 ms; the CPU target still rules.
     sizer.learn(ran=16, seconds=16 * 2 * ms, cpu=16 * ms, nbytes=0)
-    assert sizer.size == int(AUTO_CHUNK_SECONDS / ms)
+    assert sizer.size == min(AUTO_CHUNK_MAX, int(MAP_CHUNK_SECONDS / ms))
     # Calls that wait (I/O): little CPU, but a chunk runs at most AUTO_CHUNK_WALL_SIZE,
     # reached by halves (a worker descheduled a moment is not calls turned slow).
     sizer.learn(ran=16, seconds=16 * 5 * ms, cpu=16 * 0.01 * ms, nbytes=0)
     assert sizer.size == max(
-        int(AUTO_CHUNK_WALL_SIZE / (5 * ms)), int(AUTO_CHUNK_SECONDS / ms) // 2
+        int(AUTO_CHUNK_WALL_SIZE / (5 * ms)), min(AUTO_CHUNK_MAX, int(MAP_CHUNK_SECONDS / ms)) // 2
     )
     sizer.learn(ran=16, seconds=16 * 5 * ms, cpu=16 * 0.01 * ms, nbytes=0)
     assert sizer.size == int(AUTO_CHUNK_WALL_SIZE / (5 * ms))
     sizes = []
+    wait = 0.75 * AUTO_CHUNK_WALL_SIZE  # over half the wall bound: alone
     for _ in range(8):
-        sizer.learn(ran=4, seconds=4 * 0.3, cpu=4 * 0.0001, nbytes=0)  # 0.3 s waits: alone
+        sizer.learn(ran=4, seconds=4 * wait, cpu=4 * 0.0001, nbytes=0)
         sizes.append(sizer.size)
     assert sizes[0] == int(AUTO_CHUNK_WALL_SIZE / (5 * ms)) // 2
     assert sizes[-1] == 1
     # A chunk its worker ended (its calls turned slow): its rate holds at once.
     sizer.size = 40
-    sizer.learn(ran=4, seconds=4 * 0.3, cpu=4 * 0.0001, nbytes=0, ended=True)
+    sizer.learn(ran=4, seconds=4 * wait, cpu=4 * 0.0001, nbytes=0, ended=True)
     assert sizer.size == 1
 
 
@@ -343,20 +350,21 @@ def test_a_wavering_rate_does_not_move_the_plan() -> None:
 def test_calls_that_turn_slower_get_a_new_plan_of_whole_rounds() -> None:
     """The plan holds within an eighth of the target; past it, more chunks, whole rounds."""
     workers, length = 4, 4000
-    sizer = ChunkSizer(workers=workers, length=length, learned=(100, 0.002))
+    per = AUTO_CHUNK_WALL_SIZE / 100  # calls that wait: 100 of them make a chunk's wall bound
+    sizer = ChunkSizer(workers=workers, length=length, learned=(100, per))
     calls = iter([(i,) for i in range(length)])
     before = [len(sizer.take(calls)) for _ in range(8)]
     assert before == [100] * 8
-    sizer.learn(ran=100, seconds=100 * 0.004, cpu=100 * 1e-5, nbytes=0)  # twice as slow
+    sizer.learn(ran=100, seconds=100 * 2 * per, cpu=100 * 1e-5, nbytes=0)  # twice as slow
     after = _sizes(sizer, length - sum(before))
-    assert max(after) <= int(AUTO_CHUNK_WALL_SIZE / 0.004)
+    assert max(after) <= int(AUTO_CHUNK_WALL_SIZE / (2 * per))
     assert max(after) - min(after) <= 1
     assert (len(before) + len(after)) % workers == 0
     # ... and a little slower (under an eighth) keeps it.
-    sizer = ChunkSizer(workers=workers, length=length, learned=(100, 0.002))
+    sizer = ChunkSizer(workers=workers, length=length, learned=(100, per))
     calls = iter([(i,) for i in range(length)])
     taken = [len(sizer.take(calls)) for _ in range(4)]
-    sizer.learn(ran=100, seconds=100 * 0.0022, cpu=100 * 1e-5, nbytes=0)
+    sizer.learn(ran=100, seconds=100 * 1.1 * per, cpu=100 * 1e-5, nbytes=0)
     assert sizer.size < 100
     assert sizer.next_size() == taken[0] == 100
 
