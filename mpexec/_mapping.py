@@ -134,7 +134,8 @@ class CallExecutor(Executor):
         until the first results show that calls are short (or at the size an
         earlier map of the same function on this pool learned), then as many
         a task as take about 0.4 s of a worker's CPU (and run at most 0.8 s:
-        a call of 0.4 s or more goes alone), at most 256, with at most 4 MiB
+        a call of 0.4 s or more goes alone; 0.1 s and 0.2 s where the
+        iterable's length is unknown), at most 256, with at most 4 MiB
         of arrays in and out (counted at any depth: a dict of arrays counts
         them); an iterable of known length in whole rounds, chunks of one size
         and as many for every worker, so that the workers end together (a
@@ -529,12 +530,16 @@ class ChunkSizer:
         """
         if ran < 1:
             return
-        best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX, target=MAP_CHUNK_SECONDS)
+        # Of unknown length (a generator's), no rounds even its end out: the workers'
+        # last chunks end apart, by up to one chunk, so these stay at the smaller target.
+        target = MAP_CHUNK_SECONDS if self.left is not None else AUTO_CHUNK_SECONDS
+        best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX, target=target)
         if seconds > 0:
             # Wall time: by half at most a chunk that ran all its calls (a worker
             # descheduled a while on a busy host is not calls that turned slow).
             floor = 0 if ended else self.size // 2
-            best = min(best, max(int(AUTO_CHUNK_WALL_SIZE * ran / seconds), floor))
+            wall = AUTO_CHUNK_WALL_SIZE * target / MAP_CHUNK_SECONDS
+            best = min(best, max(int(wall * ran / seconds), floor))
         if nbytes > 0:
             best = min(best, AUTO_CHUNK_BYTES * ran // nbytes)
         # A chunk far smaller than the target (one of the first, sent to learn the rate)

@@ -187,9 +187,27 @@ def test_a_chunk_carries_a_bounded_size_of_arrays(monkeypatch: pytest.MonkeyPatc
 
 
 # ---------------------------------------------------------------- the sizing rule
+KNOWN = 10**9  # a map of known length, long: its chunks at MAP_CHUNK_SECONDS
+
+
+def test_a_map_of_unknown_length_keeps_the_smaller_target() -> None:
+    # With no rounds planned, the workers' last chunks end apart by up to a chunk: a
+    # generator's map at 16 workers ended at 1.29 of ideal with MAP_CHUNK_SECONDS, 1.12
+    # with AUTO_CHUNK_SECONDS (docs/scaling.md).
+    sizer = ChunkSizer(workers=16, length=None)
+    sizer.learn(ran=4, seconds=4 * 0.002, cpu=4 * 0.002, nbytes=0)
+    assert sizer.size == calls_in_chunk(0.002, AUTO_CHUNK_MAX)
+    sizer.learn(ran=16, seconds=16 * 0.002, cpu=16 * 1e-6, nbytes=0)  # calls that wait
+    want = int(AUTO_CHUNK_WALL_SIZE * AUTO_CHUNK_SECONDS / MAP_CHUNK_SECONDS / 0.002)
+    assert sizer.size == max(want, calls_in_chunk(0.002, AUTO_CHUNK_MAX) // 2)
+    known = ChunkSizer(workers=16, length=KNOWN)
+    known.learn(ran=4, seconds=4 * 0.002, cpu=4 * 0.002, nbytes=0)
+    assert known.size == calls_in_chunk(0.002, AUTO_CHUNK_MAX, target=MAP_CHUNK_SECONDS)
+
+
 def test_chunk_size_goes_to_the_target_at_once() -> None:
     """No doubling from one call: a chunk that turns slow is its worker's to end."""
-    sizer = ChunkSizer(workers=2, length=None)
+    sizer = ChunkSizer(workers=2, length=KNOWN)
     assert sizer.size == 1
     ms = 1e-3  # a millisecond of CPU a call: MAP_CHUNK_SECONDS / ms calls make the target
     sizer.learn(ran=1, seconds=ms, cpu=ms, nbytes=0)
@@ -210,7 +228,7 @@ def test_a_map_of_2_ms_calls_goes_in_chunks_of_the_target_cpu_time() -> None:
     assert calls_in_chunk(0.0, 64) == 64  # too quick to time
     assert calls_in_chunk(10.0, 64) == 1
     assert calls_in_chunk(0.002, 1000, target=0.5) == 250
-    sizer = ChunkSizer(workers=16, length=None)
+    sizer = ChunkSizer(workers=16, length=KNOWN)
     sizer.learn(ran=4, seconds=4 * 0.002, cpu=4 * 0.002, nbytes=4 * 64)
     assert sizer.size == calls_in_chunk(0.002, AUTO_CHUNK_MAX, target=MAP_CHUNK_SECONDS)
     # A chunk of map() costs its main process ~450 µs (docs/scaling.md, "what a chunk
@@ -220,7 +238,7 @@ def test_a_map_of_2_ms_calls_goes_in_chunks_of_the_target_cpu_time() -> None:
 
 def test_chunk_size_follows_cpu_time_within_a_wall_time_bound() -> None:
     ms = 1e-3
-    sizer = ChunkSizer(workers=2, length=None)
+    sizer = ChunkSizer(workers=2, length=KNOWN)
     sizer.size = 16
     # A loaded host: 1 ms of CPU a call took 2 ms; the CPU target still rules.
     sizer.learn(ran=16, seconds=16 * 2 * ms, cpu=16 * ms, nbytes=0)
