@@ -680,7 +680,7 @@ class Scheduler:
         except BaseException as exc:  # (a Ctrl-C): sent again, its units sent ignored, unless
             # all were taken (_send: they come back; a stateful op's call must not run twice)
             done = not it.values or it.values[s.pos] is not None or it.error is not None
-            if not (done or getattr(exc, "mpexec_sent", 0)):  # (not it.values: run here, finished)
+            if not (done or getattr(exc, "mpexec_sent", False)):  # (no values: run here, done)
                 it.dispatched.discard(s.pos)
                 it.parts.pop(s.pos, None)
             raise
