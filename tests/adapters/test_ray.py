@@ -338,7 +338,10 @@ def test_killed_agent_calls_run_again_on_the_others(ray_setup: Any) -> None:
         results = []
 
         def run() -> None:
-            for i, r in enumerate(p.map(_slow_square, items, timeout=T)):
+            # Chunks of 5 calls (0.1 s), as the automatic ones were before map's grew to
+            # 0.4 s of CPU: with those, the victim could be done with every call it had
+            # before the kill, and the pool had nothing of it to lose or notice.
+            for i, r in enumerate(p.map(_slow_square, items, timeout=T, chunksize=5)):
                 results.append(r)
                 if i == 5:
                     ray.kill(ray.get_actor(victim, namespace="mpexec"), no_restart=True)
@@ -632,7 +635,8 @@ def test_node_removed_mid_run(ray_setup: Any) -> None:
             assert node.node_id in p.nodes
             items = list(range(60))
             results = []
-            for i, r in enumerate(p.map(_slow_square, items, timeout=T)):
+            # (Chunks of 5: see test_killed_agent_calls_run_again_on_the_others.)
+            for i, r in enumerate(p.map(_slow_square, items, timeout=T, chunksize=5)):
                 results.append(r)
                 if i == 5:
                     ray_setup.remove_node(node)
