@@ -118,10 +118,10 @@ def send_grouped(
     spread: int = 0,
     turns: dict[int, int] | None = None,
     whole: bool = False,
-) -> list[Entry]:
+) -> None:
     """Send ``held``, each op's consecutive units ``group`` a call (an op's j-th call
     to worker j modulo ``spread``, j counted in ``turns`` across the calls of a fill;
-    0: any). ``whole``: only whole groups; the rest stays in ``held`` (and is returned).
+    0: any). ``whole``: only whole groups; the rest stays in ``held``.
 
     A call the executor refused is sent again as single units, so only the
     iterations whose own unit is refused fail (``fail``, the error ``annotate``-d).
@@ -172,7 +172,6 @@ def send_grouped(
         taken = getattr(exc, "mpexec_taken", False) is True
         exc.mpexec_unsent = order[sent + calling * taken :] + kept  # type: ignore[attr-defined]
         raise
-    return kept
 
 
 class Held:

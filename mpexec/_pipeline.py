@@ -412,15 +412,14 @@ class Pipeline:
             self.build()  # (which raises once closed)
         assert self._scheduler is not None
         scheduler = self._scheduler
-        before: object = scheduler.handed  # (a new tuple at each hand-out: take_back)
+        before = scheduler.hand_outs  # (take_back: what was handed out since)
         try:
             try:
                 result = scheduler.next_result()
             except StopIteration:
-                self._exhausted, before = True, None  # until reset(): see __iter__
+                self._exhausted = True  # until reset(): see __iter__
                 raise
             except Exception as exc:
-                before = True if scheduler.handed is not before else before  # (see below)
                 if isinstance(pool := self._pool, WorkerPool):
                     # The caller must hold the error's last reference (its frames hold us).
                     pool.handed_out()
@@ -435,9 +434,6 @@ class Pipeline:
             # out again, not the one after it.
             scheduler.take_back(interrupt.__context__, since=before)
             raise
-        # An error raised in a step of this run() and kept for a later one holds this
-        # frame (its frames' f_back): it must not hold the batch handed out before.
-        before = None
         self._iterations += 1  # (no call from here to the return: see take_back)
         self._samples += samples
         return result

@@ -131,7 +131,8 @@ class Scheduler:
         self._window: collections.deque[Iteration] = collections.deque()
         # The iterations of the window not computing yet, in order (_sources_in).
         self._waiting: collections.deque[Iteration] = collections.deque()
-        self.handed: tuple[Iteration, int] | None = None  # run()'s last (a new tuple each)
+        self.handed: tuple[Iteration, int] | None = None  # run()'s last (counts: delivered)
+        self.hand_outs = 0  # next_result's hand-outs so far (an int: holds no batch)
         self._epoch = 0
         self._next_index = 0
         self._next_seq = 0
@@ -280,26 +281,26 @@ class Scheduler:
             raise PoolClosedError("the pipeline was closed while waiting for an iteration")
         # Handed out only by the last statements (no call between them and the return,
         # so a Ctrl-C cannot land there): an interrupted run() leaves ``it`` for the next.
-        result, error = it.result, it.error
+        result, error, n = it.result, it.error, self.hand_outs + 1
         if result is None and error is None:
-            self.handed = (it, 0)
+            self.handed, self.hand_outs = (it, 0), n
             raise StopIteration
         if error is not None:  # (it counts: the next run() is the next one) take_error's stores
-            it.dropped, it.error, self.handed = True, None, (it, 1)
+            it.dropped, it.error, self.handed, self.hand_outs = True, None, (it, 1), n
             raise error  # (the stored error: run() shows where it was raised)
         assert result is not None
-        self.handed = (it, 1)
+        self.handed, self.hand_outs = (it, 1), n
         return result
 
-    def take_back(self, error: BaseException | None, since: object) -> None:
-        """What the last ``next_result`` handed out since ``handed`` was ``since`` was not
-        taken (a Ctrl-C in ``Pipeline.run``): the next one hands it out again (``error``)."""
+    def take_back(self, error: BaseException | None, since: int) -> None:
+        """What ``next_result`` handed out after ``hand_outs`` was ``since`` was not taken
+        (a Ctrl-C in ``Pipeline.run``): the next one hands it out again (``error``)."""
         with self._lock:
-            handed = self.handed
-            if handed is not since:  # (else none since ``since``: the interrupt came before)
+            last = self.handed
+            if self.hand_outs != since:  # (else none since: the interrupt came before)
                 self.handed = None
-                if isinstance(error, Exception) and handed and handed[1] and not handed[0].result:
-                    handed[0].error = error  # (a failed iteration's, let go of: take_error)
+                if isinstance(error, Exception) and last and last[1] and last[0].result is None:
+                    last[0].error = error  # (a failed iteration's, let go of: take_error)
 
     def _hand_over(self) -> None:
         """The iteration the last ``next_result`` handed out leaves the window (lock held)."""
@@ -378,9 +379,8 @@ class Scheduler:
     def _skip_items(self, s: OpState, count: int) -> None:
         """Read ``count`` items of an iterable source and drop them, in bounded time.
 
-        A cycling source starts again at its end: once it has, its period is
-        known, and only ``count`` modulo it is read (at most two passes, however
-        large ``count``).
+        A cycling source starts again at its end: once it has, its period is known, and
+        only ``count`` modulo it is read (at most two passes, however large ``count``).
         """
         read, period = 0, 0
         while count > 0:

@@ -132,16 +132,13 @@ class Manager(threading.Thread):
         """
         if threading.current_thread() is self:
             return
+        # Seen free once is enough: this thread holds it whenever it runs. Polled, not
+        # acquired: a Ctrl-C as an acquire(timeout) returned would keep it held for good
+        # (the manager would then wait forever), and the poll holds nothing.
         lock = self.handing_out
         end = time.monotonic() + timeout
         while lock.locked() and time.monotonic() < end:
             time.sleep(0.0005)
-        if not lock.locked():
-            # Taken and let go with no call between, where a Ctrl-C lands (acquire's
-            # own wait is interrupted holding nothing): one after an acquire(timeout)
-            # returned held the lock for good, and the manager then waited forever.
-            with lock:
-                pass
 
     # ------------------------------------------------------------ the steps
     def deliver(self, slot: Slot) -> None:
