@@ -63,6 +63,16 @@ AUTO_CHUNK_SECONDS = 0.1
 # calls) 2.4 (docs/scaling.md). A pipeline's per-sample chunks keep
 # AUTO_CHUNK_SECONDS, unchanged: their cost is their scheduler's to weigh.
 MAP_CHUNK_SECONDS = 0.4
+# A map that starts from the rate an earlier map of its function learned sends its
+# first chunk at this target, so that its first result comes after about this long,
+# not after a whole chunk (368-378 ms at 2 workers, 533-542 at 16). The rest of
+# that chunk follows as the first chunk of the next round, which the same worker
+# takes (the first one free): one chunk more a map, the rounds as even. Only in a
+# map of at least FIRST_SPLIT_CHUNKS chunks: the chunk more costs the main process
+# 350-450 us, half as much again for a map of 2 chunks (mainload's quick epoch at 2
+# workers, 512 calls of 2 ms: 0.8 us a call, over the 3 us it is held to).
+MAP_FIRST_CHUNK_SECONDS = AUTO_CHUNK_SECONDS
+FIRST_SPLIT_CHUNKS = 8
 # A batch that its caller waits for alone (mpexec.dali: DALI calls the op one batch
 # at a time) is cut finer, for balance: no other batch keeps an idle worker busy.
 BALANCE_CHUNK_SECONDS = 0.02
@@ -131,8 +141,10 @@ class CallExecutor(Executor):
         yields results as they complete. ``timeout`` bounds the whole map.
 
         ``chunksize=None`` (the default) chunks automatically: one call a task
-        until the first results show that calls are short (or at the size an
-        earlier map of the same function on this pool learned), then as many
+        until the first results show that calls are short (or sized at once
+        from the rate an earlier map of the same function on this pool
+        learned: in a map of 8 chunks or more, a first chunk of 0.1 s and
+        its rest a round later, so that the first result comes soon), then as many
         a task as take about 0.4 s of a worker's CPU (and run at most 0.8 s:
         a call of 0.4 s or more goes alone; 0.1 s and 0.2 s where the
         iterable's length is unknown), at most 256, with at most 4 MiB
@@ -205,7 +217,7 @@ def map_calls(
     ordered: bool,
     prefetch: int | None,
     check_fn: bool = True,
-    learned: MutableMapping[Any, tuple[int, float]] | None = None,
+    learned: MutableMapping[Any, Rate] | None = None,
 ) -> Iterator[T]:
     """``pool.map(fn, *iterables, ...)``: at most ``prefetch`` calls (or chunks) in flight.
 
@@ -213,7 +225,7 @@ def map_calls(
     map. With ``chunksize`` > 1 each chunk is one call of :func:`run_chunk`;
     ``check_fn`` pickles ``fn`` first, so that an error names the function
     rather than the wrapper. ``chunksize=None``: :func:`map_auto`, whose
-    chunks start at the size ``learned`` keeps for ``fn`` (per pool: a
+    chunks start from the rate ``learned`` keeps for ``fn`` (per pool: a
     function's map in each epoch does not learn its calls' time again).
     """
     if chunksize is not None and (type(chunksize) is not int or chunksize < 1):
@@ -440,16 +452,43 @@ def known_length(iterables: tuple[Iterable[Any], ...]) -> int | None:
     return min(lengths) if lengths else None
 
 
+#: A chunk's measure, the rate a map learns from: (calls run, their wall seconds,
+#: CPU seconds, array bytes).
+Rate = tuple[int, float, float, int]
+
+
+def fitting_calls(rate: Rate, target: float, floor: int = 0) -> int:
+    """How many calls at ``rate`` a chunk of ``target`` CPU seconds takes, within the bounds.
+
+    At most :data:`AUTO_CHUNK_MAX`, :data:`AUTO_CHUNK_BYTES` of arrays and a wall
+    time in the proportion :data:`AUTO_CHUNK_WALL_SIZE` is to
+    :data:`MAP_CHUNK_SECONDS`, but not under ``floor`` by wall time.
+    """
+    ran, seconds, cpu, nbytes = rate
+    best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX, target=target)
+    if seconds > 0:
+        wall = AUTO_CHUNK_WALL_SIZE * target / MAP_CHUNK_SECONDS
+        best = min(best, max(int(wall * ran / seconds), floor))
+    if nbytes > 0:
+        best = min(best, AUTO_CHUNK_BYTES * ran // nbytes)
+    return max(1, best)
+
+
 class ChunkSizer:
     """How many calls the next chunk of an automatic ``map()`` takes.
 
-    One at first (or what ``learned`` says: the rate an earlier ``map()`` of
-    the same function on the same pool ended with); after each chunk, as
-    many as take :data:`MAP_CHUNK_SECONDS` of CPU (:func:`calls_in_chunk`),
-    run at most :data:`AUTO_CHUNK_WALL_SIZE` and carry at most
-    :data:`AUTO_CHUNK_BYTES` at the rate that chunk showed, at once (but
-    by wall time, by half at most unless its worker ended it: calls that
-    turn slow after it are the worker's to stop, :func:`run_measured`).
+    One at first; after each chunk, as many as take the map's target of CPU
+    (:data:`MAP_CHUNK_SECONDS`; :data:`AUTO_CHUNK_SECONDS` where the length is
+    unknown), within the bounds of :func:`fitting_calls`, at the rate that
+    chunk showed, at once (but by wall time, by half at most unless its
+    worker ended it: calls that turn slow after it are the worker's to stop,
+    :func:`run_measured`). ``learned``: the rate an earlier ``map()`` of the
+    same function on the same pool ended with (a rate, not a size: each map
+    sizes from it for its own target). A map of known length that starts from
+    it, in :data:`FIRST_SPLIT_CHUNKS` chunks or more, sends its first chunk at
+    :data:`MAP_FIRST_CHUNK_SECONDS`, so that its first result does not wait a
+    whole chunk, and the rest of that chunk as the next round's first: the two
+    one chunk of the plan, on one worker (the first one free).
     With a known length, the calls are planned in whole rounds: the fewest
     chunks of one size (within one call) at most that target whose count is a
     multiple of ``workers`` (the chunks in flight at most), so that each
@@ -465,12 +504,20 @@ class ChunkSizer:
     the target alone needs.
     """
 
-    def __init__(
-        self, workers: int, length: int | None, learned: tuple[int, float] | None = None
-    ) -> None:
-        self.size, self.per_call = learned or (1, 0.0)
+    def __init__(self, workers: int, length: int | None, learned: Rate | None = None) -> None:
         self.workers = max(1, workers)
         self.left = length
+        # Of unknown length (a generator's), no rounds even its end out: the workers'
+        # last chunks end apart, by up to one chunk, so these keep the smaller target.
+        self.target = MAP_CHUNK_SECONDS if length is not None else AUTO_CHUNK_SECONDS
+        self.rate = learned
+        self.size, self.per_call = 1, 0.0
+        self.split = 0  # the first chunk's size, when it is a part of the plan's first
+        self.owed = 0  # the rest of that chunk, sent as the next round's first
+        if learned is not None:
+            self.size, self.per_call = fitting_calls(learned, self.target), learned[1] / learned[0]
+            if length is not None and length >= FIRST_SPLIT_CHUNKS * self.size:
+                self.split = fitting_calls(learned, MAP_FIRST_CHUNK_SECONDS)
         self.taken = 0  # chunks taken
         self.base = 0  # chunks taken before the plan's first (small ones, sent to learn the rate)
         self.plan: int | None = None  # chunks planned for the calls left (known length)
@@ -478,9 +525,9 @@ class ChunkSizer:
         self.sure = True  # the last chunk learned from was not small beside the target
 
     @property
-    def learned(self) -> tuple[int, float]:
-        """(size, wall seconds a call) to start the next map of the same function with."""
-        return self.size, self.per_call
+    def learned(self) -> Rate | None:
+        """The rate to start the next map of the same function from (None: none learned)."""
+        return self.rate
 
     def next_size(self, handed_back: int = 0) -> int:
         """The next chunk's size, ``handed_back`` calls (that a worker did not run) pending."""
@@ -514,10 +561,20 @@ class ChunkSizer:
         return need + (-(self.taken - self.base + need)) % self.workers
 
     def take(self, calls: Iterator[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
+        """The next chunk's calls, read from ``calls`` (none: they are all taken)."""
+        if self.owed and self.taken == self.workers:
+            # The rest of the first chunk, the next round's first: one chunk of the plan
+            # with it (its calls counted taken then), sent where the small one ran.
+            n, self.owed = self.owed, 0
+            return calls.take(n) if type(calls) is Inputs else tuple(itertools.islice(calls, n))
         n = self.next_size()
+        owed = 0
+        if self.taken == 0 and 0 < self.split < n:
+            owed, n = n - self.split, self.split
+            self.owed = owed
         chunk = calls.take(n) if type(calls) is Inputs else tuple(itertools.islice(calls, n))
         if self.left is not None:
-            self.left = max(0, self.left - len(chunk))
+            self.left = max(0, self.left - len(chunk) - owed)
             if self.plan is not None:
                 self.plan -= 1
         self.taken += 1
@@ -530,22 +587,16 @@ class ChunkSizer:
         """
         if ran < 1:
             return
-        # Of unknown length (a generator's), no rounds even its end out: the workers'
-        # last chunks end apart, by up to one chunk, so these stay at the smaller target.
-        target = MAP_CHUNK_SECONDS if self.left is not None else AUTO_CHUNK_SECONDS
-        best = calls_in_chunk(cpu / ran, AUTO_CHUNK_MAX, target=target)
-        if seconds > 0:
-            # Wall time: by half at most a chunk that ran all its calls (a worker
-            # descheduled a while on a busy host is not calls that turned slow).
-            floor = 0 if ended else self.size // 2
-            wall = AUTO_CHUNK_WALL_SIZE * target / MAP_CHUNK_SECONDS
-            best = min(best, max(int(wall * ran / seconds), floor))
-        if nbytes > 0:
-            best = min(best, AUTO_CHUNK_BYTES * ran // nbytes)
+        rate = (ran, seconds, cpu, nbytes)
+        # Wall time: by half at most a chunk that ran all its calls (a worker
+        # descheduled a while on a busy host is not calls that turned slow).
+        best = fitting_calls(rate, self.target, 0 if ended else self.size // 2)
         # A chunk far smaller than the target (one of the first, sent to learn the rate)
-        # says too little to move the plan of a known length by itself.
+        # says too little to move the plan of a known length by itself, or to be kept.
         self.sure = ended or 4 * ran >= self.size
-        self.size = max(1, best)
+        if self.sure or self.rate is None:
+            self.rate = rate
+        self.size = best
         self.per_call = seconds / ran
 
 
@@ -590,7 +641,7 @@ def map_auto(
     deadline: float | None,
     ordered: bool,
     check_fn: bool = True,
-    learned: MutableMapping[Any, tuple[int, float]] | None = None,
+    learned: MutableMapping[Any, Rate] | None = None,
 ) -> Results[T]:
     """``map(chunksize=None)``: chunks of :func:`run_measured`, sized by ``sizer``.
 
@@ -615,7 +666,7 @@ def _auto_chunks(
     deadline: float | None,
     ordered: bool,
     check_fn: bool,
-    learned: MutableMapping[Any, tuple[int, float]] | None,
+    learned: MutableMapping[Any, Rate] | None,
 ) -> Generator[list[T], None, None]:
     """:func:`map_auto`'s results, a chunk's at a time."""
     __tracebackhide__ = True  # a call's error is raised from here, for the caller
@@ -701,7 +752,7 @@ def _auto_chunks(
         for c in chunks:
             if c.future is not None:
                 c.future.cancel()  # now, not when collected
-        if learned is not None:
+        if learned is not None and sizer.learned is not None:
             with contextlib.suppress(TypeError):  # not weakly referable, or unhashable
                 learned[fn] = sizer.learned
     if error is not None:

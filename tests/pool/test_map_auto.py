@@ -28,7 +28,9 @@ from mpexec._mapping import (
     AUTO_CHUNK_MAX,
     AUTO_CHUNK_SECONDS,
     AUTO_CHUNK_WALL_SIZE,
+    FIRST_SPLIT_CHUNKS,
     MAP_CHUNK_SECONDS,
+    MAP_FIRST_CHUNK_SECONDS,
     ChunkSizer,
     calls_in_chunk,
     known_length,
@@ -285,6 +287,13 @@ def _sizes(sizer: ChunkSizer, length: int, learn: Any = None) -> list[int]:
     return sizes
 
 
+def _sized(workers: int, length: int, size: int, per_call: float) -> ChunkSizer:
+    """A sizer of a map under way: at ``size``, calls of ``per_call`` wall seconds."""
+    sizer = ChunkSizer(workers=workers, length=length)
+    sizer.size, sizer.per_call = size, per_call
+    return sizer
+
+
 def _per_worker(sizes: list[int], workers: int) -> list[int]:
     """Calls each worker runs when equal workers take the chunks in turn (in lockstep)."""
     return [sum(sizes[w::workers]) for w in range(workers)]
@@ -297,7 +306,7 @@ def _per_worker(sizes: list[int], workers: int) -> list[int]:
 def test_a_known_length_goes_in_whole_rounds(workers: int, length: int, size: int) -> None:
     """Chunks of one size, as many for every worker: all end together (mainload's 8,192
     calls of 2 ms on 16 workers went in 88 chunks, half the workers idle the last 0.2 s)."""
-    sizer = ChunkSizer(workers=workers, length=length, learned=(size, 0.002))
+    sizer = _sized(workers, length, size, 0.002)
     sizes = _sizes(sizer, length)
     assert max(sizes) <= size
     assert max(sizes) - min(sizes) <= 1, sizes
@@ -350,7 +359,7 @@ def test_a_wavering_rate_does_not_move_the_plan() -> None:
     round and back left workers a chunk apart at the end (mainload's 64 workers: 86 and 66
     alternating, 0.07 of the map idle)."""
     workers, length = 64, 32768
-    sizer = ChunkSizer(workers=workers, length=length, learned=(96, 0.002))
+    sizer = _sized(workers, length, 96, 0.002)
     # 86 and 84 calls a target: 32,768 calls take 382 chunks (6 rounds: 384) at 86, 391
     # (7 rounds: 448) at 84.
     walls = itertools.cycle([AUTO_CHUNK_WALL_SIZE / 86, AUTO_CHUNK_WALL_SIZE / 84.5])
@@ -369,7 +378,7 @@ def test_calls_that_turn_slower_get_a_new_plan_of_whole_rounds() -> None:
     """The plan holds within an eighth of the target; past it, more chunks, whole rounds."""
     workers, length = 4, 4000
     per = AUTO_CHUNK_WALL_SIZE / 100  # calls that wait: 100 of them make a chunk's wall bound
-    sizer = ChunkSizer(workers=workers, length=length, learned=(100, per))
+    sizer = _sized(workers, length, 100, per)
     calls = iter([(i,) for i in range(length)])
     before = [len(sizer.take(calls)) for _ in range(8)]
     assert before == [100] * 8
@@ -379,12 +388,128 @@ def test_calls_that_turn_slower_get_a_new_plan_of_whole_rounds() -> None:
     assert max(after) - min(after) <= 1
     assert (len(before) + len(after)) % workers == 0
     # ... and a little slower (under an eighth) keeps it.
-    sizer = ChunkSizer(workers=workers, length=length, learned=(100, per))
+    sizer = _sized(workers, length, 100, per)
     calls = iter([(i,) for i in range(length)])
     taken = [len(sizer.take(calls)) for _ in range(4)]
     sizer.learn(ran=100, seconds=100 * 1.1 * per, cpu=100 * 1e-5, nbytes=0)
     assert sizer.size < 100
     assert sizer.next_size() == taken[0] == 100
+
+
+MS2 = (100, 100 * 0.002, 100 * 0.002, 0)  # a chunk's rate: 100 calls of 2 ms, on a CPU
+
+
+def test_a_learned_map_sends_a_small_first_chunk_and_its_rest_a_round_later() -> None:
+    """Its first result comes after MAP_FIRST_CHUNK_SECONDS, not a whole chunk (0.4 s:
+    368-378 ms at 2 workers); the rest of that chunk goes as the next round's first,
+    which the worker that ran the small one takes: the rounds stay even."""
+    workers = 16
+    size = calls_in_chunk(0.002, AUTO_CHUNK_MAX, target=MAP_CHUNK_SECONDS)
+    small = calls_in_chunk(0.002, AUTO_CHUNK_MAX, target=MAP_FIRST_CHUNK_SECONDS)
+    assert small < size
+    length = FIRST_SPLIT_CHUNKS * size + 1000
+    sizer = ChunkSizer(workers=workers, length=length, learned=MS2)
+    assert sizer.size == size
+    sizes = _sizes(sizer, length)
+    assert sizes[0] == small
+    plan = [sizes[0] + sizes[workers], *sizes[1:workers], *sizes[workers + 1 :]]
+    assert max(plan) <= size, sizes
+    assert max(plan) - min(plan) <= 1, sizes
+    assert len(plan) % workers == 0, f"{len(plan)} chunks of the plan for {workers} workers"
+    # Each chunk to the least busy worker (of those, the one whose queue changed longest
+    # ago): the first round one each, the rest of the small chunk to the small one's
+    # worker, then in turn from the next. Every worker runs as many calls, a call a round.
+    runs = [*range(workers), 0, *((1 + j) % workers for j in range(len(sizes) - workers - 1))]
+    share = [
+        sum(n for w, n in zip(runs, sizes, strict=True) if w == worker) for worker in range(workers)
+    ]
+    assert max(share) - min(share) <= len(plan) // workers, share
+
+
+def test_a_short_learned_map_sends_no_small_first_chunk() -> None:
+    """Under FIRST_SPLIT_CHUNKS chunks its chunk more would cost the main process a
+    quarter more (512 calls at 2 workers: 2 chunks, 0.8 us a call more)."""
+    size = calls_in_chunk(0.002, AUTO_CHUNK_MAX, target=MAP_CHUNK_SECONDS)
+    length = FIRST_SPLIT_CHUNKS * size - 1
+    sizes = _sizes(ChunkSizer(workers=2, length=length, learned=MS2), length)
+    need = -(-length // size)
+    assert len(sizes) == need + need % 2, sizes  # whole rounds of 2
+    assert max(sizes) - min(sizes) <= 1, sizes
+
+
+@pytest.mark.parametrize("first", ["generator", "list"])
+def test_a_map_plans_from_the_learned_rate_at_its_own_target(first: str) -> None:
+    """What a map learns is a rate, not a size: a list's map after a generator's starts
+    at MAP_CHUNK_SECONDS (it started at the generator's smaller chunks: 1.18 of ideal at
+    16 workers, against 1.05), a generator's after a list's at AUTO_CHUNK_SECONDS (it
+    started at the list's, with no rounds to even its end: 1.45)."""
+    per = 0.004  # calls that wait: the wall bounds rule (0.8 s for a list's, 0.2 s)
+    known = ChunkSizer(workers=16, length=None if first == "generator" else KNOWN)
+    known.learn(ran=50, seconds=50 * per, cpu=50 * 1e-5, nbytes=0)
+    learned = known.learned
+    assert learned is not None
+    as_list = ChunkSizer(workers=16, length=KNOWN, learned=learned)
+    as_generator = ChunkSizer(workers=16, length=None, learned=learned)
+    assert as_list.size == int(AUTO_CHUNK_WALL_SIZE / per)
+    assert as_generator.size == int(
+        AUTO_CHUNK_WALL_SIZE * AUTO_CHUNK_SECONDS / MAP_CHUNK_SECONDS / per
+    )
+    assert as_list.per_call == as_generator.per_call == per
+    # A generator's map sends no small chunk first: its chunks are small already.
+    calls = iter([(i,) for i in range(1000)])
+    assert len(as_generator.take(calls)) == as_generator.size
+
+
+def test_the_rate_kept_is_of_a_chunk_not_small_beside_the_target() -> None:
+    """A first map's one-call chunks, or a last chunk of a few calls, do not set the rate
+    the next map starts from."""
+    sizer = ChunkSizer(workers=2, length=KNOWN)
+    assert sizer.learned is None
+    sizer.learn(ran=1, seconds=0.002, cpu=0.002, nbytes=0)  # the first: all there is
+    assert sizer.learned == (1, 0.002, 0.002, 0)
+    sizer.learn(ran=100, seconds=0.2, cpu=0.2, nbytes=0)
+    sizer.learn(ran=1, seconds=0.01, cpu=0.01, nbytes=0)  # small beside the size: kept out
+    assert sizer.learned == (100, 0.2, 0.2, 0)
+
+
+def _pid_after(x: int, sleep: float) -> int:
+    time.sleep(sleep)
+    return os.getpid()
+
+
+def test_a_learned_maps_small_first_chunk_and_its_rest_run_on_one_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pool gives the next round's first chunk to the worker that ran the small one
+    (the least busy, of those the one whose queue changed longest ago): the rounds even."""
+    taken: list[list[int]] = []
+
+    class Recording(ChunkSizer):
+        def take(self, calls: Iterator[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
+            chunk = super().take(calls)
+            taken[-1].append(len(chunk))
+            return chunk
+
+    def made(*args: Any) -> ChunkSizer:
+        taken.append([])
+        return Recording(*args)
+
+    monkeypatch.setattr(mpexec._mapping, "ChunkSizer", made)
+    sleep = 0.001  # a 1 ms call: chunks of 256 (the cap), a small one of ~190 (0.2 s)
+    n = FIRST_SPLIT_CHUNKS * AUTO_CHUNK_MAX
+    with WorkerPool(2) as pool:
+        for _ in range(2):
+            pids = list(pool.map(_pid_after, range(n), itertools.repeat(sleep), timeout=T))
+    sizes = taken[-1]
+    assert sizes[0] < AUTO_CHUNK_MAX, sizes  # the small first chunk
+    assert abs(sizes[0] + sizes[2] - sizes[1]) <= 1, sizes  # with its rest, one of the plan
+    assert sum(sizes) == n
+    ends = list(itertools.accumulate(sizes))
+    first = set(pids[: ends[0]])
+    rest = set(pids[ends[1] : ends[2]])  # chunk 2: the next round's first, at 2 workers
+    assert len(first) == 1, (sizes, first)
+    assert rest == first, (sizes, first, rest)
+    assert set(pids[ends[0] : ends[1]]) != first  # the other worker ran the first round's other
 
 
 def test_the_rounds_are_of_the_chunks_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
