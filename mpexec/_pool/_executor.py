@@ -227,8 +227,10 @@ class WorkerPool(CallExecutor):
         kwargs: dict[str, Any],
         worker: int | None,
         hook: Callable[[UnitFuture], object],
+        *,
+        view: bool = True,
     ) -> None:
-        """``submit_call(view=True)`` for code built on the pool, with no ``Future``.
+        """``submit_call(view=view)`` for code built on the pool, with no ``Future``.
 
         ``hook(outcome)`` runs once the call settles, in the thread that
         settles it (the manager's, with the result; a thread that cancels or
@@ -240,7 +242,7 @@ class WorkerPool(CallExecutor):
         """
         if self._inline:
             raise ValueError("an inline pool runs calls in the caller: use submit_call")
-        self._submit(fn, args, call_arguments(fn, kwargs), worker, True, hook)
+        self._submit(fn, args, call_arguments(fn, kwargs), worker, view, hook)
 
     def _submit(
         self,

@@ -44,9 +44,9 @@ def set_worker_info(index: int, num_workers: int, seed: int, dataset: Any) -> No
     )
 
 
-def shared_fd_storage(fd: int, size: int) -> torch.UntypedStorage:
-    """torch's fd-backed shared storage (``is_shared()``): ``size`` bytes of a dup of ``fd``."""
-    return torch.UntypedStorage._new_shared_fd_cpu(fd, size)  # noqa: SLF001 - torch's fd-backed storage
+#: torch's fd-backed shared storage (``is_shared()``): ``(fd, size)``, ``size`` bytes of a
+#: dup of ``fd``. Named, not wrapped: a Python call less a batch.
+shared_fd_storage = torch.UntypedStorage._new_shared_fd_cpu  # noqa: SLF001 - torch's fd-backed storage
 
 
 def process_popen(process: Any) -> Any:

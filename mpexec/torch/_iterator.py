@@ -3,15 +3,19 @@
 Runs in the caller. Batch ``k`` goes to worker ``k mod n`` (skipping
 workers whose iterable dataset ended), as in ``torch.utils.data``; each is a
 call pinned to its worker (``_fetch.fetch``), whose result comes back as
-tensors over the worker's arena (``_tensors.from_wire``).
+tensors over the worker's arena (``_tensors.from_wire``). A batch's call has
+no ``Future``: the pool's thread hands its outcome to a hook that files it
+by the call's key and wakes the caller (:func:`_arrived`).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import queue
+import time
 import weakref
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from typing import Any
 
 from torch.utils.data import IterDataPipe, MapDataPipe
@@ -71,9 +75,13 @@ class WorkersIter(EpochIter):
         )
         method = _processes.start_method(loader.multiprocessing_context)
         self._pool = _processes.start_pool(config, method)
-        # batch position -> (worker, future of the batch, its indices), in the
-        # order sent: one dict for the iterator's life (its finalizer holds it).
-        self._tasks: dict[int, tuple[int, Future[Any], Any]] = {}
+        # batch position -> (worker, its indices, its call's key), in the order
+        # sent: one dict for the iterator's life (its finalizer holds it).
+        self._tasks: dict[int, tuple[int, Any, int]] = {}
+        self._keys = itertools.count()  # unique for the iterator's life: a late
+        # outcome of an epoch left early never passes for a batch of the next one.
+        self._outcomes: dict[int, Any] = {}
+        self._arrivals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._closer = weakref.finalize(self, _processes.close_pool, self._pool, self._tasks, True)
         # torch's iterator lists its worker processes; code written for it
         # joins them, or reads their pids and exit codes.
@@ -102,6 +110,10 @@ class WorkersIter(EpochIter):
         self.finished = False
         self._start_at(resume)
         self._tasks.clear()
+        # Outcomes of batches the last epoch left in flight land in its own dict.
+        self._outcomes = {}
+        self._arrivals = queue.SimpleQueue()
+        self._hook = functools.partial(_arrived, self._outcomes, self._arrivals.put)
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         # Batch k goes to worker k mod n; a resumed epoch starts where it stopped.
@@ -125,7 +137,7 @@ class WorkersIter(EpochIter):
             ]
             for worker, future in resumed:
                 self._wait_one(future, -1, worker)
-                self._outcome(future, -1, worker, None)
+                self._outcome(read_settled(future), -1, worker, None)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
@@ -161,15 +173,18 @@ class WorkersIter(EpochIter):
                 break
         else:
             return
+        key = next(self._keys)
         try:
-            future = self._pool.submit_call(_fetch.fetch, (index,), worker=worker)
+            self._pool.submit_hooked(
+                _fetch.fetch, (index,), {}, worker, functools.partial(self._hook, key), view=False
+            )
         except BrokenPoolError as exc:  # a worker died since the last result
             err = self._crashed(exc, -1, worker, None)
             self._shutdown_workers()
             if err is exc:  # not a crash (a worker that could not start): its own cause stays
                 raise
             raise err from exc
-        self._tasks[self._position] = (worker, future, index)
+        self._tasks[self._position] = (worker, index, key)
         self._workers_num_tasks[worker] += 1
 
     def _next_data(self) -> Any:
@@ -180,15 +195,20 @@ class WorkersIter(EpochIter):
                 raise StopIteration
             if self._in_order:
                 position = next(iter(self._tasks))
-                worker, future, index = self._tasks[position]
-                # Timed out: the batch stays first in line, for the next call (as torch).
-                self._wait_one(future, position, worker)
+                worker, index, key = self._tasks[position]
+                outcome = self._outcomes.pop(key, None)
+                if outcome is None:
+                    # Timed out: the batch stays first in line, for the next call (as torch).
+                    outcome = self._await(position, worker, key)
             else:
                 position = self._first_done()
-                worker, future, index = self._tasks[position]
+                worker, index, key = self._tasks[position]
+                outcome = self._outcomes.pop(key)
             del self._tasks[position]
             self._workers_num_tasks[worker] -= 1
-            data = self._outcome(future, position, worker, index)
+            exc = outcome.exception()  # _read's, inline: a call less a batch
+            settled = (None, exc) if exc is not None else (outcome.result(), None)
+            data = self._outcome(settled, position, worker, index)
             if data is _fetch.ENDED:  # this worker's iterable dataset is exhausted
                 self._workers_status[worker] = False
                 self._progress.ended.add(worker)
@@ -217,21 +237,47 @@ class WorkersIter(EpochIter):
         if not wait_settled(future, self._timeout or None):
             raise self._timed_out(position, worker)
 
-    def _wait(self, futures: list[Future[Any]], position: int, worker: int) -> None:
-        done, _ = wait(futures, timeout=self._timeout or None, return_when=FIRST_COMPLETED)
-        if not done:
-            raise self._timed_out(position, worker)
+    def _await(self, position: int, worker: int, key: int) -> Any:
+        """The outcome of the call ``key`` (batch ``position``), once the pool's thread files it.
+
+        Asleep on the arrivals' queue (the GIL released, a Ctrl-C raised here);
+        each arrival wakes it once, whichever batch it is. Past the loader's
+        timeout, torch's timeout error: the batch's outcome still lands.
+        """
+        outcomes, get = self._outcomes, self._arrivals.get
+        deadline = time.monotonic() + self._timeout if self._timeout else None
+        while key not in outcomes:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise self._timed_out(position, worker)
+            try:  # noqa: SIM105 - suppress() costs three Python calls a wake-up
+                get(timeout=left)
+            except queue.Empty:
+                pass
+        return outcomes.pop(key)
 
     def _first_done(self) -> int:
-        futures = {future: p for p, (_, future, _) in self._tasks.items()}
+        """The first batch sent whose outcome is in (``in_order=False``), once one is."""
+        outcomes, get = self._outcomes, self._arrivals.get
         first = next(iter(self._tasks))
-        self._wait(list(futures), first, self._tasks[first][0])
-        return min(futures[f] for f in futures if f.done())
+        deadline = time.monotonic() + self._timeout if self._timeout else None
+        while True:
+            for position, (_, _, key) in self._tasks.items():
+                if key in outcomes:
+                    return position
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise self._timed_out(first, self._tasks[first][0])
+            try:  # noqa: SIM105 - suppress() costs three Python calls a wake-up
+                get(timeout=left)
+            except queue.Empty:
+                pass
 
-    def _outcome(self, future: Future[Any], position: int, worker: int, index: Any) -> Any:
+    def _outcome(
+        self, settled: tuple[Any, BaseException | None], position: int, worker: int, index: Any
+    ) -> Any:
         """A finished task's payload; its error, raised (a dead worker ends the epoch)."""
-        # Settled: read without the pool future's poll checks.
-        data, exc = read_settled(future)
+        data, exc = settled
         if isinstance(exc, BrokenPoolError):
             err = self._crashed(exc, position, worker, index)
             self._shutdown_workers()
@@ -260,10 +306,11 @@ class WorkersIter(EpochIter):
         worker = pids.index(exc.pid) if exc.pid in pids else task_worker
         # Calls pinned to a worker run in order: the dead one was running the
         # first of its calls that had not finished.
+        outcomes = self._outcomes
         mine = [
             (p, i)
-            for p, (w, f, i) in self._tasks.items()
-            if w == worker and not (f.done() and f.exception() is None)
+            for p, (w, i, key) in self._tasks.items()
+            if w == worker and not (key in outcomes and _read(outcomes[key])[1] is None)
         ]
         if position >= 0 and task_worker == worker:
             mine.append((position, index))
@@ -318,6 +365,23 @@ class WorkersIter(EpochIter):
 
     def __len__(self) -> int:
         return len(self._index_sampler)
+
+
+def _arrived(outcomes: dict[int, Any], put: Any, key: int, outcome: Any) -> None:
+    """A batch's call settled (in the pool's thread): its outcome filed, the caller woken."""
+    outcomes[key] = outcome
+    put(key)
+
+
+def _read(outcome: Any) -> tuple[Any, BaseException | None]:
+    """``(result, None)`` or ``(None, exception)`` of a settled batch's outcome (what the pool
+    hands a hook: ``exception()`` and ``result()`` as a done ``Future``'s).
+
+    Raises ``CancelledError`` for a cancelled one (its epoch was stopped), as
+    ``Future.result()`` does.
+    """
+    exc = outcome.exception()
+    return (None, exc) if exc is not None else (outcome.result(), None)
 
 
 def _snapshots(resume: Resume | None, num_workers: int) -> dict[int, Any] | None:

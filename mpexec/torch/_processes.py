@@ -13,7 +13,6 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-from concurrent.futures import Future, wait
 from multiprocessing import connection as _mp_connection
 from typing import Any
 
@@ -104,21 +103,19 @@ def close_pool(pool: WorkerPool, tasks: dict[int, Any], background: bool) -> Non
     Called as the iterator's finalizer (``background``), the waiting happens
     in a thread of its own: dropping an iterator never blocks.
     """
-    running = [f for _, f, _ in tasks.values() if not f.cancel() and not f.done()]
-    tasks.clear()  # the prefetched batches go now
+    tasks.clear()
     if background:
         threading.Thread(
-            target=_stop_pool, args=(pool, running), name="mpexec-loader-stop", daemon=True
+            target=_stop_pool, args=(pool,), name="mpexec-loader-stop", daemon=True
         ).start()
     else:
-        _stop_pool(pool, running)
+        _stop_pool(pool)
 
 
-def _stop_pool(pool: WorkerPool, running: list[Future[Any]]) -> None:
-    _, stuck = wait(running, timeout=_STOP_GRACE)
-    running.clear()  # their batches too
-    # Nothing left to run: shutdown(wait=True) gives the idle workers their grace.
-    pool.shutdown(wait=not stuck, cancel_futures=True)
+def _stop_pool(pool: WorkerPool) -> None:
+    # Calls not started are cancelled; the ones running get the grace, then
+    # their workers are terminated (and the calls fail, unread).
+    pool.shutdown(wait=True, cancel_futures=True, grace=_STOP_GRACE)
 
 
 def processes(pool: WorkerPool) -> list[WorkerProcess]:

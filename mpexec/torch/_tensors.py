@@ -83,8 +83,10 @@ def to_wire(data: Any) -> Any:
 
 def from_wire(data: Any) -> Any:
     """``data`` with each :class:`WireTensor` a tensor over its memory again."""
-    if type(data) is WireTensor:  # a batch of one tensor: no walk
-        return _tensor_in(data)
+    if type(data) is WireTensor:  # a batch of one tensor: no walk, _tensor_in inline
+        array = data.array
+        tensor = _shared_tensor(array)
+        return tensor if tensor is not None else tag(torch.from_numpy(array), array)
     return walk(data, WireTensor, _tensor_in)
 
 

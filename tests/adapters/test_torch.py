@@ -13,6 +13,7 @@ import random
 import signal
 import sys
 import textwrap
+import threading
 import time
 import traceback
 import weakref
@@ -459,15 +460,19 @@ def test_a_workers_segment_is_opened_once_for_all_its_batches(monkeypatch: Any) 
 
 
 class CountingDataset(Dataset):  # type: ignore[type-arg]
-    """Samples of 64 KiB, each holding how many samples were alive when it was made."""
+    """Samples of 64 KiB (or ``size`` floats), each holding how many samples were alive when
+    it was made."""
 
     alive = 0
+
+    def __init__(self, size: int = 16384) -> None:
+        self.size = size
 
     def __len__(self) -> int:
         return 24
 
     def __getitem__(self, i: int) -> Any:
-        x = np.full(16384, CountingDataset.alive, np.float32)
+        x = np.full(self.size, CountingDataset.alive, np.float32)
         CountingDataset.alive += 1
         weakref.finalize(x, _one_less)
         return x
@@ -477,28 +482,60 @@ def _one_less() -> None:
     CountingDataset.alive -= 1
 
 
-def test_in_order_batches_wait_on_their_own_future(monkeypatch: Any) -> None:
-    # concurrent.futures.wait() installed a waiter (an Event, a Condition) on
-    # every batch's future: ~40 Python calls a batch, run cold at 2 workers.
-    from mpexec.torch import _iterator
+def test_batches_come_back_by_hook_without_a_future(monkeypatch: Any) -> None:
+    # A Future a batch (its condition made, taken, notified on both threads,
+    # concurrent.futures.wait()'s waiter before that) was ~30 Python calls a
+    # batch, run cold at 2 workers: a batch's call hands its outcome to a hook.
+    futures: list[Any] = []
+    real = mpexec.WorkerPool.submit_call
 
-    waited: list[Any] = []
-    real = _iterator.wait
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        futures.append(args)
+        return real(self, *args, **kwargs)
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        waited.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_iterator, "wait", counted)
+    monkeypatch.setattr(mpexec.WorkerPool, "submit_call", counted)
     data = TensorDataset(torch.arange(96))
-    for timeout in (0, 30):
+    for timeout, in_order in ((0, True), (30, True), (30, False)):
         loader = mt.DataLoader(
-            data, batch_size=8, num_workers=2, persistent_workers=True, timeout=timeout
+            data,
+            batch_size=8,
+            num_workers=2,
+            persistent_workers=True,
+            timeout=timeout,
+            in_order=in_order,
         )
-        for _ in range(2):  # the second epoch waits for each worker's resume too
-            assert torch.cat([b for (b,) in loader]).tolist() == list(range(96))
+        for _ in range(2):  # a map-style dataset's second epoch resumes no worker
+            got = torch.cat([b for (b,) in loader]).tolist()
+            assert (got if in_order else sorted(got)) == list(range(96))
         del loader
-    assert waited == []
+    assert futures == []
+
+
+class Slow(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(0.4)
+        return i
+
+
+def test_ctrl_c_while_waiting_for_a_batch_raises_there_and_loses_it_not() -> None:
+    # The caller sleeps on the arrivals' queue: a SIGINT wakes it at once, and the
+    # batch, filed when it comes, is the next next()'s.
+    it = iter(mt.DataLoader(Slow(), batch_size=2, num_workers=1))
+    timer = threading.Timer(
+        0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
+    )
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        assert time.monotonic() - start < 0.75  # raised asleep, not once the batch came
+    finally:
+        timer.join()
+    assert [b.tolist() for b in it] == [[0, 1], [2, 3]]
 
 
 def test_single_array_samples_are_stacked_as_they_come() -> None:
@@ -509,6 +546,17 @@ def test_single_array_samples_are_stacked_as_they_come() -> None:
     assert [b.shape for b in batches] == [(8, 16384)] * 3
     assert all(b.max().item() == 0 for b in batches), [b[:, 0].tolist() for b in batches]
     assert all(mapping_of(b.data_ptr()) == ("rw-s", True) for b in batches)  # no copy
+
+
+def test_small_samples_are_stacked_once_a_batch() -> None:
+    # Under _fetch.ROWS_MIN a row's checks and copy cost more than the batch held
+    # twice: the samples go to default_collate together, as in torch.
+    size = _fetch.ROWS_MIN // 4 - 1
+    loader = mt.DataLoader(CountingDataset(size), batch_size=8, num_workers=2)
+    batches = list(loader)
+    assert [b.shape for b in batches] == [(8, size)] * 3
+    assert all(b[:, 0].tolist() == list(range(8)) for b in batches), [b[:, 0] for b in batches]
+    assert all(mapping_of(b.data_ptr()) == ("rw-s", True) for b in batches)  # stacked in the arena
 
 
 class ArenaSetting(Dataset):  # type: ignore[type-arg]
@@ -641,13 +689,18 @@ def test_a_persistent_epoch_resumes_only_workers_with_something_to_do(
     workers get no resume round trip (a barrier before any batch, 15-40 ms at 64
     workers). An iterable dataset's each call iter() on it anew: each is resumed."""
     sent: list[str] = []
-    real = mpexec.WorkerPool.submit_call
+    real, hooked = mpexec.WorkerPool.submit_call, mpexec.WorkerPool.submit_hooked
 
     def counted(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
         sent.append(fn.__name__)
         return real(self, fn, *args, **kwargs)
 
+    def counted_hooked(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(fn.__name__)
+        return hooked(self, fn, *args, **kwargs)
+
     monkeypatch.setattr(mpexec.WorkerPool, "submit_call", counted)
+    monkeypatch.setattr(mpexec.WorkerPool, "submit_hooked", counted_hooked)
     data = ShardedStream(0, 12) if iterable else Failing(99)
     loader = mt.DataLoader(data, batch_size=2, num_workers=2, persistent_workers=True)
     first = [b["i"].tolist() for b in loader] if iterable else [b.tolist() for b in loader]
@@ -942,4 +995,4 @@ def test_a_contiguous_batch_becomes_a_shared_tensor_in_few_calls() -> None:
             assert np.array_equal(t.numpy(), a)
         del got, wires, t, a, arrays, odd
         gc.collect()
-    assert per_batch <= 8, per_batch  # 21 before
+    assert per_batch <= 6, per_batch  # 21 before; 8 before _tensor_in inline

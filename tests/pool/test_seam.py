@@ -83,6 +83,26 @@ def test_view_results_are_read_only_views_uncopied(how: str) -> None:
             assert np.array_equal(own, x[1:])
 
 
+@pytest.mark.parametrize("view", [True, False])
+def test_a_hooked_calls_view_result_is_a_view_or_the_callers_own(view: bool) -> None:
+    # submit_hooked hands a pipeline's units back as views (view=True, its default);
+    # the torch drop-in's batches with view=False, as submit_call does: a slice
+    # of shared memory becomes the caller's own writable copy.
+    outcomes: list[Any] = []
+    with WorkerPool(1) as pool:
+        x = pool.put(np.arange(100_000, dtype=np.float64))
+        kwargs = {} if view else {"view": False}
+        pool.submit_hooked(_tail, (x,), {}, None, outcomes.append, **kwargs)
+        deadline = time.monotonic() + T
+        while not outcomes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = outcomes[0].result()
+        assert np.array_equal(got, x[1:])
+        assert got.flags.writeable is not view
+        assert shm.in_shared_memory(got) is view
+        del got, outcomes[:]
+
+
 def test_a_view_result_is_a_view_even_when_it_beats_its_task_to_the_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
