@@ -81,21 +81,60 @@ class FreeList:
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return a block given by :meth:`allocate`, merging it with free neighbours."""
+        self.free_last([(offset, nbytes)])
+
+    def free_last(self, blocks: list[tuple[int, int]]) -> None:
+        """Free the last ``(offset, nbytes)`` of ``blocks`` and drop it from ``blocks``,
+        as one step: an interrupt leaves it either there or freed, never half.
+
+        Everything is looked up first, then changed with no call in between
+        (CPython raises a ``KeyboardInterrupt`` only as a call starts or returns,
+        or at a loop's jump back; 3.10 at a taken jump too): a release that a
+        Ctrl-C cut short is finished by freeing what is left in ``blocks``.
+        """
+        offset, nbytes = blocks[-1]
         size = self.round(nbytes)
         if self._used.get(offset) != size:
             raise ValueError(f"double or bad free of [{offset}, {offset + size})")
+        by_size = self._by_size
+        end = offset + size
+        before = self._end.get(offset)  # the start of a free block ending at offset
+        after = self._start.get(end)  # the size of a free block starting at end
+        start = offset if before is None else before
+        stop = end if after is None else end + after
+        # Both neighbours sort before the merged block (same start, or smaller size).
+        at = bisect.bisect_left(by_size, (stop - start, start))
+        if before is None:
+            i = -1
+        else:
+            i = bisect.bisect_left(by_size, (offset - before, before))
+            at -= 1
+        if after is None:
+            j = -1
+        else:
+            j = bisect.bisect_left(by_size, (after, end))
+            at -= 1
+        # From here to the end: no call.
         del self._used[offset]
         self.free_bytes += size
-        before = self._end.get(offset)
+        if i > j:  # the later one first: the earlier keeps its index
+            del by_size[i]
+            if j >= 0:
+                del by_size[j]
+        elif j >= 0:
+            del by_size[j]
+            if i >= 0:
+                del by_size[i]
         if before is not None:
-            self._remove(before)
-            size += offset - before
-            offset = before
-        after_size = self._start.get(offset + size)
-        if after_size is not None:
-            self._remove(offset + size)
-            size += after_size
-        self._insert(offset, size)
+            del self._start[before]
+            del self._end[offset]
+        if after is not None:
+            del self._start[end]
+            del self._end[stop]
+        by_size[at:at] = ((stop - start, start),)
+        self._start[start] = stop - start
+        self._end[stop] = start
+        del blocks[-1]
 
     @property
     def largest_free(self) -> int:

@@ -102,6 +102,8 @@ def _compact(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], tuple[int
     return core, tuple(0 if b else next(it) for b in broadcast)
 
 
+_NOWAIT = (False,)  # lock.acquire(False), by map (see Arena._drain_deferred)
+
 __all__ = ["FIRST_COMMIT", "Arena", "ArenaStats"]  # FIRST_COMMIT: importable here, as before
 
 
@@ -195,7 +197,8 @@ class Arena(Blocks):
         self._discard: list[tuple[Seg, int, int]] = []
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._deferred: collections.deque[int] = collections.deque()
+        # Views' releases (alloc ids; an Alloc once its reference is dropped).
+        self._deferred: collections.deque[int | Alloc] = collections.deque()
         self._segs: list[Seg] = []
         self._allocs: dict[int, Alloc] = {}
         self._proxies: dict[int, Alloc] = {}  # id(source anchor) -> its proxy
@@ -622,7 +625,8 @@ class Arena(Blocks):
             if take_export:
                 alloc.exported -= 1
                 self._exported -= 1
-        on_release(anchor, self._released, alloc.id)
+        # Queued by a C call (see on_release): an interrupt as it fires loses nothing.
+        on_release(anchor, self._deferred.append, alloc.id, then=self._drain_deferred)
         view = build_view(anchor, dtype, shape, strides, start)
         anchor.first = weakref.ref(view)
         anchor.first_start = start
@@ -653,21 +657,41 @@ class Arena(Blocks):
         )
 
     # ------------------------------------------------------------- releasing
-    def _released(self, alloc_id: int) -> None:
-        """Finalizer of a local view: queue, then drain only if the lock is free."""
-        self._deferred.append(alloc_id)
-        self._drain_deferred()
-
     def _drain_deferred(self) -> None:
-        while self._deferred and self._lock.acquire(blocking=False):
-            try:
-                while self._deferred:
-                    alloc = self._allocs.get(self._deferred.popleft())
-                    if alloc is not None:
-                        alloc.local -= 1
+        """Apply the releases that views' finalizers queued, unless the lock is taken.
+
+        Never blocks (a finalizer runs wherever the interpreter is, perhaps
+        with the lock held in this thread). Each is looked at, applied, and
+        only then taken off the queue; the view's reference is dropped in a
+        step with no call (where no ``KeyboardInterrupt`` lands), marking it
+        done by putting its allocation in place of its id. A Ctrl-C anywhere
+        leaves it to the next drain, which finishes it (``_maybe_free`` can
+        complete a free cut short) and never drops a reference twice.
+        """
+        deferred = self._deferred
+        while deferred:
+            # Taken by a for loop's step, not by a call: an interrupt can land as a
+            # call returns, and the lock would stay taken for good.
+            for taken in map(self._lock.acquire, _NOWAIT):
+                try:
+                    if not taken:
+                        return
+                    while deferred:
+                        entry = deferred[0]
+                        if isinstance(entry, int):
+                            alloc = self._allocs.get(entry)
+                            if alloc is None:
+                                deferred.popleft()
+                                continue
+                            alloc.local -= 1
+                            deferred[0] = alloc
+                        else:
+                            alloc = entry
                         self._maybe_free(alloc)
-            finally:
-                self._lock.release()
+                        deferred.popleft()
+                finally:
+                    if taken:
+                        self._lock.release()
 
     def link(self, ring: Ring | None = None, capacity: int = 4096) -> Ring:
         """A ring through which one other process returns its views' references.

@@ -70,7 +70,7 @@ class Alloc:
 
 
 class Seg:
-    __slots__ = ("committed", "free", "holes", "live", "open", "parked", "ro", "rw")
+    __slots__ = ("committed", "free", "holes", "live", "open", "parked", "returning", "ro", "rw")
 
     def __init__(self, segment: Segment, open_to_peers: bool, committed: int) -> None:
         self.rw = segment
@@ -85,13 +85,28 @@ class Seg:
         # or result, call after call): merging it into the free list and
         # splitting it off again costs more than the rest of an allocation.
         self.parked: tuple[int, int] | None = None  # (offset, size)
+        # Blocks no allocation holds, on their way to the free list (see give_back).
+        self.returning: list[tuple[int, int]] = []
 
     def unpark(self) -> None:
         """Give the parked block back to the free list."""
-        if self.parked is not None:
-            offset, size = self.parked
+        parked = self.parked
+        if parked is not None:
             self.parked = None
-            self.free.free(offset, size)
+            self.returning += (parked,)  # (no call between: see give_back)
+        self.give_back()
+
+    def give_back(self) -> None:
+        """Free the blocks in :attr:`returning`.
+
+        A block leaves its allocation (or the parked place) for this list in a
+        step with no call in it, and leaves the list as it is freed
+        (``FreeList.free_last``): a Ctrl-C anywhere leaves it in one of the
+        three, never lost nor freed twice, and the next call finishes the job.
+        """
+        returning = self.returning
+        while returning:
+            self.free.free_last(returning)
 
 
 def new_segment(size: int, backend: str | None, sealed: bool) -> Seg:
@@ -235,24 +250,49 @@ class Blocks:
         )
 
     def _maybe_free(self, alloc: Alloc) -> None:
+        """Free ``alloc`` if nothing holds it any more; again, to finish one cut short.
+
+        Its bookkeeping changes in one step with no call in it (where no
+        ``KeyboardInterrupt`` can land: see ``FreeList.free_last``), its block
+        then goes back through :meth:`Seg.give_back`: an interrupt anywhere
+        leaves a state that a second call, with the same ``alloc``, completes.
+        """
         if alloc.local > 0 or alloc.exported > 0:
             return
-        del self._allocs[alloc.id]
-        if alloc.seg is None:
+        seg = alloc.seg
+        if self._allocs.get(alloc.id) is not alloc:
+            if seg is not None:
+                seg.give_back()  # freed already, perhaps its block not yet
+            return
+        if seg is None:
             # A proxy: let go of the source, whose finalizer returns the memory
             # to its owner. That finalizer never waits on a lock, so it may run here.
-            del self._proxies[id(alloc.source)]
+            key = id(alloc.source)
+            del self._proxies[key]
+            del self._allocs[alloc.id]
             alloc.source = None
             return
-        seg = alloc.seg
-        seg.live -= 1
-        self._in_use -= alloc.size
+        block = (alloc.offset, alloc.size)
         if self.discard_min is None or alloc.size < self.discard_min:
-            seg.unpark()
-            seg.parked = (alloc.offset, alloc.size)
+            parked = seg.parked
+            # One step, no call: parked for the next allocation of its size, the
+            # block it replaces on its way back.
+            del self._allocs[alloc.id]
+            seg.live -= 1
+            self._in_use -= alloc.size
+            seg.parked = block
+            if parked is not None:
+                seg.returning += (parked,)
         else:
-            seg.free.free(alloc.offset, alloc.size)
             lo = round_up(alloc.offset, PAGE_SIZE)
             hi = (alloc.offset + alloc.size) // PAGE_SIZE * PAGE_SIZE
-            if hi > lo:
-                self._discard.append((alloc.seg, lo, hi))
+            pages = ((seg, lo, hi),) if hi > lo else ()
+            # One step, no call (as above).
+            del self._allocs[alloc.id]
+            seg.live -= 1
+            self._in_use -= alloc.size
+            seg.returning += (block,)
+            self._discard += pages
+        returning = seg.returning  # (Seg.give_back, inline: a release a call)
+        while returning:
+            seg.free.free_last(returning)

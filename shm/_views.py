@@ -322,7 +322,7 @@ class Anchor:
 
 
 class _Release(weakref.ref):  # type: ignore[type-arg]
-    """Calls ``fn(*args)`` once its anchor is gone: a lean ``weakref.finalize``.
+    """Calls ``fn(*args)``, then ``then()``, once its anchor is gone: a lean ``weakref.finalize``.
 
     Every view opened or made costs one, so it does only what a release needs
     (``weakref.finalize`` costs 3x as much to make and fire). As with
@@ -330,9 +330,10 @@ class _Release(weakref.ref):  # type: ignore[type-arg]
     torn down), and never after.
     """
 
-    __slots__ = ("args", "fn")
+    __slots__ = ("args", "fn", "then")
     fn: Any
     args: tuple[Any, ...]
+    then: Any
 
 
 # Made, not fired yet: the refs must stay alive to fire. By id: weak references
@@ -342,12 +343,19 @@ _exit_hooked = False
 _exited = False
 
 
-def on_release(anchor: Anchor, fn: Any, *args: Any) -> _Release:
-    """Call ``fn(*args)`` when ``anchor`` (the last view of its bytes) is gone."""
+def on_release(anchor: Anchor, fn: Any, *args: Any, then: Any = None) -> _Release:
+    """Call ``fn(*args)``, then ``then()``, when ``anchor`` (the last view of its bytes) is gone.
+
+    A Ctrl-C can land as ``fn`` starts (a Python function's first line) and is
+    then printed and forgotten (a finalizer's): a release that must not be
+    lost makes ``fn`` a C function that records it (a queue's ``append``, done
+    before any interrupt can land) and ``then`` what acts on the record.
+    """
     global _exit_hooked
     ref = _Release(anchor, _fire)
     ref.fn = fn
     ref.args = args
+    ref.then = then
     _pending[id(ref)] = ref
     if not _exit_hooked:
         _exit_hooked = True
@@ -356,20 +364,26 @@ def on_release(anchor: Anchor, fn: Any, *args: Any) -> _Release:
 
 
 def _fire(ref: _Release) -> None:
-    # Popped atomically: a release runs once, here or at exit.
-    if _pending.pop(id(ref), None) is not None and not _exited:
-        ref.fn(*ref.args)
+    if _exited:
+        return
+    # Claimed by taking its function, with no call between the claim and the
+    # call (where an interrupt could land): it runs once, here or at exit.
+    fn, ref.fn = ref.fn, None
+    try:
+        if fn is not None:
+            fn(*ref.args)
+            if ref.then is not None:
+                ref.then()
+    finally:
+        _pending.pop(id(ref), None)
 
 
 def _fire_all() -> None:
     """At exit: run the pending releases now, as ``weakref.finalize`` does."""
     global _exited
-    for key in list(_pending):
-        ref = _pending.pop(key, None)
-        if ref is None:
-            continue
+    for ref in list(_pending.values()):
         try:
-            ref.fn(*ref.args)
+            _fire(ref)
         except Exception:
             sys.excepthook(*sys.exc_info())
     _exited = True

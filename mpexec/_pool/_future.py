@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import shm
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _POLL_SECONDS = 1e-3  # how long result() polls for a quick call's result
+_GATE_SECONDS = 0.1  # how long a waiter sleeps on its gate before it looks again
 _PUSH_SECONDS = 5.0  # how long a cancellation waits for room in a task ring
 _LOGGER = logging.getLogger("concurrent.futures")  # where Future logs its callbacks' errors
 
@@ -149,9 +151,10 @@ class PoolFuture(Future[T]):
     needs) between polls, and sleeps only if the result is slow to come. It
     polls only while recent calls on the pool came back within that moment,
     and only one waiting thread of the pool at a time: the others sleep on
-    their future's condition (so N threads may wait in ``result()`` at once).
-    The waiter never touches the pool's state: a Ctrl-C in ``result()`` can
-    interrupt nothing but its own wait.
+    their future's gate (so N threads may wait in ``result()`` at once).
+    The waiter never touches the pool's state nor takes the future's
+    condition (which the manager takes to settle it): a Ctrl-C in
+    ``result()`` can interrupt nothing but its own wait.
     """
 
     _mp_link: CallLink  # set by its Task, at once
@@ -181,8 +184,8 @@ class PoolFuture(Future[T]):
     def running(self) -> bool:
         """True once a worker has started the call (not merely received it)."""
         slot = self._mp_link.slot
-        if slot is None or self.done():
-            return super().running()
+        if slot is None or self._state in _SETTLED:
+            return self._state == "RUNNING"  # (Future's, with no lock taken)
         try:
             return slot.done.progress() >= self._mp_link.seq
         except (ValueError, TypeError):  # pragma: no cover - its rings released
@@ -206,17 +209,34 @@ class PoolFuture(Future[T]):
                 return cancel_now(self)
             return cancel_pushed(slot, link.seq, self)
 
+    def _condition_lock(self) -> Any:
+        """The lock of its condition, for a ``with``: taken with no window.
+
+        ``with self._condition`` takes it in ``Condition.__enter__``, a Python
+        function: a Ctrl-C as its acquire returns (a point where CPython raises
+        one) leaves the lock taken for good, and the manager hangs settling the
+        future. ``with`` on the lock itself calls its C ``__enter__``, with no
+        such point between the acquire and the block.
+        """
+        return self._condition._lock  # type: ignore[attr-defined]  # noqa: SLF001 - Condition's
+
     def cancel_unsent(self) -> bool:
         """Cancel it (no worker will run it) and wake its waiters at once."""
         # Future.cancel() leaves waiters asleep until set_running_or_notify_cancel(),
-        # which only the standard executors call: the future's own condition is the
-        # one lock that makes the two steps one.
-        with self._condition:
-            if not Future.cancel(self):
+        # which only the standard executors call: both steps here, as one. Under the
+        # condition's lock itself, taken by ``with`` (see _condition_lock).
+        with self._condition_lock():
+            state = self._state
+            if state in ("RUNNING", "FINISHED"):
                 return False
-            if self._state == "CANCELLED":  # not yet CANCELLED_AND_NOTIFIED
-                self.set_running_or_notify_cancel()
-            return True
+            if state in _SETTLED:
+                return True  # cancelled already
+            self._state = "CANCELLED_AND_NOTIFIED"
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            self._condition.notify_all()
+        self._invoke_callbacks()  # type: ignore[attr-defined]
+        return True
 
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
         """As ``Future``'s; a callback run by the pool's thread cannot stop the pool.
@@ -227,48 +247,127 @@ class PoolFuture(Future[T]):
         naming the callback, and the pool lives on. In the thread that added
         the callback (a callback run at once, or by ``cancel()``) it propagates.
         """
-        super().add_done_callback(_GuardedCallback(fn))
+        guarded = _GuardedCallback(fn)
+        with self._condition_lock():
+            if self._state not in _SETTLED:
+                self._done_callbacks.append(guarded)  # type: ignore[attr-defined]
+                return
+        try:
+            guarded(self)
+        except Exception:
+            _LOGGER.exception("exception calling callback for %r", self)
+
+    def done(self) -> bool:
+        """As ``Future``'s, with no lock taken (see :meth:`settled`)."""
+        return self._state in _SETTLED
 
     def result(self, timeout: float | None = None) -> T:
         __tracebackhide__ = True  # the caller sees the call's error, not this re-raise
+        value, exc = self._wait(timeout)
+        if exc is None:
+            return value  # type: ignore[no-any-return]
         try:
-            return super().result(self._poll(timeout))
-        except Exception as exc:
             # The same exception, its own __cause__ kept (a user sees this line).
-            raise for_caller(exc)  # noqa: B904
+            raise for_caller(exc) if isinstance(exc, Exception) else exc
+        finally:
+            # As Future.result: this frame, in the traceback, would keep the future
+            # (which holds the exception) alive in a cycle.
+            self = exc = None  # type: ignore[assignment]  # noqa: PLW0642
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._poll(timeout))
+        return self._wait(timeout)[1]
+
+    def _wait(self, timeout: float | None) -> tuple[Any, BaseException | None]:
+        """Its outcome once settled, waiting up to ``timeout``, never holding ``_condition``.
+
+        ``Future.result()`` takes the future's condition, and a Ctrl-C as its
+        acquire returns (``Condition.__enter__``, ``Condition.wait``) leaves it
+        held for good: the manager, settling the future, then blocks on it and
+        the whole pool hangs. Here the waiter reads the state lock-free and
+        sleeps on a gate of its own (see :class:`_Gate`) that only the manager
+        releases; an interrupt anywhere here leaves nothing the manager needs.
+        """
+        got = self.outcome()
+        if got is None:
+            left = self._poll(timeout)
+            if self._state not in _SETTLED:
+                self.block(left)
+            got = self.outcome()
+            if got is None:
+                raise FuturesTimeoutError
+        return got
+
+    def block(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` for it to settle, asleep on its gate (no poll, no lock
+        the manager takes: a Ctrl-C anywhere here leaves the pool working)."""
+        gate: _Gate | None = self.__dict__.get("_mp_gate")
+        if gate is None:
+            new = _Gate()
+            # Registered before it is published: a gate others find is always one
+            # the manager will open (an interrupt in between leaves a spare).
+            self._waiters.append(new)  # type: ignore[arg-type]
+            gate = self.__dict__.setdefault("_mp_gate", new)
+        end = None if timeout is None else time.monotonic() + timeout
+        lock = gate.lock
+        while self._state not in _SETTLED:
+            # Bounded: a waiter interrupted between its acquire and release holds
+            # the gate shut for the others; they find the state settled on waking.
+            wait = _GATE_SECONDS if end is None else min(_GATE_SECONDS, end - time.monotonic())
+            if wait <= 0:
+                return
+            if lock.acquire(timeout=wait):
+                lock.release()  # open again, for the next waiter
+                return
 
     def _poll(self, timeout: float | None) -> float | None:
         """Poll for up to the pool's budget; the caller's ``timeout`` left over."""
         state = self._mp_link.state
-        if state is not None and state.pid != _pid.pid and not self.done():
+        if state is not None and state.pid != _pid.pid and self._state not in _SETTLED:
             # No manager thread here will ever complete it: refuse, never hang.
             raise forked_error(state.pid, "a Future of a WorkerPool")
         if (
             state is None
             or state.latency > _POLL_SECONDS
-            or self.done()
+            or self._state in _SETTLED
             or state.manager_ident == threading.get_ident()
         ):
             return timeout
         # One waiter of the pool's polls at a time: N threads polling at once (a
         # TF map's N calls) would take the CPU and the GIL from the manager
-        # thread that completes their futures. The others sleep on the condition.
-        polling = state.polling
-        if not polling.acquire(blocking=False):
+        # thread that completes their futures. The others sleep on their gate.
+        # A deadline, not a lock: one an interrupt leaves set lapses by itself.
+        start = time.perf_counter()
+        if state.polling_until > start:
             return timeout
-        try:
-            start = time.perf_counter()
-            end = start + (_POLL_SECONDS if timeout is None else min(timeout, _POLL_SECONDS))
-            while not self.done() and time.perf_counter() < end:
-                os.sched_yield()
-        finally:
-            polling.release()
+        end = start + (_POLL_SECONDS if timeout is None else min(timeout, _POLL_SECONDS))
+        state.polling_until = end
+        while self._state not in _SETTLED and time.perf_counter() < end:
+            os.sched_yield()
+        state.polling_until = 0.0
         if timeout is None:
             return None
         return max(0.0, timeout - (time.perf_counter() - start))
+
+
+class _Gate:
+    """What a :class:`PoolFuture`'s waiters sleep on: a lock shut until the future settles.
+
+    One of the future's ``_waiters`` (as ``concurrent.futures.wait`` adds its
+    own), so the manager opens it as it settles the future, under the future's
+    condition; a waiter takes it and gives it back at once. Nobody but the
+    manager ever waits on a lock the manager takes.
+    """
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def add_result(self, future: Future[Any]) -> None:
+        self.lock.release()
+
+    add_exception = add_cancelled = add_result
 
 
 class UnitFuture:

@@ -321,8 +321,8 @@ class PoolState:
         # Seconds from dispatch to delivery of the latest call: waiters poll
         # for their result only while calls come back within the poll budget.
         self.latency = 0.0
-        # Held by the one waiter that polls for its result (PoolFuture._poll).
-        self.polling = threading.Lock()
+        # Until when the one waiter that polls for its result polls (PoolFuture._poll).
+        self.polling_until = 0.0
         # The manager's poll set, while it runs on epoll: callers that read their
         # worker's done ring directly have it stand aside (``_delivery``).
         self.watcher: Watcher | None = None

@@ -38,7 +38,7 @@ def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
     :func:`read_settled`). A caller (not the main thread) whose call is the only
     one queued on its worker reads that worker's done record itself
     (``_delivery``: one thread wake-up instead of two); any other sleeps on the
-    future's own condition, as ``concurrent.futures``' ``exception()`` does.
+    future's gate (``PoolFuture.block``; a plain future's condition otherwise).
     """
     if future.settled() if type(future) is PoolFuture else future.done():
         return True
@@ -48,6 +48,9 @@ def wait_settled(future: Future[Any], timeout: float | None = None) -> bool:
         return settled
     if timeout is not None:
         timeout = max(0.0, timeout - (time.monotonic() - start))
+    if type(future) is PoolFuture:
+        future.block(timeout)  # (Future.exception() takes the lock the manager needs)
+        return future.settled()
     try:
         Future.exception(future, timeout)
     except CancelledError:

@@ -1,0 +1,177 @@
+"""A Ctrl-C at every point of ``PoolFuture.result()`` (and others): the pool goes on.
+
+``Future.result()`` waits on the future's condition; an interrupt as its lock's
+acquire returns (in ``Condition.__enter__``, or as ``Condition.wait`` takes it
+back) left the lock held for good, and the manager, settling that future,
+blocked on it: the whole pool hung. As in tests/pipeline/test_ctrl_c_anywhere.py,
+a profile function raises ``KeyboardInterrupt`` at the n-th ``call`` /
+``return`` / ``c_return`` event of the wait (where CPython can raise a real
+one; here in every frame, ``threading``'s and ``concurrent.futures``' too), for
+n = 1, 2, ... until a wait ends before its n-th event.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dis
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import pytest
+
+import mpexec
+from mpexec._pool import _future
+from mpexec._pool._waiting import wait_settled
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+_RETURNS = {dis.opmap[n] for n in ("RETURN_VALUE", "RETURN_CONST") if n in dis.opmap}
+
+
+def _call(x: int, pause: float) -> int:
+    time.sleep(pause)
+    if x % 3 == 0:
+        raise ValueError(f"call {x}")
+    return x
+
+
+class _Interrupt:
+    """A profile function: raises KeyboardInterrupt at its ``target``-th event."""
+
+    def __init__(self, target: int) -> None:
+        self.seen = 0
+        self.target = target
+        self.where = ""
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event not in ("call", "return", "c_return"):
+            return
+        if event == "return" and frame.f_code.co_code[frame.f_lasti] not in _RETURNS:
+            return  # unwinding with an exception: no signal is checked there
+        self.seen += 1
+        if self.seen == self.target:
+            sys.setprofile(None)
+            name = getattr(arg, "__name__", "") if event == "c_return" else ""
+            code = frame.f_code
+            self.where = f"{event} {code.co_name} {name} ({code.co_filename}:{frame.f_lineno})"
+            raise KeyboardInterrupt
+
+
+def _wait(future: Any, method: str, interrupt: _Interrupt) -> bool:
+    """``future.<method>(timeout=30)`` with ``interrupt`` armed; True if it landed."""
+    sys.setprofile(interrupt)
+    try:
+        if method == "add_done_callback":
+            future.add_done_callback(id)
+        elif method == "wait_settled":
+            wait_settled(future, 30)
+        else:
+            getattr(future, method)(timeout=30)
+    except KeyboardInterrupt:
+        return True
+    except ValueError:
+        pass
+    finally:
+        sys.setprofile(None)
+    return False
+
+
+@pytest.mark.parametrize(
+    ("method", "quick"),
+    [
+        ("result", False),
+        ("result", True),
+        ("exception", False),
+        ("exception", True),
+        ("add_done_callback", False),  # it takes the lock too, and cancel() (by the same code)
+        ("wait_settled", False),  # the torch drop-in's wait
+    ],
+)
+def test_a_ctrl_c_anywhere_in_a_wait_leaves_the_future_and_the_pool_working(
+    monkeypatch: pytest.MonkeyPatch, method: str, quick: bool
+) -> None:
+    # A slow call is not yet done when the wait sleeps (its events the same each
+    # time); a quick one is polled for (the pool's calls come back within the budget).
+    pause = 0.0 if quick else 0.03
+    with mpexec.WorkerPool(2) as pool:
+        for x in range(1, 4):
+            pool.submit(_call, x, 0.0).exception(30)  # warm: the latency a quick call has
+        target, landed = 1, 0
+        for x in range(1, 2000):
+            future = pool.submit(_call, x, pause)
+            interrupt = _Interrupt(target)
+            watchdog = threading.Timer(60, pool.shutdown, kwargs={"wait": False})
+            watchdog.start()  # a hang fails, not hangs, the test
+            try:
+                if not _wait(future, method, interrupt):
+                    break  # the wait ended before its target-th event: all swept
+                landed, target = landed + 1, target + 1
+                # The manager settles it: nothing the interrupted wait left holds it up.
+                deadline = time.monotonic() + 10
+                while not future.done() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                if not future.done():
+                    while future._condition._is_owned():  # let the pool close
+                        future._condition.release()
+                    pytest.fail(f"the pool hung after an interrupt at {interrupt.where}")
+                if x % 3:
+                    assert future.result(30) == x
+                    assert future.exception(30) is None
+                else:
+                    with pytest.raises(ValueError, match=f"call {x}$"):
+                        future.result(30)
+                assert pool.submit(_call, 1, 0.0).result(30) == 1, interrupt.where
+            finally:
+                watchdog.cancel()
+        else:
+            pytest.fail("a wait was interrupted at every target: the sweep never ended")
+    assert landed >= (1 if quick else 5), "too few interrupts landed: the sweep tested little"
+
+
+def test_waiters_of_every_kind_wake_as_a_future_settles() -> None:
+    # result() waits on a gate among the future's _waiters; concurrent.futures.wait,
+    # as_completed and done-callbacks use _waiters and _condition: all still wake.
+    with mpexec.WorkerPool(2) as pool:
+        futures = [pool.submit(_call, x, 0.2) for x in (1, 2)]
+        got: list[Any] = []
+        threads = [
+            threading.Thread(target=lambda f=f: got.append(f.result(30)))
+            for f in futures
+            for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        called = threading.Event()
+        futures[0].add_done_callback(lambda _: called.set())
+        _, pending = concurrent.futures.wait(futures, timeout=30)
+        assert not pending
+        assert [f.result(0) for f in concurrent.futures.as_completed(futures, timeout=30)]
+        for t in threads:
+            t.join(30)
+        assert sorted(got) == [1, 1, 1, 2, 2, 2]
+        assert called.wait(30)
+        # A cancelled call wakes its waiter too (never run: its worker is busy).
+        busy = [pool.submit_call(_call, (1, 0.5), worker=w) for w in (0, 1)]
+        later = pool.submit_call(_call, (2, 0.0), worker=0)
+        woke: list[BaseException] = []
+
+        def wait_later() -> None:
+            try:
+                later.result(30)
+            except BaseException as exc:
+                woke.append(exc)
+
+        waiter = threading.Thread(target=wait_later)
+        waiter.start()
+        time.sleep(0.05)
+        assert later.cancel()
+        waiter.join(5)
+        assert not waiter.is_alive()
+        assert isinstance(woke[0], concurrent.futures.CancelledError)
+        assert [b.result(30) for b in busy] == [1, 1]
+        with pytest.raises(concurrent.futures.TimeoutError):
+            pool.submit(_call, 1, 0.5).result(timeout=0.01)
+    assert _future._GATE_SECONDS <= 1  # a waiter whose gate another left shut looks again soon
