@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dis
 import gc
 import multiprocessing as mp
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import psutil
@@ -56,6 +58,46 @@ def interrupter(every):
     while not stop.wait(every):
         os.kill(os.getpid(), signal.SIGINT)
 """
+
+
+_RETURNS = {dis.opmap[n] for n in ("RETURN_VALUE", "RETURN_CONST") if n in dis.opmap}
+
+
+class InterruptAt:
+    """A profile function (``sys.setprofile``) that raises ``KeyboardInterrupt`` at its
+    ``target``-th event: a Python call starting, or any call returning, the points where
+    CPython raises a real Ctrl-C's. So a sweep over ``target`` lands one everywhere a
+    user's could, deterministically.
+
+    Skipped, as no signal is checked there: a return while an exception unwinds.
+    Skipped, as a documented limit: a view's release finalizer (``_fire``) as it starts.
+    ``skip(frame, event)``: a test's own limits. ``where`` names the point it landed.
+    """
+
+    def __init__(
+        self, target: int = 0, skip: Callable[[FrameType, str], bool] | None = None
+    ) -> None:
+        self.seen = 0
+        self.target = target
+        self.where = ""
+        self.skip = skip
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event not in ("call", "return", "c_return"):
+            return
+        code = frame.f_code
+        if event == "return" and code.co_code[frame.f_lasti] not in _RETURNS:
+            return
+        if event == "call" and code.co_name == "_fire":
+            return
+        if self.skip is not None and self.skip(frame, event):
+            return
+        self.seen += 1
+        if self.seen == self.target:
+            sys.setprofile(None)
+            name = getattr(arg, "__name__", "") if event == "c_return" else ""
+            self.where = f"{event} {code.co_name} {name} ({code.co_filename}:{frame.f_lineno})"
+            raise KeyboardInterrupt
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:

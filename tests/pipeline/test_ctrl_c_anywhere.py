@@ -24,7 +24,6 @@ hand-out and its raise, and a lock the caller held for good).
 
 from __future__ import annotations
 
-import dis
 import random
 import sys
 import threading
@@ -37,13 +36,18 @@ import pytest
 import mpexec
 from mpexec import fn
 from mpexec._executors import LocalPoolExecutor
+from tests.conftest import InterruptAt
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 FAILS = 12  # sample k fails where k % FAILS == 5: a failed iteration every third
-_RETURNS = {dis.opmap[n] for n in ("RETURN_VALUE", "RETURN_CONST") if n in dis.opmap}
 # (function, event or "*"): where an interrupt is documented to lose something.
 _LIMITS = {("next_item", "*"), ("run", "return")}
+
+
+def _limit(frame: FrameType, event: str) -> bool:
+    name = frame.f_code.co_name
+    return (name, "*") in _LIMITS or (name, event) in _LIMITS
 
 
 def _plus_one(x: np.ndarray) -> np.ndarray:
@@ -83,32 +87,7 @@ def _graph(workers: int, stateful: bool, grouped: bool = False) -> mpexec.Pipeli
     return graph()
 
 
-class _Interrupt:
-    """A profile function: raises KeyboardInterrupt at its ``target``-th event."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-        self.target = 0
-        self.where = ""
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event not in ("call", "return", "c_return"):
-            return
-        name = frame.f_code.co_name
-        if (name, "*") in _LIMITS or (name, event) in _LIMITS:
-            return
-        if event == "return" and frame.f_code.co_code[frame.f_lasti] not in _RETURNS:
-            return  # unwinding with an exception: no signal is checked there
-        if event == "call" and name == "_fire":
-            return  # a release's finalizer as it starts (documented)
-        self.seen += 1
-        if self.seen == self.target:
-            sys.setprofile(None)
-            self.where = f"{event} {name} ({frame.f_code.co_filename}:{frame.f_lineno})"
-            raise KeyboardInterrupt
-
-
-def _run(pipe: mpexec.Pipeline, interrupt: _Interrupt, target: int) -> Any:
+def _run(pipe: mpexec.Pipeline, interrupt: InterruptAt, target: int) -> Any:
     """One run() with the interrupt armed at ``target``: its batch, its error, or None."""
     interrupt.seen, interrupt.target, interrupt.where = 0, target, ""
     caught: BaseException | None = None
@@ -140,7 +119,7 @@ def _sweep(pipe: mpexec.Pipeline, stateful: bool, runs: int, epoch: int = 0) -> 
     those of its longest run() (a run() that launches and sends a window's
     iterations is one in several, and far longer than the others).
     """
-    interrupt = _Interrupt()
+    interrupt = InterruptAt(skip=_limit)
     landed, expected, where = 0, 0, ""
     draw = random.Random(0)
     step = {"batch": 0, "error": 0, "end": 0}

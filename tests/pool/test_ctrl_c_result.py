@@ -13,11 +13,9 @@ n = 1, 2, ... until a wait ends before its n-th event.
 from __future__ import annotations
 
 import concurrent.futures
-import dis
 import sys
 import threading
 import time
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -25,10 +23,9 @@ import pytest
 import mpexec
 from mpexec._pool import _future
 from mpexec._pool._waiting import wait_settled
+from tests.conftest import InterruptAt
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
-
-_RETURNS = {dis.opmap[n] for n in ("RETURN_VALUE", "RETURN_CONST") if n in dis.opmap}
 
 
 def _call(x: int, pause: float) -> int:
@@ -38,29 +35,7 @@ def _call(x: int, pause: float) -> int:
     return x
 
 
-class _Interrupt:
-    """A profile function: raises KeyboardInterrupt at its ``target``-th event."""
-
-    def __init__(self, target: int) -> None:
-        self.seen = 0
-        self.target = target
-        self.where = ""
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event not in ("call", "return", "c_return"):
-            return
-        if event == "return" and frame.f_code.co_code[frame.f_lasti] not in _RETURNS:
-            return  # unwinding with an exception: no signal is checked there
-        self.seen += 1
-        if self.seen == self.target:
-            sys.setprofile(None)
-            name = getattr(arg, "__name__", "") if event == "c_return" else ""
-            code = frame.f_code
-            self.where = f"{event} {code.co_name} {name} ({code.co_filename}:{frame.f_lineno})"
-            raise KeyboardInterrupt
-
-
-def _wait(future: Any, method: str, interrupt: _Interrupt) -> bool:
+def _wait(future: Any, method: str, interrupt: InterruptAt) -> bool:
     """``future.<method>(timeout=30)`` with ``interrupt`` armed; True if it landed."""
     sys.setprofile(interrupt)
     try:
@@ -102,7 +77,7 @@ def test_a_ctrl_c_anywhere_in_a_wait_leaves_the_future_and_the_pool_working(
         target, landed = 1, 0
         for x in range(1, 2000):
             future = pool.submit(_call, x, pause)
-            interrupt = _Interrupt(target)
+            interrupt = InterruptAt(target)
             watchdog = threading.Timer(60, pool.shutdown, kwargs={"wait": False})
             watchdog.start()  # a hang fails, not hangs, the test
             try:

@@ -13,44 +13,17 @@ lists whole (each segment one free block again), and the arena usable.
 
 from __future__ import annotations
 
-import dis
 import sys
-from types import FrameType
-from typing import Any
 
 import numpy as np
 import pytest
 
 import shm
+from tests.conftest import InterruptAt
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 MiB = 1 << 20
-_RETURNS = {dis.opmap[n] for n in ("RETURN_VALUE", "RETURN_CONST") if n in dis.opmap}
-
-
-class _Interrupt:
-    """A profile function: raises KeyboardInterrupt at its ``target``-th event."""
-
-    def __init__(self, target: int) -> None:
-        self.seen = 0
-        self.target = target
-        self.where = ""
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event not in ("call", "return", "c_return"):
-            return
-        if event == "return" and frame.f_code.co_code[frame.f_lasti] not in _RETURNS:
-            return  # unwinding with an exception: no signal is checked there
-        if event == "call" and frame.f_code.co_name == "_fire":
-            return  # the documented limit: as the finalizer starts, before any of its code
-        self.seen += 1
-        if self.seen == self.target:
-            sys.setprofile(None)
-            name = getattr(arg, "__name__", "") if event == "c_return" else ""
-            code = frame.f_code
-            self.where = f"{event} {code.co_name} {name} ({code.co_filename}:{frame.f_lineno})"
-            raise KeyboardInterrupt
 
 
 def _check_all_free(arena: shm.Arena, where: str) -> None:
@@ -84,7 +57,7 @@ def test_a_ctrl_c_anywhere_in_a_views_release_frees_its_block(
             view[:] = 1
             del below, above
             del parked  # parked: the next release sends it back to the free list
-            interrupt = _Interrupt(target)
+            interrupt = InterruptAt(target)
             sys.setprofile(interrupt)
             try:
                 del view  # its finalizer runs here
