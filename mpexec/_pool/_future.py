@@ -480,12 +480,23 @@ def cancel_pushed(slot: Slot, seq: int, future: PoolFuture[Any] | UnitFuture) ->
         return future.cancelled()
     if not slot.ready or slot.done.progress() >= seq:
         return False  # running, or its worker is being replaced: it decides
-    watch = [slot.process]
+    watch, ring = [slot.process], slot.tasks
+    before = ring.pushed
+    started = True  # (until the progress is read: the verdict "run it")
     try:
-        slot.tasks.push(record(CANCEL, b"", seq), timeout=_PUSH_SECONDS, watch=watch)
+        ring.push(record(CANCEL, b"", seq), timeout=_PUSH_SECONDS, watch=watch)
         started = slot.done.progress() >= seq
         verdict = b"\x00" if started else b"\x01"
-        slot.tasks.push(record(VERDICT, verdict, seq), timeout=_PUSH_SECONDS, watch=watch)
+        ring.push(record(VERDICT, verdict, seq), timeout=_PUSH_SECONDS, watch=watch)
+        return not started and cancel_now(future)
     except (shm.SharedMemoryError, ValueError):
         return False  # the worker died or the pool is stopping: the manager fails it
-    return not started and cancel_now(future)
+    except BaseException:
+        # A Ctrl-C: a worker that saw CANCEL waits for its verdict, and one told to
+        # skip the call leaves its future to us. The ring's count says how far it got.
+        sent = ring.pushed - before
+        if sent == 1:
+            ring.push(record(VERDICT, b"\x00", seq), timeout=_PUSH_SECONDS, watch=watch)
+        elif sent == 2 and not started:
+            cancel_now(future)
+        raise

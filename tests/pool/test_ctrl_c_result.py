@@ -150,3 +150,51 @@ def test_waiters_of_every_kind_wake_as_a_future_settles() -> None:
         with pytest.raises(concurrent.futures.TimeoutError):
             pool.submit(_call, 1, 0.5).result(timeout=0.01)
     assert _future._GATE_SECONDS <= 1  # a waiter whose gate another left shut looks again soon
+
+
+def _cancel(future: Any, interrupt: InterruptAt) -> bool:
+    """``future.cancel()`` with ``interrupt`` armed; False if it ended before its target."""
+    sys.setprofile(interrupt)
+    try:
+        future.cancel()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.setprofile(None)
+    return False
+
+
+def test_a_ctrl_c_anywhere_in_cancel_of_a_pushed_call_leaves_its_worker_working() -> None:
+    # cancel() of a call pushed to a busy worker is a handshake (CANCEL, then a
+    # VERDICT the worker waits for): cut short, the worker must not wait for good,
+    # and the call must settle, run or cancelled.
+    with mpexec.WorkerPool(1) as pool:
+        target, landed = 1, 0
+        for x in range(1, 2000):
+            busy = pool.submit_call(_call, (1, 0.2), worker=0)
+            queued = pool.submit_call(_call, (x, 0.0), worker=0)
+            assert queued.link.slot is not None, "not pushed: the test would test nothing"
+            interrupt = InterruptAt(target)
+            watchdog = threading.Timer(60, pool.shutdown, kwargs={"wait": False})
+            watchdog.start()
+            try:
+                if not _cancel(queued, interrupt):
+                    assert queued.cancelled()
+                    break  # cancel() ended before its target-th event: all swept
+                landed, target = landed + 1, target + 1
+                assert busy.result(30) == 1
+                if not wait_settled(queued, 10):
+                    pool.shutdown(wait=False, cancel_futures=True)  # (its worker hangs)
+                    pytest.fail(f"a cancelled call never settled ({interrupt.where})")
+                if not queued.cancelled():
+                    assert queued.exception(0) is not None if x % 3 == 0 else queued.result(0) == x
+                after = pool.submit_call(_call, (1, 0.0), worker=0)
+                if not wait_settled(after, 10):
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    pytest.fail(f"the worker hung after an interrupt at {interrupt.where}")
+                assert after.result(0) == 1
+            finally:
+                watchdog.cancel()
+        else:
+            pytest.fail("cancel() was interrupted at every target: the sweep never ended")
+    assert landed >= 5, "too few interrupts landed: the sweep tested little"
