@@ -171,7 +171,7 @@ def test_a_ctrl_c_anywhere_in_cancel_of_a_pushed_call_leaves_its_worker_working(
     with mpexec.WorkerPool(1) as pool:
         target, landed = 1, 0
         for x in range(1, 2000):
-            busy = pool.submit_call(_call, (1, 0.2), worker=0)
+            busy = pool.submit_call(_call, (1, 0.3), worker=0)
             queued = pool.submit_call(_call, (x, 0.0), worker=0)
             assert queued.link.slot is not None, "not pushed: the test would test nothing"
             interrupt = InterruptAt(target)
@@ -179,8 +179,12 @@ def test_a_ctrl_c_anywhere_in_cancel_of_a_pushed_call_leaves_its_worker_working(
             watchdog.start()
             try:
                 if not _cancel(queued, interrupt):
-                    assert queued.cancelled()
-                    break  # cancel() ended before its target-th event: all swept
+                    if queued.cancelled():
+                        break  # cancel() ended before its target-th event: all swept
+                    # The busy call ended first (a loaded host): the queued one ran. Again.
+                    assert busy.result(30) == 1
+                    assert wait_settled(queued, 10)
+                    continue
                 landed, target = landed + 1, target + 1
                 assert busy.result(30) == 1
                 if not wait_settled(queued, 10):
