@@ -377,7 +377,9 @@ def test_a_batch_sent_as_one_unit_skips_the_per_chunk_bookkeeping(batch_mode: bo
     """Once a batch goes out as one unit (batch mode, and per sample once learned), its
     outcome is its columns: no parts list, bounds or blocks kept by op, no ``assemble``
     of one part. Bytecodes of the scheduler's modules a batch at 2 workers: 1,384 per
-    sample and 1,277 in batch mode before, 1,210 and 1,124 with it."""
+    sample and 1,277 in batch mode before, 1,210 and 1,124 with it. (The bounds are
+    3.10's, the highest: 1,281 and 1,200, then 10 more for the hand-out count that
+    ``Pipeline.run`` reads to take back what a Ctrl-C cut off.)"""
     pipe = mpexec.Pipeline(batch_size=BATCH, num_workers=0, seed=1)
 
     def graph() -> Any:
@@ -404,7 +406,7 @@ def test_a_batch_sent_as_one_unit_skips_the_per_chunk_bookkeeping(batch_mode: bo
     finally:
         scheduler.close()
     assert assembled == 0, assembled
-    assert ran[0] / batches <= (1200 if batch_mode else 1290), ran[0] / batches
+    assert ran[0] / batches <= (1210 if batch_mode else 1291), ran[0] / batches
     for i, (out,) in enumerate(got):  # each batch's own rows, read-only
         want = (np.arange((8 + i) * BATCH, (9 + i) * BATCH) % 251 + 1).astype(np.float32)
         assert np.array_equal(np.asarray(out).reshape(-1), want)
