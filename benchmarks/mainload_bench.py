@@ -590,6 +590,7 @@ def run(
     sleeps: Sequence[float] | None = None,
     kinds: Sequence[str] | None = None,
     idle: bool = False,
+    spin: bool = False,
 ) -> dict[str, Any]:
     keys = [k for k in (systems or DEFAULT_SYSTEMS) if _installed(SYSTEMS[k][1])]
     skipped = [k for k in (systems or DEFAULT_SYSTEMS) if k not in keys]
@@ -604,11 +605,13 @@ def run(
     t_start = time.perf_counter()
     trace = tempfile.mkdtemp(prefix="mpexec-mainload-") if idle else None
     try:
-        _run_all(res, keys, kind_list, sleep_list, workers_list, rounds, epoch_s, quick, trace)
+        _run_all(
+            res, keys, kind_list, sleep_list, workers_list, rounds, epoch_s, quick, trace, spin
+        )
     finally:
         if trace is not None:
             shutil.rmtree(trace, ignore_errors=True)
-    return _report(res, skipped, load0, t_start, sleep_list, quick, out_dir, idle)
+    return _report(res, skipped, load0, t_start, sleep_list, quick, out_dir, idle, spin)
 
 
 def _run_all(
@@ -621,11 +624,13 @@ def _run_all(
     epoch_s: float,
     quick: bool,
     trace: str | None,
+    spin: bool = False,
 ) -> None:
+    make = Spinning if spin else Sleepy
     for kind in kind_list:
         for sleep in sleep_list:
-            sample = Sleepy(sleep, kind, trace)
-            took = _calibrate(Sleepy(sleep, kind))
+            sample = make(sleep, kind, trace)
+            took = _calibrate(make(sleep, kind))
             for w in workers_list:
                 ideal = w / took
                 batches = epoch_batches(kind, w, ideal * epoch_s, quick)
@@ -696,6 +701,7 @@ def _report(
     quick: bool,
     out_dir: Path,
     idle: bool,
+    spin: bool = False,
 ) -> dict[str, Any]:
     rows = []
     for kind, by_sleep in res.items():
@@ -743,13 +749,14 @@ def _report(
         "loadavg_start": list(load0),
         "loadavg_end": list(os.getloadavg()),
         "sleeps_s": list(sleep_list),
+        "spin": spin,
         "skipped": skipped,
         "duration_s": round(time.perf_counter() - t_start),
         "results": res,
         "errors": [],
     }
     text = (
-        f"Workers sleep w a sample; ideal: workers / w', w' what a sample took in this "
+        f"Workers {'spin w of CPU' if spin else 'sleep w'} a sample; ideal: workers / w', w' what a sample took in this "
         f"process; load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}"
         f"{'; not installed: ' + ', '.join(skipped) if skipped else ''}.\n"
         "main CPU: µs of the main process's CPU time (all its threads) a sample, median "
@@ -831,6 +838,12 @@ def add_arguments(parser: Any) -> None:
         help="mainload only: time each sample in its worker; the workers' idle time at "
         "the epoch's start, middle and end (a column)",
     )
+    parser.add_argument(
+        "--spin",
+        action="store_true",
+        help="mainload only: workers spin w of CPU a sample instead of sleeping (busy "
+        "cores: meaningful only with at least W + 1 cores)",
+    )
 
 
 def options(args: Any) -> dict[str, Any]:
@@ -848,6 +861,8 @@ def options(args: Any) -> dict[str, Any]:
         out["sleeps"] = [float(x) / 1e3 for x in args.sleeps_ms.split(",")]
     if getattr(args, "idle", False):
         out["idle"] = True
+    if getattr(args, "spin", False):
+        out["spin"] = True
     if args.kinds:
         kinds = list(SHAPES) if args.kinds == "both" else args.kinds.split(",")
         unknown = [k for k in kinds if k not in SHAPES]

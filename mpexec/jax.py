@@ -40,6 +40,8 @@ def iterate(pipe: Pipeline) -> Iterator[tuple[Any, ...]]:
 def to_jax(batch: Batch | np.ndarray[Any, Any]) -> Any:
     """One batch (or array) as a JAX array over the same memory where JAX allows it.
 
+    A GPU op's batch stays on the device (a list of arrays if ragged).
+
     JAX imports through DLPack without a copy only 64-byte-aligned memory
     (mpexec's shared memory is) and speaks a DLPack version that cannot mark
     memory read-only, which NumPy then refuses to export: it is exported
@@ -47,6 +49,12 @@ def to_jax(batch: Batch | np.ndarray[Any, Any]) -> Any:
     arrays are immutable, never writes.
     """
     if isinstance(batch, Batch):
+        if batch.device != "cpu":
+            # A GPU op's batch: DLPack on the device, no copy (the producer's stream
+            # is ordered before JAX's through the DLPack stream protocol).
+            if batch.is_dense() and len(batch):
+                return jnp.from_dlpack(batch)
+            return [jnp.from_dlpack(s) for s in batch]
         if not (batch.is_dense() and len(batch)):
             return [to_jax(s) for s in batch]
         array = np.asarray(batch.as_array())
