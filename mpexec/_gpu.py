@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import threading
 import time
 import weakref
@@ -375,6 +376,7 @@ class GpuStage:
     def _column_to_device(self, column: list[np.ndarray[Any, Any]], holds: list[Any]) -> list[Any]:
         xp = self.xp
         sizes = [int(a.nbytes) for a in column]
+        addresses = [_address(a) for a in column]
         total = sum(sizes)
         dev = xp.empty(max(total, 1), np.uint8)
         base = int(dev.data.ptr)
@@ -395,23 +397,23 @@ class GpuStage:
                 continue
             # A run: following samples that start where this one ends.
             j = i + 1
-            end = _address(a) + sizes[i]
+            end = addresses[i] + sizes[i]
             while (
                 j < len(column)
                 and sizes[j]
+                and addresses[j] == end
                 and column[j].flags.c_contiguous
-                and _address(column[j]) == end
                 and self._host_ready(column[j])
             ):
                 end += sizes[j]
                 j += 1
             n = offsets[j] - offsets[i]
-            self._copy_h2d(base + offsets[i], _address(a), n)
+            self._copy_h2d(base + offsets[i], addresses[i], n)
             self._registered_bytes += n
             i = j
         if staged:
             self._stage(column, staged, sizes, offsets, base)
-        return [_sample_view(dev, offsets[k], a.dtype, a.shape) for k, a in enumerate(column)]
+        return _sample_views(dev, column, offsets)
 
     def _stage(
         self,
@@ -854,8 +856,22 @@ def _bytes_of(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def _sample_view(dev: Any, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    n = math.prod(shape) * dtype.itemsize
     return dev[offset : offset + n].view(dtype).reshape(shape)
+
+
+def _sample_views(dev: Any, column: list[np.ndarray[Any, Any]], offsets: list[int]) -> list[Any]:
+    """Each sample's array over its bytes of ``dev``: one reshape for a column of one
+    shape and dtype, then an index a sample (a slice, a view and a reshape a sample
+    cost more than the copy itself for batches of small samples)."""
+    if not column:
+        return []
+    first = column[0]
+    shape, dtype = first.shape, first.dtype
+    if all(a.shape == shape and a.dtype == dtype for a in column):
+        whole = dev[: offsets[-1]].view(dtype).reshape((len(column), *shape))
+        return [whole[k] for k in range(len(column))]
+    return [_sample_view(dev, offsets[k], a.dtype, a.shape) for k, a in enumerate(column)]
 
 
 def _contiguous(xp: Any, a: Any, stream: Any) -> Any:

@@ -93,3 +93,79 @@ def test_dlpack_export_to_torch_on_its_own_stream(cupy: Any) -> None:
         t = torch.from_dlpack(batch)
         total = float(t.sum())
     assert total == 8 * (0 + 1 + 2 + 3)
+
+
+def _ramp(info: Any) -> np.ndarray[Any, Any]:
+    return np.full((4, 4, 3), info.idx_in_epoch % 251, np.uint8)
+
+
+def _ragged(info: Any) -> np.ndarray[Any, Any]:
+    return np.full((info.idx_in_epoch % 3 + 1,), info.idx_in_epoch, np.float32)
+
+
+def _doubling(cupy: Any, source: Any) -> Any:
+    """A pipeline of batches of 8 of ``source``'s samples, doubled by a GPU op."""
+    import mpexec
+    from mpexec import fn
+
+    def double(x: Any) -> Any:
+        return x.astype(cupy.float32) * 2
+
+    @mpexec.pipeline_def(batch_size=8, num_workers=2, seed=0, device_id=0)
+    def pipe() -> Any:
+        src = fn.external_source(source=source, batch=False)
+        return fn.python_function(src, function=double, device="gpu")
+
+    return pipe()
+
+
+def test_to_torch_and_to_jax_keep_a_gpu_batch_on_the_device(cupy: Any) -> None:
+    """The adapters hand a GPU op's batch over through DLPack, dense or ragged, no copy."""
+    want = np.stack([np.full((4, 4, 3), i, np.float32) * 2 for i in range(8)])
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+        pytest.skip("torch or JAX without CUDA")
+    from mpexec.jax import to_jax
+    from mpexec.torch import to_torch
+
+    with _doubling(cupy, _ramp) as p:
+        (batch,) = p.run()
+        t = to_torch(batch)
+        a = to_jax(batch)
+        assert t.is_cuda
+        assert next(iter(a.devices())).platform == "gpu"
+        np.testing.assert_array_equal(t.cpu().numpy(), want)
+        np.testing.assert_array_equal(np.asarray(a), want)
+    with _doubling(cupy, _ragged) as p:
+        (batch,) = p.run()
+        parts = to_jax(batch)
+        tensors = to_torch(batch)
+        expected = [[2.0 * i] * (i % 3 + 1) for i in range(8)]
+        assert [np.asarray(x).tolist() for x in parts] == expected
+        assert [x.cpu().tolist() for x in tensors] == expected
+
+
+def test_the_torch_drop_in_pins_its_batches_as_torchs_loader_does(cupy: Any) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    import torch.utils.data as tud
+
+    import mpexec.torch as mt
+
+    class Rows(tud.Dataset[Any]):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> Any:
+            return torch.full((16,), float(i)), i
+
+    ours = list(mt.DataLoader(Rows(), batch_size=8, num_workers=2, pin_memory=True))
+    theirs = list(tud.DataLoader(Rows(), batch_size=8, num_workers=2, pin_memory=True))
+    assert len(ours) == len(theirs) == 8
+    for (x, i), (y, j) in zip(ours, theirs, strict=True):
+        assert x.is_pinned()
+        assert i.is_pinned()
+        assert torch.equal(x, y)
+        assert torch.equal(i, j)
