@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import _launch
-from .._host import default_start_method
+from .._host import cuda_initialised, default_start_method
 from .._pool import WorkerPool
 from . import _compat, _fetch
 
@@ -73,13 +73,13 @@ def start_method(context: Any) -> str:
     torch starts a DataLoader's workers with multiprocessing's default method
     (``fork`` on Linux before Python 3.14), from the caller: they share the
     caller's pages (torch, the dataset) instead of holding copies. Once CUDA
-    is initialised here, the default is mpexec's (a fork server) instead:
-    a forked child cannot use the CUDA context it would inherit.
+    is initialised here, by torch or by CuPy, the default is mpexec's (a fork
+    server) instead: a forked child cannot use the CUDA context it would inherit.
     """
     if context is not None:
         return str(context.get_start_method())
     method = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
-    if method == "fork" and torch.cuda.is_initialized():
+    if method == "fork" and (torch.cuda.is_initialized() or cuda_initialised()):
         return default_start_method()
     return method
 

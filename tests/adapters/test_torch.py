@@ -796,6 +796,11 @@ def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         # A forked child cannot use the CUDA context it would inherit.
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         assert _processes.start_method(None) == mpexec._host.default_start_method()
+        # CUDA initialised by CuPy alone (a GPU op ran here): the same, where the pool
+        # would refuse a fork (found on an H200: the drop-in asked for one).
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        monkeypatch.setattr(_processes, "cuda_initialised", lambda: True)
+        assert _processes.start_method(None) == mpexec._host.default_start_method()
 
 
 WORKER_MODULES_SCRIPT = """

@@ -154,6 +154,10 @@ def test_the_torch_drop_in_pins_its_batches_as_torchs_loader_does(cupy: Any) -> 
 
     import mpexec.torch as mt
 
+    # CUDA initialised by CuPy first, as a GPU op would: the loader must not fork
+    # (found on an H200, where the drop-in asked the pool for a fork it refused).
+    cupy.zeros(1).get()
+
     class Rows(tud.Dataset[Any]):
         def __len__(self) -> int:
             return 64
