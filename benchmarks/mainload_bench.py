@@ -756,8 +756,9 @@ def _report(
         "errors": [],
     }
     text = (
-        f"Workers {'spin w of CPU' if spin else 'sleep w'} a sample; ideal: workers / w', w' what a sample took in this "
-        f"process; load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}"
+        f"Workers {'spin w of CPU' if spin else 'sleep w'} a sample; ideal: workers / w', "
+        f"w' what a sample took in this process; load average {load0[0]:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}"
         f"{'; not installed: ' + ', '.join(skipped) if skipped else ''}.\n"
         "main CPU: µs of the main process's CPU time (all its threads) a sample, median "
         "(min-max) of the rounds; saturates at: 1 / main CPU, the samples/s at which the "

@@ -868,7 +868,9 @@ def _sample_views(dev: Any, column: list[np.ndarray[Any, Any]], offsets: list[in
         return []
     first = column[0]
     shape, dtype = first.shape, first.dtype
-    if all(a.shape == shape and a.dtype == dtype for a in column):
+    # Scalars keep a view each: indexing to one reads an element (CuPy's `a[k]` of a 1-D
+    # array is a 0-d view, but the simulated device, like NumPy, reads it).
+    if shape and all(a.shape == shape and a.dtype == dtype for a in column):
         whole = dev[: offsets[-1]].view(dtype).reshape((len(column), *shape))
         return [whole[k] for k in range(len(column))]
     return [_sample_view(dev, offsets[k], a.dtype, a.shape) for k, a in enumerate(column)]

@@ -80,14 +80,23 @@ def default_start_method() -> str:
 
 
 def cuda_initialised() -> bool:
-    """Whether CuPy has initialised CUDA in this process (a forked child could not use it)."""
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
-        return False
+    """Whether CUDA's driver was initialised in this process, by any library (CuPy,
+    torch, JAX, ...): a child forked from here could not use CUDA.
+
+    Asked of the driver itself, only if some library has loaded it (this never loads
+    or initialises it): ``cuDeviceGetCount`` fails with CUDA_ERROR_NOT_INITIALIZED
+    until ``cuInit`` has run. Importing CuPy or torch alone does not count.
+    """
     try:
-        return bool(cupy.cuda.runtime.getDeviceCount() and cupy.cuda.Device().id >= 0)
-    except Exception:
+        driver = ctypes.CDLL(_CUDA_DRIVER, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except (OSError, AttributeError):  # not loaded here (or no dlopen flags: not POSIX)
         return False
+    count = ctypes.c_int(0)
+    return bool(driver.cuDeviceGetCount(ctypes.byref(count)) == 0)
+
+
+#: The CUDA driver's library, as CUDA's runtime and every framework load it on Linux.
+_CUDA_DRIVER = "libcuda.so.1"
 
 
 # ---------------------------------------------------------------- open files
@@ -189,6 +198,26 @@ def _libc() -> Any:
         return None
 
 
+@functools.cache
+def glibc_malloc() -> bool:
+    """Whether this process's ``malloc`` is glibc's own.
+
+    ML images often preload another allocator (jemalloc, tcmalloc: ``LD_PRELOAD``),
+    which keeps freed memory by itself; glibc's ``mallopt`` and ``mallinfo2`` are
+    still there, and still answer, but for a heap nobody allocates from.
+    """
+    libc = _libc()
+    malloc = getattr(libc, "malloc", None)
+    if malloc is None or sys.platform != "linux":
+        return False
+    try:
+        own = ctypes.CDLL("libc.so.6").malloc  # looked up in glibc itself
+    except (OSError, AttributeError):
+        return False  # no glibc here (musl, say)
+    address = ctypes.cast(malloc, ctypes.c_void_p).value  # the process's: the first found
+    return address is not None and address == ctypes.cast(own, ctypes.c_void_p).value
+
+
 def keep_memory_warm(limit: int) -> bool:
     """Let this process's malloc keep up to ``limit`` bytes of freed memory mapped.
 
@@ -202,9 +231,9 @@ def keep_memory_warm(limit: int) -> bool:
     page, then the mapping is torn down at ``free``). What the heap keeps past
     ``limit`` is handed back by :func:`trim_warm_memory`. ``limit <= 0``
     leaves glibc's defaults. Returns whether the settings took (False off
-    glibc, e.g. musl or macOS).
+    glibc, e.g. musl or macOS, and where another malloc is preloaded).
     """
-    if limit <= 0 or sys.platform != "linux":
+    if limit <= 0 or not glibc_malloc():
         return False
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None)
@@ -226,7 +255,7 @@ def keep_memory_warm(limit: int) -> bool:
 
 def heap_free_bytes() -> int | None:
     """Bytes free inside this process's malloc heap (glibc), None where unknown."""
-    info = _mallinfo()
+    info = _mallinfo() if glibc_malloc() else None
     if info is None:
         return None
     free = int(info().fordblks)

@@ -17,6 +17,8 @@ from typing import Any
 import psutil
 import pytest
 
+from mpexec._host import cuda_initialised
+
 START_METHODS = ["forkserver", "spawn"]
 
 
@@ -260,6 +262,19 @@ def no_leaks() -> Iterator[None]:
         "fds to be closed",
     )
     assert shm_names() - names_before == set()
+
+
+@pytest.fixture
+def forkable() -> None:
+    """For a test whose workers start by fork: mpexec refuses fork once CUDA's driver is
+    initialised in the process (docs/pool.md), which an earlier test in the same xdist
+    worker does on a host with a GPU. There the test is skipped, saying so; on a host
+    without one (CI) it always runs."""
+    if cuda_initialised():
+        pytest.skip(
+            "an earlier test initialised CUDA in this process (a GPU host): mpexec refuses "
+            "fork after that, by design; run this test in a process of its own to cover it"
+        )
 
 
 @pytest.fixture(params=START_METHODS)

@@ -773,6 +773,7 @@ class Unpicklable(Dataset):  # type: ignore[type-arg]
 
 
 @pytest.mark.skipif(mp.get_all_start_methods()[0] != "fork", reason="fork is not the default")
+@pytest.mark.usefixtures("forkable")
 def test_default_start_is_torchs_fork_sharing_the_callers_dataset() -> None:
     # torch forks its workers from the caller: the dataset (and torch) are
     # shared pages, never pickled. So are ours, unless a context is given.
@@ -790,14 +791,16 @@ def test_default_start_is_torchs_fork_sharing_the_callers_dataset() -> None:
 
 def test_start_method_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     default = mp.get_start_method(allow_none=True) or mp.get_all_start_methods()[0]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(_processes, "cuda_initialised", lambda: False)  # a GPU host's tests
     assert _processes.start_method(None) == default
     assert _processes.start_method(mp.get_context("spawn")) == "spawn"
     if default == "fork":
         # A forked child cannot use the CUDA context it would inherit.
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         assert _processes.start_method(None) == mpexec._host.default_start_method()
-        # CUDA initialised by CuPy alone (a GPU op ran here): the same, where the pool
-        # would refuse a fork (found on an H200: the drop-in asked for one).
+        # CUDA initialised by another library (CuPy for a GPU op, JAX): the same, where
+        # the pool would refuse a fork (found on an H200: the drop-in asked for one).
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
         monkeypatch.setattr(_processes, "cuda_initialised", lambda: True)
         assert _processes.start_method(None) == mpexec._host.default_start_method()

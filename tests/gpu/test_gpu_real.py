@@ -146,6 +146,8 @@ def test_to_torch_and_to_jax_keep_a_gpu_batch_on_the_device(cupy: Any) -> None:
         assert [x.cpu().tolist() for x in tensors] == expected
 
 
+# torch's own loader forks; where an earlier test ran JAX here, JAX warns at each fork.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_the_torch_drop_in_pins_its_batches_as_torchs_loader_does(cupy: Any) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

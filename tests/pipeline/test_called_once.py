@@ -103,7 +103,7 @@ def test_a_slow_drawing_function_under_a_timeout_is_called_once(tmp_path: Path) 
     assert got == _run(_Logged(tmp_path / "serial"), 2, 1, num_workers=0)
 
 
-@pytest.mark.usefixtures("no_leaks", "cheap")
+@pytest.mark.usefixtures("no_leaks", "cheap", "forkable")
 def test_under_a_timeout_even_cheap_calls_are_never_run_twice(tmp_path: Path) -> None:
     """Cheap and draw-free for 12 samples, then a call that draws: still once (without
     the timeout it runs twice: test_reseed_always_never_runs_a_call_twice's "auto")."""
@@ -150,7 +150,11 @@ def test_a_side_effect_of_calls_over_50_us_happens_once_per_sample(tmp_path: Pat
 
 @pytest.mark.usefixtures("no_leaks", "cheap")
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_reseed_always_never_runs_a_call_twice(tmp_path: Path, num_workers: int) -> None:
+def test_reseed_always_never_runs_a_call_twice(
+    tmp_path: Path, num_workers: int, request: pytest.FixtureRequest
+) -> None:
+    if num_workers:
+        request.getfixturevalue("forkable")
     serial = _run(_Logged(tmp_path / "serial", draws_from=20), 32, 8, num_workers=0)
     kwargs: dict[str, Any] = {"num_workers": num_workers}
     if num_workers:

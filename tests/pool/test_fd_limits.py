@@ -107,6 +107,7 @@ def _fd_is_open(fd: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts fds through /proc")
+@pytest.mark.usefixtures("forkable")
 def test_fork_workers_hold_no_fds_of_the_workers_started_before_them() -> None:
     # Under fork a child inherits every fd of the pool's process: the main-side
     # ends of each worker started before it (14 each), O(W^2) fds in all. Each
@@ -125,6 +126,7 @@ def test_fork_workers_hold_no_fds_of_the_workers_started_before_them() -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts fds through /proc")
+@pytest.mark.usefixtures("forkable")
 def test_a_fork_worker_started_again_keeps_its_own_fds() -> None:
     # A replacement closes the other live workers' fds, never its own, even
     # where a dead worker's numbers were taken by the new worker's rings.
@@ -150,6 +152,7 @@ def test_a_fork_worker_started_again_keeps_its_own_fds() -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts fds through /proc")
+@pytest.mark.usefixtures("forkable")
 def test_a_fork_start_reads_only_the_fds_it_may_have_opened(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

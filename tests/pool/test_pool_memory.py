@@ -267,7 +267,7 @@ def _keeps_warm_memory() -> bool:
 def test_warm_memory_keeps_a_pipelines_workers_from_faulting() -> None:
     with WorkerPool(1) as probe:
         if not probe.submit(_keeps_warm_memory).result(T):
-            pytest.skip("this libc has no mallopt (not glibc)")
+            pytest.skip("malloc here is not glibc's (another libc, or an allocator preloaded)")
     image = np.ones((224, 224, 3), np.uint8)
 
     def per_sample(warm_memory: int) -> float:
@@ -321,7 +321,7 @@ def test_a_repeated_64_mib_call_faults_no_fresh_pages_in_the_worker() -> None:
     """
     with WorkerPool(1) as probe:
         if not probe.submit(_keeps_warm_memory).result(T):
-            pytest.skip("this libc has no mallopt (not glibc)")
+            pytest.skip("malloc here is not glibc's (another libc, or an allocator preloaded)")
 
     def faults_per_call(pool: WorkerPool) -> float:
         # The argument in one block of the pool's memory, call after call (a
@@ -379,12 +379,39 @@ def test_warm_memory_hands_back_free_heap_blocks_past_its_bound() -> None:
     stays resident whatever its size, unless the worker hands it back past the bound."""
     with WorkerPool(1) as probe:
         if not probe.submit(_keeps_warm_memory).result(T) or not probe.submit(_heap_free).result(T):
-            pytest.skip("this libc has no mallopt or mallinfo2 (not glibc 2.33+)")
+            pytest.skip("malloc here is not glibc's, or glibc has no mallinfo2 (before 2.33)")
     n = 96 << 20
     with WorkerPool(1, warm_memory=48 << 20) as pool:
         free, resident = pool.submit(_leave_a_free_block_under_a_live_one, n).result(T)
         assert free >= n  # kept by malloc while the call ran, resident
         assert pool.submit(_resident).result(T) < resident - n // 2  # handed back after it
+
+
+def test_warm_memory_is_off_where_another_malloc_was_preloaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """jemalloc or tcmalloc preloaded (as in many ML images): glibc's mallopt and
+    mallinfo2 still answer, for a heap nobody allocates from (seen on a 16-core GPU
+    host: no faults without warm_memory, a heap that never held the 96 MiB block)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from mpexec import _host
+
+    if not _host.glibc_malloc():
+        pytest.skip("malloc here is not glibc's")
+    # The process's malloc is found first: stand another function in for a preloaded one.
+    preloaded = SimpleNamespace(malloc=ctypes.CDLL(None).free)
+    monkeypatch.setattr(_host, "_libc", lambda: preloaded)
+    _host.glibc_malloc.cache_clear()
+    try:
+        assert not _host.glibc_malloc()
+        assert not _host.keep_memory_warm(1 << 20)
+        assert _host.heap_free_bytes() is None
+    finally:
+        _host.glibc_malloc.cache_clear()
+    monkeypatch.undo()
+    assert _host.glibc_malloc()
 
 
 def test_warm_memory_must_be_a_byte_count() -> None:
@@ -702,6 +729,7 @@ def test_a_held_result_passed_to_another_worker_is_read_only_but_not_sealed() ->
     shm.platform_info().backend != "memfd", reason="seals are a property of memfd segments"
 )
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.usefixtures("forkable")
 def test_fds_a_forked_worker_inherits_cannot_write_the_arguments() -> None:
     with WorkerPool(1, start_method="fork") as pool:
         assert pool.submit(_total, np.ones(BIG)).result(T) == BIG  # something was shared
@@ -715,7 +743,11 @@ def test_fds_a_forked_worker_inherits_cannot_write_the_arguments() -> None:
 )
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
-def test_a_shut_pool_lets_go_of_its_rings_while_it_is_still_referenced(method: str) -> None:
+def test_a_shut_pool_lets_go_of_its_rings_while_it_is_still_referenced(
+    method: str, request: pytest.FixtureRequest
+) -> None:
+    if method == "fork":
+        request.getfixturevalue("forkable")
     # Before Python 3.13 a mapping holds a duplicate of its memfd: one open fd per ring
     # for as long as the mapping lives. Under fork the worker factory kept each slot,
     # and with it the rings' mappings, until the pool object itself was collected.
