@@ -52,6 +52,11 @@ time: **start** (before a worker's first sample: the ramp), **end** (after its
 last one: the tail, workers with nothing left while others finish) and
 **middle** (between its samples).
 
+With ``--spin``, every system's samples spin ``w`` of the worker's CPU instead
+of sleeping: busy workers, for a host with at least W + 1 cores (on fewer, the
+workers share the cores with the main process and "of ideal" is the host's).
+docs/scaling.md has a 16-core host's figures.
+
 Run with ``python -m benchmarks mainload`` (``--quick``: fewer rounds and
 sizes; ``--mainload-systems``, ``--workers``, ``--sleeps-ms`` and ``--kinds``
 pick a subset, as ``--mainload-systems pipeline,torch --workers 16,64``).

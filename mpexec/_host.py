@@ -80,19 +80,39 @@ def default_start_method() -> str:
 
 
 def cuda_initialised() -> bool:
-    """Whether CUDA's driver was initialised in this process, by any library (CuPy,
-    torch, JAX, ...): a child forked from here could not use CUDA.
+    """Whether this process holds a CUDA context, made by any library (CuPy, torch,
+    JAX, ...): a child forked from here would inherit one it cannot use.
 
-    Asked of the driver itself, only if some library has loaded it (this never loads
-    or initialises it): ``cuDeviceGetCount`` fails with CUDA_ERROR_NOT_INITIALIZED
-    until ``cuInit`` has run. Importing CuPy or torch alone does not count.
+    Asked of CUDA's driver itself, only if some library has loaded it (this never
+    loads or initialises it). Importing CuPy or torch does not count, nor does
+    ``cuInit`` alone (``torch.cuda.is_available()``: torch's own loader still forks
+    after it, its workers never touching CUDA); a device's primary context in use
+    (``model.cuda()``, a CuPy array, ``jax.devices()``) or a context current on this
+    thread does.
     """
     try:
         driver = ctypes.CDLL(_CUDA_DRIVER, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except (OSError, AttributeError):  # not loaded here (or no dlopen flags: not POSIX)
         return False
     count = ctypes.c_int(0)
-    return bool(driver.cuDeviceGetCount(ctypes.byref(count)) == 0)
+    if driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return False  # CUDA_ERROR_NOT_INITIALIZED: nobody called cuInit
+    try:
+        device, flags, active = ctypes.c_int(0), ctypes.c_uint(0), ctypes.c_int(0)
+        for ordinal in range(count.value):
+            if (
+                driver.cuDeviceGet(ctypes.byref(device), ordinal) == 0
+                and driver.cuDevicePrimaryCtxGetState(
+                    device, ctypes.byref(flags), ctypes.byref(active)
+                )
+                == 0
+                and active.value
+            ):
+                return True
+        context = ctypes.c_void_p(None)
+        return bool(driver.cuCtxGetCurrent(ctypes.byref(context)) == 0 and context.value)
+    except AttributeError:  # a driver without these entry points: initialised is enough
+        return True
 
 
 #: The CUDA driver's library, as CUDA's runtime and every framework load it on Linux.

@@ -266,13 +266,13 @@ def no_leaks() -> Iterator[None]:
 
 @pytest.fixture
 def forkable() -> None:
-    """For a test whose workers start by fork: mpexec refuses fork once CUDA's driver is
-    initialised in the process (docs/pool.md), which an earlier test in the same xdist
-    worker does on a host with a GPU. There the test is skipped, saying so; on a host
-    without one (CI) it always runs."""
+    """For a test whose workers start by fork: mpexec refuses fork once the process holds
+    a CUDA context (docs/pool.md), which an earlier test in the same xdist worker makes
+    on a host with a GPU. There the test is skipped, saying so; on a host without one
+    (CI) it always runs."""
     if cuda_initialised():
         pytest.skip(
-            "an earlier test initialised CUDA in this process (a GPU host): mpexec refuses "
+            "an earlier test made a CUDA context in this process (a GPU host): mpexec refuses "
             "fork after that, by design; run this test in a process of its own to cover it"
         )
 

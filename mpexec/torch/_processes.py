@@ -73,8 +73,8 @@ def start_method(context: Any) -> str:
     torch starts a DataLoader's workers with multiprocessing's default method
     (``fork`` on Linux before Python 3.14), from the caller: they share the
     caller's pages (torch, the dataset) instead of holding copies. Once CUDA
-    is initialised here, by torch or by CuPy, the default is mpexec's (a fork
-    server) instead: a forked child cannot use the CUDA context it would inherit.
+    is initialised here, by any library (torch, CuPy, JAX), the default is
+    mpexec's (a fork server) instead: a forked child cannot use CUDA.
     """
     if context is not None:
         return str(context.get_start_method())

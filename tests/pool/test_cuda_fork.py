@@ -1,4 +1,4 @@
-"""Fork after CUDA: mpexec asks CUDA's driver, never loading or initialising it."""
+"""Fork after CUDA: mpexec asks CUDA's driver for contexts, never loading or initialising it."""
 
 from __future__ import annotations
 
@@ -13,36 +13,57 @@ from mpexec._pool import _factory
 
 
 class _Driver:
-    """A stand-in for libcuda: ``cuDeviceGetCount`` answers ``status``."""
+    """A stand-in for libcuda: ``cuInit`` run or not, and which contexts exist."""
 
-    def __init__(self, status: int) -> None:
-        self.status = status
+    def __init__(self, initialised: bool, primary: list[bool], current: bool) -> None:
+        self.initialised, self.primary, self.current = initialised, primary, current
 
     def cuDeviceGetCount(self, count: Any) -> int:
-        return self.status
+        if not self.initialised:
+            return 3  # CUDA_ERROR_NOT_INITIALIZED
+        count._obj.value = len(self.primary)
+        return 0
+
+    def cuDeviceGet(self, device: Any, ordinal: int) -> int:
+        device._obj.value = 100 + ordinal  # a handle, not the ordinal
+        return 0
+
+    def cuDevicePrimaryCtxGetState(self, device: Any, flags: Any, active: Any) -> int:
+        active._obj.value = int(self.primary[device.value - 100])
+        return 0
+
+    def cuCtxGetCurrent(self, context: Any) -> int:
+        context._obj.value = 0x1000 if self.current else None
+        return 0
 
 
-def _loaded(status: int | None, modes: list[int]) -> Any:
+def _loaded(driver: _Driver | None, modes: list[int]) -> Any:
     def cdll(name: str, mode: int = 0) -> _Driver:
         assert name == "libcuda.so.1"
         modes.append(mode)
-        if status is None:
+        if driver is None:
             raise OSError(f"{name}: cannot open shared object file")  # not loaded here
-        return _Driver(status)
+        return driver
 
     return cdll
 
 
 @pytest.mark.parametrize(
-    ("status", "initialised"),
-    [(None, False), (3, False), (0, True)],  # not loaded; CUDA_ERROR_NOT_INITIALIZED; ok
+    ("driver", "holds_a_context"),
+    [
+        (None, False),  # no library loaded the driver (import cupy / import torch)
+        (_Driver(False, [], False), False),  # loaded, cuInit not run
+        (_Driver(True, [False, False], False), False),  # cuInit only: is_available()
+        (_Driver(True, [False, True], False), True),  # a device's primary context in use
+        (_Driver(True, [False], True), True),  # a context of its own, current here
+    ],
 )
-def test_cuda_counts_as_initialised_once_some_library_ran_cuinit(
-    monkeypatch: pytest.MonkeyPatch, status: int | None, initialised: bool
+def test_fork_counts_as_unsafe_once_this_process_holds_a_cuda_context(
+    monkeypatch: pytest.MonkeyPatch, driver: _Driver | None, holds_a_context: bool
 ) -> None:
     modes: list[int] = []
-    monkeypatch.setattr(ctypes, "CDLL", _loaded(status, modes))
-    assert _host.cuda_initialised() is initialised
+    monkeypatch.setattr(ctypes, "CDLL", _loaded(driver, modes))
+    assert _host.cuda_initialised() is holds_a_context
     # Only a driver some library already loaded is asked: dlopen never loads it.
     assert modes == [os.RTLD_NOLOAD | os.RTLD_LAZY]
 
