@@ -273,6 +273,21 @@ def keep_memory_warm(limit: int) -> bool:
     return done
 
 
+def resolve_malloc_controls() -> None:
+    """Look up here, before workers are forked, what their malloc settings call.
+
+    ``dlopen`` and ``dlsym`` take the dynamic loader's lock; a thread of this process
+    (TensorFlow's, JAX's) may hold it as a worker forks, and the child, with that
+    thread gone, would then wait on it for good at its first look-up. A child
+    inherits what was looked up here.
+    """
+    if glibc_malloc():
+        libc = _libc()
+        for name in ("mallopt", "malloc_trim"):
+            getattr(libc, name, None)  # ctypes keeps each function it finds on the library
+        _mallinfo()
+
+
 def heap_free_bytes() -> int | None:
     """Bytes free inside this process's malloc heap (glibc), None where unknown."""
     info = _mallinfo() if glibc_malloc() else None

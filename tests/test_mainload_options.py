@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
@@ -57,3 +58,25 @@ def test_idle_is_split_into_the_epochs_start_middle_and_end() -> None:
     assert (start, middle, end) == pytest.approx((11 / 30, 1 / 30, 1 / 30))
     assert _options("--idle")["idle"] is True
     assert "idle" not in _options()
+
+
+def test_spin_gives_every_system_samples_that_spin_the_workers_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _options("--spin")["spin"] is True
+    assert "spin" not in _options()
+    made: list[type] = []
+
+    def probe(workers: int, n: int, sample: mainload_bench.Sleepy) -> tuple[object, object]:
+        made.append(type(sample))
+        return (lambda marks: n), (lambda: None)
+
+    monkeypatch.setitem(mainload_bench.SYSTEMS, "probe", ("probe", None, probe))
+    for spin in (True, False):
+        res: dict[str, object] = {}
+        mainload_bench._run_all(res, ["probe"], ["light"], [1e-5], [2], 1, 0.01, True, None, spin)
+    assert made == [mainload_bench.Spinning, mainload_bench.Sleepy]
+    # A spinning sample takes its w of the thread's CPU; a sleeping one almost none.
+    t0 = time.thread_time()
+    mainload_bench.Spinning(0.02, "light")(0)
+    assert time.thread_time() - t0 >= 0.02

@@ -34,7 +34,7 @@ import shm
 
 from .. import _launch, _worker
 from .._errors import BrokenPoolError, RemoteTraceback, start_error
-from .._host import cuda_initialised, default_start_method
+from .._host import cuda_initialised, default_start_method, resolve_malloc_controls
 from .._protocol import FAILED, HEADER, HELLO, body_of
 from .._tracebacks import full_tracebacks
 from ._crash import describe_exit
@@ -309,4 +309,6 @@ def context(start_method: str | None) -> Any:
             "children would inherit a CUDA context they cannot use; use 'forkserver' "
             "or 'spawn'"
         )
+    if method == "fork":
+        resolve_malloc_controls()
     return _launch.context(method)

@@ -75,3 +75,19 @@ def test_fork_is_refused_after_cuda_with_a_way_out(monkeypatch: pytest.MonkeyPat
         WorkerPool(1, start_method="fork")
     with WorkerPool(1, start_method="forkserver") as pool:  # the way out works
         assert pool.submit(abs, -3).result(60) == 3
+
+
+def test_a_fork_start_looks_up_the_workers_malloc_controls_first() -> None:
+    """A forked worker's first ``dlopen``/``dlsym`` could wait for good on the loader's
+    lock, held at the fork by a thread of this process (TensorFlow's, JAX's): what its
+    malloc settings call is looked up here, and inherited."""
+    if not _host.glibc_malloc():
+        pytest.skip("malloc here is not glibc's: a worker sets nothing")
+    _host._mallinfo.cache_clear()
+    for name in ("mallopt", "malloc_trim"):
+        vars(_host._libc()).pop(name, None)  # as in a process that never looked them up
+    _factory.context("fork")
+    found = vars(_host._libc())
+    assert "mallopt" in found
+    assert "malloc_trim" in found
+    assert _host._mallinfo.cache_info().currsize == 1
