@@ -122,6 +122,18 @@ def _hooked_calls(
     return call
 
 
+def _unprofile_threads() -> None:
+    """Undo ``threading.setprofile``, and the profile events its threads left on.
+
+    A thread that ends with a profile function set leaves CPython 3.12+'s profile
+    events on (the pool's manager, profiled here, ends so): code runs instrumented
+    after, and the next ``sys.setprofile(f)`` reports its own return to ``f``.
+    This thread's ``sys.setprofile(None)`` turns them off.
+    """
+    threading.setprofile(None)  # type: ignore[arg-type]
+    sys.setprofile(None)
+
+
 def test_a_pool_round_trip_makes_few_calls_in_the_pool_and_shared_memory() -> None:
     """submit_hooked, the worker's answer, the manager's delivery: counted in every thread."""
     counter = _Counter()
@@ -141,7 +153,7 @@ def test_a_pool_round_trip_makes_few_calls_in_the_pool_and_shared_memory() -> No
             blocks.clear()
         del slab
     finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
+        _unprofile_threads()
     assert counter.calls / 8 <= 42, counter.calls / 8  # 74-75 before, 37 now
 
 
@@ -190,7 +202,7 @@ def test_a_run_call_of_arrays_makes_few_calls_in_the_pools_state_and_codec() -> 
             seen = _run_calls_in_a_thread(pool, counter, _sum, lambda i: (x, y), 24)
             assert seen == [3.0] * 24
     finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
+        _unprofile_threads()
     assert counter.calls / 16 <= 24, counter.calls / 16  # 32 before, 21 now
 
 
@@ -269,7 +281,7 @@ def test_a_delivered_call_is_released_and_settled_in_one_frame() -> None:
             _warm_then_count(call, counter, this_thread=False)
             assert results == list(range(1, 17))
     finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
+        _unprofile_threads()
     # This thread runs unprofiled: the count is the manager's, and the outcome's readers.
     assert counter.calls / 8 <= 3, counter.calls / 8  # 4 before, 3 now
 
