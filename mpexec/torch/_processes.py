@@ -13,6 +13,7 @@ import multiprocessing as mp
 import signal
 import threading
 import time
+import weakref
 from multiprocessing import connection as _mp_connection
 from typing import Any
 
@@ -34,6 +35,16 @@ _ARGS_ARENA = 1 << 20
 _WORKER_ARENA = 8 << 20
 #: Seconds a worker gets to finish its batch when an epoch is stopped (torch's 5).
 _STOP_GRACE = 5.0
+#: A worker's exit code after a SIGTERM (its handler unlinks its segments, then
+#: exits so: ``mpexec._worker.main``).
+_SIGTERM_EXIT = 128 + signal.SIGTERM
+#: Each pool's "the loader is stopping it" flag, shared with its WorkerProcess
+#: objects (which outlive the pool): a SIGTERM its workers get then is the loader's.
+_stop_flags: weakref.WeakKeyDictionary[WorkerPool, list[bool]] = weakref.WeakKeyDictionary()
+
+
+def _stop_flag(pool: WorkerPool) -> list[bool]:
+    return _stop_flags.setdefault(pool, [False])
 
 
 def start_pool(config: _fetch.WorkerConfig, start_method: str) -> WorkerPool:
@@ -115,12 +126,14 @@ def close_pool(pool: WorkerPool, tasks: dict[int, Any], background: bool) -> Non
 def _stop_pool(pool: WorkerPool) -> None:
     # Calls not started are cancelled; the ones running get the grace, then
     # their workers are terminated (and the calls fail, unread).
+    _stop_flag(pool)[0] = True
     pool.shutdown(wait=True, cancel_futures=True, grace=_STOP_GRACE)
 
 
 def processes(pool: WorkerPool) -> list[WorkerProcess]:
     """The pool's worker processes, by worker index (what torch's ``it._workers`` lists)."""
-    return [WorkerProcess(process) for process in pool.processes]
+    stopped = _stop_flag(pool)
+    return [WorkerProcess(process, stopped) for process in pool.processes]
 
 
 class WorkerProcess:
@@ -129,14 +142,23 @@ class WorkerProcess:
     The pool joins and closes its processes when it shuts down; torch's
     ``it._workers`` are Process objects that code reads afterwards (``pid``,
     ``exitcode``, ``join()``, ``is_alive()``, ``terminate()``).
+
+    A worker stopped by its parent exits 0, as torch's do: torch's worker
+    exits 0 on a SIGTERM from its parent (its C handler), which is what a
+    worker past the stop's grace gets, and what ``terminate()`` here sends.
+    Ours exits ``128 + SIGTERM`` on any SIGTERM (a Python handler cannot see
+    the sender): read as 0 when this loader stopped its pool (``stopped[0]``)
+    or this object terminated it.
     """
 
-    def __init__(self, process: Any) -> None:
+    def __init__(self, process: Any, stopped: list[bool] | None = None) -> None:
         self._process = process
         self.pid: int = process.pid
         self.name: str = process.name
         # multiprocessing's: it keeps the exit code after the pool's Process.close().
         self._handle = _compat.process_popen(process)
+        self._stopped = stopped or [False]
+        self._terminated = False
 
     def is_alive(self) -> bool:
         return self.exitcode is None
@@ -151,6 +173,12 @@ class WorkerProcess:
         code = self._poll()
         if code is None and self._exited():
             code = self._settle()
+        return self._as_torchs(code)
+
+    def _as_torchs(self, code: int | None) -> int | None:
+        """``code``, with a SIGTERM this loader sent read as torch's worker exits on one, 0."""
+        if code == _SIGTERM_EXIT and (self._terminated or self._stopped[0]):
+            return 0
         return code
 
     def _poll(self) -> int | None:
@@ -182,6 +210,7 @@ class WorkerProcess:
         return code
 
     def terminate(self) -> None:
+        self._terminated = True
         with contextlib.suppress(ValueError):  # closed: nothing left to stop
             self._process.terminate()
 

@@ -323,6 +323,27 @@ def test_iterator_lists_its_workers_like_torch() -> None:
     w.terminate()  # nothing left to stop: no error
 
 
+def _second_worker_slow(worker_id: int) -> None:
+    if worker_id == 1:
+        time.sleep(60)  # still starting when the iterator goes: stopped after the grace
+
+
+@pytest.mark.parametrize("ours", [True, False], ids=["mpexec", "torch"])
+def test_a_worker_its_loader_stops_after_the_grace_exits_0_like_torchs(ours: bool) -> None:
+    # torch's worker exits 0 on a SIGTERM from its parent (a C handler): what a worker
+    # past the stop's 5 s grace gets (one slow to start, or, on a loaded host, slow to
+    # leave: CI's rehearsal saw 143 here once). Ours exits 128 + SIGTERM on one;
+    # it._workers reads that as 0 when the loader sent it.
+    cls = mt.DataLoader if ours else torch.utils.data.DataLoader
+    it = iter(cls(Numbered(), batch_size=2, num_workers=2, worker_init_fn=_second_worker_slow))
+    workers = it._workers
+    next(it)  # the first worker's
+    del it
+    for w in workers:
+        w.join(30)
+    assert [w.exitcode for w in workers] == [0, 0]
+
+
 def _exit_now() -> None:
     os._exit(0)
 
