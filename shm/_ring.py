@@ -230,8 +230,9 @@ class Ring:
         self._flush_at = max(1, self.capacity // 2)
         self._eof_sent = bool(self._buf[_PRODUCER_CLOSED])
         self._eof_seen = False
-        self._poll_fds: tuple[int, ...] = ()
-        self._poller: Any = None
+        # Each end's last wait, (its fds, a poll object over them), by its doorbell's fd:
+        # one object for both ends, used by two threads, must not share a poll object.
+        self._pollers: dict[int, tuple[tuple[int, ...], Any]] = {}
         self._hint: Segment | None = None  # see set_hint()
         self._hint_buf: Any = None
         self._hint_at = 0
@@ -591,13 +592,18 @@ class Ring:
         """Sleep until ``bell`` may have credits; False on timeout."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         fds = (bell.fileno(), *map(_fd_of, watch))
-        if fds != self._poll_fds:  # the same wait as last time, nearly always
-            self._poller = select.poll()
+        # A poll object per end (one may sleep in poll() while the other end's thread
+        # comes to wait), read into a local: another thread's wait never swaps it.
+        cached = self._pollers.get(fds[0])
+        if cached is not None and cached[0] == fds:  # the same wait as last time, nearly always
+            poller = cached[1]
+        else:
+            poller = select.poll()
             for fd in fds:
-                self._poller.register(fd, select.POLLIN)
-            self._poll_fds = fds
+                poller.register(fd, select.POLLIN)
+            self._pollers[fds[0]] = (fds, poller)
         ms = None if left is None else max(0, int(left * 1000 + 0.999))
-        ready = {fd for fd, _ in self._poller.poll(ms)}
+        ready = {fd for fd, _ in poller.poll(ms)}
         if not ready:
             return False
         # Credits may have arrived together with an exit: let the caller take them.

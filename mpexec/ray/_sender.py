@@ -15,6 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import ray
+
 from .. import _codec
 from .._errors import SerializationError
 
@@ -76,6 +78,18 @@ class CallSender:
         self.done = done  # the manager's inbox, where Ray's callbacks put finished calls
         self.fns: collections.OrderedDict[Any, tuple[int, bytes, Any]] = collections.OrderedDict()
         self.keys = itertools.count()
+
+    @staticmethod
+    def connected() -> bool:
+        """Whether Ray is still this process's, to call into now.
+
+        ``ray.shutdown()`` (another library's ``atexit`` can call it) marks the
+        process disconnected, then shuts its core worker down; a call into Ray
+        from another thread after that ends the whole process (Ray's own exit:
+        "The core worker has already been shutdown"). Asked right before each
+        send: the race is then that of this look and the call.
+        """
+        return bool(ray.is_initialized())
 
     def send(self, call: Call, agent: AgentInfo, agents: list[AgentInfo]) -> BaseException | None:
         """``call`` to ``agent``; the error if Ray cannot take it (the call fails alone)."""

@@ -230,6 +230,8 @@ class RayState:
                 agent = self.pick(call)
                 if agent is None:
                     return
+                if not self.sender.connected():
+                    return  # ray.shutdown() under way: the manager fails the calls (ray_gone)
                 self.pending.popleft()
                 if not call.future.running() and not call.future.set_running_or_notify_cancel():
                     self.outstanding.discard(call.future)

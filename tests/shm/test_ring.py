@@ -12,6 +12,7 @@ import contextlib
 import os
 import pickle
 import random
+import select
 import sys
 import threading
 import time
@@ -704,3 +705,60 @@ def test_a_producer_in_another_process_sets_the_rings_hint(ctx: Any, no_leaks: N
         assert page.buf[8] == 0
         assert _drain(ring) == [_u64(0), _u64(1)]
     page.close()
+
+
+def test_the_two_ends_of_one_ring_object_wait_in_two_threads_at_once(
+    monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    """A ring between two threads of one process: each end's wait has a poll object of its own.
+
+    Both ends shared one, swapped by whichever came to wait. A consumer between its
+    look at the cached one and its ``poll()`` could take the producer's, asleep in it:
+    "RuntimeError: concurrent poll() invocation", or a wait on the wrong doorbell
+    (seen in CI, tests/shm/test_ring_interrupts.py on 3.13). Here the producer comes
+    to wait at exactly that point of the consumer's wait.
+    """
+    ring = shm.Ring(4, 8)
+    ring.push(_u64(1))  # the producer took every space credit: its wait sleeps
+    real_poll = select.poll  # (what shm._ring calls)
+    producer_asleep = threading.Event()
+
+    class TellingPoll:  # says when the producer's thread is about to sleep in poll()
+        def __init__(self) -> None:
+            self.inner = real_poll()
+
+        def register(self, fd: int, mask: int) -> None:
+            self.inner.register(fd, mask)
+
+        def poll(self, ms: int | None = None) -> Any:
+            if threading.current_thread() is producer:
+                producer_asleep.set()
+            return self.inner.poll(ms)
+
+    monkeypatch.setattr(select, "poll", TellingPoll)
+    producer = threading.Thread(target=ring._block, args=(ring._spaces, time.monotonic() + 0.5, ()))
+    maxes = 0
+
+    def between_the_look_and_the_poll(frame: Any, event: str, arg: Any) -> None:
+        nonlocal maxes
+        if event == "c_call" and arg is max and frame.f_code.co_name == "_block":
+            maxes += 1
+            if maxes == 2:  # the timeout in ms, after the poll object was chosen
+                producer.start()
+                assert producer_asleep.wait(LONG)
+                # From the flag to the C poll() is a few bytecodes. (Were the producer
+                # slower, the consumer would poll first: the old code would pass too.)
+                time.sleep(0.05)
+
+    deadline = time.monotonic() + LONG
+    assert ring._block(ring._items, deadline, ())  # this end's wait, as last time
+    sys.setprofile(between_the_look_and_the_poll)
+    try:
+        assert ring._block(ring._items, deadline, ())  # a record is there: at once
+    finally:
+        sys.setprofile(None)
+        if producer.ident is not None:
+            producer.join(LONG)
+    assert maxes == 2
+    assert ring.pop(timeout=0) == _u64(1)
+    ring.close()
