@@ -149,7 +149,28 @@ def test_waiters_of_every_kind_wake_as_a_future_settles() -> None:
         assert [b.result(30) for b in busy] == [1, 1]
         with pytest.raises(concurrent.futures.TimeoutError):
             pool.submit(_call, 1, 0.5).result(timeout=0.01)
-    assert _future._GATE_SECONDS <= 1  # a waiter whose gate another left shut looks again soon
+
+
+def test_a_waiter_whose_gate_was_left_shut_looks_again_and_wakes() -> None:
+    # What an interrupted waiter or cancel can leave: the future settled, its gate
+    # never opened. Made here by taking the gate off the future's waiters before the
+    # manager settles it: the waiter finds the result at its next look.
+    with mpexec.WorkerPool(1) as pool:
+        future = pool.submit(_call, 1, 0.5)
+        got: list[Any] = []
+        waiter = threading.Thread(target=lambda: got.append(future.result(30)))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while "_mp_gate" not in future.__dict__ and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gate = future.__dict__["_mp_gate"]
+        with future._condition:
+            future._waiters.remove(gate)
+        assert future.exception(30) is None  # settled, the gate still shut
+        assert gate.lock.locked()
+        waiter.join(_future._GATE_SECONDS + 5)
+        assert not waiter.is_alive()
+        assert got == [1]
 
 
 def _cancel(future: Any, interrupt: InterruptAt) -> bool:
