@@ -13,6 +13,7 @@ n = 1, 2, ... until a wait ends before its n-th event.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import sys
 import threading
 import time
@@ -151,12 +152,21 @@ def test_waiters_of_every_kind_wake_as_a_future_settles() -> None:
             pool.submit(_call, 1, 0.5).result(timeout=0.01)
 
 
-def test_a_waiter_whose_gate_was_left_shut_looks_again_and_wakes() -> None:
+def _when(path: str, value: int) -> int:
+    """``value`` once the file ``path`` exists (the test says when the call ends)."""
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return value
+
+
+def test_a_waiter_whose_gate_was_left_shut_looks_again_and_wakes(tmp_path: Any) -> None:
     # What an interrupted waiter or cancel can leave: the future settled, its gate
     # never opened. Made here by taking the gate off the future's waiters before the
     # manager settles it: the waiter finds the result at its next look.
+    end = tmp_path / "end"
     with mpexec.WorkerPool(1) as pool:
-        future = pool.submit(_call, 1, 0.5)
+        future = pool.submit(_when, str(end), 1)
         got: list[Any] = []
         waiter = threading.Thread(target=lambda: got.append(future.result(30)))
         waiter.start()
@@ -166,6 +176,7 @@ def test_a_waiter_whose_gate_was_left_shut_looks_again_and_wakes() -> None:
         gate = future.__dict__["_mp_gate"]
         with future._condition:
             future._waiters.remove(gate)
+        end.touch()
         assert future.exception(30) is None  # settled, the gate still shut
         assert gate.lock.locked()
         waiter.join(_future._GATE_SECONDS + 5)
