@@ -13,7 +13,6 @@ n = 1, 2, ... until a wait ends before its n-th event.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ import mpexec
 from mpexec._pool import _future
 from mpexec._pool._waiting import wait_settled
 from tests.conftest import InterruptAt
+from tests.pool.test_direct import _after
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -152,21 +152,13 @@ def test_waiters_of_every_kind_wake_as_a_future_settles() -> None:
             pool.submit(_call, 1, 0.5).result(timeout=0.01)
 
 
-def _when(path: str, value: int) -> int:
-    """``value`` once the file ``path`` exists (the test says when the call ends)."""
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return value
-
-
 def test_a_waiter_whose_gate_was_left_shut_looks_again_and_wakes(tmp_path: Any) -> None:
     # What an interrupted waiter or cancel can leave: the future settled, its gate
     # never opened. Made here by taking the gate off the future's waiters before the
     # manager settles it: the waiter finds the result at its next look.
     end = tmp_path / "end"
     with mpexec.WorkerPool(1) as pool:
-        future = pool.submit(_when, str(end), 1)
+        future = pool.submit(_after, str(end), 1)
         got: list[Any] = []
         waiter = threading.Thread(target=lambda: got.append(future.result(30)))
         waiter.start()
