@@ -39,10 +39,20 @@ ROOT = Path(__file__).resolve().parents[2]
 T = 180  # every step of the test is bounded by this
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now and not given before in this process: two calls in a row can get
+    the same one from the system (its socket closed), and Ray refuses one port for two
+    of a node's components (a CI rehearsal: the client server's and the dashboard agent's)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def cluster_env() -> dict[str, str]:
