@@ -40,16 +40,30 @@ class FreeList:
         return max(a, (nbytes + a - 1) // a * a)
 
     def allocate(self, nbytes: int) -> int | None:
-        """Offset of a new block of ``round(nbytes)`` bytes, or None if none fits."""
+        """Offset of a new block of ``round(nbytes)`` bytes, or None if none fits.
+
+        As in :meth:`free_last`, looked up first, then changed with no call in
+        between: a Ctrl-C anywhere leaves the lists whole (the block then taken
+        or not, never half).
+        """
         need = self.round(nbytes)
-        i = bisect.bisect_left(self._by_size, (need, -1))
-        if i == len(self._by_size):
+        by_size = self._by_size
+        i = bisect.bisect_left(by_size, (need, -1))
+        if i == len(by_size):
             return None
-        size, offset = self._by_size.pop(i)
+        size, offset = by_size[i]
+        rest = offset + need  # where what is left of the block starts
+        # What is left is smaller than the block: its place is at or before the block's.
+        j = bisect.bisect_left(by_size, (size - need, rest)) if size > need else -1
+        # From here to the return: no call.
+        del by_size[i]
         del self._start[offset]
-        del self._end[offset + size]
-        if size > need:
-            self._insert(offset + need, size - need)
+        if j >= 0:
+            by_size[j:j] = ((size - need, rest),)
+            self._start[rest] = size - need
+            self._end[offset + size] = rest
+        else:
+            del self._end[offset + size]
         self.free_bytes -= need
         self._used[offset] = need
         return offset
@@ -59,7 +73,8 @@ class FreeList:
 
         The block is cut from the free block holding ``offset``, as close to
         starting there as it fits: for a caller that knows which free pages
-        are warm. A linear search, for the few large blocks that ask.
+        are warm. A linear search, for the few large blocks that ask; the
+        lists change as in :meth:`allocate`, in one step with no call.
         """
         need = self.round(nbytes)
         for start, size in self._start.items():
@@ -70,11 +85,28 @@ class FreeList:
         if size < need:
             return None
         at = max(start, min(offset // self.alignment * self.alignment, start + size - need))
-        self._remove(start)
-        if at > start:
-            self._insert(start, at - start)
-        if start + size > at + need:
-            self._insert(at + need, start + size - at - need)
+        by_size = self._by_size
+        i = bisect.bisect_left(by_size, (size, start))
+        # The pieces left on either side, ``lo`` sorting first; each smaller than the
+        # block, so their places (in the list as it is) are at or before the block's.
+        left, right = (at - start, start), (start + size - at - need, at + need)
+        pieces = sorted(p for p in (left, right) if p[0])
+        lo = pieces[0] if pieces else None
+        hi = pieces[1] if len(pieces) == 2 else None
+        j_lo = bisect.bisect_left(by_size, lo) if lo is not None else -1
+        j_hi = bisect.bisect_left(by_size, hi) if hi is not None else -1
+        # From here to the return: no call.
+        del by_size[i]
+        del self._start[start]
+        del self._end[start + size]
+        if hi is not None:  # the later place first: the earlier keeps its index
+            by_size[j_hi:j_hi] = (hi,)
+            self._start[hi[1]] = hi[0]
+            self._end[hi[1] + hi[0]] = hi[1]
+        if lo is not None:
+            by_size[j_lo:j_lo] = (lo,)
+            self._start[lo[1]] = lo[0]
+            self._end[lo[1] + lo[0]] = lo[1]
         self.free_bytes -= need
         self._used[at] = need
         return at
@@ -144,13 +176,3 @@ class FreeList:
     def empty(self) -> bool:
         """True when nothing is allocated."""
         return self.free_bytes == self.size
-
-    def _insert(self, offset: int, size: int) -> None:
-        bisect.insort(self._by_size, (size, offset))
-        self._start[offset] = size
-        self._end[offset + size] = offset
-
-    def _remove(self, offset: int) -> None:
-        size = self._start.pop(offset)
-        del self._end[offset + size]
-        del self._by_size[bisect.bisect_left(self._by_size, (size, offset))]
