@@ -39,12 +39,14 @@ class FreeList:
         a = self.alignment
         return max(a, (nbytes + a - 1) // a * a)
 
-    def allocate(self, nbytes: int) -> int | None:
+    def allocate(self, nbytes: int, taking: list[tuple[int, int]] | None = None) -> int | None:
         """Offset of a new block of ``round(nbytes)`` bytes, or None if none fits.
 
         As in :meth:`free_last`, looked up first, then changed with no call in
         between: a Ctrl-C anywhere leaves the lists whole (the block then taken
-        or not, never half).
+        or not, never half). ``taking``: ``(offset, size)`` of the block is
+        added to it in that step, for a caller that must find a block it took
+        when an interrupt cut it off from the return value.
         """
         need = self.round(nbytes)
         by_size = self._by_size
@@ -66,15 +68,20 @@ class FreeList:
             del self._end[offset + size]
         self.free_bytes -= need
         self._used[offset] = need
+        if taking is not None:
+            taking += ((offset, need),)
         return offset
 
-    def allocate_near(self, offset: int, nbytes: int) -> int | None:
+    def allocate_near(
+        self, offset: int, nbytes: int, taking: list[tuple[int, int]] | None = None
+    ) -> int | None:
         """Offset of a new block of ``round(nbytes)`` bytes over ``offset``, or None.
 
         The block is cut from the free block holding ``offset``, as close to
         starting there as it fits: for a caller that knows which free pages
         are warm. A linear search, for the few large blocks that ask; the
-        lists change as in :meth:`allocate`, in one step with no call.
+        lists change as in :meth:`allocate`, in one step with no call
+        (``taking`` too).
         """
         need = self.round(nbytes)
         for start, size in self._start.items():
@@ -109,6 +116,8 @@ class FreeList:
             self._end[lo[1] + lo[0]] = lo[1]
         self.free_bytes -= need
         self._used[at] = need
+        if taking is not None:
+            taking += ((at, need),)
         return at
 
     def free(self, offset: int, nbytes: int) -> None:

@@ -205,6 +205,10 @@ class Arena(Blocks):
         self._next_id = 1
         self._in_use = 0
         self._peak = 0
+        # An allocation under way that a Ctrl-C may cut off from its caller (see _untake):
+        # a block taken and not recorded yet; one recorded and not yet held.
+        self._taking = False
+        self._fresh: list[Alloc] = []
         self._exported = 0
         self._releases = 0
         self._shared_unread = 0  # share_described() calls since it read releases
@@ -245,17 +249,21 @@ class Arena(Blocks):
         if nbytes == 0:
             return np.empty(shp, dt)
         if not peer_writable:
-            alloc = self._allocate(nbytes, tag)
-            return self._view(alloc, dt, shp, None, 0, writable=True, take_export=False)
-        span = round_up(nbytes, PAGE_SIZE)
-        if not self.sealed:
-            # Its segments hold packed blocks too: enough for whole pages from the
-            # first page boundary of the block on. In a sealed arena they hold only
-            # these whole-page blocks, so every block starts on a page boundary.
-            span += PAGE_SIZE - ALIGNMENT
-        alloc = self._allocate(span, tag, peer_writable=True)
-        start = -alloc.offset % PAGE_SIZE
-        return self._view(alloc, dt, shp, None, start, writable=True, take_export=False)
+            anchor, _ = self._allocate(nbytes, tag, not self.sealed)
+            start = 0
+        else:
+            span = round_up(nbytes, PAGE_SIZE)
+            if not self.sealed:
+                # Its segments hold packed blocks too: enough for whole pages from the
+                # first page boundary of the block on. In a sealed arena they hold only
+                # these whole-page blocks, so every block starts on a page boundary.
+                span += PAGE_SIZE - ALIGNMENT
+            anchor, offset = self._allocate(span, tag, True)
+            start = -offset % PAGE_SIZE
+        view = build_view(anchor, dt, shp, None, start)
+        anchor.first = weakref.ref(view)
+        anchor.first_start = start
+        return view
 
     def put(self, array: Any, tag: str = "", peer_writable: bool = False) -> np.ndarray[Any, Any]:
         """Copy ``array`` into this arena once; returns the (writable) copy.
@@ -450,8 +458,11 @@ class Arena(Blocks):
             if peer is not None and id(peer) not in self._owed:
                 self._owed_by(peer)  # raises: a bad peer fails before anything is allocated
             alloc = self._allocate_locked(nbytes, tag, not self.sealed)
+            # One step, no call: the descriptor's reference takes the provisional one's place.
             alloc.exported += 1
             self._exported += 1
+            alloc.local = 0
+            del self._fresh[:]
         if self._deferred:
             self._drain_deferred()
         seg = alloc.seg
@@ -556,17 +567,49 @@ class Arena(Blocks):
         anchor = find_anchor(np.asarray(array)) if isinstance(array, np.ndarray) else None
         return anchor is not None and anchor.arena_id == self.id and os.getpid() == self._pid
 
-    def _allocate(self, nbytes: int, tag: str, peer_writable: bool = False) -> Alloc:
+    def _allocate(self, nbytes: int, tag: str, opened: bool) -> tuple[Anchor, int]:
+        """A new block, the anchor its views hang from (its release armed), its offset.
+
+        The anchor is made and armed with the lock still held, so that the
+        block is never without a holder where another allocation could run:
+        a Ctrl-C anywhere leaves it held by the anchor, or for the next
+        allocation to free (``_untake``).
+        """
         with self._lock:
-            alloc = self._allocate_locked(nbytes, tag, peer_writable or not self.sealed)
+            alloc = self._allocate_locked(nbytes, tag, opened)
+            mapping = alloc.seg.rw  # type: ignore[union-attr]
+            anchor = Anchor(
+                mapping.address + alloc.offset - mapping.offset,
+                alloc.size,
+                False,
+                mapping,
+                self.id,
+                alloc.id,
+            )
+            # The provisional holder becomes the anchor's, in the step that arms its release.
+            on_release(
+                anchor,
+                self._deferred.append,
+                alloc.id,
+                then=self._drain_deferred,
+                settle=self._fresh,
+            )
         if self._deferred:
             self._drain_deferred()
-        return alloc
+        return anchor, alloc.offset
 
     def _allocate_locked(self, nbytes: int, tag: str, opened: bool) -> Alloc:
-        """A new block in a segment ``opened`` to peers' writes, or not (lock held)."""
+        """A new block in a segment ``opened`` to peers' writes, or not (lock held).
+
+        It comes with one provisional holder (``local`` 1), in ``_fresh``: the
+        caller hands it over to what it makes the block for, in a step with no
+        call, before it lets go of the lock; or the next allocation frees it
+        (``_untake``).
+        """
         if self._closed:
             self._check_open()  # raises
+        if self._taking or self._fresh:
+            self._untake()
         # Blocks released by peers meanwhile are freed first, so that the
         # block just released (the last call's result) is taken again: its
         # pages are mapped, in cache, and written already. Left for later,
@@ -576,16 +619,22 @@ class Arena(Blocks):
         self._collect_locked()
         # FreeList.round, inline: every segment's alignment is ALIGNMENT.
         size = -(-nbytes // ALIGNMENT) * ALIGNMENT or ALIGNMENT
+        self._taking = True  # the block goes into its segment's ``taking`` as it is cut
         seg, offset = self._fit(nbytes, size, opened) or self._grow(nbytes, opened)
         if offset + size > seg.committed:
             self._commit(seg, offset, size)
         if self._discard or seg.holes:
             self._claim(seg, offset, size)
         alloc = Alloc(self._next_id, seg, seg.rw.handle, offset, size, tag)
+        # One step, no call: from ``taking`` to the allocation and its provisional holder.
         self._next_id += 1
+        alloc.local = 1
         self._allocs[alloc.id] = alloc
+        self._fresh[:] = (alloc,)
         seg.live += 1
         self._in_use += size
+        del seg.taking[-1]
+        self._taking = False
         self._peak = max(self._peak, self._in_use)
         if self._discard:
             self._give_back()

@@ -70,7 +70,18 @@ class Alloc:
 
 
 class Seg:
-    __slots__ = ("committed", "free", "holes", "live", "open", "parked", "returning", "ro", "rw")
+    __slots__ = (
+        "committed",
+        "free",
+        "holes",
+        "live",
+        "open",
+        "parked",
+        "returning",
+        "ro",
+        "rw",
+        "taking",
+    )
 
     def __init__(self, segment: Segment, open_to_peers: bool, committed: int) -> None:
         self.rw = segment
@@ -87,6 +98,8 @@ class Seg:
         self.parked: tuple[int, int] | None = None  # (offset, size)
         # Blocks no allocation holds, on their way to the free list (see give_back).
         self.returning: list[tuple[int, int]] = []
+        # The block taken for an allocation not made yet (see Blocks.untake).
+        self.taking: list[tuple[int, int]] = []
 
     def unpark(self) -> None:
         """Give the parked block back to the free list."""
@@ -131,6 +144,8 @@ class Blocks:
     _allocs: dict[int, Alloc]
     _proxies: dict[int, Alloc]
     _in_use: int
+    _taking: bool
+    _fresh: list[Alloc]
 
     def _commit(self, seg: Seg, offset: int, size: int) -> None:
         """Commit ``seg`` up to past ``[offset, offset + size)`` (lock held), or free
@@ -139,7 +154,7 @@ class Blocks:
         try:
             seg.rw.reserve(seg.committed, end - seg.committed)
         except BaseException:
-            seg.free.free(offset, size)
+            seg.free.free_last(seg.taking)  # (the block being allocated)
             raise
         seg.committed = end
 
@@ -161,9 +176,45 @@ class Blocks:
                     seg.rw.reserve(max(a, lo), min(b, hi) - max(a, lo))
                 kept.extend((x, y) for _, x, y in minus(seg, a, b, seg, lo, hi))
         except BaseException:
-            seg.free.free(offset, size)
+            seg.free.free_last(seg.taking)  # (the block being allocated)
             raise
         seg.holes = kept
+
+    def _untake(self) -> None:
+        """Free what an allocation that a Ctrl-C cut short left taken (lock held).
+
+        An allocation's block goes into its segment's ``taking`` as it is cut
+        (in the free list's step with no call, or the parked block's), and from
+        there to its :class:`Alloc` in the step that records it, which also
+        puts it in ``_fresh``: one provisional holder (``local`` 1) until the
+        anchor or the reference it was made for takes over, in one step too
+        (``shm._views.on_release``'s ``settle``; ``share``'s count), before
+        the lock is let go. What is in either place when the next allocation
+        takes the lock was cut off from its caller by an interrupt: freed
+        here, each piece in a step that a second interrupt leaves for the next
+        call to finish.
+        """
+        if self._taking:
+            for seg in self._segs:
+                taking = seg.taking
+                while taking:
+                    seg.free.free_last(taking)
+            self._taking = False
+        fresh = self._fresh
+        if not fresh:
+            return
+        alloc = fresh[0]
+        home = alloc.seg
+        assert home is not None
+        # One step, no call: no view nor reference ever held it (the provisional
+        # holder aside), so it goes straight back with its bookkeeping.
+        del fresh[:]
+        del self._allocs[alloc.id]
+        alloc.local = 0
+        home.live -= 1
+        self._in_use -= alloc.size
+        home.returning += ((alloc.offset, alloc.size),)
+        home.give_back()
 
     def _give_back(self) -> None:
         """Give back the pages of the large blocks freed since the last time (lock held).
@@ -191,7 +242,7 @@ class Blocks:
             for seg, lo, _ in reversed(self._discard):
                 if seg.open != opened:
                     continue
-                if (offset := seg.free.allocate_near(lo, nbytes)) is not None:
+                if (offset := seg.free.allocate_near(lo, nbytes, seg.taking)) is not None:
                     return seg, offset
         for seg in self._segs:
             if seg.open != opened:
@@ -199,11 +250,12 @@ class Blocks:
             parked = seg.parked
             if parked is not None and parked[1] == size:
                 seg.parked = None
+                seg.taking += (parked,)  # (no call between: see untake)
                 return seg, parked[0]
-            offset = seg.free.allocate(nbytes)
+            offset = seg.free.allocate(nbytes, seg.taking)
             if offset is None and parked is not None:
                 seg.unpark()
-                offset = seg.free.allocate(nbytes)
+                offset = seg.free.allocate(nbytes, seg.taking)
             if offset is not None:
                 return seg, offset
         return None
@@ -224,7 +276,7 @@ class Blocks:
             raise ArenaFullError(self._full_message(nbytes, reserved))
         seg = new_segment(size, self.backend, sealed=not opened)
         self._segs.append(seg)
-        offset = seg.free.allocate(nbytes)
+        offset = seg.free.allocate(nbytes, seg.taking)
         assert offset is not None
         return seg, offset
 

@@ -343,23 +343,43 @@ _exit_hooked = False
 _exited = False
 
 
-def on_release(anchor: Anchor, fn: Any, *args: Any, then: Any = None) -> _Release:
+def on_release(
+    anchor: Anchor,
+    fn: Any,
+    *args: Any,
+    then: Any = None,
+    settle: list[Any] | None = None,
+) -> _Release:
     """Call ``fn(*args)``, then ``then()``, when ``anchor`` (the last view of its bytes) is gone.
 
     A Ctrl-C can land as ``fn`` starts (a Python function's first line) and is
     then printed and forgotten (a finalizer's): a release that must not be
     lost makes ``fn`` a C function that records it (a queue's ``append``, done
     before any interrupt can land) and ``then`` what acts on the record.
+
+    The release is armed in one step with no call (where no ``KeyboardInterrupt``
+    lands): an interrupt before it leaves none (the anchor's going does nothing),
+    one after it leaves it whole. ``settle``: a list emptied in that step, for
+    a caller that must know whether the release was armed.
     """
     global _exit_hooked
-    ref = _Release(anchor, _fire)
-    ref.fn = fn
-    ref.args = args
-    ref.then = then
-    _pending[id(ref)] = ref
     if not _exit_hooked:
         _exit_hooked = True
         atexit.register(_fire_all)
+    ref = _Release(anchor, _fire)
+    ref.fn = None  # not armed: should the anchor go first, its release does nothing
+    key = id(ref)
+    if settle is None:
+        ref.args = args
+        ref.then = then
+        _pending[key] = ref
+        ref.fn = fn
+    else:
+        ref.args = args
+        ref.then = then
+        _pending[key] = ref
+        ref.fn = fn
+        del settle[:]
     return ref
 
 
