@@ -166,13 +166,15 @@ class _Refs(pickle.Pickler):
         peer: shm.Ring | None,
         inline_max: int,
         owner: shm.Arena | None = None,
+        booked: list[shm.ArrayDescriptor] | None = None,
     ) -> None:
         super().__init__(file, protocol=5)
         self.arena = arena
         self.owner = owner or arena  # where writable() arrays must live
         self.peer = peer
         self.inline_max = inline_max
-        self.shared: list[shm.ArrayDescriptor] = []
+        # Each descriptor is added as its reference is counted (share's ``into``).
+        self.shared: list[shm.ArrayDescriptor] = [] if booked is None else booked
         self.bytes_shared = 0
         self.bytes_copied = 0
         self.names_main = False  # a function of __main__ was met: cloudpickle it all
@@ -219,16 +221,15 @@ class _Refs(pickle.Pickler):
         owner = self.owner
         if arena is not None and owner is arena:
             # Checked and shared in one step (a pipeline's unit passes its block so).
-            desc = arena.share_own(array, peer=self.peer)
+            desc = arena.share_own(array, self.peer, self.shared)
         elif owner is not None and not owner.owns(array):
             desc = None
         elif arena is None:
             return _WRITABLE_TAG  # checking only
         else:
-            desc = arena.share(array, peer=self.peer)
+            desc = arena.share(array, "", self.peer, self.shared)
         if desc is None:
             raise SerializationError(_NOT_SHARED)
-        self.shared.append(desc)
         self.bytes_shared += array.nbytes
         return desc.pack() + _WRITABLE_TAG
 
@@ -252,11 +253,10 @@ def _shared_ref(refs: _Refs | _Shared, arena: shm.Arena, obj: np.ndarray[Any, An
     """``obj`` shared in ``arena`` for ``refs.peer``: its descriptor's reference (booked)."""
     # Views of other processes' arenas are forwarded, not copied.
     copied = arena.bytes_copied
-    desc = arena.share(obj, peer=refs.peer)
+    desc = arena.share(obj, "", refs.peer, refs.shared)  # (booked in refs.shared)
     # What share() copied: a broadcast's real bytes; an imported view
     # whose owner is gone is copied too.
     refs.bytes_copied += arena.bytes_copied - copied
-    refs.shared.append(desc)
     refs.bytes_shared += obj.nbytes
     return desc.pack() + _SHARED_TAG
 
@@ -396,11 +396,16 @@ def encode_call(
     peer: shm.Ring | None = None,
     inline_max: int = INLINE_MAX,
     owner: shm.Arena | None = None,
+    booked: list[shm.ArrayDescriptor] | None = None,
 ) -> Encoded:
     """Encode a call's arguments; a failure names ``args[i]`` or ``kwargs['k']``.
 
     ``owner``: the arena ``writable()`` arrays must be in, when ``arena`` is
     None (checking that a call can be encoded, without sharing anything).
+    ``booked``: the caller's list of what the encoding shares, each descriptor
+    added as its reference is counted, so that a caller cut off from the
+    result (a Ctrl-C as this returns) can still give them back (:func:`give_back`).
+    A failure here gives them back itself.
     A call of one record and its ``out`` blocks (a pipeline's unit) goes in a
     fixed layout, without pickle (see :func:`_encode_unit`).
     """
@@ -411,14 +416,16 @@ def encode_call(
         and (owner is None or owner is arena)
         and _unit_fields.get(type(args[0]), _UNKNOWN) is not None
     ):
-        enc = _encode_unit(args[0], kwargs, arena, peer)
+        enc = _encode_unit(args[0], kwargs, arena, peer, booked)
         if enc is not None:
             return enc
     if arena is not None and not kwargs and (owner is None or owner is arena):
-        enc = _encode_plain(args, _ARGS, arena, peer, inline_max)
+        enc = _encode_plain(args, _ARGS, arena, peer, inline_max, booked)
         if enc is not None:
             return enc
-    return encode((args, kwargs), arena, peer, "the arguments", inline_max, _call_parts, owner)
+    return encode(
+        (args, kwargs), arena, peer, "the arguments", inline_max, _call_parts, owner, booked
+    )
 
 
 def encode_result(
@@ -462,11 +469,17 @@ class _Shared:
 
     __slots__ = ("arena", "bytes_copied", "bytes_shared", "inline_max", "peer", "shared")
 
-    def __init__(self, arena: shm.Arena | None, peer: shm.Ring | None, inline_max: int) -> None:
+    def __init__(
+        self,
+        arena: shm.Arena | None,
+        peer: shm.Ring | None,
+        inline_max: int,
+        booked: list[shm.ArrayDescriptor] | None = None,
+    ) -> None:
         self.arena = arena
         self.peer = peer
         self.inline_max = inline_max
-        self.shared: list[shm.ArrayDescriptor] = []
+        self.shared: list[shm.ArrayDescriptor] = [] if booked is None else booked
         self.bytes_shared = 0
         self.bytes_copied = 0
 
@@ -476,11 +489,20 @@ class _Shared:
 
 def _give_back(refs: _Refs | _Shared) -> None:
     """Unshare what an encoding shared (it failed, or its call was never sent)."""
-    if refs.arena is not None:
-        for desc in refs.shared:
-            refs.arena.unshare(desc, refs.peer)
-    refs.shared.clear()
+    give_back(refs.arena, refs.shared, refs.peer)
     refs.bytes_shared = refs.bytes_copied = 0
+
+
+def give_back(
+    arena: shm.Arena | None, booked: list[shm.ArrayDescriptor], peer: shm.Ring | None
+) -> None:
+    """Unshare every descriptor ``booked`` (by an encoding, see ``encode_call``), one by
+    one off the list: a Ctrl-C meanwhile leaves the rest for a second call."""
+    if arena is None:
+        booked.clear()
+        return
+    while booked:
+        arena.unshare_last(booked, peer)
 
 
 #: A plain encoding's bookkeeping when it shared nothing (its arrays went inline).
@@ -488,7 +510,12 @@ _NOTHING_SHARED = _Shared(None, None, 0)
 
 
 def _encode_plain(
-    arrays: tuple[Any, ...], form: int, arena: shm.Arena, peer: shm.Ring | None, inline_max: int
+    arrays: tuple[Any, ...],
+    form: int,
+    arena: shm.Arena,
+    peer: shm.Ring | None,
+    inline_max: int,
+    booked: list[shm.ArrayDescriptor] | None = None,
 ) -> Encoded | None:
     """``arrays`` in the plain layout; None: not all plain arrays (pickle them)."""
     n = len(arrays)
@@ -507,7 +534,7 @@ def _encode_plain(
             size = a.nbytes
             if size > inline_max or (size > VIEW_INLINE_MAX and arena.owns(a)):
                 if refs is _NOTHING_SHARED:
-                    refs = _Shared(arena, peer, inline_max)
+                    refs = _Shared(arena, peer, inline_max, booked)
                 ref = _shared_ref(refs, arena, a)  # (_array_ref's test made above: once)
             else:
                 ref = _inline_ref(a)
@@ -598,7 +625,11 @@ def _unit_kind(cls: type) -> _UnitKind | None:
 
 
 def _encode_unit(
-    record: Any, kwargs: dict[str, Any], arena: shm.Arena, peer: shm.Ring | None
+    record: Any,
+    kwargs: dict[str, Any],
+    arena: shm.Arena,
+    peer: shm.Ring | None,
+    booked: list[shm.ArrayDescriptor] | None = None,
 ) -> Encoded | None:
     """A unit's call in the fixed layout; None: it does not fit (pickle it)."""
     cls = type(record)
@@ -638,24 +669,26 @@ def _encode_unit(
     parts = [_UNIT_HEAD.pack(_UNIT, n, len(name), len(values)), name, values]
     if n != _NO_OUT:
         # Its bookkeeping alone, not a pickler's (~70 bytecodes a unit less).
-        refs = _Shared(arena, peer, -1)
-        for o in outs:
-            if o is None:
-                parts.append(_DESC_LEN.pack(0))
-                continue
-            desc = o.desc
-            if desc is not None and arena.share_described(desc, peer=peer):
-                packed = o.packed
-            else:
-                desc = arena.share_own(o.array, peer=peer)
-                if desc is None:
-                    refs.undo()
-                    raise SerializationError(_NOT_SHARED)
-                packed = desc.pack()
-            refs.shared.append(desc)
-            refs.bytes_shared += o.array.nbytes
-            parts.append(_DESC_LEN.pack(len(packed)))
-            parts.append(packed)
+        refs = _Shared(arena, peer, -1, booked)
+        try:  # (a failure, or a Ctrl-C, gives back what the blocks before it shared)
+            for o in outs:
+                if o is None:
+                    parts.append(_DESC_LEN.pack(0))
+                    continue
+                desc = o.desc  # (each share booked in refs.shared)
+                if desc is not None and arena.share_described(desc, peer, refs.shared):
+                    packed = o.packed
+                else:
+                    desc = arena.share_own(o.array, peer, refs.shared)
+                    if desc is None:
+                        raise SerializationError(_NOT_SHARED)  # noqa: TRY301 - the rest back
+                    packed = desc.pack()
+                refs.bytes_shared += o.array.nbytes
+                parts.append(_DESC_LEN.pack(len(packed)))
+                parts.append(packed)
+        except BaseException:
+            refs.undo()
+            raise
     return Encoded(b"".join(parts), refs)
 
 
@@ -713,6 +746,7 @@ def encode(
     inline_max: int = INLINE_MAX,
     parts: Callable[[Any], list[tuple[Any, str]]] | None = None,
     owner: shm.Arena | None = None,
+    booked: list[shm.ArrayDescriptor] | None = None,
 ) -> Encoded:
     """Pickle ``value`` with its arrays by reference; SerializationError if it cannot.
 
@@ -720,7 +754,7 @@ def encode(
     is looked for first (default: ``value`` itself, named ``what``).
     """
     buf = io.BytesIO()
-    refs = _Refs(buf, arena, peer, inline_max, owner)
+    refs = _Refs(buf, arena, peer, inline_max, owner, booked)
     try:
         refs.dump(value)
         data = buf.getvalue()
@@ -734,6 +768,9 @@ def encode(
         raise
     except Exception:
         by_value = True
+    except BaseException:  # (a Ctrl-C: what was shared goes back)
+        refs.undo()
+        raise
     if by_value:
         refs.undo()
         spawned_main_by_value()
@@ -745,6 +782,9 @@ def encode(
             pieces = parts(value) if parts is not None else []
             bad = next((p for p in pieces if not _picklable(p[0])), (value, what))
             raise SerializationError(describe_unpicklable(bad[0], bad[1], exc)) from exc
+        except BaseException:
+            refs.undo()
+            raise
         data = buf.getvalue()
     return Encoded(data, refs)
 

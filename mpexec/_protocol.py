@@ -89,11 +89,13 @@ def spill(
     peer: shm.Ring | None,
     task_id: int = 0,
     fn_id: int = 0,
+    booked: list[shm.ArrayDescriptor] | None = None,
 ) -> bytes:
-    """A record for ``body``, through the arena if it does not fit a slot."""
+    """A record for ``body``, through the arena if it does not fit a slot (its descriptor
+    ``booked`` as ``encode_call`` books them)."""
     if HEADER.size + len(body) <= RECORD_SIZE:
         return HEADER.pack(kind, 0, fn_id, task_id) + body  # record(), inline
-    desc = arena.share(np.frombuffer(body, np.uint8), peer=peer)
+    desc = arena.share(np.frombuffer(body, np.uint8), "", peer, booked)
     return record(kind, desc.pack(), task_id, fn_id, SPILLED)
 
 

@@ -209,6 +209,11 @@ class Arena(Blocks):
         # a block taken and not recorded yet; one recorded and not yet held.
         self._taking = False
         self._fresh: list[Alloc] = []
+        # Release records taken off a link ring and not applied yet, the ring's book of
+        # what its peer owes (see _apply_collected); an allocation whose free was cut short.
+        self._collected: list[bytes] = []
+        self._collected_owed: dict[int, int] = {}
+        self._checking: list[Alloc] = []
         self._exported = 0
         self._releases = 0
         self._shared_unread = 0  # share_described() calls since it read releases
@@ -277,7 +282,13 @@ class Arena(Blocks):
             np.copyto(out, src, casting="no")
         return out
 
-    def share(self, array: Any, tag: str = "", peer: Ring | None = None) -> ArrayDescriptor:
+    def share(
+        self,
+        array: Any,
+        tag: str = "",
+        peer: Ring | None = None,
+        into: list[ArrayDescriptor] | None = None,
+    ) -> ArrayDescriptor:
         """A descriptor of ``array`` that another process can open zero-copy.
 
         An array (or any view of one, strides included) already in this arena
@@ -289,6 +300,12 @@ class Arena(Blocks):
         to the memory, and is ``readonly`` if the array is not writable. Naming the ``peer`` (its
         ring from :meth:`link`) that will open it lets :meth:`reclaim` take
         the reference back if that peer dies holding it.
+
+        ``into``: the descriptor is also added to this list in the step that
+        counts its reference (no call in it, where no ``KeyboardInterrupt``
+        lands), for a sender that must give back what a message it could not
+        send had shared (:meth:`unshare_last`), whatever cut it short: from then
+        on, should this raise, the reference is the caller's to give back.
         """
         arr = np.asarray(array)
         if arr.dtype.hasobject:
@@ -301,16 +318,19 @@ class Arena(Blocks):
         # arena: copied in with no look for an anchor.
         anchor = None if arr.base is None else find_anchor(arr)
         if anchor is None or not self._in_place(anchor):
-            return self._share_copy(arr, tag, peer)
+            return self._share_copy(arr, tag, peer, into)
         if anchor.arena_id != self.id and owner_gone(anchor.keep.handle):
             # Its owner exited or closed it (a result kept after its worker
             # was replaced): only our mapping still reaches the bytes, so the
             # peer gets a copy of what the view holds now.
-            return self._share_copy(arr, tag, peer)
-        return self._share_in_place(arr, anchor, tag, peer)
+            return self._share_copy(arr, tag, peer, into)
+        return self._share_in_place(arr, anchor, tag, peer, into)
 
     def share_own(
-        self, array: np.ndarray[Any, Any], peer: Ring | None = None
+        self,
+        array: np.ndarray[Any, Any],
+        peer: Ring | None = None,
+        into: list[ArrayDescriptor] | None = None,
     ) -> ArrayDescriptor | None:
         """:meth:`share` of a view of this arena's own memory; None (nothing shared) if not one.
 
@@ -323,8 +343,8 @@ class Arena(Blocks):
         if anchor is None or anchor.arena_id != self.id or os.getpid() != self._pid:
             return None
         if array.nbytes == 0 or array.dtype.hasobject or anchor.alloc_id not in self._allocs:
-            return self.share(array, peer=peer)  # the general path: its checks, its copy
-        return self._share_in_place(array, anchor, "", peer)
+            return self.share(array, "", peer, into)  # the general path: its checks, its copy
+        return self._share_in_place(array, anchor, "", peer, into)
 
     def describe_own(self, array: np.ndarray[Any, Any]) -> ArrayDescriptor | None:
         """What :meth:`share_own` would return for ``array``, with no reference exported;
@@ -361,10 +381,16 @@ class Arena(Blocks):
                 False,
             )
 
-    def share_described(self, desc: ArrayDescriptor, peer: Ring | None = None) -> bool:
+    def share_described(
+        self,
+        desc: ArrayDescriptor,
+        peer: Ring | None = None,
+        into: list[ArrayDescriptor] | None = None,
+    ) -> bool:
         """Share again what :meth:`describe_own` described: one reference exported, as
         :meth:`share_own` exports (False, nothing done: its allocation is gone, or this
-        is a fork). The caller keeps a view of it alive, as for ``share_own``.
+        is a fork). The caller keeps a view of it alive, as for ``share_own``;
+        ``into`` as for :meth:`share`.
         """
         if desc.arena_id != self.id or os.getpid() != self._pid:
             return False
@@ -383,16 +409,25 @@ class Arena(Blocks):
             alloc = self._allocs.get(desc.alloc_id)
             if alloc is None:
                 return False
+            held = 0 if owed is None else owed.get(alloc.id, 0)
+            # One step, no call (see share's ``into``).
             alloc.exported += 1
             self._exported += 1
             if owed is not None:
-                owed[alloc.id] = owed.get(alloc.id, 0) + 1
+                owed[alloc.id] = held + 1
+            if into is not None:
+                into += (desc,)
         if self._deferred:
             self._drain_deferred()
         return True
 
     def _share_in_place(
-        self, arr: np.ndarray[Any, Any], anchor: Anchor, tag: str, peer: Ring | None
+        self,
+        arr: np.ndarray[Any, Any],
+        anchor: Anchor,
+        tag: str,
+        peer: Ring | None,
+        into: list[ArrayDescriptor] | None = None,
     ) -> ArrayDescriptor:
         """``share`` of a view described in place: ours, or forwarded through a proxy."""
         readonly = anchor.readonly or not arr.flags.writeable
@@ -414,11 +449,6 @@ class Arena(Blocks):
                 alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go
             else:
                 alloc = self._proxy(anchor, tag)
-            # _export, inline (a share is made for every call that passes a block).
-            alloc.exported += 1
-            self._exported += 1
-            if owed is not None:
-                owed[alloc.id] = owed.get(alloc.id, 0) + 1
             desc = new_descriptor(
                 self.id,
                 alloc.id,
@@ -431,12 +461,25 @@ class Arena(Blocks):
                 start,
                 readonly,
             )
+            held = 0 if owed is None else owed.get(alloc.id, 0)
+            # _export, inline (a share is made for every call that passes a block), in one
+            # step with no call (see share's ``into``).
+            alloc.exported += 1
+            self._exported += 1
+            if owed is not None:
+                owed[alloc.id] = held + 1
+            if into is not None:
+                into += (desc,)
         if self._deferred:
             self._drain_deferred()
         return desc
 
     def _share_copy(
-        self, arr: np.ndarray[Any, Any], tag: str, peer: Ring | None
+        self,
+        arr: np.ndarray[Any, Any],
+        tag: str,
+        peer: Ring | None,
+        into: list[ArrayDescriptor] | None = None,
     ) -> ArrayDescriptor:
         """``share`` of memory from outside: a copy only the descriptor references.
 
@@ -446,6 +489,8 @@ class Arena(Blocks):
         of its data, and such a view is shared read-only, as NumPy makes it.
         The reference is counted before the copy and owed to ``peer`` after
         it: a :meth:`reclaim` meanwhile cannot free the block under the copy.
+        With ``into``, a failure after the count leaves the reference to the
+        caller to give back (it is in ``into``).
         """
         # A worker's every result comes this way, right after the function ran,
         # when the code and data below are out of the CPU's caches: each Python
@@ -458,49 +503,57 @@ class Arena(Blocks):
             if peer is not None and id(peer) not in self._owed:
                 self._owed_by(peer)  # raises: a bad peer fails before anything is allocated
             alloc = self._allocate_locked(nbytes, tag, not self.sealed)
+            seg = alloc.seg
+            assert seg is not None
+            buf = seg.rw.buf
+            copy: np.ndarray[Any, Any] = np.ndarray(core.shape, core.dtype, buf, alloc.offset)
+            shown = (
+                copy
+                if strides is None
+                else np.ndarray(arr.shape, arr.dtype, buf, alloc.offset, strides)
+            )
+            desc = new_descriptor(
+                self.id,
+                alloc.id,
+                alloc.handle,
+                alloc.offset,
+                alloc.size,
+                shown.dtype,
+                shown.shape,
+                shown.strides,
+                0,
+                strides is not None,
+            )
             # One step, no call: the descriptor's reference takes the provisional one's place.
             alloc.exported += 1
             self._exported += 1
             alloc.local = 0
             del self._fresh[:]
+            if into is not None:
+                into += (desc,)
         if self._deferred:
             self._drain_deferred()
-        seg = alloc.seg
-        assert seg is not None
         try:
-            buf = seg.rw.buf
-            copy: np.ndarray[Any, Any] = np.ndarray(core.shape, core.dtype, buf, alloc.offset)
             copy[...] = core  # the same dtype: np.copyto's casting="no" without its Python frame
-            if strides is not None:
-                copy = np.ndarray(arr.shape, arr.dtype, buf, alloc.offset, strides)
         except BaseException:
-            with self._lock:
-                alloc.exported -= 1
-                self._exported -= 1
-                self._maybe_free(alloc)
+            if into is None:
+                with self._lock:
+                    alloc.exported -= 1
+                    self._exported -= 1
+                    self._maybe_free(alloc)
             raise
         with self._lock:
             owed = None if peer is None else self._owed.get(id(peer))
             if owed is None and peer is not None:  # reclaimed meanwhile: nobody will release it
-                alloc.exported -= 1
-                self._exported -= 1
-                self._maybe_free(alloc)
+                if into is None:
+                    alloc.exported -= 1
+                    self._exported -= 1
+                    self._maybe_free(alloc)
                 self._owed_by(peer)  # raises
             if owed is not None:
                 owed[alloc.id] = owed.get(alloc.id, 0) + 1
             self.bytes_copied += nbytes
-        return new_descriptor(
-            self.id,
-            alloc.id,
-            alloc.handle,
-            alloc.offset,
-            alloc.size,
-            copy.dtype,
-            copy.shape,
-            copy.strides,
-            0,
-            strides is not None,
-        )
+        return desc
 
     def _owed_by(self, peer: Ring | None) -> dict[int, int] | None:
         """What ``peer`` holds of ours (lock held); ValueError for a foreign ring."""
@@ -539,7 +592,15 @@ class Arena(Blocks):
         For a sender whose message failed after some of its arrays were
         shared; ``peer`` must be the one given to :meth:`share`.
         """
+        self.unshare_last([desc], peer)
+
+    def unshare_last(self, descs: list[ArrayDescriptor], peer: Ring | None = None) -> None:
+        """:meth:`unshare` the last of ``descs`` (booked by ``share``'s ``into``), and drop it
+        from the list in the same step, with no call in it: a Ctrl-C anywhere leaves it
+        booked or given back, never both, and a loop over the list finishes the job."""
+        desc = descs[-1]
         if desc.segment is None:
+            del descs[-1]
             return
         with self._lock:
             alloc = self._allocs.get(desc.alloc_id)
@@ -548,14 +609,20 @@ class Arena(Blocks):
                     f"allocation {desc.alloc_id} of arena {self.name!r} has no shared "
                     "reference left to take back"
                 )
+            owed = self._owed.get(id(peer), {}) if peer is not None else {}
+            held = owed.get(alloc.id, 0)
+            checking = self._checking
+            # One step, no call; the free after it is finished by the next collect.
+            del descs[-1]
             alloc.exported -= 1
             self._exported -= 1
-            owed = self._owed.get(id(peer)) if peer is not None else None
-            if owed is not None and owed.get(alloc.id, 0) > 0:
-                owed[alloc.id] -= 1
-                if not owed[alloc.id]:
-                    del owed[alloc.id]
+            if held > 1:
+                owed[alloc.id] = held - 1
+            elif held:
+                del owed[alloc.id]
+            checking += (alloc,)
             self._maybe_free(alloc)
+            del checking[-1]
         self._drain_deferred()
 
     def owns(self, array: Any) -> bool:
@@ -825,32 +892,21 @@ class Arena(Blocks):
         ``_hints.py``), and all of them with ``every`` or now and then. A ring
         with nothing new costs no system call.
         """
+        n = self._apply_collected() if self._collected or self._checking else 0
         hints = self._hints
         rings = hints.every() if every else hints.to_collect(len(self._links))
-        n = 0
+        collected = self._collected
         for ring in (*self._plain, *rings) if self._plain else rings:
-            owed = self._owed[id(ring)]
+            self._collected_owed = self._owed[id(ring)]
             # Popped until the ring's head shows nothing more (a look at it a
             # call, every record it shows taken at once), without handing
             # freed slots back on the way out (no system call when nothing
             # waits): a release ring's producer never waits for them (it
             # pushes without blocking, and gets them back every half ring). A
             # record the head does not show yet is collected the next time.
-            while recs := ring.pop_waiting():  # (in bulk: every 16th share_described)
-                for rec in recs:
-                    arena_id, alloc_id, count = RELEASE.unpack(rec)
-                    alloc = self._allocs.get(alloc_id)
-                    n += 1
-                    if alloc is None or arena_id != self.id:
-                        continue
-                    if alloc_id in owed:
-                        owed[alloc_id] -= count
-                        if owed[alloc_id] <= 0:
-                            del owed[alloc_id]
-                    alloc.exported -= count
-                    self._exported -= count
-                    self._maybe_free(alloc)
-        self._releases += n
+            # The records go into ``collected`` as they leave the ring.
+            while ring.pop_waiting(collected):  # (in bulk: every 16th share_described)
+                n += self._apply_collected()
         return n
 
     # ------------------------------------------------------------- the rest

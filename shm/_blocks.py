@@ -17,7 +17,7 @@ from ._allocator import FreeList
 from ._errors import ArenaFullError
 from ._platform import ALIGNMENT, PAGE_SIZE
 from ._segment import Segment, SegmentHandle, format_bytes
-from ._views import Anchor
+from ._views import RELEASE, Anchor
 
 MiB = 1 << 20
 #: What a new segment commits at once; the rest is committed as allocations
@@ -146,6 +146,12 @@ class Blocks:
     _in_use: int
     _taking: bool
     _fresh: list[Alloc]
+    _collected: list[bytes]
+    _collected_owed: dict[int, int]
+    _checking: list[Alloc]
+    _exported: int
+    _releases: int
+    id: int
 
     def _commit(self, seg: Seg, offset: int, size: int) -> None:
         """Commit ``seg`` up to past ``[offset, offset + size)`` (lock held), or free
@@ -215,6 +221,44 @@ class Blocks:
         self._in_use -= alloc.size
         home.returning += ((alloc.offset, alloc.size),)
         home.give_back()
+
+    def _apply_collected(self) -> int:
+        """Apply the release records in ``_collected`` (lock held); how many.
+
+        Each leaves the list in the step that applies its counts, with no call
+        in it (where no ``KeyboardInterrupt`` lands), its allocation marked in
+        ``_checking`` there and freed after if nothing holds it: a Ctrl-C
+        anywhere leaves the rest to the next collect, which finishes them and
+        frees again the one whose free was cut short (``_maybe_free`` is
+        idempotent). Popped and dropped, a release would hold its block for good.
+        """
+        collected, checking = self._collected, self._checking
+        while checking:
+            self._maybe_free(checking[-1])
+            del checking[-1]
+        owed, allocs, own_id = self._collected_owed, self._allocs, self.id
+        n = 0
+        while collected:  # (in order: the last block released is the one parked)
+            arena_id, alloc_id, count = RELEASE.unpack(collected[0])
+            alloc = allocs.get(alloc_id)
+            n += 1
+            if alloc is None or arena_id != own_id:
+                del collected[0]
+                self._releases += 1
+                continue
+            # One step, no call.
+            del collected[0]
+            self._releases += 1
+            if alloc_id in owed:
+                owed[alloc_id] -= count
+                if owed[alloc_id] <= 0:
+                    del owed[alloc_id]
+            alloc.exported -= count
+            self._exported -= count
+            checking += (alloc,)
+            self._maybe_free(alloc)
+            del checking[-1]
+        return n
 
     def _give_back(self) -> None:
         """Give back the pages of the large blocks freed since the last time (lock held).

@@ -64,7 +64,8 @@ ring for good, and a record written but never rung would stall it, so:
 
 A record popped can still be lost to an interrupt between the pop and the
 caller's use of it: a consumer on a thread that takes signals must allow
-for that (none of mpexec's does so for records it must not lose).
+for that. ``pop_waiting(into)`` adds the records to the caller's list in the
+step that takes them (an arena's collection of releases goes so).
 
 Cost: one syscall per push (``eventfd_write``) and, on the consumer side, one
 per wait; space credits go back in batches of half the ring (or whenever the
@@ -466,7 +467,7 @@ class Ring:
             self._return_spaces()
         return rec
 
-    def pop_waiting(self) -> list[bytes]:
+    def pop_waiting(self, into: list[bytes] | None = None) -> list[bytes]:
         """Every record waiting now, in one call: ``try_pop(give_back=False)`` until None.
 
         For a consumer of many rings that never sleeps on this one (an arena's
@@ -474,7 +475,9 @@ class Ring:
         head and its credits are read once, not again for a last, empty pop. An
         empty list when nothing is new, whatever became of the ring. The end
         marker raises :class:`RingClosedError` as ``try_pop`` does, once the
-        records before it are returned.
+        records before it are returned. ``into``: the records are also added to
+        it in the step that takes them off the ring, so that an interrupt as
+        this returns cannot lose them (see "Interrupts").
         """
         if self._head_at[0] != self._taken:
             if self._closed or self._eof_seen:
@@ -498,6 +501,8 @@ class Ring:
             self._consumed(1)
             self._eof_seen = True
             raise RingClosedError("the ring's producer closed it")
+        if into is not None:
+            into += out  # (from here to the stores: no call nor branch)
         self._item_credits = credits - (tail - start)  # (no call nor branch to the
         self._tail = tail  # store: see "Interrupts")
         self._tail_at[0] = tail

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import shm
+
 from .. import _codec
 from .._errors import SerializationError
 from .._protocol import CALL, FORGET, FUNC, HEADER, RECORD_SIZE, spill
@@ -72,15 +74,24 @@ class CallSender:
                 self.forget_function(task.fn)
                 raise
             records.append(spill(FUNC, body, arena, slot.arg_releases, fn_id=fn_id))
-        enc = _codec.encode_call(task.args, task.kwargs, arena, slot.arg_releases, self.inline_max)
-        data = enc.data
-        if HEADER.size + len(data) <= RECORD_SIZE:  # spill()'s common case, inline
-            records.append(HEADER.pack(CALL, 0, fn_id, task.task_id) + data)
-        else:
-            records.append(spill(CALL, data, arena, slot.arg_releases, task.task_id, fn_id))
         ring = slot.tasks
         before = ring.pushed
+        sent = len(records) + 1  # what the ring's count reads once the call's record is in
+        # What the encoding shares, booked as each reference is counted: given back
+        # below if the call's record never goes in, even if a Ctrl-C cut us off
+        # from the encoding's result as it returned.
+        booked: list[shm.ArrayDescriptor] = []
         try:
+            enc = _codec.encode_call(
+                task.args, task.kwargs, arena, slot.arg_releases, self.inline_max, None, booked
+            )
+            data = enc.data
+            if HEADER.size + len(data) <= RECORD_SIZE:  # spill()'s common case, inline
+                records.append(HEADER.pack(CALL, 0, fn_id, task.task_id) + data)
+            else:
+                records.append(
+                    spill(CALL, data, arena, slot.arg_releases, task.task_id, fn_id, booked)
+                )
             if len(records) == 1:
                 ring.push(records[0], timeout=self.push_timeout, watch=[slot.process])
             else:
@@ -92,8 +103,8 @@ class CallSender:
             # the push, or before the enqueue): the worker runs it and answers, so
             # it is queued as sent (its arguments lent), or the manager would meet
             # an answer no queue holds and break the pool.
-            if ring.pushed - before < len(records):
-                enc.refs.undo()
+            if ring.pushed - before < sent:
+                _codec.give_back(arena, booked, slot.arg_releases)
             elif task not in slot.queue:
                 task.sent = time.perf_counter()
                 slot.enqueue(task, fn_id)

@@ -738,9 +738,9 @@ class _CountingRing:
         may_have_records, try_pop = shm.Ring.may_have_records, shm.Ring.try_pop
         pop_waiting = shm.Ring.pop_waiting
 
-        def counted_waiting(ring: shm.Ring) -> list[bytes]:
+        def counted_waiting(ring: shm.Ring, *args: Any) -> list[bytes]:
             self.looks += 1
-            return pop_waiting(ring)
+            return pop_waiting(ring, *args)
 
         def counted(ring: shm.Ring) -> bool:
             self.looks += 1
