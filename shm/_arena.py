@@ -66,7 +66,6 @@ from ._views import (
     check_shareable,
     find_anchor,
     local_arenas,
-    new_descriptor,
     on_release,
     owner_gone,
 )
@@ -368,12 +367,8 @@ class Arena(Blocks):
             if alloc is None:
                 return None
             start = array.__array_interface__["data"][0] - anchor.address
-            return new_descriptor(
+            return alloc.describe(
                 self.id,
-                alloc.id,
-                alloc.handle,
-                alloc.offset,
-                alloc.size,
                 array.dtype,
                 array.shape,
                 array.strides,
@@ -409,14 +404,7 @@ class Arena(Blocks):
             alloc = self._allocs.get(desc.alloc_id)
             if alloc is None:
                 return False
-            held = 0 if owed is None else owed.get(alloc.id, 0)
-            # One step, no call (see share's ``into``).
-            alloc.exported += 1
-            self._exported += 1
-            if owed is not None:
-                owed[alloc.id] = held + 1
-            if into is not None:
-                into += (desc,)
+            self._export(alloc, owed, desc, into)
         if self._deferred:
             self._drain_deferred()
         return True
@@ -449,27 +437,15 @@ class Arena(Blocks):
                 alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go
             else:
                 alloc = self._proxy(anchor, tag)
-            desc = new_descriptor(
+            desc = alloc.describe(
                 self.id,
-                alloc.id,
-                alloc.handle,
-                alloc.offset,
-                alloc.size,
                 arr.dtype,
                 arr.shape,
                 arr.strides,
                 start,
                 readonly,
             )
-            held = 0 if owed is None else owed.get(alloc.id, 0)
-            # _export, inline (a share is made for every call that passes a block), in one
-            # step with no call (see share's ``into``).
-            alloc.exported += 1
-            self._exported += 1
-            if owed is not None:
-                owed[alloc.id] = held + 1
-            if into is not None:
-                into += (desc,)
+            self._export(alloc, owed, desc, into)
         if self._deferred:
             self._drain_deferred()
         return desc
@@ -512,12 +488,8 @@ class Arena(Blocks):
                 if strides is None
                 else np.ndarray(arr.shape, arr.dtype, buf, alloc.offset, strides)
             )
-            desc = new_descriptor(
+            desc = alloc.describe(
                 self.id,
-                alloc.id,
-                alloc.handle,
-                alloc.offset,
-                alloc.size,
                 shown.dtype,
                 shown.shape,
                 shown.strides,

@@ -17,7 +17,7 @@ from ._allocator import FreeList
 from ._errors import ArenaFullError
 from ._platform import ALIGNMENT, PAGE_SIZE
 from ._segment import Segment, SegmentHandle, format_bytes
-from ._views import RELEASE, Anchor
+from ._views import RELEASE, Anchor, ArrayDescriptor, new_descriptor
 
 MiB = 1 << 20
 #: What a new segment commits at once; the rest is committed as allocations
@@ -67,6 +67,29 @@ class Alloc:
         self.source = source
         self.local = 0
         self.exported = 0
+
+    def describe(
+        self,
+        arena_id: int,
+        dtype: Any,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        start: int,
+        readonly: bool,
+    ) -> ArrayDescriptor:
+        """A descriptor of ``shape`` / ``strides`` at ``start`` in this allocation."""
+        return new_descriptor(
+            arena_id,
+            self.id,
+            self.handle,
+            self.offset,
+            self.size,
+            dtype,
+            shape,
+            strides,
+            start,
+            readonly,
+        )
 
 
 class Seg:
@@ -221,6 +244,24 @@ class Blocks:
         self._in_use -= alloc.size
         home.returning += ((alloc.offset, alloc.size),)
         home.give_back()
+
+    def _export(
+        self,
+        alloc: Alloc,
+        owed: dict[int, int] | None,
+        desc: ArrayDescriptor,
+        into: list[ArrayDescriptor] | None,
+    ) -> None:
+        """Count the reference ``desc`` carries (owed by the peer whose book is ``owed``),
+        booked in ``into``: in one step with no call (see ``Arena.share``'s ``into``)."""
+        held = 0 if owed is None else owed.get(alloc.id, 0)
+        # From here on: no call.
+        alloc.exported += 1
+        self._exported += 1
+        if owed is not None:
+            owed[alloc.id] = held + 1
+        if into is not None:
+            into += (desc,)
 
     def _apply_collected(self) -> int:
         """Apply the release records in ``_collected`` (lock held); how many.

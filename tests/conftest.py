@@ -107,6 +107,18 @@ class InterruptAt:
             self.where = f"{event} {code.co_name} {name} ({code.co_filename}:{frame.f_lineno})"
             raise KeyboardInterrupt
 
+    def run(self, call: Callable[[], Any]) -> Any:
+        """``call()`` with this armed (from its first event); its result, or None if
+        interrupted (``where`` then says where)."""
+        self.seen, self.where = 0, ""
+        sys.setprofile(self)
+        try:
+            return call()
+        except KeyboardInterrupt:
+            return None
+        finally:
+            sys.setprofile(None)
+
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
     """Poll ``predicate`` until true or fail after ``timeout`` (no fixed sleeps)."""

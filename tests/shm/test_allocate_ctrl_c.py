@@ -17,7 +17,6 @@ that nothing holds.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -63,13 +62,7 @@ def _sweep(call: Callable[[FreeList], int | None], need: int) -> int:
         fl = _fragmented()
         used = dict(fl._used)
         interrupt = InterruptAt(target)
-        sys.setprofile(interrupt)
-        try:
-            call(fl)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.setprofile(None)
+        interrupt.run(lambda: call(fl))  # noqa: B023 - run at once
         if not interrupt.where:
             return target - 1
         _check_whole(fl, interrupt.where)
@@ -117,14 +110,7 @@ def test_a_ctrl_c_anywhere_in_an_arenas_allocation_leaves_it_whole(
             keep = [arena.empty(n, np.uint8) for n in (3000, 5000, 3000, 9000, 3000)]
             del keep[1], keep[2]  # the 5000 freed, the 9000 parked
             interrupt = InterruptAt(target)
-            got = None
-            sys.setprofile(interrupt)
-            try:
-                got = arena.empty(nbytes, np.uint8, peer_writable=peer_writable)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.setprofile(None)
+            got = interrupt.run(lambda: arena.empty(nbytes, np.uint8, peer_writable=peer_writable))
             if not interrupt.where:
                 break
             landed += 1
@@ -141,7 +127,7 @@ def test_a_ctrl_c_anywhere_in_an_arenas_allocation_leaves_it_whole(
                 _check_whole(seg.free, interrupt.where)
                 taken += seg.free._used.values()
             # One cut off from its caller (taken, not yet held by its view) went back
-            # at the thread's next allocation (``again``).
+            # at the next allocation (``again``).
             assert not taken, f"{taken} left taken by an interrupt at {interrupt.where}"
     else:
         pytest.fail("an allocation was interrupted at every target: the sweep never ended")
@@ -160,13 +146,7 @@ def test_a_ctrl_c_anywhere_in_a_share_leaves_the_arena_whole() -> None:
             keep = [arena.empty(n, np.uint8) for n in (3000, 5000, 3000)]
             del keep[1]
             interrupt = InterruptAt(target)
-            sys.setprofile(interrupt)
-            try:
-                arena.share(outside)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.setprofile(None)
+            interrupt.run(lambda: arena.share(outside))
             if not interrupt.where:
                 break
             landed += 1

@@ -15,7 +15,6 @@ profile function raises ``KeyboardInterrupt`` at the n-th ``call`` /
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,19 +30,6 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 MiB = 1 << 20
 
 
-def _interrupted(call: Callable[[], Any], target: int) -> str:
-    """Run ``call`` with an interrupt at its ``target``-th event; where it landed, or ""."""
-    interrupt = InterruptAt(target)
-    sys.setprofile(interrupt)
-    try:
-        call()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sys.setprofile(None)
-    return interrupt.where
-
-
 def _sweep(make: Callable[[shm.Arena, shm.Ring], Callable[[], Any]], check: Any) -> int:
     """For each target: a fresh arena and peer, ``make``'s call interrupted, ``check``."""
     landed = 0
@@ -51,7 +37,9 @@ def _sweep(make: Callable[[shm.Arena, shm.Ring], Callable[[], Any]], check: Any)
         with shm.Arena(segment_size=MiB, name="share-ctrl-c") as arena:
             peer = arena.link()
             call = make(arena, peer)
-            where = _interrupted(call, target)
+            interrupt = InterruptAt(target)
+            interrupt.run(call)
+            where = interrupt.where
             if not where:
                 return landed
             landed += 1
