@@ -66,6 +66,7 @@ from ._views import (
     check_shareable,
     find_anchor,
     local_arenas,
+    new_descriptor,
     on_release,
     owner_gone,
 )
@@ -437,15 +438,28 @@ class Arena(Blocks):
                 alloc = self._allocs[anchor.alloc_id]  # ``arr`` holds it: it cannot go
             else:
                 alloc = self._proxy(anchor, tag)
-            desc = alloc.describe(
+            # Alloc.describe and Blocks._export, inline: a share is made for every call that
+            # passes a block (a unit's encoding makes 12 Python calls in shm; test_pool_calls).
+            desc = new_descriptor(
                 self.id,
+                alloc.id,
+                alloc.handle,
+                alloc.offset,
+                alloc.size,
                 arr.dtype,
                 arr.shape,
                 arr.strides,
                 start,
                 readonly,
             )
-            self._export(alloc, owed, desc, into)
+            held = 0 if owed is None else owed.get(alloc.id, 0)
+            # One step, no call (see share's ``into``).
+            alloc.exported += 1
+            self._exported += 1
+            if owed is not None:
+                owed[alloc.id] = held + 1
+            if into is not None:
+                into += (desc,)
         if self._deferred:
             self._drain_deferred()
         return desc
@@ -854,31 +868,6 @@ class Arena(Blocks):
             if self._discard:
                 self._give_back()
         self._drain_deferred()
-        return n
-
-    def _collect_locked(self, every: bool = False) -> int:
-        """Apply the releases waiting in the link rings (lock held); how many.
-
-        Run before every allocation and share (but every COLLECT_EVERY-th
-        share_described): only the rings whose flag is set are looked at (see
-        ``_hints.py``), and all of them with ``every`` or now and then. A ring
-        with nothing new costs no system call.
-        """
-        n = self._apply_collected() if self._collected or self._checking else 0
-        hints = self._hints
-        rings = hints.every() if every else hints.to_collect(len(self._links))
-        collected = self._collected
-        for ring in (*self._plain, *rings) if self._plain else rings:
-            self._collected_owed = self._owed[id(ring)]
-            # Popped until the ring's head shows nothing more (a look at it a
-            # call, every record it shows taken at once), without handing
-            # freed slots back on the way out (no system call when nothing
-            # waits): a release ring's producer never waits for them (it
-            # pushes without blocking, and gets them back every half ring). A
-            # record the head does not show yet is collected the next time.
-            # The records go into ``collected`` as they leave the ring.
-            while ring.pop_waiting(collected):  # (in bulk: every 16th share_described)
-                n += self._apply_collected()
         return n
 
     # ------------------------------------------------------------- the rest

@@ -11,13 +11,17 @@ lock held.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._allocator import FreeList
 from ._errors import ArenaFullError
 from ._platform import ALIGNMENT, PAGE_SIZE
 from ._segment import Segment, SegmentHandle, format_bytes
 from ._views import RELEASE, Anchor, ArrayDescriptor, new_descriptor
+
+if TYPE_CHECKING:
+    from ._hints import Hints
+    from ._ring import Ring
 
 MiB = 1 << 20
 #: What a new segment commits at once; the rest is committed as allocations
@@ -172,6 +176,10 @@ class Blocks:
     _collected: list[bytes]
     _collected_owed: dict[int, int]
     _checking: list[Alloc]
+    _hints: Hints
+    _links: list[Ring]
+    _plain: list[Ring]
+    _owed: dict[int, dict[int, int]]
     _exported: int
     _releases: int
     id: int
@@ -263,42 +271,64 @@ class Blocks:
         if into is not None:
             into += (desc,)
 
-    def _apply_collected(self) -> int:
-        """Apply the release records in ``_collected`` (lock held); how many.
+    def _collect_locked(self, every: bool = False) -> int:
+        """Apply the releases waiting in the link rings (lock held); how many.
 
-        Each leaves the list in the step that applies its counts, with no call
-        in it (where no ``KeyboardInterrupt`` lands), its allocation marked in
-        ``_checking`` there and freed after if nothing holds it: a Ctrl-C
-        anywhere leaves the rest to the next collect, which finishes them and
+        Run before every allocation and share (but every COLLECT_EVERY-th
+        share_described): only the rings whose flag is set are looked at (see
+        ``_hints.py``), and all of them with ``every`` or now and then. A ring
+        with nothing new costs no system call.
+
+        A ring's records go into ``_collected`` in the step that takes them off
+        it (``Ring.pop_waiting``'s ``into``), and each leaves the list in the
+        step that applies its counts, with no call in it, its allocation marked
+        in ``_checking`` there and freed after if nothing holds it: a Ctrl-C
+        anywhere leaves the rest to the next collection, which applies them
+        first (the ``None`` pass, with the book of the ring they came from) and
         frees again the one whose free was cut short (``_maybe_free`` is
         idempotent). Popped and dropped, a release would hold its block for good.
         """
-        collected, checking = self._collected, self._checking
+        checking = self._checking
         while checking:
             self._maybe_free(checking[-1])
             del checking[-1]
-        owed, allocs, own_id = self._collected_owed, self._allocs, self.id
+        hints = self._hints
+        rings = hints.every() if every else hints.to_collect(len(self._links))
+        collected, allocs, own_id = self._collected, self._allocs, self.id
+        owed = self._collected_owed
         n = 0
-        while collected:  # (in order: the last block released is the one parked)
-            arena_id, alloc_id, count = RELEASE.unpack(collected[0])
-            alloc = allocs.get(alloc_id)
-            n += 1
-            if alloc is None or arena_id != own_id:
-                del collected[0]
-                self._releases += 1
-                continue
-            # One step, no call.
-            del collected[0]
-            self._releases += 1
-            if alloc_id in owed:
-                owed[alloc_id] -= count
-                if owed[alloc_id] <= 0:
-                    del owed[alloc_id]
-            alloc.exported -= count
-            self._exported -= count
-            checking += (alloc,)
-            self._maybe_free(alloc)
-            del checking[-1]
+        for ring in (None, *self._plain, *rings) if self._plain else (None, *rings):
+            if ring is not None:
+                owed = self._collected_owed = self._owed[id(ring)]
+                # Popped until the ring's head shows nothing more (a look at it a
+                # call, every record it shows taken at once), without handing
+                # freed slots back on the way out (no system call when nothing
+                # waits): a release ring's producer never waits for them (it
+                # pushes without blocking, and gets them back every half ring). A
+                # record the head does not show yet is collected the next time.
+                ring.pop_waiting(collected)  # (in bulk: every 16th share_described)
+            while collected:  # (in order: the last block released is the one parked)
+                arena_id, alloc_id, count = RELEASE.unpack(collected[0])
+                alloc = allocs.get(alloc_id)
+                n += 1
+                if alloc is None or arena_id != own_id:
+                    del collected[0]
+                    self._releases += 1
+                else:
+                    # One step, no call.
+                    del collected[0]
+                    self._releases += 1
+                    if alloc_id in owed:
+                        owed[alloc_id] -= count
+                        if owed[alloc_id] <= 0:
+                            del owed[alloc_id]
+                    alloc.exported -= count
+                    self._exported -= count
+                    checking += (alloc,)
+                    self._maybe_free(alloc)
+                    del checking[-1]
+                if not collected and ring is not None:
+                    ring.pop_waiting(collected)
         return n
 
     def _give_back(self) -> None:
